@@ -1,0 +1,43 @@
+# The two commands a user needs: `make run` (local stack + demo) and `make test` (whole suite).
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
+
+.PHONY: run test lint typecheck unit protos bench system-deps setup clean
+
+run: $(STAMP)
+	$(BIN)/llm-mesh up --demo
+
+test: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy llmmesh services bench tests model_repository/llm/1
+
+protos: $(STAMP)
+	$(BIN)/python -m llmmesh.codegen
+
+bench: $(STAMP)
+	$(BIN)/llm-mesh bench --compare --concurrency 1,16 --markdown docs/benchmarks.md
+
+setup: $(STAMP)
+
+# Triton's Python-backend stub links against the system libpython3.11.
+system-deps:
+	@dpkg -s libpython3.11 >/dev/null 2>&1 || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpython3.11)
+
+$(STAMP): pyproject.toml | system-deps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,143 @@
+"""``llm-mesh bench``: load the router and/or Triton directly, report, compare."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import LoadShape, run_load
+from bench.metrics import Slo
+from bench.report import Run, comparison_table, results_table, update_markdown, write_json
+from bench.targets import RouterTarget, Target, TritonTarget
+from bench.workload import WorkloadSpec, make_requests
+from llmmesh.client import DEFAULT_STATE_FILE, router_address
+
+
+def add_bench_parser(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench", help="benchmark the router and/or Triton directly (vLLM bench serve metrics)"
+    )
+    bench.add_argument(
+        "--target",
+        choices=["router", "triton"],
+        action="append",
+        help="what to load (repeatable; default: router)",
+    )
+    bench.add_argument(
+        "--compare",
+        action="store_true",
+        help="run triton and router with the same prompts and compare them",
+    )
+    bench.add_argument("--router", help="router host:port (default: the state file's)")
+    bench.add_argument("--triton", help="Triton gRPC host:port (default: the state file's)")
+    bench.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE)
+    bench.add_argument("--model", default="llm")
+    load = bench.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency",
+        default="1",
+        help="closed-loop concurrency levels, comma-separated (default: 1)",
+    )
+    load.add_argument("--rate", type=float, help="open-loop Poisson arrival rate, requests/s")
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--input-spread", type=float, default=0.0)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--output-spread", type=float, default=0.0)
+    bench.add_argument("--prefix-groups", type=int, default=1)
+    bench.add_argument("--shared-prefix-len", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--warmup", type=int, default=4)
+    bench.add_argument("--ttft-slo-ms", type=float)
+    bench.add_argument("--tpot-slo-ms", type=float)
+    bench.add_argument("--out", type=Path, default=Path("bench/results/latest.json"))
+    bench.add_argument("--markdown", type=Path, help="update this Markdown file's section")
+    bench.add_argument("--section", default="baseline")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = asyncio.run(_run_all(args))
+    command = "llm-mesh " + shlex.join(sys.argv[1:])
+    write_json(args.out, command, _config(args), runs)
+    print(results_table(runs))
+    comparison = comparison_table(runs, "triton", "router") if args.compare else ""
+    if comparison:
+        print("\n" + comparison)
+    if args.markdown:
+        body = (
+            f"Command: `{command}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output "
+            f"tokens each (ignore_eos).\n\n{results_table(runs)}\n\n{comparison}"
+        )
+        update_markdown(args.markdown, args.section, body)
+    print(f"\nresults: {args.out}", file=sys.stderr)
+    return 1 if any(r.summary.failed for r in runs) else 0
+
+
+def _targets(args: argparse.Namespace) -> list[Target]:
+    names = ["triton", "router"] if args.compare else (args.target or ["router"])
+    state = json.loads(args.state_file.read_text()) if args.state_file.exists() else {}
+    targets: list[Target] = []
+    for name in names:
+        if name == "router":
+            targets.append(RouterTarget(router_address(args.router, args.state_file), args.model))
+        else:
+            url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
+            targets.append(TritonTarget(url, args.model))
+    return targets
+
+
+async def _run_all(args: argparse.Namespace) -> list[Run]:
+    requests = make_requests(
+        WorkloadSpec(
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            input_spread=args.input_spread,
+            output_len=args.output_len,
+            output_spread=args.output_spread,
+            prefix_groups=args.prefix_groups,
+            shared_prefix_len=args.shared_prefix_len,
+            seed=args.seed,
+        )
+    )
+    slo = Slo(
+        ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
+        tpot_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
+    )
+    shapes = (
+        [LoadShape(rate=args.rate, seed=args.seed)]
+        if args.rate
+        else [LoadShape(concurrency=int(c)) for c in args.concurrency.split(",")]
+    )
+    targets = _targets(args)
+    runs = []
+    try:
+        for index, shape in enumerate(shapes):
+            # Alternate the order per load level so neither target always runs second.
+            ordered = targets if index % 2 == 0 else list(reversed(targets))
+            for target in ordered:
+                summary = await run_load(
+                    target, requests, shape, slo, warmup=args.warmup, progress=not args.no_progress
+                )
+                runs.append(Run(target.name, shape.label(), shape.concurrency, summary))
+    finally:
+        for target in targets:
+            await target.close()
+    order = {t.name: i for i, t in enumerate(targets)}
+    return sorted(runs, key=lambda r: (shapes.index(_shape_of(r, shapes)), order[r.target]))
+
+
+def _shape_of(run: Run, shapes: list[LoadShape]) -> LoadShape:
+    return next(s for s in shapes if s.label() == run.load)
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}

@@ -1,0 +1,91 @@
+"""Benchmark results as JSON and as a Markdown section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import Summary
+
+
+@dataclass(frozen=True)
+class Run:
+    target: str
+    load: str
+    concurrency: int | None
+    summary: Summary
+
+
+def write_json(path: Path, command: str, config: dict[str, Any], runs: list[Run]) -> None:
+    doc = {
+        "command": command,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        "config": config,
+        "runs": [
+            {"target": r.target, "load": r.load, "summary": r.summary.as_dict()} for r in runs
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1000:.1f}"
+
+
+def results_table(runs: list[Run]) -> str:
+    lines = [
+        "| load | target | TTFT p50 / p90 / p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) "
+        "| E2E p50 (ms) | output tok/s | req/s | goodput req/s | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        s = run.summary
+        ttft = " / ".join(_ms(s.ttft_s[p]) for p in ("p50", "p90", "p99"))
+        lines.append(
+            f"| {run.load} | {run.target} | {ttft} | {_ms(s.tpot_s['p50'])} "
+            f"| {_ms(s.itl_s['p50'])} | {_ms(s.e2e_s['p50'])} | {s.output_tokens_per_s:.0f} "
+            f"| {s.requests_per_s:.2f} | {s.goodput_per_s:.2f} | {s.failed} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(runs: list[Run], baseline: str, candidate: str) -> str:
+    """Per load: candidate's added TTFT p50 and its throughput relative to the baseline."""
+    lines = [
+        f"| load | added TTFT p50 ({candidate} - {baseline}, ms) "
+        f"| output tok/s ratio ({candidate} / {baseline}) |",
+        "| --- | --- | --- |",
+    ]
+    by_load: dict[str, dict[str, Summary]] = {}
+    for run in runs:
+        by_load.setdefault(run.load, {})[run.target] = run.summary
+    for load, targets in by_load.items():
+        if baseline in targets and candidate in targets:
+            base, cand = targets[baseline], targets[candidate]
+            added = cand.ttft_s["p50"] - base.ttft_s["p50"]
+            ratio = cand.output_tokens_per_s / base.output_tokens_per_s
+            lines.append(f"| {load} | {added * 1000:+.2f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def update_markdown(path: Path, section: str, body: str) -> None:
+    """Replaces (or appends) the block between this section's markers."""
+    start, end = f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else f"{text}\n{block}\n"
+    path.write_text(text)

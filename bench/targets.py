@@ -1,0 +1,79 @@
+"""What a benchmark sends requests to: the router (public gRPC API) or Triton directly."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import grpc
+
+from bench.metrics import RequestRecord
+from bench.workload import BenchRequest
+from llmmesh.client import build_request
+from llmmesh.types import InferenceCall, Sampling
+from llmmesh.v1 import generation_pb2_grpc
+from services.inference.triton import TritonBackend
+
+
+class Target(Protocol):
+    name: str
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        """Streams one request, filling ``record``; raises on failure."""
+
+    async def close(self) -> None: ...
+
+
+class RouterTarget:
+    name = "router"
+
+    def __init__(self, address: str, model: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._model = model
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        message = build_request(
+            request.prompt, model=self._model, max_tokens=request.max_tokens, ignore_eos=True
+        )
+        async for reply in self._stub.Generate(message):
+            now = time.perf_counter()
+            if reply.text:
+                record.first_token_at = record.first_token_at or now
+                record.chunk_times.append(now)
+            if reply.finish_reason:
+                record.output_tokens = reply.usage.completion_tokens
+        record.finished_at = time.perf_counter()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class TritonTarget:
+    """Triton's gRPC endpoint with the vLLM backend contract, as any Triton client sends it."""
+
+    name = "triton"
+
+    def __init__(self, url: str, model: str) -> None:
+        self._backend = TritonBackend(url, stream_timeout_s=600)
+        self._model = model
+        self._counter = 0
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        self._counter += 1
+        call = InferenceCall(
+            request_id=f"bench-{self._counter}",
+            model=self._model,
+            prompt=request.prompt,
+            sampling=Sampling(max_tokens=request.max_tokens, ignore_eos=True),
+        )
+        async for chunk in self._backend.generate(call):
+            now = time.perf_counter()
+            if chunk.text:
+                record.first_token_at = record.first_token_at or now
+                record.chunk_times.append(now)
+            record.output_tokens += chunk.num_tokens
+        record.finished_at = time.perf_counter()
+
+    async def close(self) -> None:
+        await self._backend.close()

@@ -1,0 +1,172 @@
+"""The ``llm-mesh`` command: run the local stack, generate, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from llmmesh.client import (
+    DEFAULT_STATE_FILE,
+    StreamStats,
+    build_request,
+    router_address,
+    stream_text,
+)
+
+DEMO_PROMPT = "Once upon a time"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except grpc.RpcError as err:
+        return _report_rpc_error(err)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-mesh", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run the local stack until Ctrl-C")
+    up.add_argument(
+        "--state-file",
+        type=Path,
+        default=DEFAULT_STATE_FILE,
+        help="write the endpoints here as JSON (default: %(default)s)",
+    )
+    up.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(".llm-mesh"),
+        help="logs, database and Triton backend directory (default: %(default)s)",
+    )
+    up.add_argument(
+        "--free-ports", action="store_true", help="use free ephemeral ports instead of the defaults"
+    )
+    up.add_argument("--demo", action="store_true", help="stream one demo generation once up")
+    up.set_defaults(func=_up)
+
+    gen = commands.add_parser("generate", help="stream a generation through the router")
+    gen.add_argument("prompt")
+    gen.add_argument("--router", help="router address host:port (default: state file or :50051)")
+    gen.add_argument("--model", default="")
+    gen.add_argument("--max-tokens", type=int, default=0)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--session", default="", help="session id: keeps the conversation")
+    gen.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    gen.set_defaults(func=_generate)
+
+    from bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
+    return parser
+
+
+def _report_rpc_error(err: grpc.RpcError) -> int:
+    # Errors raised by a call are also grpc.Call objects carrying the status.
+    code = getattr(err, "code", lambda: None)()
+    details = getattr(err, "details", lambda: str(err))()
+    print(f"error: {code.name if code else 'UNKNOWN'}: {details}", file=sys.stderr)
+    return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    request = build_request(
+        args.prompt,
+        model=args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        session_id=args.session,
+    )
+    with grpc.insecure_channel(router_address(args.router)) as channel:
+        stream_to_terminal(channel, request, args.timeout)
+    return 0
+
+
+def stream_to_terminal(
+    channel: grpc.Channel, request: object, timeout_s: float | None = None
+) -> StreamStats:
+    stats = StreamStats()
+    for text in stream_text(channel, request, stats, timeout_s):  # type: ignore[arg-type]
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(stats.summary(), file=sys.stderr)
+    return stats
+
+
+def _up(args: argparse.Namespace) -> int:
+    from llmmesh.launcher import Stack, StackPorts
+    from llmmesh.launcher.stack import StackError
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(args.workdir, StackPorts.free() if args.free_ports else StackPorts())
+    print(
+        f"starting Triton and the mesh services (logs in {stack.workdir / 'logs'}) ...",
+        file=sys.stderr,
+    )
+    try:
+        stack.start()
+    except StackError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
+        stack.write_state(args.state_file)
+        _print_endpoints(stack.endpoints(), args.state_file)
+        if args.demo:
+            _demo(stack.address("router"))
+        print("stack is up; Ctrl-C to stop", file=sys.stderr)
+        while not stop.wait(0.5):
+            if dead := stack.dead_children():
+                print(
+                    f"error: {', '.join(dead)} exited; see {stack.workdir / 'logs'}",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    finally:
+        print("stopping ...", file=sys.stderr)
+        stack.stop()
+        args.state_file.unlink(missing_ok=True)
+        print("stopped", file=sys.stderr)
+
+
+def _print_endpoints(endpoints: dict[str, str], state_file: Path) -> None:
+    print("endpoints (all SERVING):")
+    for name, address in endpoints.items():
+        print(f"  {name:<18} {address}")
+    print(f"state file: {state_file}")
+
+
+def _demo(router: str) -> None:
+    print(f"\ndemo: llm-mesh generate {DEMO_PROMPT!r} --max-tokens 64 --session demo")
+    request = build_request(DEMO_PROMPT, max_tokens=64, session_id="demo")
+    with grpc.insecure_channel(router) as channel:
+        try:
+            stream_to_terminal(channel, request, timeout_s=60)
+        except grpc.RpcError as err:
+            _report_rpc_error(err)
+    print()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

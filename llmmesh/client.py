@@ -1,0 +1,108 @@
+"""A small client of the public Generation API (used by the CLI, the demo and the tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+DEFAULT_STATE_FILE = Path(".llm-mesh/state.json")
+DEFAULT_ROUTER = "127.0.0.1:50051"
+
+
+def router_address(explicit: str | None = None, state_file: Path = DEFAULT_STATE_FILE) -> str:
+    """--router, then $LLM_MESH_ROUTER_ADDRESS, then the state file of `llm-mesh up`."""
+    if explicit:
+        return explicit
+    if env := os.environ.get("LLM_MESH_ROUTER_ADDRESS"):
+        return env
+    if state_file.exists():
+        return str(json.loads(state_file.read_text())["router"])
+    return DEFAULT_ROUTER
+
+
+@dataclass
+class StreamStats:
+    """What a client observed of one stream."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str = ""
+    request_id: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_at - self.started if self.first_token_at else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        span = self.finished_at - self.first_token_at
+        return (
+            (self.completion_tokens - 1) / span if span > 0 and self.completion_tokens > 1 else 0.0
+        )
+
+    def summary(self) -> str:
+        return (
+            f"TTFT {self.ttft_s * 1000:.1f} ms, {self.completion_tokens} tokens, "
+            f"{self.decode_tokens_per_s:.1f} tokens/s, finish_reason={self.finish_reason}, "
+            f"request_id={self.request_id}"
+        )
+
+
+def build_request(
+    prompt: str,
+    *,
+    model: str = "",
+    max_tokens: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    session_id: str = "",
+    ignore_eos: bool = False,
+) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
+    )
+    if temperature is not None:
+        sampling.temperature = temperature
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    return generation_pb2.GenerateRequest(
+        model=model, prompt=prompt, sampling=sampling, session_id=session_id
+    )
+
+
+def stream_text(
+    channel: grpc.Channel,
+    request: generation_pb2.GenerateRequest,
+    stats: StreamStats,
+    timeout_s: float | None = None,
+) -> Iterator[str]:
+    """Yields text deltas as they arrive and fills ``stats``; raises grpc.RpcError on failure."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    for reply in stub.Generate(request, timeout=timeout_s):
+        now = time.perf_counter()
+        if reply.request_id:
+            stats.request_id = reply.request_id
+        if reply.text:
+            stats.first_token_at = stats.first_token_at or now
+            yield reply.text
+        if reply.finish_reason:
+            stats.finished_at = now
+            stats.finish_reason = common_pb2.FinishReason.Name(reply.finish_reason)
+            stats.finish_reason = stats.finish_reason.removeprefix("FINISH_REASON_").lower()
+            stats.completion_tokens = reply.usage.completion_tokens
+            stats.prompt_tokens = reply.usage.prompt_tokens

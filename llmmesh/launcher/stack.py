@@ -1,0 +1,163 @@
+"""The local stack: Triton plus the four services as supervised child processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import TracebackType
+
+from llmmesh.launcher.process import Child, StackError
+from llmmesh.launcher.triton import TritonDist, triton_command
+
+__all__ = ["Stack", "StackError", "StackPorts"]
+
+REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
+SERVICES = ("policy", "context", "inference", "router")
+# Shutdown order: the front door first, so it drains while its upstreams still answer.
+STOP_ORDER = ("router", "inference", "policy", "context", "triton")
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    router: int = 50051
+    inference: int = 50061
+    policy: int = 50071
+    context: int = 50081
+    router_metrics: int = 9100
+    inference_metrics: int = 9101
+    policy_metrics: int = 9102
+    context_metrics: int = 9103
+    triton_grpc: int = 8001
+    triton_http: int = 8000
+    triton_metrics: int = 8002
+
+    @classmethod
+    def free(cls, host: str = "127.0.0.1") -> StackPorts:
+        """Distinct ports the OS reports free right now (for tests and side-by-side stacks)."""
+        with contextlib.ExitStack() as stack:
+            ports = []
+            for _ in fields(cls):
+                sock = stack.enter_context(socket.socket())
+                sock.bind((host, 0))
+                ports.append(sock.getsockname()[1])
+        return cls(*ports)
+
+
+class Stack:
+    def __init__(
+        self,
+        workdir: Path,
+        ports: StackPorts | None = None,
+        host: str = "127.0.0.1",
+        model_repository: Path = REPO_MODELS,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir.resolve()
+        self.ports = ports or StackPorts()
+        self.host = host
+        self.model_repository = model_repository.resolve()
+        self._extra_env = env or {}
+        self._children: dict[str, Child] = {}
+
+    def address(self, name: str) -> str:
+        return f"{self.host}:{getattr(self.ports, name)}"
+
+    def endpoints(self) -> dict[str, str]:
+        """Every endpoint as host:port, as written to the state file."""
+        return {f.name: self.address(f.name) for f in fields(self.ports)}
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        """Starts every process and returns once all of them are ready."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(exist_ok=True)
+        try:
+            self._start_triton()
+            for name in SERVICES:
+                self._children[name] = Child.service(
+                    name, self._service_env(name), self.log_path(name), self.workdir
+                )
+            deadline = time.monotonic() + timeout_s
+            self._wait_triton(deadline)
+            for name in SERVICES:
+                self._children[name].wait_serving(self.address(name), deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM in order, each given ``grace_s`` to drain, then SIGKILL of its group."""
+        for name in STOP_ORDER:
+            child = self._children.pop(name, None)
+            if child is not None:
+                child.terminate(grace_s)
+
+    def dead_children(self) -> list[str]:
+        return [name for name, c in self._children.items() if not c.alive]
+
+    def pids(self) -> dict[str, int]:
+        return {name: c.process.pid for name, c in self._children.items()}
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def write_state(self, path: Path, extra: dict[str, object] | None = None) -> None:
+        state: dict[str, object] = {**self.endpoints(), "pids": self.pids(), **(extra or {})}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(path)
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _start_triton(self) -> None:
+        dist = TritonDist.locate()
+        backend_dir = dist.backend_dir(self.workdir)
+        ports = (self.ports.triton_grpc, self.ports.triton_http, self.ports.triton_metrics)
+        command = triton_command(dist, self.model_repository, backend_dir, self.host, ports)
+        self._children["triton"] = Child.spawn(
+            "triton", command, dist.environment(), self.log_path("triton"), self.workdir
+        )
+
+    def _service_env(self, name: str) -> dict[str, str]:
+        prefix = f"LLM_MESH_{name.upper()}_"
+        env = {
+            **os.environ,
+            **self._extra_env,
+            f"{prefix}HOST": self.host,
+            f"{prefix}GRPC_PORT": str(getattr(self.ports, name)),
+            f"{prefix}METRICS_PORT": str(getattr(self.ports, f"{name}_metrics")),
+        }
+        if name == "inference":
+            env[f"{prefix}TRITON_URL"] = self.address("triton_grpc")
+        elif name == "context":
+            env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
+        elif name == "router":
+            env[f"{prefix}POLICY_ADDRESS"] = self.address("policy")
+            env[f"{prefix}CONTEXT_ADDRESS"] = self.address("context")
+            env[f"{prefix}INFERENCE_ADDRESSES"] = json.dumps([self.address("inference")])
+        return env
+
+    def _wait_triton(self, deadline: float) -> None:
+        import tritonclient.grpc as triton_grpc
+
+        client = triton_grpc.InferenceServerClient(self.address("triton_grpc"))
+        try:
+            self._children["triton"].wait_until(
+                lambda: bool(client.is_server_ready() and client.is_model_ready("llm")),
+                deadline,
+                "load the model",
+            )
+        finally:
+            client.close()

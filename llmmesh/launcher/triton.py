@@ -1,0 +1,93 @@
+"""Finds the Triton server bundled in the nvidia-pytriton wheel and prepares it to run.
+
+The wheel ships ``pytriton/tritonserver/bin/tritonserver``, its shared libraries in
+``nvidia_pytriton.libs/``, the Python backend, and one backend stub per Python version.
+Triton expects the stub inside the backend directory, so we assemble one per stack.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class TritonNotFound(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TritonDist:
+    server: Path
+    libs: Path
+    python_backend: Path
+    stub: Path
+
+    @classmethod
+    def locate(cls) -> TritonDist:
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise TritonNotFound("nvidia-pytriton is not installed (pip install nvidia-pytriton)")
+        root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        dist = cls(
+            server=root / "bin" / "tritonserver",
+            libs=root.parent.parent / "nvidia_pytriton.libs",
+            python_backend=root / "backends" / "python",
+            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+        )
+        for path in (dist.server, dist.libs, dist.python_backend, dist.stub):
+            if not path.exists():
+                raise TritonNotFound(f"incomplete nvidia-pytriton install: {path} is missing")
+        return dist
+
+    def backend_dir(self, workdir: Path) -> Path:
+        """A backend directory holding the Python backend and the stub for this Python."""
+        target = workdir / "backends" / "python"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in [
+            *self.python_backend.glob("*.so"),
+            *self.python_backend.glob("*.py"),
+            self.stub,
+        ]:
+            link = target / source.name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(source)
+        return workdir / "backends"
+
+    def environment(self) -> dict[str, str]:
+        """Environment for tritonserver: its libraries, and this venv first on PATH so the
+        backend stub's embedded interpreter finds the venv's packages (numpy)."""
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(self.libs), env.get("LD_LIBRARY_PATH", "")) if p
+        )
+        env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+        return env
+
+
+def triton_command(
+    dist: TritonDist,
+    model_repository: Path,
+    backend_dir: Path,
+    host: str,
+    ports: tuple[int, int, int],
+) -> list[str]:
+    grpc_port, http_port, metrics_port = ports
+    return [
+        str(dist.server),
+        f"--model-repository={model_repository}",
+        f"--backend-directory={backend_dir}",
+        f"--grpc-address={host}",
+        f"--grpc-port={grpc_port}",
+        f"--http-address={host}",
+        f"--http-port={http_port}",
+        f"--metrics-address={host}",
+        f"--metrics-port={metrics_port}",
+        "--allow-gpu-metrics=false",
+        "--exit-timeout-secs=10",
+        "--log-info=false",
+    ]

@@ -1,0 +1,80 @@
+"""Maps core errors to rich gRPC statuses (google.rpc BadRequest / RetryInfo) and back."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from llmmesh.runtime.errors import (
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+
+_CODES: dict[type[MeshError], int] = {
+    InvalidArgument: code_pb2.INVALID_ARGUMENT,
+    PermissionDenied: code_pb2.PERMISSION_DENIED,
+    NotFound: code_pb2.NOT_FOUND,
+    ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
+    Unavailable: code_pb2.UNAVAILABLE,
+}
+
+
+def to_status(err: MeshError) -> status_pb2.Status:
+    """The google.rpc.Status for a core error, with machine-readable details."""
+    status = status_pb2.Status(code=_CODES.get(type(err), code_pb2.INTERNAL), message=err.message)
+    detail = _detail(err)
+    if detail is not None:
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        status.details.append(packed)
+    return status
+
+
+def _detail(err: MeshError) -> error_details_pb2.BadRequest | error_details_pb2.RetryInfo | None:
+    if isinstance(err, InvalidArgument):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=err.field, description=err.reason
+        )
+        return error_details_pb2.BadRequest(field_violations=[violation])
+    if isinstance(err, ResourceExhausted):
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(int(err.retry_after_s * 1000))
+        return error_details_pb2.RetryInfo(retry_delay=delay)
+    return None
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], err: MeshError) -> NoReturn:
+    """Ends the RPC with the status for ``err``."""
+    await context.abort_with_status(rpc_status.to_status(to_status(err)))
+    raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+
+_FROM_CODE: dict[grpc.StatusCode, type[MeshError]] = {
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str) -> MeshError:
+    """Turns an upstream's error into a core error, keeping its code where it is meaningful."""
+    code, message = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, reason = message.partition(": ")
+        return InvalidArgument(field, reason) if reason else InvalidArgument("request", message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(message, retry_after_s=1.0)
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{upstream} did not answer in time: {message}")
+    kind = _FROM_CODE.get(code)
+    if kind is not None:
+        return kind(message if code != grpc.StatusCode.UNAVAILABLE else f"{upstream}: {message}")
+    return Unavailable(f"{upstream} failed with {code.name}: {message}")

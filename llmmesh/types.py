@@ -1,0 +1,122 @@
+"""Core value types shared by the router and inference cores (no protobuf, no gRPC)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a stream ended; values are the vLLM / OpenAI spellings."""
+
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    POLICY = "policy"
+    BUDGET = "budget"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling controls (see SamplingParams in protos/llmmesh/v1/common.proto)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def to_vllm_json(self) -> str:
+        """The ``sampling_parameters`` JSON of Triton's vLLM backend."""
+        doc: dict[str, object] = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+        if self.top_k > 0:
+            doc["top_k"] = self.top_k
+        if self.seed is not None:
+            doc["seed"] = self.seed
+        if self.stop:
+            doc["stop"] = list(self.stop)
+        if self.ignore_eos:
+            doc["ignore_eos"] = True
+        return json.dumps(doc, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation stream: new text, tokens behind it, and on the last one why."""
+
+    text: str
+    num_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class InferenceCall:
+    """One fully built prompt for one model, as the inference tier receives it."""
+
+    request_id: str
+    model: str
+    prompt: str
+    sampling: Sampling
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
+    """Raises InvalidArgument naming the first bad field of ``sampling``."""
+    from llmmesh.runtime.errors import InvalidArgument
+
+    if sampling.max_tokens <= 0:
+        raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
+    if sampling.max_tokens > max_tokens_limit:
+        raise InvalidArgument(
+            "sampling.max_tokens", f"must be at most {max_tokens_limit}, got {sampling.max_tokens}"
+        )
+    if not sampling.temperature >= 0.0 or sampling.temperature == float("inf"):
+        raise InvalidArgument(
+            "sampling.temperature", f"must be a finite number >= 0, got {sampling.temperature}"
+        )
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {sampling.top_k}")
+    if any(not stop for stop in sampling.stop):
+        raise InvalidArgument("sampling.stop", "stop strings must not be empty")
+
+
+class Role(enum.Enum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One utterance of a conversation."""
+
+    role: Role
+    text: str
+    token_count: int = 0
+    request_id: str = ""
+    created_at_ms: int = 0
+
+
+class PolicyAction(enum.Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    REDACT = "redact"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Policy's decision on a piece of text."""
+
+    action: PolicyAction
+    rule_ids: tuple[str, ...] = ()
+    text: str = ""
+    rule_set_version: str = ""

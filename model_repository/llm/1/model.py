@@ -1,0 +1,175 @@
+"""Triton Python-backend adapter for the reference engine (decoupled, vLLM tensor contract).
+
+Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
+         exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
+Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
+         num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from refengine import (
+    ByteTokenizer,
+    Engine,
+    EngineStats,
+    GenerationRequest,
+    ModelShape,
+    RequestError,
+    Transformer,
+)
+from refengine.contract import decode_text, parse_sampling_parameters
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonSink:
+    """Sends one request's output through its decoupled response sender."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+        self._sender = request.get_response_sender()
+
+    def is_cancelled(self) -> bool:
+        return bool(self._request.is_cancelled())
+
+    def emit(self, text: str, num_tokens: int) -> None:
+        self._sender.send(_response(text, "", num_tokens))
+
+    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+        self._sender.send(_response(text, reason, num_tokens), flags=FINAL)
+
+    def fail(self, message: str) -> None:
+        error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+        self._sender.send(error, flags=FINAL)
+
+
+class StatsExporter:
+    """Mirrors the engine's counters into Triton's /metrics (custom metric families)."""
+
+    def __init__(self, model_name: str) -> None:
+        labels = {"model": model_name}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        # Triton requires each MetricFamily to outlive its Metrics: keep them all.
+        self._families: list[Any] = []
+        self._prompt = self._metric(
+            "llm_engine_prompt_tokens_total", "Prompt tokens prefilled", counter, labels
+        )
+        self._generated = self._metric(
+            "llm_engine_generation_tokens_total", "Tokens generated", counter, labels
+        )
+        self._running = self._metric(
+            "llm_engine_running_sequences", "Sequences being generated", gauge, labels
+        )
+        self._waiting = self._metric(
+            "llm_engine_waiting_sequences", "Sequences queued", gauge, labels
+        )
+        finished = self._family(
+            "llm_engine_requests_finished_total", "Requests finished, by finish reason", counter
+        )
+        self._finished = {
+            reason: finished.Metric(labels={**labels, "reason": reason})
+            for reason in ("length", "stop", "cancelled", "error")
+        }
+        self._published: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _family(self, name: str, description: str, kind: Any) -> Any:
+        family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _metric(self, name: str, description: str, kind: Any, labels: dict[str, str]) -> Any:
+        return self._family(name, description, kind).Metric(labels=labels)
+
+    def publish(self, stats: EngineStats) -> None:
+        """Best effort: a metrics failure must never fail a request."""
+        try:
+            with self._lock:
+                self._publish(stats)
+        except Exception as exc:
+            pb_utils.Logger.log_warn(f"publishing engine metrics failed: {exc}")
+
+    def _publish(self, stats: EngineStats) -> None:
+        self._add("prompt", self._prompt, stats.prompt_tokens)
+        self._add("generated", self._generated, stats.generation_tokens)
+        for reason, metric in self._finished.items():
+            self._add(reason, metric, stats.finished[reason])
+        self._running.set(stats.running)
+        self._waiting.set(stats.waiting)
+
+    def _add(self, key: str, metric: Any, total: int) -> None:
+        delta = total - self._published.get(key, 0)
+        if delta > 0:
+            metric.increment(delta)
+            self._published[key] = total
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        shape = ModelShape(
+            n_layers=int(params.get("n_layers", 4)),
+            d_model=int(params.get("d_model", 256)),
+            n_heads=int(params.get("n_heads", 4)),
+            d_ff=int(params.get("d_ff", 1024)),
+            max_context=int(params.get("max_context", 2048)),
+        )
+        model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
+        self.stats = StatsExporter(args["model_name"])
+        self.engine = Engine(model, ByteTokenizer(), on_stats=self.stats.publish)
+        self.stats.publish(self.engine.stats)
+        self.engine.start()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sink = TritonSink(request)
+            try:
+                self.engine.submit(_parse(request), sink)
+            except RequestError as exc:
+                sink.fail(str(exc))
+            except Exception as exc:  # execute must not raise once requests are accepted
+                sink.fail(f"invalid request: {exc}")
+
+    def finalize(self) -> None:
+        self.engine.stop()
+
+
+def _parse(request: Any) -> GenerationRequest:
+    prompt = _scalar(request, "text_input")
+    if prompt is None:
+        raise RequestError("text_input: required")
+    stream = _scalar(request, "stream")
+    exclude = _scalar(request, "exclude_input_in_output")
+    return GenerationRequest(
+        prompt=decode_text(prompt, "text_input"),
+        stream=bool(stream) if stream is not None else False,
+        exclude_input_in_output=bool(exclude) if exclude is not None else False,
+        sampling=parse_sampling_parameters(_scalar(request, "sampling_parameters")),
+    )
+
+
+def _scalar(request: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise RequestError(f"{name}: expected one element, got {values.size}")
+    return values[0]
+
+
+def _response(text: str, finish_reason: str, num_tokens: int) -> Any:
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)),
+            pb_utils.Tensor("num_output_tokens", np.array([num_tokens], dtype=np.uint32)),
+        ]
+    )

@@ -1,0 +1,146 @@
+"""The vLLM backend's request contract: parsing and validating what a client sent.
+
+Inputs: ``text_input`` (prompt), ``stream`` (bool), ``sampling_parameters`` (JSON object),
+``exclude_input_in_output`` (bool). Sampling keys follow vLLM's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's default
+
+
+class RequestError(ValueError):
+    """A request is invalid; the message names the field and the reason."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    stream: bool = True
+    exclude_input_in_output: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+_KNOWN_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+# vLLM accepts these too; they do not change what this engine computes.
+_ACCEPTED_KEYS = {"n", "best_of", "min_tokens", "skip_special_tokens", "logprobs"}
+
+
+def decode_text(raw: bytes | str, field_name: str) -> str:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            f"{field_name}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+
+
+def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
+    """Validates the ``sampling_parameters`` JSON; unknown keys are an error, not ignored."""
+    if raw is None or raw in (b"", ""):
+        return SamplingParams()
+    text = decode_text(raw, "sampling_parameters")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"sampling_parameters: not valid JSON ({exc.msg})") from None
+    if not isinstance(doc, dict):
+        raise RequestError("sampling_parameters: must be a JSON object")
+    unknown = set(doc) - _KNOWN_KEYS - _ACCEPTED_KEYS
+    if unknown:
+        raise RequestError(f"sampling_parameters: unknown keys {sorted(unknown)}")
+    return SamplingParams(
+        max_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1),
+        temperature=_float(doc, "temperature", 1.0, lo=0.0, lo_open=False),
+        top_p=_top_p(doc),
+        top_k=_top_k(doc),
+        seed=_seed(doc),
+        stop=_stop(doc),
+        ignore_eos=_bool(doc, "ignore_eos", False),
+    )
+
+
+def _int(doc: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    value = doc.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"sampling_parameters.{key}: must be an integer")
+    if value < minimum:
+        raise RequestError(f"sampling_parameters.{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(doc: dict[str, Any], key: str, default: float, lo: float, lo_open: bool) -> float:
+    value = doc.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"sampling_parameters.{key}: must be a finite number")
+    if value < lo or (lo_open and value == lo):
+        bound = ">" if lo_open else ">="
+        raise RequestError(f"sampling_parameters.{key}: must be {bound} {lo}, got {value}")
+    return float(value)
+
+
+def _top_p(doc: dict[str, Any]) -> float:
+    value = _float(doc, "top_p", 1.0, lo=0.0, lo_open=True)
+    if value > 1.0:
+        raise RequestError(f"sampling_parameters.top_p: must be in (0, 1], got {value}")
+    return value
+
+
+def _top_k(doc: dict[str, Any]) -> int:
+    value = _int(doc, "top_k", 0, minimum=-1)
+    return 0 if value == -1 else value
+
+
+def _seed(doc: dict[str, Any]) -> int | None:
+    value = doc.get("seed")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError("sampling_parameters.seed: must be an integer")
+    return value
+
+
+def _stop(doc: dict[str, Any]) -> tuple[str, ...]:
+    value = doc.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise RequestError(
+            "sampling_parameters.stop: must be a string or a list of non-empty strings"
+        )
+    return tuple(value)
+
+
+def _bool(doc: dict[str, Any], key: str, default: bool) -> bool:
+    value = doc.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"sampling_parameters.{key}: must be true or false")
+    return value

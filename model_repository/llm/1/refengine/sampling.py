@@ -1,0 +1,55 @@
+"""Turns next-token logits into a token: masking, temperature, top-k, top-p, seeded RNG."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from refengine.contract import SamplingParams
+from refengine.tokenizer import EOS, VOCAB_SIZE
+
+# Output is restricted to printable ASCII and newline, so every stream is valid UTF-8 text.
+_ALLOWED = np.zeros(VOCAB_SIZE, dtype=bool)
+_ALLOWED[32:127] = True
+_ALLOWED[10] = True
+
+
+class Sampler:
+    """One per sequence: its RNG depends only on the request's seed, never on the batch."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+        allowed = _ALLOWED.copy()
+        allowed[EOS] = not params.ignore_eos
+        self._mask = np.where(allowed, 0.0, -np.inf)
+
+    def sample(self, logits: npt.NDArray[np.float32]) -> int:
+        scores = logits.astype(np.float64) + self._mask
+        if self.params.greedy:
+            return int(np.argmax(scores))
+        scores = scores / self.params.temperature
+        probs = np.exp(scores - scores.max())
+        probs = _top_k(probs, self.params.top_k)
+        probs = _top_p(probs, self.params.top_p)
+        probs /= probs.sum()
+        return int(self._rng.choice(len(probs), p=probs))
+
+
+def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:
+    if k <= 0 or k >= np.count_nonzero(probs):
+        return probs
+    threshold = np.partition(probs, -k)[-k]
+    return np.where(probs >= threshold, probs, 0.0)
+
+
+def _top_p(probs: npt.NDArray[np.float64], p: float) -> npt.NDArray[np.float64]:
+    if p >= 1.0:
+        return probs
+    order = np.argsort(probs)[::-1]
+    cumulative = np.cumsum(probs[order]) / probs.sum()
+    # Keep the smallest prefix whose mass reaches p (always at least one token).
+    keep = order[: int(np.searchsorted(cumulative, p)) + 1]
+    out = np.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out

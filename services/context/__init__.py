@@ -1,0 +1,1 @@
+"""Context service: multi-turn session history per (tenant, session)."""

@@ -1,0 +1,1 @@
+"""Inference service: one per Triton replica; streams generations from Triton."""

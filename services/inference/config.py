@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from llmmesh.runtime.config import ServiceConfig
+
+SERVICE = "inference"
+
+
+class InferenceConfig(ServiceConfig):
+    grpc_port: int = 50061
+    metrics_port: int = 9101
+    # Triton's gRPC endpoint (host:port).
+    triton_url: str = "127.0.0.1:8001"
+    # Longest a single generation may take before Triton's stream is cancelled.
+    stream_timeout_s: float = 600.0
+    # Upper bound on max_tokens this replica accepts.
+    max_tokens_limit: int = 4096

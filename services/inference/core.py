@@ -1,0 +1,68 @@
+"""Inference core: validates a call, streams it from the backend, counts what it served."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.types import Chunk, InferenceCall, check_sampling
+
+TTFT = Histogram(
+    "gen_ai_server_time_to_first_token_seconds",
+    "Time from request receipt to the first generated text",
+    ["model"],
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+TPOT = Histogram(
+    "gen_ai_server_time_per_output_token_seconds",
+    "Mean time per output token after the first, per request",
+    ["model"],
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128),
+)
+OUTPUT_TOKENS = Counter("llm_inference_output_tokens_total", "Tokens streamed", ["model"])
+REQUESTS = Counter("llm_inference_requests_total", "Requests finished", ["model", "outcome"])
+IN_FLIGHT = Gauge("llm_inference_in_flight_requests", "Generations streaming now")
+
+
+class GenerationBackend(Protocol):
+    def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]: ...
+
+
+class InferenceCore:
+    def __init__(self, backend: GenerationBackend, max_tokens_limit: int) -> None:
+        self._backend = backend
+        self._limit = max_tokens_limit
+        self.in_flight = 0
+
+    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+        if not call.model:
+            raise InvalidArgument("model", "required")
+        if not call.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        check_sampling(call.sampling, self._limit)
+        started, first_at, tokens, outcome = time.perf_counter(), 0.0, 0, "error"
+        self.in_flight += 1
+        IN_FLIGHT.inc()
+        try:
+            async for chunk in self._backend.generate(call):
+                if not first_at and chunk.text:
+                    first_at = time.perf_counter()
+                    TTFT.labels(call.model).observe(first_at - started)
+                tokens += chunk.num_tokens
+                yield chunk
+                if chunk.finish_reason is not None:
+                    outcome = chunk.finish_reason.value
+        except GeneratorExit:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.in_flight -= 1
+            IN_FLIGHT.dec()
+            REQUESTS.labels(call.model, outcome).inc()
+            OUTPUT_TOKENS.labels(call.model).inc(tokens)
+            if first_at and tokens > 1:
+                TPOT.labels(call.model).observe((time.perf_counter() - first_at) / (tokens - 1))

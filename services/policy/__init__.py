@@ -1,0 +1,1 @@
+"""Policy service: rules on prompts (and, later, on streamed output)."""

@@ -1,0 +1,52 @@
+"""gRPC transport of the policy service."""
+
+from __future__ import annotations
+
+import grpc
+
+from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime.grpc_status import abort
+from llmmesh.runtime.metadata import bind_request_id
+from llmmesh.runtime.registration import add_servicer
+from llmmesh.types import PolicyAction
+from llmmesh.v1 import policy_pb2, policy_pb2_grpc
+from services.policy.config import PolicyConfig
+from services.policy.core import PolicyCore
+from services.policy.rules import RuleSet
+
+SERVICE = policy_pb2.DESCRIPTOR.services_by_name["Policy"]
+
+_ACTIONS = {
+    PolicyAction.ALLOW: policy_pb2.ACTION_ALLOW,
+    PolicyAction.DENY: policy_pb2.ACTION_DENY,
+    PolicyAction.REDACT: policy_pb2.ACTION_REDACT,
+}
+
+Context = grpc.aio.ServicerContext[policy_pb2.CheckInputRequest, policy_pb2.CheckInputResponse]
+
+
+class PolicyServicer(policy_pb2_grpc.PolicyServicer):
+    def __init__(self, core: PolicyCore) -> None:
+        self._core = core
+
+    async def CheckInput(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.CheckInputRequest, context: Context
+    ) -> policy_pb2.CheckInputResponse:
+        bind_request_id(context, request.request_id)
+        try:
+            verdict = self._core.check_input(request.tenant, request.text)
+        except MeshError as err:
+            await abort(context, err)
+        return policy_pb2.CheckInputResponse(
+            action=_ACTIONS[verdict.action],
+            rule_ids=list(verdict.rule_ids),
+            redacted_text=verdict.text,
+            rule_set_version=verdict.rule_set_version,
+        )
+
+
+def build_service(config: PolicyConfig) -> GrpcService:
+    servicer = PolicyServicer(PolicyCore(RuleSet.from_file(config.rules_file)))
+    return GrpcService(
+        config, [SERVICE.full_name], lambda server: add_servicer(server, servicer, SERVICE)
+    )

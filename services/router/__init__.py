@@ -1,0 +1,1 @@
+"""Router: the mesh's front door (public Generation API)."""

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from pydantic import Field
+
+from llmmesh.runtime.config import ServiceConfig
+
+SERVICE = "router"
+
+
+class RouterConfig(ServiceConfig):
+    grpc_port: int = 50051
+    metrics_port: int = 9100
+    policy_address: str = "127.0.0.1:50071"
+    context_address: str = "127.0.0.1:50081"
+    # Inference replicas (host:port). Endpoint picking across them comes with discovery.
+    inference_addresses: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:50061"], min_length=1
+    )
+    # Models the mesh serves; the first is the default.
+    models: list[str] = Field(default_factory=lambda: ["llm"], min_length=1)
+    # Tenant every request runs as until API keys are configured.
+    default_tenant: str = "default"
+    max_prompt_chars: int = 8192
+    default_max_tokens: int = 128
+    max_tokens_limit: int = 1024
+    # Context window of the served models, in tokens (prompt + history + generation).
+    model_context_tokens: int = 2048
+    # Deadline for each policy and context call.
+    upstream_timeout_s: float = 2.0

@@ -1,0 +1,173 @@
+"""Router core: validate, check policy, restore the session, stream from a replica, record.
+
+No gRPC here: upstreams are reached through the small client interfaces in upstreams.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter, Histogram
+
+from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.types import (
+    Chunk,
+    InferenceCall,
+    PolicyAction,
+    Role,
+    Sampling,
+    Turn,
+    Verdict,
+    check_sampling,
+)
+from services.context.core import SESSION_ID
+from services.router.config import RouterConfig
+from services.router.prompt import build_prompt
+from services.router.upstreams import ContextClient, InferenceClient, PolicyClient
+
+log = logging.getLogger(__name__)
+
+TTFT = Histogram(
+    "gen_ai_server_time_to_first_token_seconds",
+    "Time from request receipt to the first generated text",
+    ["model"],
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+TOKEN_USAGE = Histogram(
+    "gen_ai_client_token_usage",
+    "Tokens per request, by type",
+    ["model", "gen_ai_token_type"],
+    buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
+)
+REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
+HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A public Generate request as the transport decoded it."""
+
+    request_id: str
+    tenant: str
+    model: str
+    prompt: str
+    sampling: Sampling
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed admission: what goes to inference, and what to record after."""
+
+    request: GenerateInput
+    call: InferenceCall
+    user_text: str
+    prompt_tokens: int
+    received_at: float
+
+
+class RouterCore:
+    def __init__(
+        self,
+        config: RouterConfig,
+        policy: PolicyClient,
+        context: ContextClient,
+        inference: InferenceClient,
+        count_tokens: Callable[[str], int],
+    ) -> None:
+        self._config = config
+        self._policy = policy
+        self._context = context
+        self._inference = inference
+        self._count = count_tokens
+
+    def validate(self, request: GenerateInput) -> GenerateInput:
+        """Checks every field; returns the request with defaults filled in."""
+        config = self._config
+        model = request.model or config.models[0]
+        if model not in config.models:
+            raise InvalidArgument("model", f"unknown model '{model}'; served: {config.models}")
+        if not request.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        if len(request.prompt) > config.max_prompt_chars:
+            raise InvalidArgument(
+                "prompt",
+                f"{len(request.prompt)} characters; the limit is {config.max_prompt_chars}",
+            )
+        if request.session_id and not SESSION_ID.match(request.session_id):
+            raise InvalidArgument(
+                "session_id", "1-128 characters of letters, digits, '-', '_', '.', ':'"
+            )
+        sampling = request.sampling
+        if sampling.max_tokens == 0:
+            sampling = replace(sampling, max_tokens=config.default_max_tokens)
+        check_sampling(sampling, config.max_tokens_limit)
+        return replace(request, model=model, sampling=sampling)
+
+    async def prepare(self, request: GenerateInput) -> Prepared:
+        """Validation, policy and session history; raises before anything is streamed."""
+        received_at = time.perf_counter()
+        request = self.validate(request)
+        verdict, history = await asyncio.gather(
+            self._policy.check_input(request.request_id, request.tenant, request.prompt),
+            self._load_history(request),
+        )
+        user_text = self._admit(verdict) or request.prompt
+        budget = self._config.model_context_tokens - request.sampling.max_tokens
+        prompt, dropped = build_prompt(history, user_text, budget, self._count)
+        if dropped:
+            HISTORY_DROPPED.labels(request.model).inc(dropped)
+        call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
+        return Prepared(request, call, user_text, self._count(prompt), received_at)
+
+    async def stream(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+        """Relays the generation; records the turn in the session before the last chunk."""
+        model = prepared.request.model
+        parts: list[str] = []
+        completion_tokens, outcome = 0, "cancelled"
+        try:
+            async for chunk in self._inference.generate(prepared.call):
+                if not parts and chunk.text:
+                    TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
+                parts.append(chunk.text)
+                completion_tokens += chunk.num_tokens
+                if chunk.finish_reason is not None:
+                    await self._record(prepared, "".join(parts), completion_tokens)
+                    outcome = chunk.finish_reason.value
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            outcome = "error"
+            raise Unavailable("inference replica ended the stream without a finish reason")
+        except Unavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            REQUESTS.labels(model, outcome).inc()
+            TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
+            TOKEN_USAGE.labels(model, "output").observe(completion_tokens)
+
+    async def _load_history(self, request: GenerateInput) -> list[Turn]:
+        if not request.session_id:
+            return []
+        return await self._context.load(request.request_id, request.tenant, request.session_id)
+
+    def _admit(self, verdict: Verdict) -> str:
+        if verdict.action is PolicyAction.DENY:
+            rule = verdict.rule_ids[0] if verdict.rule_ids else "unknown"
+            raise PermissionDenied(f"prompt denied by policy rule '{rule}'")
+        return verdict.text
+
+    async def _record(self, prepared: Prepared, answer: str, answer_tokens: int) -> None:
+        request = prepared.request
+        if not request.session_id:
+            return
+        turns = [
+            Turn(Role.USER, prepared.user_text, self._count(prepared.user_text)),
+            Turn(Role.ASSISTANT, answer, answer_tokens),
+        ]
+        await self._context.append(request.request_id, request.tenant, request.session_id, turns)

@@ -1,0 +1,107 @@
+"""gRPC transport of the router: the public Generation service."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
+from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime.grpc_status import abort
+from llmmesh.runtime.metadata import REQUEST_ID, SESSION_ID, bind_request_id, metadata_value
+from llmmesh.runtime.registration import add_servicer
+from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.core import GenerateInput, RouterCore
+from services.router.upstreams import (
+    CHANNEL_OPTIONS,
+    GrpcContextClient,
+    GrpcInferenceClient,
+    GrpcPolicyClient,
+)
+
+SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+
+
+def count_tokens(text: str) -> int:
+    """Token count in the reference model's byte-level tokenizer."""
+    return len(text.encode("utf-8"))
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, core: RouterCore, tenant: str) -> None:
+        self._core = core
+        self._tenant = tenant
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        request_id = bind_request_id(context)
+        await context.send_initial_metadata(((REQUEST_ID, request_id),))
+        try:
+            prepared = await self._core.prepare(
+                GenerateInput(
+                    request_id=request_id,
+                    tenant=self._tenant,
+                    model=request.model,
+                    prompt=request.prompt,
+                    sampling=sampling_from_pb(request.sampling),
+                    session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
+                )
+            )
+            first, completion_tokens = True, 0
+            async for chunk in self._core.stream(prepared):
+                completion_tokens += chunk.num_tokens
+                response = generation_pb2.GenerateResponse(text=chunk.text)
+                if first:
+                    response.request_id, response.model = request_id, prepared.request.model
+                    first = False
+                if chunk.finish_reason is not None:
+                    response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
+                    response.usage.CopyFrom(
+                        common_pb2.Usage(
+                            prompt_tokens=prepared.prompt_tokens,
+                            completion_tokens=completion_tokens,
+                        )
+                    )
+                yield response
+        except MeshError as err:
+            await abort(context, err)
+
+
+class Upstreams:
+    """The router's channels; closed on shutdown."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        def channel(address: str) -> grpc.aio.Channel:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+        self.channels = [
+            channel(config.policy_address),
+            channel(config.context_address),
+            channel(config.inference_addresses[0]),
+        ]
+        policy_ch, context_ch, inference_ch = self.channels
+        self.policy = GrpcPolicyClient(policy_ch, config.upstream_timeout_s)
+        self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
+        self.inference = GrpcInferenceClient(inference_ch, config.inference_addresses[0])
+
+    async def close(self) -> None:
+        for ch in self.channels:
+            await ch.close()
+
+
+def build_service(config: RouterConfig) -> GrpcService:
+    upstreams = Upstreams(config)
+    core = RouterCore(
+        config, upstreams.policy, upstreams.context, upstreams.inference, count_tokens
+    )
+    servicer = GenerationServicer(core, config.default_tenant)
+    return GrpcService(
+        config,
+        [SERVICE.full_name],
+        lambda server: add_servicer(server, servicer, SERVICE),
+        cleanup=upstreams.close,
+    )

@@ -1,0 +1,145 @@
+"""The router's clients of policy, context and inference, over grpc.aio channels."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from llmmesh.convert import finish_reason_from_pb, sampling_to_pb
+from llmmesh.runtime.grpc_status import from_rpc_error
+from llmmesh.runtime.metadata import REQUEST_ID
+from llmmesh.types import Chunk, InferenceCall, PolicyAction, Role, Turn, Verdict
+from llmmesh.v1 import (
+    context_pb2,
+    context_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+)
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 * 1024 * 1024)]
+
+
+class PolicyClient(Protocol):
+    async def check_input(self, request_id: str, tenant: str, text: str) -> Verdict: ...
+
+
+class ContextClient(Protocol):
+    async def load(self, request_id: str, tenant: str, session_id: str) -> list[Turn]: ...
+
+    async def append(
+        self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
+    ) -> None: ...
+
+
+class InferenceClient(Protocol):
+    def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]: ...
+
+
+_ACTION_FROM_PB = {
+    policy_pb2.ACTION_ALLOW: PolicyAction.ALLOW,
+    policy_pb2.ACTION_DENY: PolicyAction.DENY,
+    policy_pb2.ACTION_REDACT: PolicyAction.REDACT,
+}
+_ROLE_TO_PB = {
+    Role.SYSTEM: context_pb2.ROLE_SYSTEM,
+    Role.USER: context_pb2.ROLE_USER,
+    Role.ASSISTANT: context_pb2.ROLE_ASSISTANT,
+}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
+def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID, request_id),)
+
+
+class GrpcPolicyClient:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self._stub = policy_pb2_grpc.PolicyStub(channel)
+        self._timeout = timeout_s
+
+    async def check_input(self, request_id: str, tenant: str, text: str) -> Verdict:
+        request = policy_pb2.CheckInputRequest(request_id=request_id, tenant=tenant, text=text)
+        try:
+            reply = await self._stub.CheckInput(
+                request, timeout=self._timeout, metadata=_metadata(request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "policy service") from None
+        return Verdict(
+            action=_ACTION_FROM_PB.get(reply.action, PolicyAction.DENY),
+            rule_ids=tuple(reply.rule_ids),
+            text=reply.redacted_text,
+            rule_set_version=reply.rule_set_version,
+        )
+
+
+class GrpcContextClient:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self._stub = context_pb2_grpc.ContextStub(channel)
+        self._timeout = timeout_s
+
+    async def load(self, request_id: str, tenant: str, session_id: str) -> list[Turn]:
+        request = context_pb2.LoadSessionRequest(tenant=tenant, session_id=session_id)
+        try:
+            reply = await self._stub.LoadSession(
+                request, timeout=self._timeout, metadata=_metadata(request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "context service") from None
+        return [
+            Turn(_ROLE_FROM_PB[t.role], t.text, t.token_count, t.request_id, t.created_at_ms)
+            for t in reply.turns
+            if t.role in _ROLE_FROM_PB
+        ]
+
+    async def append(
+        self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
+    ) -> None:
+        request = context_pb2.AppendTurnsRequest(
+            tenant=tenant,
+            session_id=session_id,
+            request_id=request_id,
+            turns=[
+                context_pb2.Turn(role=_ROLE_TO_PB[t.role], text=t.text, token_count=t.token_count)
+                for t in turns
+            ],
+        )
+        try:
+            await self._stub.AppendTurns(
+                request, timeout=self._timeout, metadata=_metadata(request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "context service") from None
+
+
+class GrpcInferenceClient:
+    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+        self._stub = inference_pb2_grpc.InferenceStub(channel)
+        self.address = address
+
+    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+        """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""
+        request = inference_pb2.InferenceRequest(
+            request_id=call.request_id,
+            model=call.model,
+            prompt=call.prompt,
+            sampling=sampling_to_pb(call.sampling),
+        )
+        rpc = self._stub.Generate(request, metadata=_metadata(call.request_id))
+        seen = 0
+        try:
+            async for reply in rpc:
+                yield Chunk(
+                    text=reply.text,
+                    num_tokens=reply.num_output_tokens - seen,
+                    finish_reason=finish_reason_from_pb(reply.finish_reason),
+                )
+                seen = reply.num_output_tokens
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, f"inference replica {self.address}") from None
+        finally:
+            rpc.cancel()

@@ -1,0 +1,75 @@
+"""Session-wide fixtures: one real local stack (Triton + the four services) for e2e tests."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmmesh.client import build_request
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.v1 import generation_pb2, generation_pb2_grpc
+from llmmesh.waiting import poll_until
+
+
+def wait_for(
+    condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition"
+) -> None:
+    """Fails the test unless ``condition`` holds within ``timeout_s``."""
+    if not poll_until(condition, timeout_s):
+        pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir: Path = tmp_path_factory.mktemp("stack")
+    with Stack(workdir, StackPorts.free()) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def router_channel(stack: Stack) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        yield channel
+
+
+def collect(
+    channel: grpc.Channel, prompt: str, timeout_s: float = 60.0, **kwargs: Any
+) -> list[generation_pb2.GenerateResponse]:
+    """Every response of one Generate stream."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    return list(stub.Generate(build_request(prompt, **kwargs), timeout=timeout_s))
+
+
+def text_of(responses: list[generation_pb2.GenerateResponse]) -> str:
+    return "".join(r.text for r in responses)
+
+
+def bad_request_fields(err: grpc.RpcError) -> list[str]:
+    """Field names in the google.rpc.BadRequest detail of an error status."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    fields: list[str] = []
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields += [v.field for v in bad.field_violations]
+    return fields
+
+
+def metric_value(url: str, name: str, labels: dict[str, str]) -> float:
+    """One sample from a Prometheus text endpoint (0 when absent)."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0

@@ -1,0 +1,60 @@
+"""Bad input gets INVALID_ARGUMENT naming the field, and the services keep serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from llmmesh.launcher import Stack
+from tests.conftest import bad_request_fields, collect
+
+CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("", {}, "prompt"),
+    ("x" * 8193, {}, "prompt"),
+    ("hi", {"max_tokens": -1}, "sampling.max_tokens"),
+    ("hi", {"max_tokens": 1025}, "sampling.max_tokens"),
+    ("hi", {"temperature": -0.5}, "sampling.temperature"),
+    ("hi", {"top_p": 0.0}, "sampling.top_p"),
+    ("hi", {"top_p": 1.01}, "sampling.top_p"),
+    ("hi", {"model": "gpt-17"}, "model"),
+    ("hi", {"session_id": "no spaces allowed"}, "session_id"),
+    ("hi", {"stop": [""]}, "sampling.stop"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "kwargs", "field"), CASES)
+def test_invalid_argument_names_the_field(
+    router_channel: grpc.Channel, prompt: str, kwargs: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        collect(router_channel, prompt, **kwargs)
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.details() or "").startswith(f"{field}: ")
+    assert bad_request_fields(err) == [field]
+
+
+def _raw_field(number: int, payload: bytes) -> bytes:
+    return bytes([(number << 3) | 2, len(payload)]) + payload
+
+
+def test_invalid_utf8_prompt_is_invalid_argument(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        raw = channel.unary_stream(
+            "/llmmesh.v1.Generation/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(_raw_field(2, b"caf\xe9 au lait"), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(info.value) == ["prompt"]
+
+
+def test_service_keeps_serving_after_bad_input(router_channel: grpc.Channel) -> None:
+    for prompt, kwargs, _ in CASES:
+        with pytest.raises(grpc.RpcError):
+            collect(router_channel, prompt, **kwargs)
+    assert collect(router_channel, "still here", max_tokens=3)[-1].usage.completion_tokens == 3

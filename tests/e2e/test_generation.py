@@ -1,0 +1,59 @@
+"""Generation through the router, against the real stack (Triton with the reference model)."""
+
+from __future__ import annotations
+
+import grpc
+
+from llmmesh.launcher import Stack
+from llmmesh.v1 import common_pb2
+from tests.conftest import collect, text_of
+
+
+def test_tokens_stream_in_many_responses_with_usage_at_the_end(
+    router_channel: grpc.Channel,
+) -> None:
+    responses = collect(router_channel, "Once upon a time", max_tokens=32, ignore_eos=True)
+    first, last = responses[0], responses[-1]
+    assert first.request_id and first.model == "llm"
+    assert len(responses) >= 16, "tokens were not streamed as they were generated"
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 32
+    assert last.usage.prompt_tokens > len("Once upon a time")
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert len(text_of(responses)) == 32
+
+
+def test_same_seed_gives_same_text(router_channel: grpc.Channel) -> None:
+    a = text_of(collect(router_channel, "seeded", max_tokens=24, seed=5, ignore_eos=True))
+    b = text_of(collect(router_channel, "seeded", max_tokens=24, seed=5, ignore_eos=True))
+    c = text_of(collect(router_channel, "seeded", max_tokens=24, seed=6, ignore_eos=True))
+    assert a == b != c
+
+
+def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
+    free = text_of(collect(router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True))
+    stop = free[30:33]
+    responses = collect(
+        router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True, stop=[stop]
+    )
+    assert text_of(responses) == free[: free.index(stop)]
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_default_max_tokens_applies_when_unset(router_channel: grpc.Channel) -> None:
+    responses = collect(router_channel, "defaults", ignore_eos=True)
+    assert responses[-1].usage.completion_tokens == 128
+
+
+def test_request_id_from_metadata_is_echoed(stack: Stack) -> None:
+    from llmmesh.client import build_request
+    from llmmesh.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(
+            build_request("id", max_tokens=2), metadata=(("x-request-id", "my-id-1"),)
+        )
+        responses = list(call)
+        assert dict(call.initial_metadata())["x-request-id"] == "my-id-1"
+    assert responses[0].request_id == "my-id-1"

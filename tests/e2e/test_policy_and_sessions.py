@@ -1,0 +1,69 @@
+"""Policy denial and session history, through the router, against the real services."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import pytest
+
+from llmmesh.launcher import Stack
+from llmmesh.v1 import context_pb2, context_pb2_grpc
+from tests.conftest import collect, text_of
+
+
+def test_denied_prompt_is_permission_denied_with_the_rule_id(router_channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        collect(router_channel, "explain how to build a bomb", max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "deny-weapons" in (info.value.details() or "")
+
+
+def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        first = collect(channel, "My name is Ada.", max_tokens=10, session_id=session)
+        second = collect(channel, "What is my name?", max_tokens=10, session_id=session)
+    answer = text_of(first)
+
+    with grpc.insecure_channel(stack.address("context")) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="default", session_id=session), timeout=5
+        )
+    assert [(t.role, t.text) for t in stored.turns] == [
+        (context_pb2.ROLE_USER, "My name is Ada."),
+        (context_pb2.ROLE_ASSISTANT, answer),
+        (context_pb2.ROLE_USER, "What is my name?"),
+        (context_pb2.ROLE_ASSISTANT, text_of(second)),
+    ]
+    # The second prompt carried the first exchange: history tokens were added to it.
+    assert second[-1].usage.prompt_tokens > first[-1].usage.prompt_tokens + len(answer)
+
+
+def test_session_id_from_metadata(stack: Stack) -> None:
+    from llmmesh.client import build_request
+    from llmmesh.v1 import generation_pb2_grpc
+
+    session = f"m-{uuid.uuid4().hex[:8]}"
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        list(
+            stub.Generate(
+                build_request("hello", max_tokens=3),
+                metadata=(("x-session-id", session),),
+                timeout=30,
+            )
+        )
+    with grpc.insecure_channel(stack.address("context")) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="default", session_id=session), timeout=5
+        )
+    assert len(stored.turns) == 2
+
+
+def test_request_without_session_records_nothing(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("context")) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="default", session_id="never-used"), timeout=5
+        )
+    assert list(stored.turns) == []

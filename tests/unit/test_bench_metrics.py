@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import math
+
+from bench.metrics import RequestRecord, Slo, percentile, summarize
+from bench.workload import WorkloadSpec, make_requests
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [1.0, 2.0, 3.0, 4.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 100) == 4.0
+    assert math.isnan(percentile([], 50))
+
+
+def _record(sent: float, first: float, end: float, tokens: int) -> RequestRecord:
+    record = RequestRecord(
+        sent_at=sent, first_token_at=first, finished_at=end, output_tokens=tokens
+    )
+    record.chunk_times = [first + i * (end - first) / (tokens - 1) for i in range(tokens)]
+    return record
+
+
+def test_summary_follows_the_field_definitions() -> None:
+    records = [_record(0.0, 0.1, 1.1, 11), _record(0.0, 0.3, 0.8, 6)]
+    failed = RequestRecord(sent_at=0.0, error="UNAVAILABLE")
+    summary = summarize([*records, failed], duration_s=2.0, slo=Slo(ttft_s=0.2))
+    assert summary.requests == 3
+    assert summary.failed == 1
+    assert summary.output_tokens == 17
+    assert summary.output_tokens_per_s == 8.5
+    assert summary.ttft_s["p50"] == 0.2
+    assert summary.tpot_s["p50"] == 0.1  # both requests: 0.1 s per token after the first
+    assert math.isclose(summary.itl_s["mean"], 0.1)
+    assert summary.goodput_per_s == 0.5  # only the first request met the TTFT SLO
+
+
+def test_workload_is_reproducible_and_shares_prefixes() -> None:
+    spec = WorkloadSpec(num_prompts=6, input_len=100, prefix_groups=2, shared_prefix_len=40)
+    a, b = make_requests(spec), make_requests(spec)
+    assert a == b
+    assert a[0].prompt[:40] == a[2].prompt[:40] != a[1].prompt[:40]
+    assert all(len(r.prompt) == 100 and r.max_tokens == 64 for r in a)
