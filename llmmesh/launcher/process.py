@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ class Child:
             # Own session: Ctrl-C in the terminal reaches only the launcher, which stops
             # children in order; and killing the group also reaches Triton's backend stubs.
             process = subprocess.Popen(
-                command,
+                _exit_with_parent(command),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -90,3 +91,22 @@ class Child:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        # Killed grandchildren (Triton's backend stubs) are reaped by init; wait for that,
+        # so that a stopped stack has no process left at all.
+        if not poll_until(lambda: not _group_exists(self.process.pid), 10.0):
+            log.warning("processes of %s's group outlived SIGKILL", self.name)
+
+
+def _exit_with_parent(command: list[str]) -> list[str]:
+    """Has the child SIGTERMed when the launcher dies, even by SIGKILL, so a killed launcher
+    never leaves a stack behind (PR_SET_PDEATHSIG, set by util-linux's setpriv)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -79,7 +79,7 @@ class Stack:
             self._start_triton()
             for name in SERVICES:
                 self._children[name] = Child.service(
-                    name, self._service_env(name), self.log_path(name), self.workdir
+                    name, self.service_env(name), self.log_path(name), self.workdir
                 )
             deadline = time.monotonic() + timeout_s
             self._wait_triton(deadline)
@@ -130,7 +130,7 @@ class Stack:
             "triton", command, dist.environment(), self.log_path("triton"), self.workdir
         )
 
-    def _service_env(self, name: str) -> dict[str, str]:
+    def service_env(self, name: str) -> dict[str, str]:
         prefix = f"LLM_MESH_{name.upper()}_"
         env = {
             **os.environ,

@@ -10,6 +10,7 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -124,4 +125,5 @@ def service_main(
     async def serve() -> None:
         await run_service(build(config))
 
-    asyncio.run(serve())
+    # uvloop: a faster event loop; every token crosses several of them.
+    uvloop.run(serve())

@@ -43,6 +43,9 @@ TOKEN_USAGE = Histogram(
     ["model", "gen_ai_token_type"],
     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
 )
+# The model prepends a beginning-of-sequence token to every prompt.
+BOS_TOKENS = 1
+
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
 
@@ -117,12 +120,13 @@ class RouterCore:
             self._load_history(request),
         )
         user_text = self._admit(verdict) or request.prompt
-        budget = self._config.model_context_tokens - request.sampling.max_tokens
+        budget = self._config.model_context_tokens - request.sampling.max_tokens - BOS_TOKENS
         prompt, dropped = build_prompt(history, user_text, budget, self._count)
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
-        return Prepared(request, call, user_text, self._count(prompt), received_at)
+        prompt_tokens = self._count(prompt) + BOS_TOKENS
+        return Prepared(request, call, user_text, prompt_tokens, received_at)
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[Chunk]:
         """Relays the generation; records the turn in the session before the last chunk."""
@@ -151,9 +155,9 @@ class RouterCore:
             TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
             TOKEN_USAGE.labels(model, "output").observe(completion_tokens)
 
-    async def _load_history(self, request: GenerateInput) -> list[Turn]:
+    async def _load_history(self, request: GenerateInput) -> list[Turn] | None:
         if not request.session_id:
-            return []
+            return None
         return await self._context.load(request.request_id, request.tenant, request.session_id)
 
     def _admit(self, verdict: Verdict) -> str:

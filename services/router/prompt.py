@@ -19,13 +19,21 @@ def render_turn(turn: Turn) -> str:
 
 
 def build_prompt(
-    history: Sequence[Turn],
+    history: Sequence[Turn] | None,
     user_text: str,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
 ) -> tuple[str, int]:
-    """Returns (prompt, dropped turns): the most recent history that fits ``budget_tokens``."""
-    tail = render_turn(Turn(Role.USER, user_text)) + _TAGS[Role.ASSISTANT] + "\n"
+    """Returns (prompt, dropped turns): the most recent history that fits ``budget_tokens``.
+
+    Without a session (``history`` is None) the prompt goes to the model as it is, a plain
+    completion; a session's turns are laid out in the chat format.
+    """
+    tail = (
+        user_text
+        if history is None
+        else render_turn(Turn(Role.USER, user_text)) + _TAGS[Role.ASSISTANT] + "\n"
+    )
     used = count_tokens(tail)
     if used > budget_tokens:
         raise InvalidArgument(
@@ -34,7 +42,7 @@ def build_prompt(
             f"({budget_tokens} tokens available after max_tokens)",
         )
     kept: list[str] = []
-    for turn in reversed(history):
+    for turn in reversed(history or ()):
         rendered = render_turn(turn)
         cost = count_tokens(rendered)
         if used + cost > budget_tokens:
@@ -42,4 +50,4 @@ def build_prompt(
         kept.append(rendered)
         used += cost
     kept.reverse()
-    return "".join(kept) + tail, len(history) - len(kept)
+    return "".join(kept) + tail, len(history or ()) - len(kept)

@@ -13,6 +13,7 @@ from tests.conftest import bad_request_fields, collect
 CASES: list[tuple[str, dict[str, Any], str]] = [
     ("", {}, "prompt"),
     ("x" * 8193, {}, "prompt"),
+    ("x" * 2000, {"max_tokens": 100}, "prompt"),  # prompt + max_tokens exceed the context
     ("hi", {"max_tokens": -1}, "sampling.max_tokens"),
     ("hi", {"max_tokens": 1025}, "sampling.max_tokens"),
     ("hi", {"temperature": -0.5}, "sampling.temperature"),

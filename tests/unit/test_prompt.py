@@ -33,3 +33,7 @@ def test_prompt_that_cannot_fit_is_invalid() -> None:
     with pytest.raises(InvalidArgument) as info:
         build_prompt([], "x" * 100, 50, count)
     assert info.value.field == "prompt"
+
+
+def test_without_a_session_the_prompt_is_sent_as_is() -> None:
+    assert build_prompt(None, "complete this", 100, count) == ("complete this", 0)

@@ -121,6 +121,7 @@ class TritonPythonModel:
             d_ff=int(params.get("d_ff", 1024)),
             max_context=int(params.get("max_context", 2048)),
         )
+        _limit_blas_threads(int(params.get("blas_threads", 1)))
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
         self.stats = StatsExporter(args["model_name"])
         self.engine = Engine(model, ByteTokenizer(), on_stats=self.stats.publish)
@@ -139,6 +140,17 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.stop()
+
+
+def _limit_blas_threads(threads: int) -> None:
+    """Decode steps are small matrix products: extra BLAS threads only contend for cores
+    that the serving stack needs. threadpoolctl is optional in the backend's environment."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pb_utils.Logger.log_warn("threadpoolctl is not installed; BLAS threads are not limited")
+        return
+    threadpool_limits(limits=threads, user_api="blas")
 
 
 def _parse(request: Any) -> GenerationRequest:

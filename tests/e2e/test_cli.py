@@ -1,0 +1,131 @@
+"""The commands a user types: `llm-mesh up`, `llm-mesh generate`, as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+
+CLI = [sys.executable, "-m", "llmmesh.cli"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def generate(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "generate", *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    workdir = tmp_path_factory.mktemp("up")
+    state = workdir / "state.json"
+    process = subprocess.Popen(
+        [
+            *CLI,
+            "up",
+            "--free-ports",
+            "--demo",
+            "--workdir",
+            str(workdir),
+            "--state-file",
+            str(state),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: state.exists() or process.poll() is not None, 180, "llm-mesh up")
+        assert process.poll() is None, process.communicate()[0]
+        yield process, state
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()  # its children follow it (they exit with their parent)
+                process.wait()
+
+
+def test_up_writes_every_endpoint_to_the_state_file(
+    up: tuple[subprocess.Popen[str], Path],
+) -> None:
+    state = json.loads(up[1].read_text())
+    expected = {
+        "router",
+        "inference",
+        "policy",
+        "context",
+        "triton_grpc",
+        "triton_http",
+        "triton_metrics",
+    }
+    assert expected <= set(state)
+    for name in expected:
+        host, port = state[name].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+
+
+def test_generate_streams_and_prints_ttft_and_rate(up: tuple[subprocess.Popen[str], Path]) -> None:
+    router = json.loads(up[1].read_text())["router"]
+    result = generate(
+        "Once upon a time", "--max-tokens", "64", "--session", "demo", "--router", router
+    )
+    assert result.returncode == 0, result.stderr
+    completion_tokens = int(result.stderr.split(" tokens,")[0].rsplit(" ", 1)[-1])
+    assert len(result.stdout.removesuffix("\n")) == completion_tokens > 0
+    assert "TTFT" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_generate_errors_exit_nonzero_with_the_status(
+    up: tuple[subprocess.Popen[str], Path],
+) -> None:
+    router = json.loads(up[1].read_text())["router"]
+    bad = generate("hi", "--max-tokens", "0", "--top-p", "7", "--router", router)
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.top_p" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    down = generate("hi", "--router", "127.0.0.1:1", "--timeout", "5")
+    assert down.returncode == 1
+    assert "UNAVAILABLE" in down.stderr
+
+
+def test_ctrl_c_stops_everything_and_leaves_no_process(
+    up: tuple[subprocess.Popen[str], Path],
+) -> None:
+    process, state_file = up
+    pids = json.loads(state_file.read_text())["pids"]
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, output
+    assert "demo:" in output and "TTFT" in output
+    assert not state_file.exists()
+    for name, pid in pids.items():
+        assert not _pid_alive(pid), f"{name} is still running"
+        # Each child led its own process group; Triton's backend stubs lived in Triton's.
+        assert not _group_alive(pid), f"a process of {name}'s group is still running"

@@ -1,0 +1,94 @@
+"""Faults: Triton down, graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmmesh.client import build_request
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
+from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.conftest import collect
+
+
+def _service(stack: Stack, name: str, port: int, tmp_path: Path, **overrides: str) -> Child:
+    """Another instance of a stack service on ``port``, its settings overridden."""
+    prefix = f"LLM_MESH_{name.upper()}_"
+    env = stack.service_env(name) | {f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": "0"}
+    env |= {prefix + key.upper(): value for key, value in overrides.items()}
+    child = Child.service(name, env, tmp_path / f"{name}.log", tmp_path)
+    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 30)
+    return child
+
+
+@pytest.fixture
+def extra_ports() -> StackPorts:
+    return StackPorts.free()
+
+
+@pytest.fixture
+def router_without_triton(stack: Stack, tmp_path: Path, extra_ports: StackPorts) -> Iterator[str]:
+    """A router and an inference service whose Triton address has nothing listening."""
+    dead_triton = f"127.0.0.1:{extra_ports.triton_grpc}"
+    inference = _service(
+        stack, "inference", extra_ports.inference, tmp_path, triton_url=dead_triton
+    )
+    try:
+        router = _service(
+            stack,
+            "router",
+            extra_ports.router,
+            tmp_path,
+            inference_addresses=f'["127.0.0.1:{extra_ports.inference}"]',
+        )
+        try:
+            yield f"127.0.0.1:{extra_ports.router}"
+        finally:
+            router.terminate(5)
+    finally:
+        inference.terminate(5)
+
+
+def test_triton_down_is_unavailable_and_says_so(router_without_triton: str) -> None:
+    with (
+        grpc.insecure_channel(router_without_triton) as channel,
+        pytest.raises(grpc.RpcError) as info,
+    ):
+        collect(channel, "hello", max_tokens=4)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Triton" in (info.value.details() or "")
+    assert "Traceback" not in (info.value.details() or "")
+
+
+def test_sigterm_drains_the_stream_in_flight(
+    stack: Stack, tmp_path: Path, extra_ports: StackPorts
+) -> None:
+    address = f"127.0.0.1:{extra_ports.router}"
+    router = _service(stack, "router", extra_ports.router, tmp_path)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(build_request("drain", max_tokens=300, ignore_eos=True))
+            replies: list[generation_pb2.GenerateResponse] = []
+            replies.append(next(call))  # the stream is in flight
+            router.process.send_signal(signal.SIGTERM)
+            finished = threading.Event()
+
+            def read_rest() -> None:
+                replies.extend(call)
+                finished.set()
+
+            threading.Thread(target=read_rest, daemon=True).start()
+            assert finished.wait(30), "the in-flight stream did not finish"
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert replies[-1].usage.completion_tokens == 300
+        assert router.process.wait(30) == 0
+    finally:
+        router.terminate(5)
