@@ -78,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
             f"tokens each (ignore_eos).\n\n{results_table(runs)}\n\n{comparison}"
         )
         update_markdown(args.markdown, args.section, body)
+    for failed in (r for r in runs if r.summary.failed):
+        print(
+            f"{failed.target} {failed.load}: {failed.summary.failed} requests failed, "
+            f"e.g. {failed.summary.errors[0]}",
+            file=sys.stderr,
+        )
     print(f"\nresults: {args.out}", file=sys.stderr)
     return 1 if any(r.summary.failed for r in runs) else 0
 

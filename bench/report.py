@@ -75,9 +75,10 @@ def comparison_table(runs: list[Run], baseline: str, candidate: str) -> str:
     for load, targets in by_load.items():
         if baseline in targets and candidate in targets:
             base, cand = targets[baseline], targets[candidate]
-            added = cand.ttft_s["p50"] - base.ttft_s["p50"]
-            ratio = cand.output_tokens_per_s / base.output_tokens_per_s
-            lines.append(f"| {load} | {added * 1000:+.2f} | {ratio:.3f} |")
+            added = (cand.ttft_s["p50"] - base.ttft_s["p50"]) * 1000
+            base_rate = base.output_tokens_per_s
+            ratio = f"{cand.output_tokens_per_s / base_rate:.3f}" if base_rate else "n/a"
+            lines.append(f"| {load} | {added:+.2f} | {ratio} |")
     return "\n".join(lines)
 
 

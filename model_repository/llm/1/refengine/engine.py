@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"
 # Asking Triton whether a request was cancelled is an IPC round trip; do it at most this often.
-CANCEL_CHECK_INTERVAL_S = 0.005
+CANCEL_CHECK_INTERVAL_S = 0.025
 
 
 class Sink(Protocol):

@@ -1,0 +1,84 @@
+"""Building vLLM-contract requests and reading responses in Triton's raw tensor layout."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from llmmesh.runtime.errors import InvalidArgument, Unavailable
+from llmmesh.types import FinishReason, InferenceCall, Sampling
+from services.inference.triton import (
+    _stream_error,
+    build_request,
+    bytes_tensor,
+    first_bytes_element,
+    parse_response,
+)
+
+
+def test_request_carries_the_vllm_inputs() -> None:
+    call = InferenceCall("r-1", "llm", "héllo", Sampling(max_tokens=5, temperature=0.0, seed=3))
+    request = build_request(call)
+    assert (request.model_name, request.id) == ("llm", "r-1")
+    inputs = {
+        i.name: (i.datatype, raw)
+        for i, raw in zip(request.inputs, request.raw_input_contents, strict=True)
+    }
+    assert first_bytes_element(inputs["text_input"][1]).decode() == "héllo"
+    assert inputs["stream"] == ("BOOL", b"\x01")
+    assert inputs["exclude_input_in_output"] == ("BOOL", b"\x01")
+    params = json.loads(first_bytes_element(inputs["sampling_parameters"][1]))
+    assert params == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "seed": 3}
+    assert [o.name for o in request.outputs] == [
+        "text_output",
+        "finish_reason",
+        "num_output_tokens",
+    ]
+
+
+def test_response_is_read_from_raw_outputs_in_any_order() -> None:
+    response = service_pb2.ModelInferResponse()
+    for name in ("num_output_tokens", "text_output", "finish_reason"):
+        response.outputs.add(name=name)
+    response.raw_output_contents.extend(
+        [struct.pack("<I", 3), bytes_tensor(b"abc"), bytes_tensor(b"stop")]
+    )
+    chunk = parse_response(response)
+    assert (chunk.text, chunk.num_tokens, chunk.finish_reason) == ("abc", 3, FinishReason.STOP)
+
+
+def test_intermediate_response_has_no_finish_reason() -> None:
+    response = service_pb2.ModelInferResponse()
+    for name in ("text_output", "finish_reason", "num_output_tokens"):
+        response.outputs.add(name=name)
+    response.raw_output_contents.extend(
+        [bytes_tensor(b"x"), bytes_tensor(b""), struct.pack("<I", 1)]
+    )
+    assert parse_response(response).finish_reason is None
+
+
+@pytest.mark.parametrize(
+    ("message", "kind", "field"),
+    [
+        (
+            "sampling_parameters.top_p: must be in (0, 1], got 2",
+            InvalidArgument,
+            "sampling_parameters.top_p",
+        ),
+        (
+            "text_input: prompt is 3000 tokens; the model's context is 2048",
+            InvalidArgument,
+            "text_input",
+        ),
+        ("Request for unknown model: 'x' is not found", InvalidArgument, "model"),
+        ("generation failed: out of memory", Unavailable, None),
+    ],
+)
+def test_model_errors_map_to_statuses(message: str, kind: type, field: str | None) -> None:
+    err = _stream_error(message, "x")
+    assert isinstance(err, kind)
+    if field is not None:
+        assert isinstance(err, InvalidArgument) and err.field == field
