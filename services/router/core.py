@@ -6,9 +6,10 @@ No gRPC here: upstreams are reached through the small client interfaces in upstr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from prometheus_client import Counter, Histogram
@@ -62,12 +63,35 @@ class GenerateInput:
     session_id: str = ""
 
 
+class StartedStream:
+    """An inference stream whose first chunk is already being fetched (the request is on
+    its way to the model), consumed later by whoever relays it."""
+
+    def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
+        self._chunks = chunks
+        self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        yield await self._first
+        async for chunk in self._chunks:
+            yield chunk
+
+    async def abandon(self) -> None:
+        """Cancels the generation if it is still running (idempotent)."""
+        if not self._first.done():
+            self._first.cancel()
+            with contextlib.suppress(BaseException):
+                await self._first
+        await self._chunks.aclose()
+
+
 @dataclass(frozen=True)
 class Prepared:
-    """A request that passed admission: what goes to inference, and what to record after."""
+    """A request that passed admission: its started generation, and what to record after."""
 
     request: GenerateInput
     call: InferenceCall
+    stream: StartedStream
     user_text: str
     prompt_tokens: int
     received_at: float
@@ -112,29 +136,52 @@ class RouterCore:
         return replace(request, model=model, sampling=sampling)
 
     async def prepare(self, request: GenerateInput) -> Prepared:
-        """Validation, policy and session history; raises before anything is streamed."""
+        """Validation, policy and session history; raises before anything is streamed.
+
+        Policy is checked while the generation already starts (speculatively, with the
+        prompt as sent): its latency is hidden from the time to first token. A denial
+        cancels the generation before any of it is released; a redaction restarts it with
+        the redacted prompt.
+        """
         received_at = time.perf_counter()
         request = self.validate(request)
-        verdict, history = await asyncio.gather(
-            self._policy.check_input(request.request_id, request.tenant, request.prompt),
-            self._load_history(request),
+        verdict = asyncio.create_task(
+            self._policy.check_input(request.request_id, request.tenant, request.prompt)
         )
-        user_text = self._admit(verdict) or request.prompt
+        try:
+            history = await self._load_history(request)
+            call, prompt_tokens = self._build_call(request, history, request.prompt)
+            started = StartedStream(self._inference.generate(call))
+            try:
+                user_text = self._admit(await verdict) or request.prompt
+                if user_text != request.prompt:
+                    await started.abandon()
+                    call, prompt_tokens = self._build_call(request, history, user_text)
+                    started = StartedStream(self._inference.generate(call))
+            except BaseException:
+                await started.abandon()
+                raise
+        finally:
+            verdict.cancel()
+        return Prepared(request, call, started, user_text, prompt_tokens, received_at)
+
+    def _build_call(
+        self, request: GenerateInput, history: list[Turn] | None, user_text: str
+    ) -> tuple[InferenceCall, int]:
         budget = self._config.model_context_tokens - request.sampling.max_tokens - BOS_TOKENS
         prompt, dropped = build_prompt(history, user_text, budget, self._count)
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
-        prompt_tokens = self._count(prompt) + BOS_TOKENS
-        return Prepared(request, call, user_text, prompt_tokens, received_at)
+        return call, self._count(prompt) + BOS_TOKENS
 
-    async def stream(self, prepared: Prepared) -> AsyncIterator[Chunk]:
+    async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:
         """Relays the generation; records the turn in the session before the last chunk."""
         model = prepared.request.model
         parts: list[str] = []
         completion_tokens, outcome = 0, "cancelled"
         try:
-            async for chunk in self._inference.generate(prepared.call):
+            async for chunk in prepared.stream.chunks():
                 if not parts and chunk.text:
                     TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
                 parts.append(chunk.text)
@@ -151,6 +198,7 @@ class RouterCore:
             outcome = "unavailable"
             raise
         finally:
+            await prepared.stream.abandon()
             REQUESTS.labels(model, outcome).inc()
             TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
             TOKEN_USAGE.labels(model, "output").observe(completion_tokens)

@@ -12,9 +12,10 @@ from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import REQUEST_ID, SESSION_ID, bind_request_id, metadata_value
 from llmmesh.runtime.registration import add_servicer
+from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import RouterConfig
-from services.router.core import GenerateInput, RouterCore
+from services.router.core import GenerateInput, Prepared, RouterCore
 from services.router.upstreams import (
     CHANNEL_OPTIONS,
     GrpcContextClient,
@@ -41,34 +42,52 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = bind_request_id(context)
         await context.send_initial_metadata(((REQUEST_ID, request_id),))
         try:
-            prepared = await self._core.prepare(
-                GenerateInput(
-                    request_id=request_id,
-                    tenant=self._tenant,
-                    model=request.model,
-                    prompt=request.prompt,
-                    sampling=sampling_from_pb(request.sampling),
-                    session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
-                )
-            )
-            first, completion_tokens = True, 0
-            async for chunk in self._core.stream(prepared):
-                completion_tokens += chunk.num_tokens
-                response = generation_pb2.GenerateResponse(text=chunk.text)
-                if first:
-                    response.request_id, response.model = request_id, prepared.request.model
-                    first = False
-                if chunk.finish_reason is not None:
-                    response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
-                    response.usage.CopyFrom(
-                        common_pb2.Usage(
-                            prompt_tokens=prepared.prompt_tokens,
-                            completion_tokens=completion_tokens,
-                        )
-                    )
-                yield response
+            prepared = await self._core.prepare(self._decode(request, request_id, context))
+            try:
+                async for response in _responses(self._core.stream(prepared), prepared):
+                    yield response
+            finally:
+                # Also covers a client gone between prepare and the first read.
+                await prepared.stream.abandon()
         except MeshError as err:
             await abort(context, err)
+
+    def _decode(
+        self,
+        request: generation_pb2.GenerateRequest,
+        request_id: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> GenerateInput:
+        return GenerateInput(
+            request_id=request_id,
+            tenant=self._tenant,
+            model=request.model,
+            prompt=request.prompt,
+            sampling=sampling_from_pb(request.sampling),
+            session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
+        )
+
+
+async def _responses(
+    chunks: AsyncIterator[Chunk], prepared: Prepared
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """Chunks as public responses: ids on the first, finish reason and usage on the last."""
+    first, completion_tokens = True, 0
+    async for chunk in chunks:
+        completion_tokens += chunk.num_tokens
+        response = generation_pb2.GenerateResponse(text=chunk.text)
+        if first:
+            response.request_id = prepared.request.request_id
+            response.model = prepared.request.model
+            first = False
+        if chunk.finish_reason is not None:
+            response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
+            response.usage.CopyFrom(
+                common_pb2.Usage(
+                    prompt_tokens=prepared.prompt_tokens, completion_tokens=completion_tokens
+                )
+            )
+        yield response
 
 
 class Upstreams:

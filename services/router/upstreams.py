@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 import grpc
@@ -36,7 +36,7 @@ class ContextClient(Protocol):
 
 
 class InferenceClient(Protocol):
-    def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]: ...
+    def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]: ...
 
 
 _ACTION_FROM_PB = {
@@ -121,7 +121,7 @@ class GrpcInferenceClient:
         self._stub = inference_pb2_grpc.InferenceStub(channel)
         self.address = address
 
-    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+    async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""
         request = inference_pb2.InferenceRequest(
             request_id=call.request_id,

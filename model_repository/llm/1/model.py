@@ -9,6 +9,7 @@ Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last respons
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from typing import Any
 
@@ -28,25 +29,62 @@ from refengine.contract import decode_text, parse_sampling_parameters
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class TritonSink:
-    """Sends one request's output through its decoupled response sender."""
+class Outbox:
+    """Sends responses from a thread of its own, in order.
 
-    def __init__(self, request: Any) -> None:
+    A decoupled response send waits for Triton's main process; off the engine thread, that
+    wait overlaps with the next forward pass instead of adding to every token's latency.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, tuple[str, str, int] | str, int] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, sender: Any, payload: tuple[str, str, int] | str, flags: int = 0) -> None:
+        """``payload``: (text, finish reason, tokens), or an error message (always final)."""
+        self._queue.put((sender, payload, flags))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sender, payload, flags = item
+            try:
+                if isinstance(payload, str):
+                    error = pb_utils.TritonError(payload)
+                    sender.send(
+                        pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL
+                    )
+                else:
+                    sender.send(_response(*payload), flags=flags)
+            except Exception as exc:  # e.g. the client went away; other requests go on
+                pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
+
+
+class TritonSink:
+    """One request's output, sent through its decoupled response sender via the outbox."""
+
+    def __init__(self, request: Any, outbox: Outbox) -> None:
         self._request = request
         self._sender = request.get_response_sender()
+        self._outbox = outbox
 
     def is_cancelled(self) -> bool:
         return bool(self._request.is_cancelled())
 
     def emit(self, text: str, num_tokens: int) -> None:
-        self._sender.send(_response(text, "", num_tokens))
+        self._outbox.put(self._sender, (text, "", num_tokens))
 
     def finish(self, text: str, num_tokens: int, reason: str) -> None:
-        self._sender.send(_response(text, reason, num_tokens), flags=FINAL)
+        self._outbox.put(self._sender, (text, reason, num_tokens), FINAL)
 
     def fail(self, message: str) -> None:
-        error = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
-        self._sender.send(error, flags=FINAL)
+        self._outbox.put(self._sender, message, FINAL)
 
 
 class StatsExporter:
@@ -123,6 +161,7 @@ class TritonPythonModel:
         )
         _limit_blas_threads(int(params.get("blas_threads", 1)))
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
+        self.outbox = Outbox()
         self.stats = StatsExporter(args["model_name"])
         self.engine = Engine(model, ByteTokenizer(), on_stats=self.stats.publish)
         self.stats.publish(self.engine.stats)
@@ -130,7 +169,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = TritonSink(request)
+            sink = TritonSink(request, self.outbox)
             try:
                 self.engine.submit(_parse(request), sink)
             except RequestError as exc:
@@ -140,6 +179,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.outbox.close()
 
 
 def _limit_blas_threads(threads: int) -> None:
