@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import LoadShape, run_load
+from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
 from bench.report import Run, comparison_table, results_table, update_markdown, write_json
 from bench.targets import RouterTarget, Target, TritonTarget
@@ -54,6 +54,12 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--shared-prefix-len", type=int, default=0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--warmup", type=int, default=4)
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every measurement, alternating targets; results are pooled",
+    )
     bench.add_argument("--ttft-slo-ms", type=float)
     bench.add_argument("--tpot-slo-ms", type=float)
     bench.add_argument("--out", type=Path, default=Path("bench/results/latest.json"))
@@ -74,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         body = (
             f"Command: `{command}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output "
-            f"tokens each (ignore_eos).\n\n{results_table(runs)}\n\n{comparison}"
+            f"{args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
+            f"{args.output_len} output tokens each (ignore_eos).\n\n"
+            f"{results_table(runs)}\n\n{comparison}"
         )
         update_markdown(args.markdown, args.section, body)
     for failed in (r for r in runs if r.summary.failed):
@@ -124,25 +131,31 @@ async def _run_all(args: argparse.Namespace) -> list[Run]:
         else [LoadShape(concurrency=int(c)) for c in args.concurrency.split(",")]
     )
     targets = _targets(args)
-    runs = []
+    order = {target.name: i for i, target in enumerate(targets)}
+    pooled: dict[tuple[int, str], Measurement] = {}
     try:
-        for index, shape in enumerate(shapes):
-            # Alternate the order per load level so neither target always runs second.
-            ordered = targets if index % 2 == 0 else list(reversed(targets))
-            for target in ordered:
-                summary = await run_load(
-                    target, requests, shape, slo, warmup=args.warmup, progress=not args.no_progress
-                )
-                runs.append(Run(target.name, shape.label(), shape.concurrency, summary))
+        for round_index in range(args.rounds):
+            for index, shape in enumerate(shapes):
+                # Alternate the order so that neither target always runs second.
+                flip = (round_index + index) % 2 == 1
+                for target in reversed(targets) if flip else targets:
+                    measured = await run_load(
+                        target, requests, shape, warmup=args.warmup, progress=not args.no_progress
+                    )
+                    key = (index, target.name)
+                    if key in pooled:
+                        pooled[key].add(measured)
+                    else:
+                        pooled[key] = measured
     finally:
         for target in targets:
             await target.close()
-    order = {t.name: i for i, t in enumerate(targets)}
-    return sorted(runs, key=lambda r: (shapes.index(_shape_of(r, shapes)), order[r.target]))
-
-
-def _shape_of(run: Run, shapes: list[LoadShape]) -> LoadShape:
-    return next(s for s in shapes if s.label() == run.load)
+    return [
+        Run(name, shapes[index].label(), shapes[index].concurrency, measured.summary(slo))
+        for (index, name), measured in sorted(
+            pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])
+        )
+    ]
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

@@ -69,15 +69,29 @@ async def _open_loop(
     return list(await asyncio.gather(*tasks))
 
 
+@dataclass
+class Measurement:
+    """Records of one or more runs of a target at one load, pooled."""
+
+    records: list[RequestRecord]
+    duration_s: float
+
+    def add(self, other: Measurement) -> None:
+        self.records += other.records
+        self.duration_s += other.duration_s
+
+    def summary(self, slo: Slo) -> Summary:
+        return summarize(self.records, self.duration_s, slo)
+
+
 async def run_load(
     target: Target,
     requests: list[BenchRequest],
     shape: LoadShape,
-    slo: Slo,
     *,
     warmup: int = 2,
     progress: bool = True,
-) -> Summary:
+) -> Measurement:
     """Warms up with ``warmup`` requests, then measures the whole workload."""
     for request in requests[:warmup]:
         await _one(target, request, None)
@@ -92,4 +106,4 @@ async def run_load(
             raise ValueError("LoadShape needs a concurrency or a rate")
     finally:
         bar.close()
-    return summarize(records, time.perf_counter() - started, slo)
+    return Measurement(records, time.perf_counter() - started)

@@ -64,7 +64,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
-    first response only; also sent as x-request-id in the initial metadata.
+    first response only; also sent as x-request-id in the trailing metadata.
     """
     text: _builtins.str
     """Text generated since the previous response (may be empty on the last one)."""

@@ -86,18 +86,22 @@ class TritonBackend:
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         stream = self._stub.ModelStreamInfer(timeout=self._timeout)
+        finished = False
         try:
             await self._send(stream, build_request(call))
-            while True:
+            while not finished:
                 reply = await self._next(stream)
                 if reply.error_message:
+                    finished = True
                     raise _stream_error(reply.error_message, call.model)
                 chunk = parse_response(reply.infer_response)
+                finished = chunk.finish_reason is not None
                 yield chunk
-                if chunk.finish_reason is not None:
-                    return
         finally:
-            stream.cancel()
+            # Cancel only a generation cut short: cancelling a stream Triton has finished
+            # leaves it waiting for that stream at shutdown.
+            if not finished:
+                stream.cancel()
 
     async def _send(self, stream: Any, request: service_pb2.ModelInferRequest) -> None:
         try:

@@ -40,7 +40,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = bind_request_id(context)
-        await context.send_initial_metadata(((REQUEST_ID, request_id),))
+        # In the trailers, which go out with the status (errors included) at no extra cost;
+        # headers sent up front would delay the first token.
+        context.set_trailing_metadata(((REQUEST_ID, request_id),))
         try:
             prepared = await self._core.prepare(self._decode(request, request_id, context))
             try:

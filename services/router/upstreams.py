@@ -130,16 +130,19 @@ class GrpcInferenceClient:
             sampling=sampling_to_pb(call.sampling),
         )
         rpc = self._stub.Generate(request, metadata=_metadata(call.request_id))
-        seen = 0
+        seen, finished = 0, False
         try:
             async for reply in rpc:
-                yield Chunk(
+                chunk = Chunk(
                     text=reply.text,
                     num_tokens=reply.num_output_tokens - seen,
                     finish_reason=finish_reason_from_pb(reply.finish_reason),
                 )
-                seen = reply.num_output_tokens
+                seen, finished = reply.num_output_tokens, chunk.finish_reason is not None
+                yield chunk
         except grpc.aio.AioRpcError as exc:
+            finished = True
             raise from_rpc_error(exc, f"inference replica {self.address}") from None
         finally:
-            rpc.cancel()
+            if not finished:  # cut short: the replica must stop generating
+                rpc.cancel()

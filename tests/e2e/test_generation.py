@@ -55,5 +55,5 @@ def test_request_id_from_metadata_is_echoed(stack: Stack) -> None:
             build_request("id", max_tokens=2), metadata=(("x-request-id", "my-id-1"),)
         )
         responses = list(call)
-        assert dict(call.initial_metadata())["x-request-id"] == "my-id-1"
+        assert dict(call.trailing_metadata())["x-request-id"] == "my-id-1"
     assert responses[0].request_id == "my-id-1"
