@@ -23,8 +23,10 @@ typecheck: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m llmmesh.codegen
 
+# Starts its own stack on free ports; results go to docs/benchmarks.md and bench/results/.
 bench: $(STAMP)
-	$(BIN)/llm-mesh bench --compare --concurrency 1,16 --markdown docs/benchmarks.md
+	$(BIN)/llm-mesh bench --start-stack --compare --concurrency 1,16 --num-prompts 48 \
+		--rounds 5 --markdown docs/benchmarks.md --section baseline
 
 setup: $(STAMP)
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--router", help="router host:port (default: the state file's)")
     bench.add_argument("--triton", help="Triton gRPC host:port (default: the state file's)")
     bench.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE)
+    bench.add_argument(
+        "--start-stack",
+        action="store_true",
+        help="start a local stack on free ports for the run, then stop it",
+    )
     bench.add_argument("--model", default="llm")
     load = bench.add_mutually_exclusive_group()
     load.add_argument(
@@ -70,6 +76,20 @@ def add_bench_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.start_stack:
+        from llmmesh.launcher import Stack, StackPorts
+
+        with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+            stack = Stack(Path(workdir), StackPorts.free())
+            print("starting a local stack ...", file=sys.stderr)
+            with stack:
+                args.router = stack.address("router")
+                args.triton = stack.address("triton_grpc")
+                return _measure_and_report(args)
+    return _measure_and_report(args)
+
+
+def _measure_and_report(args: argparse.Namespace) -> int:
     runs = asyncio.run(_run_all(args))
     command = "llm-mesh " + shlex.join(sys.argv[1:])
     write_json(args.out, command, _config(args), runs)

@@ -95,7 +95,12 @@ async def run_load(
     """Warms up with ``warmup`` requests, then measures the whole workload."""
     for request in requests[:warmup]:
         await _one(target, request, None)
-    bar = tqdm(total=len(requests), desc=f"{target.name} {shape.label()}", disable=not progress)
+    # disable=None: no bar when stderr is not a terminal (CI logs).
+    bar = tqdm(
+        total=len(requests),
+        desc=f"{target.name} {shape.label()}",
+        disable=None if progress else True,
+    )
     started = time.perf_counter()
     try:
         if shape.concurrency:
