@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from llmmesh.types import FinishReason, Sampling
-from llmmesh.v1 import common_pb2
+from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.types import FinishReason, Role, Sampling, Turn
+from llmmesh.v1 import common_pb2, context_pb2
 
 _TO_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -48,3 +49,29 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
     )
+
+
+_ROLE_TO_PB = {
+    Role.SYSTEM: context_pb2.ROLE_SYSTEM,
+    Role.USER: context_pb2.ROLE_USER,
+    Role.ASSISTANT: context_pb2.ROLE_ASSISTANT,
+}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
+def turn_to_pb(turn: Turn) -> context_pb2.Turn:
+    return context_pb2.Turn(
+        role=_ROLE_TO_PB[turn.role],
+        text=turn.text,
+        token_count=turn.token_count,
+        request_id=turn.request_id,
+        created_at_ms=turn.created_at_ms,
+    )
+
+
+def turn_from_pb(message: context_pb2.Turn, field: str = "turn") -> Turn:
+    """Raises InvalidArgument naming ``field`` when the role is unset or unknown."""
+    role = _ROLE_FROM_PB.get(message.role)
+    if role is None:
+        raise InvalidArgument(f"{field}.role", "must be SYSTEM, USER or ASSISTANT")
+    return Turn(role, message.text, message.token_count, message.request_id, message.created_at_ms)

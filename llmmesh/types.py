@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 
 
 class FinishReason(enum.Enum):
@@ -64,7 +65,18 @@ class InferenceCall:
     model: str
     prompt: str
     sampling: Sampling
-    extra: dict[str, str] = field(default_factory=dict)
+
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def check_session_id(session_id: str) -> None:
+    from llmmesh.runtime.errors import InvalidArgument
+
+    if not SESSION_ID.match(session_id):
+        raise InvalidArgument(
+            "session_id", "1-128 characters of letters, digits, '-', '_', '.', ':'"
+        )
 
 
 def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Turn
+from llmmesh.types import Turn, check_session_id
 from services.context.store import SessionStore
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 MAX_TURN_CHARS = 1_000_000
 MAX_TURNS_PER_APPEND = 16
 
@@ -25,10 +22,7 @@ LOAD_SECONDS = Histogram(
 def check_session_key(tenant: str, session_id: str) -> None:
     if not tenant:
         raise InvalidArgument("tenant", "required")
-    if not SESSION_ID.match(session_id):
-        raise InvalidArgument(
-            "session_id", "1-128 characters of letters, digits, '-', '_', '.', ':'"
-        )
+    check_session_id(session_id)
 
 
 class ContextCore:

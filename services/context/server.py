@@ -6,40 +6,16 @@ from typing import Any
 
 import grpc
 
-from llmmesh.runtime import GrpcService, InvalidArgument, MeshError
+from llmmesh.convert import turn_from_pb, turn_to_pb
+from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.registration import add_servicer
-from llmmesh.types import Role, Turn
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.config import ContextConfig
 from services.context.core import ContextCore
 from services.context.store import SqliteSessionStore
 
 SERVICE = context_pb2.DESCRIPTOR.services_by_name["Context"]
-
-ROLE_TO_PB = {
-    Role.SYSTEM: context_pb2.ROLE_SYSTEM,
-    Role.USER: context_pb2.ROLE_USER,
-    Role.ASSISTANT: context_pb2.ROLE_ASSISTANT,
-}
-ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
-
-
-def turn_to_pb(turn: Turn) -> context_pb2.Turn:
-    return context_pb2.Turn(
-        role=ROLE_TO_PB[turn.role],
-        text=turn.text,
-        token_count=turn.token_count,
-        request_id=turn.request_id,
-        created_at_ms=turn.created_at_ms,
-    )
-
-
-def turn_from_pb(message: context_pb2.Turn, index: int) -> Turn:
-    role = ROLE_FROM_PB.get(message.role)
-    if role is None:
-        raise InvalidArgument(f"turns[{index}].role", "must be SYSTEM, USER or ASSISTANT")
-    return Turn(role, message.text, message.token_count, message.request_id)
 
 
 class ContextServicer(context_pb2_grpc.ContextServicer):
@@ -63,7 +39,7 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
         self, request: context_pb2.AppendTurnsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> context_pb2.AppendTurnsResponse:
         try:
-            turns = [turn_from_pb(t, i) for i, t in enumerate(request.turns)]
+            turns = [turn_from_pb(t, f"turns[{i}]") for i, t in enumerate(request.turns)]
             count, appended = await self._core.append(
                 request.tenant, request.session_id, request.request_id, turns
             )

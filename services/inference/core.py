@@ -36,7 +36,6 @@ class InferenceCore:
     def __init__(self, backend: GenerationBackend, max_tokens_limit: int) -> None:
         self._backend = backend
         self._limit = max_tokens_limit
-        self.in_flight = 0
 
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         if not call.model:
@@ -45,7 +44,6 @@ class InferenceCore:
             raise InvalidArgument("prompt", "must not be empty")
         check_sampling(call.sampling, self._limit)
         started, first_at, tokens, outcome = time.perf_counter(), 0.0, 0, "error"
-        self.in_flight += 1
         IN_FLIGHT.inc()
         try:
             async for chunk in self._backend.generate(call):
@@ -60,7 +58,6 @@ class InferenceCore:
             outcome = "cancelled"
             raise
         finally:
-            self.in_flight -= 1
             IN_FLIGHT.dec()
             REQUESTS.labels(call.model, outcome).inc()
             OUTPUT_TOKENS.labels(call.model).inc(tokens)

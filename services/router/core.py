@@ -24,8 +24,8 @@ from llmmesh.types import (
     Turn,
     Verdict,
     check_sampling,
+    check_session_id,
 )
-from services.context.core import SESSION_ID
 from services.router.config import RouterConfig
 from services.router.prompt import build_prompt
 from services.router.upstreams import ContextClient, InferenceClient, PolicyClient
@@ -125,10 +125,8 @@ class RouterCore:
                 "prompt",
                 f"{len(request.prompt)} characters; the limit is {config.max_prompt_chars}",
             )
-        if request.session_id and not SESSION_ID.match(request.session_id):
-            raise InvalidArgument(
-                "session_id", "1-128 characters of letters, digits, '-', '_', '.', ':'"
-            )
+        if request.session_id:
+            check_session_id(request.session_id)
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)

@@ -7,10 +7,11 @@ from typing import Protocol
 
 import grpc
 
-from llmmesh.convert import finish_reason_from_pb, sampling_to_pb
+from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
+from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
-from llmmesh.types import Chunk, InferenceCall, PolicyAction, Role, Turn, Verdict
+from llmmesh.types import Chunk, InferenceCall, PolicyAction, Turn, Verdict
 from llmmesh.v1 import (
     context_pb2,
     context_pb2_grpc,
@@ -44,12 +45,6 @@ _ACTION_FROM_PB = {
     policy_pb2.ACTION_DENY: PolicyAction.DENY,
     policy_pb2.ACTION_REDACT: PolicyAction.REDACT,
 }
-_ROLE_TO_PB = {
-    Role.SYSTEM: context_pb2.ROLE_SYSTEM,
-    Role.USER: context_pb2.ROLE_USER,
-    Role.ASSISTANT: context_pb2.ROLE_ASSISTANT,
-}
-_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
@@ -90,11 +85,10 @@ class GrpcContextClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "context service") from None
-        return [
-            Turn(_ROLE_FROM_PB[t.role], t.text, t.token_count, t.request_id, t.created_at_ms)
-            for t in reply.turns
-            if t.role in _ROLE_FROM_PB
-        ]
+        try:
+            return [turn_from_pb(t, "session.turns") for t in reply.turns]
+        except InvalidArgument as err:
+            raise Unavailable(f"context service returned a bad session: {err.message}") from None
 
     async def append(
         self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
@@ -103,10 +97,7 @@ class GrpcContextClient:
             tenant=tenant,
             session_id=session_id,
             request_id=request_id,
-            turns=[
-                context_pb2.Turn(role=_ROLE_TO_PB[t.role], text=t.text, token_count=t.token_count)
-                for t in turns
-            ],
+            turns=[turn_to_pb(t) for t in turns],
         )
         try:
             await self._stub.AppendTurns(
