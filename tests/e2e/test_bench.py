@@ -1,0 +1,86 @@
+"""`llm-mesh bench` against the real stack: both targets, both load shapes, JSON results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from llmmesh.cli import main
+from llmmesh.launcher import Stack
+
+
+def test_compare_in_closed_loop_writes_results_and_markdown(stack: Stack, tmp_path: Path) -> None:
+    out, doc = tmp_path / "results.json", tmp_path / "bench.md"
+    doc.write_text("# Bench\n\nintro\n")
+    code = main(
+        [
+            "bench",
+            "--compare",
+            "--router",
+            stack.address("router"),
+            "--triton",
+            stack.address("triton_grpc"),
+            "--concurrency",
+            "1,2",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--markdown",
+            str(doc),
+            "--section",
+            "t",
+        ]
+    )
+    assert code == 0
+    results = json.loads(out.read_text())
+    runs = {(r["target"], r["load"]): r["summary"] for r in results["runs"]}
+    assert set(runs) == {(t, f"concurrency {c}") for t in ("triton", "router") for c in (1, 2)}
+    for summary in runs.values():
+        assert summary["failed"] == 0
+        assert summary["output_tokens"] == 4 * 8
+        assert 0 < summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+    text = doc.read_text()
+    assert text.startswith("# Bench\n\nintro\n")
+    assert "<!-- bench:t:start -->" in text and "output tok/s ratio" in text
+
+
+def test_poisson_arrivals_against_the_router(stack: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "rate.json"
+    code = main(
+        [
+            "bench",
+            "--target",
+            "router",
+            "--router",
+            stack.address("router"),
+            "--rate",
+            "20",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--warmup",
+            "0",
+            "--shared-prefix-len",
+            "8",
+            "--prefix-groups",
+            "2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["load"] == "rate 20.0/s"
+    assert run["summary"]["requests"] == 6 and run["summary"]["failed"] == 0

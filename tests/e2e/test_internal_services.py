@@ -1,0 +1,133 @@
+"""The internal services answer bad input with INVALID_ARGUMENT naming the field, and live on."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from llmmesh.launcher import Stack
+from llmmesh.v1 import (
+    common_pb2,
+    context_pb2,
+    context_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+)
+from tests.conftest import bad_request_fields
+
+
+def _raw_call(stack: Stack, service: str, path: str, payload: bytes) -> grpc.RpcError:
+    with grpc.insecure_channel(stack.address(service)) as channel:
+        call = channel.unary_unary(
+            path, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=10)
+    return info.value
+
+
+def test_policy_rejects_invalid_utf8(stack: Stack) -> None:
+    err = _raw_call(stack, "policy", "/llmmesh.v1.Policy/CheckInput", b"\x1a\x02\xff\xfe")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(err) == ["text"]
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (context_pb2.AppendTurnsRequest(tenant="t", session_id="s", request_id="r"), "turns"),
+        (
+            context_pb2.AppendTurnsRequest(
+                tenant="t", session_id="s", request_id="r", turns=[context_pb2.Turn(text="x")]
+            ),
+            "turns[0].role",
+        ),
+        (
+            context_pb2.AppendTurnsRequest(
+                tenant="t",
+                session_id="s",
+                turns=[context_pb2.Turn(role=context_pb2.ROLE_USER, text="x")],
+            ),
+            "request_id",
+        ),
+        (context_pb2.AppendTurnsRequest(tenant="", session_id="s", request_id="r"), "tenant"),
+        (
+            context_pb2.AppendTurnsRequest(tenant="t", session_id="a b", request_id="r"),
+            "session_id",
+        ),
+    ],
+)
+def test_context_rejects_bad_appends(
+    stack: Stack, request_: context_pb2.AppendTurnsRequest, field: str
+) -> None:
+    stub = context_pb2_grpc.ContextStub(grpc.insecure_channel(stack.address("context")))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.AppendTurns(request_, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(info.value) == [field]
+
+
+def test_context_append_is_idempotent_per_request_id(stack: Stack) -> None:
+    turn = context_pb2.Turn(role=context_pb2.ROLE_USER, text="once")
+    request = context_pb2.AppendTurnsRequest(
+        tenant="t", session_id="idem", request_id="r-1", turns=[turn]
+    )
+    with grpc.insecure_channel(stack.address("context")) as channel:
+        stub = context_pb2_grpc.ContextStub(channel)
+        first = stub.AppendTurns(request, timeout=10)
+        again = stub.AppendTurns(request, timeout=10)
+    assert (first.turn_count, first.appended) == (1, True)
+    assert (again.turn_count, again.appended) == (1, False)
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (
+            inference_pb2.InferenceRequest(
+                prompt="x", sampling=common_pb2.SamplingParams(max_tokens=1)
+            ),
+            "model",
+        ),
+        (
+            inference_pb2.InferenceRequest(
+                model="llm", sampling=common_pb2.SamplingParams(max_tokens=1)
+            ),
+            "prompt",
+        ),
+        (inference_pb2.InferenceRequest(model="llm", prompt="x"), "sampling.max_tokens"),
+        (
+            inference_pb2.InferenceRequest(
+                model="nope", prompt="x", sampling=common_pb2.SamplingParams(max_tokens=1)
+            ),
+            "model",
+        ),
+        (
+            inference_pb2.InferenceRequest(
+                model="llm", prompt="x" * 3000, sampling=common_pb2.SamplingParams(max_tokens=1)
+            ),
+            "text_input",
+        ),
+    ],
+)
+def test_inference_rejects_bad_requests(
+    stack: Stack, request_: inference_pb2.InferenceRequest, field: str
+) -> None:
+    with grpc.insecure_channel(stack.address("inference")) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request_, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(info.value) == [field]
+
+
+def test_policy_verdict_for_clean_text(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("policy")) as channel:
+        reply = policy_pb2_grpc.PolicyStub(channel).CheckInput(
+            policy_pb2.CheckInputRequest(tenant="t", text="Once upon a time"), timeout=10
+        )
+    assert reply.action == policy_pb2.ACTION_ALLOW
+    assert reply.redacted_text == "Once upon a time"
+    assert reply.rule_set_version
