@@ -143,24 +143,23 @@ class RouterCore:
         """
         received_at = time.perf_counter()
         request = self.validate(request)
+        history = await self._load_history(request)
+        call, prompt_tokens = self._build_call(request, history, request.prompt)
+        # The generation's request goes out first: it is the long pole.
+        started = StartedStream(self._inference.generate(call))
         verdict = asyncio.create_task(
             self._policy.check_input(request.request_id, request.tenant, request.prompt)
         )
         try:
-            history = await self._load_history(request)
-            call, prompt_tokens = self._build_call(request, history, request.prompt)
-            started = StartedStream(self._inference.generate(call))
-            try:
-                user_text = self._admit(await verdict) or request.prompt
-                if user_text != request.prompt:
-                    await started.abandon()
-                    call, prompt_tokens = self._build_call(request, history, user_text)
-                    started = StartedStream(self._inference.generate(call))
-            except BaseException:
+            user_text = self._admit(await verdict) or request.prompt
+            if user_text != request.prompt:
                 await started.abandon()
-                raise
-        finally:
+                call, prompt_tokens = self._build_call(request, history, user_text)
+                started = StartedStream(self._inference.generate(call))
+        except BaseException:
             verdict.cancel()
+            await started.abandon()
+            raise
         return Prepared(request, call, started, user_text, prompt_tokens, received_at)
 
     def _build_call(
