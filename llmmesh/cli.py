@@ -127,7 +127,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         stack.start()
     except StackError as err:
-        print(f"error: {err}", file=sys.stderr)
+        hint = "" if args.free_ports else " (or run with --free-ports)"
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 1
     try:
         stack.write_state(args.state_file)

@@ -7,7 +7,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
@@ -73,6 +73,12 @@ class Stack:
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Starts every process and returns once all of them are ready."""
+        busy = [name for name, port in asdict(self.ports).items() if _in_use(self.host, port)]
+        if busy:
+            taken = ", ".join(f"{name} ({self.address(name)})" for name in busy)
+            raise StackError(
+                f"ports already in use: {taken}; stop what holds them or use free ports"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         try:
@@ -161,3 +167,12 @@ class Stack:
             )
         finally:
             client.close()
+
+
+def _in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False

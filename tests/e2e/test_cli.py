@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import StackError
 from tests.conftest import wait_for
 
 CLI = [sys.executable, "-m", "llmmesh.cli"]
@@ -131,3 +134,9 @@ def test_ctrl_c_stops_everything_and_leaves_no_process(
         assert not _pid_alive(pid), f"{name} is still running"
         # Each child led its own process group; Triton's backend stubs lived in Triton's.
         assert not _group_alive(pid), f"a process of {name}'s group is still running"
+
+
+def test_up_refuses_ports_in_use(stack: Stack, tmp_path: Path) -> None:
+    ports = dataclasses.replace(StackPorts.free(), router=stack.ports.router)
+    with pytest.raises(StackError, match=f"router \\(127.0.0.1:{stack.ports.router}\\)"):
+        Stack(tmp_path, ports).start()
