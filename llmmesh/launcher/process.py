@@ -93,7 +93,7 @@ class Child:
         self.process.wait()
         # Killed grandchildren (Triton's backend stubs) are reaped by init; wait for that,
         # so that a stopped stack has no process left at all.
-        if not poll_until(lambda: not _group_exists(self.process.pid), 10.0):
+        if not poll_until(lambda: not process_group_exists(self.process.pid), 10.0):
             log.warning("processes of %s's group outlived SIGKILL", self.name)
 
 
@@ -104,7 +104,8 @@ def _exit_with_parent(command: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
 
 
-def _group_exists(pgid: int) -> bool:
+def process_group_exists(pgid: int) -> bool:
+    """Whether any process (zombies included) is still in group ``pgid``."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

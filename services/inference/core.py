@@ -6,23 +6,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
 from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import Chunk, InferenceCall, check_sampling
 
-TTFT = Histogram(
-    "gen_ai_server_time_to_first_token_seconds",
-    "Time from request receipt to the first generated text",
-    ["model"],
-    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
-)
-TPOT = Histogram(
-    "gen_ai_server_time_per_output_token_seconds",
-    "Mean time per output token after the first, per request",
-    ["model"],
-    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128),
-)
 OUTPUT_TOKENS = Counter("llm_inference_output_tokens_total", "Tokens streamed", ["model"])
 REQUESTS = Counter("llm_inference_requests_total", "Requests finished", ["model", "outcome"])
 IN_FLIGHT = Gauge("llm_inference_in_flight_requests", "Generations streaming now")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.metrics import TTFT
 from llmmesh.types import (
     Chunk,
     InferenceCall,
@@ -32,12 +33,6 @@ from services.router.upstreams import ContextClient, InferenceClient, PolicyClie
 
 log = logging.getLogger(__name__)
 
-TTFT = Histogram(
-    "gen_ai_server_time_to_first_token_seconds",
-    "Time from request receipt to the first generated text",
-    ["model"],
-    buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
-)
 TOKEN_USAGE = Histogram(
     "gen_ai_client_token_usage",
     "Tokens per request, by type",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,26 +13,10 @@ from pathlib import Path
 import pytest
 
 from llmmesh.launcher import Stack, StackPorts
-from llmmesh.launcher.process import StackError
+from llmmesh.launcher.process import StackError, process_group_exists
 from tests.conftest import wait_for
 
 CLI = [sys.executable, "-m", "llmmesh.cli"]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def generate(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -131,9 +114,8 @@ def test_ctrl_c_stops_everything_and_leaves_no_process(
     # Triton stopped because its streams were done, not because its exit timeout expired.
     assert "Exit timeout expired" not in (state_file.parent / "logs" / "triton.log").read_text()
     for name, pid in pids.items():
-        assert not _pid_alive(pid), f"{name} is still running"
         # Each child led its own process group; Triton's backend stubs lived in Triton's.
-        assert not _group_alive(pid), f"a process of {name}'s group is still running"
+        assert not process_group_exists(pid), f"a process of {name}'s group is still running"
 
 
 def test_up_refuses_ports_in_use(stack: Stack, tmp_path: Path) -> None:
