@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
 from refengine import (
     ByteTokenizer,
     Engine,
+    EngineConfig,
     GenerationRequest,
     ModelShape,
     RequestError,
@@ -18,9 +19,11 @@ from refengine import (
     Transformer,
 )
 from refengine.contract import parse_sampling_parameters
+from refengine.kvcache import BlockPool
 from refengine.sampling import Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS, StreamDecoder
+from refengine.transformer import Segment
 
 SMALL = ModelShape(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_context=256)
 
@@ -133,28 +136,45 @@ class TestStopMatcher:
         assert stops.flush() == "EN"
 
 
+def _segment(pool: BlockPool, table: list[int], tokens: list[int], start: int) -> Segment:
+    return Segment(tokens, start, pool.slots(table, 0, start + len(tokens)))
+
+
 class TestTransformer:
     def test_incremental_decode_matches_a_full_forward_pass(self) -> None:
         model = Transformer(SMALL, seed=0)
         tokens = ByteTokenizer().encode("the kv cache must agree")
-        full = model.forward(tokens, model.new_cache(64))
-        cache = model.new_cache(64)
-        model.forward(tokens[:10], cache)
-        for token in tokens[10:-1]:
-            model.forward([token], cache)
-        incremental = model.forward(tokens[-1:], cache)
+        pool = BlockPool(8, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        table = [5, 2, 7, 0, 3, 1, 6]  # blocks need not be contiguous
+        full = model.forward([_segment(pool, table, tokens, 0)], pool)[0]
+        model.forward([_segment(pool, table, tokens[:10], 0)], pool)
+        for position in range(10, len(tokens) - 1):
+            model.forward([_segment(pool, table, tokens[position : position + 1], position)], pool)
+        last = len(tokens) - 1
+        incremental = model.forward([_segment(pool, table, tokens[last:], last)], pool)[0]
         np.testing.assert_allclose(incremental, full, rtol=1e-4, atol=1e-4)
+
+    def test_a_sequence_computes_the_same_alone_or_in_a_batch(self) -> None:
+        model = Transformer(SMALL, seed=0)
+        pool = BlockPool(16, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        mine = ByteTokenizer().encode("same numbers")
+        alone = model.forward([_segment(pool, [0, 1, 2, 3], mine, 0)], pool)[0]
+        others = [_segment(pool, [8 + i], ByteTokenizer().encode("ab"), 0) for i in range(3)]
+        batched = model.forward([*others, _segment(pool, [4, 5, 6, 7], mine, 0)], pool)[-1]
+        assert np.array_equal(alone, batched)
 
     def test_weights_depend_on_the_seed(self) -> None:
         tokens = ByteTokenizer().encode("hi")
-        a = Transformer(SMALL, seed=0).forward(tokens, Transformer(SMALL).new_cache(8))
-        b = Transformer(SMALL, seed=1).forward(tokens, Transformer(SMALL).new_cache(8))
+        pool = BlockPool(1, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        a = Transformer(SMALL, seed=0).forward([_segment(pool, [0], tokens, 0)], pool)
+        b = Transformer(SMALL, seed=1).forward([_segment(pool, [0], tokens, 0)], pool)
         assert not np.allclose(a, b)
 
     def test_context_overflow_is_refused(self) -> None:
         model = Transformer(SMALL, seed=0)
-        with pytest.raises(ValueError, match="exceeds"):
-            model.forward(list(range(10)), model.new_cache(4))
+        pool = BlockPool(80, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        with pytest.raises(ValueError, match="context"):
+            model.forward([_segment(pool, list(range(70)), [1] * 260, 0)], pool)
 
 
 @dataclass
@@ -190,66 +210,178 @@ class RecordingSink:
         return sum(n for _, n in self.deltas) + self.final[1]
 
 
-@pytest.fixture
-def engine() -> Iterator[Engine]:
-    running = Engine(Transformer(SMALL, seed=0))
-    running.start()
-    yield running
-    running.stop()
+class BrokenSink(RecordingSink):
+    def emit(self, text: str, num_tokens: int) -> None:
+        raise RuntimeError("sink broke")
 
 
-def run(
-    engine: Engine, prompt: str, sink: RecordingSink | None = None, **kw: object
+def make_engine(**config: int) -> Engine:
+    return Engine(Transformer(SMALL, seed=0), config=EngineConfig(**config))
+
+
+def submit(
+    engine: Engine, prompt: str, sink: RecordingSink | None = None, **kw: Any
 ) -> RecordingSink:
     sink = sink or RecordingSink()
     stream = bool(kw.pop("stream", True))
-    engine.submit(GenerationRequest(prompt, stream=stream, sampling=SamplingParams(**kw)), sink)  # type: ignore[arg-type]
-    assert sink.done.wait(30), "engine did not finish the request"
+    engine.submit(GenerationRequest(prompt, stream=stream, sampling=SamplingParams(**kw)), sink)
+    return sink
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> int:
+    """Steps the engine until it has nothing to do; returns the steps taken."""
+    for steps in range(max_steps):
+        if not engine.step():
+            return steps
+    raise AssertionError("the engine did not become idle")
+
+
+def run(engine: Engine, prompt: str, **kw: Any) -> RecordingSink:
+    sink = submit(engine, prompt, **kw)
+    drain(engine)
+    assert sink.done.is_set()
     return sink
 
 
 class TestEngine:
-    def test_streams_exactly_max_tokens_then_length(self, engine: Engine) -> None:
-        sink = run(engine, "hello", max_tokens=20, ignore_eos=True, seed=1)
-        assert sink.final is not None
-        assert sink.final[2] == "length"
+    def test_streams_exactly_max_tokens_then_length(self) -> None:
+        sink = run(make_engine(), "hello", max_tokens=20, ignore_eos=True, seed=1)
+        assert sink.final is not None and sink.final[2] == "length"
         assert sink.tokens == 20
         assert len(sink.text) == 20
         assert len(sink.deltas) >= 19
 
-    def test_same_seed_same_text(self, engine: Engine) -> None:
-        a = run(engine, "seeded", max_tokens=30, seed=42, ignore_eos=True)
-        b = run(engine, "seeded", max_tokens=30, seed=42, ignore_eos=True)
-        c = run(engine, "seeded", max_tokens=30, seed=43, ignore_eos=True)
-        assert a.text == b.text
-        assert a.text != c.text
+    def test_same_seed_same_text_whatever_else_is_in_the_batch(self) -> None:
+        alone = run(make_engine(), "seeded", max_tokens=30, seed=42, ignore_eos=True).text
+        engine = make_engine()
+        others = [
+            submit(engine, f"noise {i}" * (i + 1), max_tokens=40, ignore_eos=True) for i in range(5)
+        ]
+        mine = submit(engine, "seeded", max_tokens=30, seed=42, ignore_eos=True)
+        drain(engine)
+        assert mine.text == alone
+        assert all(o.final is not None for o in others)
+        other_seed = run(make_engine(), "seeded", max_tokens=30, seed=43, ignore_eos=True)
+        assert other_seed.text != alone
 
-    def test_stop_string_ends_generation_before_it(self, engine: Engine) -> None:
-        free = run(engine, "stops", max_tokens=60, temperature=0.0, ignore_eos=True).text
+    def test_sequences_are_batched_in_one_step(self) -> None:
+        engine = make_engine()
+        sinks = [submit(engine, f"prompt {i}", max_tokens=10, ignore_eos=True) for i in range(8)]
+        steps = drain(engine)
+        assert steps == 10  # all eight decoded together, not one after another
+        assert all(s.tokens == 10 for s in sinks)
+
+    def test_stop_string_ends_generation_before_it(self) -> None:
+        free = run(make_engine(), "stops", max_tokens=60, temperature=0.0, ignore_eos=True).text
         stop = free[20:23]
-        cut = run(engine, "stops", max_tokens=60, temperature=0.0, ignore_eos=True, stop=[stop])
+        cut = run(
+            make_engine(), "stops", max_tokens=60, temperature=0.0, ignore_eos=True, stop=[stop]
+        )
         assert cut.final is not None and cut.final[2] == "stop"
         assert cut.text == free[: free.index(stop)]
 
-    def test_cancellation_stops_generation(self, engine: Engine) -> None:
-        sink = run(
-            engine, "cancel me", RecordingSink(cancel_after=3), max_tokens=500, ignore_eos=True
+    def test_cancellation_stops_generation_and_frees_blocks(self) -> None:
+        engine = make_engine()
+        sink = submit(
+            engine, "cancel me", RecordingSink(cancel_after=3), max_tokens=200, ignore_eos=True
         )
+        drain(engine)
         assert sink.final is not None and sink.final[2] == "cancelled"
-        assert sink.tokens < 500
+        assert sink.tokens < 200
         assert engine.stats.finished["cancelled"] == 1
+        assert engine.pool.stats().used == 0
 
-    def test_non_streaming_returns_prompt_and_text_once(self, engine: Engine) -> None:
-        sink = run(engine, "whole", max_tokens=8, ignore_eos=True, stream=False, seed=0)
+    def test_non_streaming_returns_prompt_and_text_once(self) -> None:
+        sink = run(make_engine(), "whole", max_tokens=8, ignore_eos=True, stream=False, seed=0)
         assert sink.deltas == []
         assert sink.final is not None
         assert sink.final[0].startswith("whole") and len(sink.final[0]) == 5 + 8
 
-    def test_prompt_longer_than_the_context_is_refused(self, engine: Engine) -> None:
+    def test_prompt_longer_than_the_context_is_refused(self) -> None:
         with pytest.raises(RequestError, match="text_input"):
-            engine.submit(GenerationRequest("x" * 300), RecordingSink())
+            make_engine().submit(GenerationRequest("x" * 300), RecordingSink())
 
-    def test_generation_stops_at_the_context_length(self, engine: Engine) -> None:
-        sink = run(engine, "y" * 240, max_tokens=100, ignore_eos=True)
+    def test_request_bigger_than_the_whole_cache_is_refused(self) -> None:
+        with pytest.raises(RequestError, match="KV blocks"):
+            submit(make_engine(kv_blocks=4, block_size=4), "x" * 10, max_tokens=20)
+
+    def test_generation_stops_at_the_context_length(self) -> None:
+        sink = run(make_engine(), "y" * 240, max_tokens=100, ignore_eos=True)
         assert sink.final is not None and sink.final[2] == "length"
         assert sink.tokens == SMALL.max_context - 241
+
+    def test_a_full_pool_makes_new_requests_wait_not_fail(self) -> None:
+        engine = make_engine(kv_blocks=12, block_size=4)
+        sinks = [submit(engine, f"req {i} " * 2, max_tokens=20, ignore_eos=True) for i in range(6)]
+        drain(engine)
+        assert [s.final[2] for s in sinks if s.final] == ["length"] * 6
+        assert all(s.tokens == 20 and not s.error for s in sinks)
+
+    def test_preempted_sequences_are_recomputed_and_finish_once(self) -> None:
+        engine = make_engine(kv_blocks=10, block_size=4)
+        sinks = [submit(engine, f"p{i}", max_tokens=30, ignore_eos=True, seed=i) for i in range(3)]
+        drain(engine)
+        assert engine.stats.preemptions > 0
+        for i, sink in enumerate(sinks):
+            assert sink.final is not None and sink.final[2] == "length"
+            assert sink.tokens == 30 and len(sink.text) == 30
+            alone = run(make_engine(), f"p{i}", max_tokens=30, ignore_eos=True, seed=i)
+            assert sink.text[:8] == alone.text[:8]
+        assert engine.pool.stats().used == 0
+
+    def test_shared_prefix_is_read_from_the_cache(self) -> None:
+        engine = make_engine(block_size=4)
+        prefix = "a long shared system prompt " * 3
+        run(engine, prefix + "first", max_tokens=2, temperature=0.0)
+        prefill_before = engine.stats.prefill_tokens
+        second = run(engine, prefix + "second", max_tokens=2, temperature=0.0)
+        computed = engine.stats.prefill_tokens - prefill_before
+        assert engine.stats.prefix_hit_tokens >= len(prefix) - 4
+        assert computed <= len("second") + 1 + 4
+        uncached = run(make_engine(block_size=4), prefix + "second", max_tokens=2, temperature=0.0)
+        assert second.text == uncached.text
+
+    def test_idle_cached_blocks_are_evicted_when_needed(self) -> None:
+        engine = make_engine(kv_blocks=12, block_size=4)
+        for i in range(10):
+            sink = run(engine, f"distinct {i} " * 2, max_tokens=4, ignore_eos=True)
+            assert sink.final is not None and sink.final[2] == "length"
+        assert engine.pool.stats().used == 0
+
+    def test_cancellation_storm_returns_every_block(self) -> None:
+        rng = np.random.default_rng(7)
+        engine = make_engine(kv_blocks=64, block_size=4)
+        sinks = [
+            submit(
+                engine,
+                "storm " * int(rng.integers(1, 8)),
+                RecordingSink(cancel_after=int(rng.integers(0, 6))),
+                max_tokens=int(rng.integers(1, 40)),
+                ignore_eos=True,
+            )
+            for _ in range(40)
+        ]
+        drain(engine)
+        assert all(s.done.is_set() for s in sinks)
+        stats = engine.pool.stats()
+        assert stats.used == 0 and stats.free + stats.cached_idle == stats.total
+
+    def test_one_failing_sequence_does_not_stop_the_others(self) -> None:
+        engine = make_engine()
+        bad = BrokenSink()
+        good = submit(engine, "fine", max_tokens=10, ignore_eos=True)
+        submit(engine, "broken", bad, max_tokens=10, ignore_eos=True)
+        drain(engine)
+        assert "sink broke" in bad.error
+        assert good.final is not None and good.tokens == 10
+        assert engine.stats.finished["error"] == 1
+
+    def test_the_engine_thread_serves_requests(self) -> None:
+        engine = make_engine()
+        engine.start()
+        try:
+            sink = submit(engine, "threaded", max_tokens=5, ignore_eos=True)
+            assert sink.done.wait(30)
+        finally:
+            engine.stop()
+        assert sink.tokens == 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from refengine import (
     ByteTokenizer,
     Engine,
+    EngineConfig,
     EngineStats,
     GenerationRequest,
     ModelShape,
@@ -87,61 +89,76 @@ class TritonSink:
         self._outbox.put(self._sender, message, FINAL)
 
 
+# Engine statistics as Triton custom metrics: name -> (help, value of EngineStats).
+COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "llm_engine_prompt_tokens_total": ("Prompt tokens admitted", lambda s: s.prompt_tokens),
+    "llm_engine_prefix_cache_hit_tokens_total": (
+        "Prompt tokens read from the prefix cache",
+        lambda s: s.prefix_hit_tokens,
+    ),
+    "llm_engine_prefill_tokens_total": (
+        "Tokens computed in prefill (recomputation included)",
+        lambda s: s.prefill_tokens,
+    ),
+    "llm_engine_generation_tokens_total": ("Tokens generated", lambda s: s.generation_tokens),
+    "llm_engine_preemptions_total": ("Sequences preempted", lambda s: s.preemptions),
+}
+GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "llm_engine_running_sequences": ("Sequences being generated", lambda s: s.running),
+    "llm_engine_waiting_sequences": ("Sequences queued", lambda s: s.waiting),
+    "llm_engine_kv_blocks_used": ("KV cache blocks in use", lambda s: s.kv_blocks_used),
+    "llm_engine_kv_blocks_total": ("KV cache blocks", lambda s: s.kv_blocks_total),
+    "llm_engine_prefix_cache_hit_rate": (
+        "Share of prompt tokens read from the prefix cache",
+        lambda s: s.prefix_hit_rate,
+    ),
+}
+FINISH_REASONS = ("length", "stop", "cancelled", "error")
+
+
 class StatsExporter:
-    """Mirrors the engine's counters into Triton's /metrics (custom metric families)."""
+    """Mirrors the engine's statistics into Triton's /metrics (custom metric families)."""
 
     def __init__(self, model_name: str) -> None:
         labels = {"model": model_name}
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         # Triton requires each MetricFamily to outlive its Metrics: keep them all.
         self._families: list[Any] = []
-        self._prompt = self._metric(
-            "llm_engine_prompt_tokens_total", "Prompt tokens prefilled", counter, labels
-        )
-        self._generated = self._metric(
-            "llm_engine_generation_tokens_total", "Tokens generated", counter, labels
-        )
-        self._running = self._metric(
-            "llm_engine_running_sequences", "Sequences being generated", gauge, labels
-        )
-        self._waiting = self._metric(
-            "llm_engine_waiting_sequences", "Sequences queued", gauge, labels
-        )
+        self._counters = {
+            name: (self._family(name, text, counter).Metric(labels=labels), value)
+            for name, (text, value) in COUNTERS.items()
+        }
+        self._gauges = {
+            name: (self._family(name, text, gauge).Metric(labels=labels), value)
+            for name, (text, value) in GAUGES.items()
+        }
         finished = self._family(
             "llm_engine_requests_finished_total", "Requests finished, by finish reason", counter
         )
         self._finished = {
             reason: finished.Metric(labels={**labels, "reason": reason})
-            for reason in ("length", "stop", "cancelled", "error")
+            for reason in FINISH_REASONS
         }
-        self._published: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._published: dict[str, float] = {}
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
         return family
 
-    def _metric(self, name: str, description: str, kind: Any, labels: dict[str, str]) -> Any:
-        return self._family(name, description, kind).Metric(labels=labels)
-
     def publish(self, stats: EngineStats) -> None:
         """Best effort: a metrics failure must never fail a request."""
         try:
-            with self._lock:
-                self._publish(stats)
+            for name, (metric, value) in self._counters.items():
+                self._add(name, metric, value(stats))
+            for reason, metric in self._finished.items():
+                self._add(reason, metric, stats.finished[reason])
+            for metric, value in self._gauges.values():
+                metric.set(value(stats))
         except Exception as exc:
             pb_utils.Logger.log_warn(f"publishing engine metrics failed: {exc}")
 
-    def _publish(self, stats: EngineStats) -> None:
-        self._add("prompt", self._prompt, stats.prompt_tokens)
-        self._add("generated", self._generated, stats.generation_tokens)
-        for reason, metric in self._finished.items():
-            self._add(reason, metric, stats.finished[reason])
-        self._running.set(stats.running)
-        self._waiting.set(stats.waiting)
-
-    def _add(self, key: str, metric: Any, total: int) -> None:
+    def _add(self, key: str, metric: Any, total: float) -> None:
         delta = total - self._published.get(key, 0)
         if delta > 0:
             metric.increment(delta)
@@ -163,7 +180,15 @@ class TritonPythonModel:
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
         self.outbox = Outbox()
         self.stats = StatsExporter(args["model_name"])
-        self.engine = Engine(model, ByteTokenizer(), on_stats=self.stats.publish)
+        config = EngineConfig(
+            kv_blocks=int(params.get("kv_blocks", EngineConfig.kv_blocks)),
+            block_size=int(params.get("kv_block_size", EngineConfig.block_size)),
+            max_running=int(params.get("max_running", EngineConfig.max_running)),
+            max_batched_tokens=int(
+                params.get("max_batched_tokens", EngineConfig.max_batched_tokens)
+            ),
+        )
+        self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.stats.publish)
         self.stats.publish(self.engine.stats)
         self.engine.start()
 

@@ -5,13 +5,15 @@ next to this package adapts it to Triton's Python backend.
 """
 
 from refengine.contract import GenerationRequest, RequestError, SamplingParams
-from refengine.engine import Engine, EngineStats, Sink
+from refengine.engine import Engine, EngineConfig, EngineStats
+from refengine.sequence import Sink
 from refengine.tokenizer import ByteTokenizer
 from refengine.transformer import ModelShape, Transformer
 
 __all__ = [
     "ByteTokenizer",
     "Engine",
+    "EngineConfig",
     "EngineStats",
     "GenerationRequest",
     "ModelShape",

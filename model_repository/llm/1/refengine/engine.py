@@ -1,7 +1,12 @@
-"""The generation loop: admits requests, runs prefill and decode steps, streams text out.
+"""The engine: continuous (iteration-level) batching over a paged KV cache.
 
-This engine runs one sequence at a time on its own thread: ``submit`` only enqueues, so
-Triton's decoupled ``execute`` returns at once and requests wait their turn in FIFO order.
+``submit`` only enqueues, so Triton's decoupled ``execute`` returns at once. The engine
+thread then runs steps: each step admits waiting sequences (FIFO, while KV blocks and the
+token budget allow, reusing cached prefix blocks), runs one batched forward pass for the
+prefill of the newly admitted and the next token of every running sequence, samples,
+streams text, and retires finished sequences. When a running sequence needs a block and
+none is left, the newest running sequence is preempted: its blocks are freed and it waits
+at the head of the queue to be recomputed. No sequence is lost or duplicated.
 """
 
 from __future__ import annotations
@@ -10,54 +15,51 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from refengine.contract import GenerationRequest, RequestError
-from refengine.sampling import Sampler
-from refengine.stops import StopMatcher
-from refengine.tokenizer import EOS, ByteTokenizer, StreamDecoder
-from refengine.transformer import Transformer
+from refengine.kvcache import NO_PARENT, BlockPool, block_hash
+from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink
+from refengine.tokenizer import EOS, ByteTokenizer
+from refengine.transformer import Segment, Transformer
 
 log = logging.getLogger(__name__)
 
-LENGTH, STOP, CANCELLED = "length", "stop", "cancelled"
-# Asking Triton whether a request was cancelled is an IPC round trip; do it at most this often.
+# Asking Triton whether a request was cancelled is an IPC round trip; do it at most this
+# often per sequence.
 CANCEL_CHECK_INTERVAL_S = 0.025
+STATS_INTERVAL_S = 0.1
 
 
-class Sink(Protocol):
-    """Where one request's output goes (a Triton response sender, or a test double)."""
-
-    def is_cancelled(self) -> bool: ...
-
-    def emit(self, text: str, num_tokens: int) -> None:
-        """A streamed delta: ``num_tokens`` new tokens produced ``text``."""
-
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
-        """The last response of the request."""
-
-    def fail(self, message: str) -> None:
-        """The request failed; ``message`` is safe to show the client."""
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_blocks: int = 2048
+    block_size: int = 16
+    max_running: int = 32  # sequences in one step
+    max_batched_tokens: int = 2048  # prefill and decode tokens in one step
 
 
 @dataclass
 class EngineStats:
     running: int = 0
     waiting: int = 0
-    prompt_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (cached or computed)
+    prefix_hit_tokens: int = 0  # of those, read from the prefix cache
+    prefill_tokens: int = 0  # tokens computed in prefill (recomputation included)
     generation_tokens: int = 0
+    preemptions: int = 0
     finished: Counter[str] = field(default_factory=Counter)
 
-
-@dataclass
-class _Sequence:
-    request: GenerationRequest
-    prompt_ids: list[int]
-    sink: Sink
-    enqueued_at: float = field(default_factory=time.monotonic)
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Engine:
@@ -65,114 +67,250 @@ class Engine:
         self,
         model: Transformer,
         tokenizer: ByteTokenizer | None = None,
+        config: EngineConfig | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.stats = EngineStats()
-        # Called (on the engine thread or the submitter's) after every change of ``stats``.
+        self.config = config or EngineConfig()
+        shape = model.shape
+        self.pool = BlockPool(
+            self.config.kv_blocks,
+            self.config.block_size,
+            shape.n_layers,
+            shape.n_heads,
+            shape.head_dim,
+        )
+        self.stats = EngineStats(kv_blocks_total=self.config.kv_blocks)
         self._on_stats = on_stats or (lambda _: None)
-        self._queue: queue.Queue[_Sequence | None] = queue.Queue()
+        self._incoming: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._wake = threading.Event()
+        self._stopping = False
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._published_at = 0.0
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
-        """Validates and enqueues a request; raises RequestError if it cannot be served."""
-        prompt_ids = self.tokenizer.encode(request.prompt)
-        limit = self.model.shape.max_context
-        if len(prompt_ids) >= limit:
+        """Validates and enqueues a request; raises RequestError if it can never be served."""
+        prompt = self.tokenizer.encode(request.prompt)
+        context = self.model.shape.max_context
+        if len(prompt) >= context:
             raise RequestError(
-                f"text_input: prompt is {len(prompt_ids)} tokens; the model's context is {limit}"
+                f"text_input: prompt is {len(prompt)} tokens; the model's context is {context}"
             )
-        with self._lock:
-            self.stats.waiting += 1
-        self._queue.put(_Sequence(request, prompt_ids, sink))
-        self._on_stats(self.stats)
+        max_new = min(request.sampling.max_tokens, context - len(prompt))
+        blocks = -(-(len(prompt) + max_new) // self.pool.block_size)
+        if blocks > self.pool.num_blocks:
+            raise RequestError(
+                f"text_input: prompt and max_tokens need {blocks} KV blocks; "
+                f"the cache has {self.pool.num_blocks}"
+            )
+        self._incoming.put(Sequence(request, sink, prompt, len(prompt), max_new))
+        self._wake.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="refengine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stops after the running sequence; waiting ones are finished as cancelled."""
-        self._queue.put(None)
+        """Stops the loop; unfinished requests end as cancelled."""
+        self._stopping = True
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        while True:
-            try:
-                seq = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if seq is not None:
-                seq.sink.finish("", 0, CANCELLED)
+        self._take_incoming()
+        for seq in [*self._running, *self._waiting]:
+            self._finish(seq, CANCELLED)
+
+    def step(self) -> bool:
+        """Runs one iteration; returns whether there was anything to do."""
+        self._take_incoming()
+        self._drop_cancelled()
+        batch = self._schedule()
+        if batch:
+            self._run(batch)
+        self._publish(force=not batch)
+        return bool(batch)
 
     def _loop(self) -> None:
-        while (seq := self._queue.get()) is not None:
-            with self._lock:
-                self.stats.waiting -= 1
-                self.stats.running += 1
-            reason = self._run_guarded(seq)
-            with self._lock:
-                self.stats.running -= 1
-                self.stats.finished[reason] += 1
-            self._on_stats(self.stats)
-
-    def _run_guarded(self, seq: _Sequence) -> str:
-        """Runs one sequence; whatever happens, the engine thread lives on."""
-        try:
-            return self._run(seq)
-        except Exception as exc:
-            log.exception("generation failed")
+        while not self._stopping:
             try:
-                seq.sink.fail(f"generation failed: {exc}")
-            except Exception:
-                log.exception("could not report the failure to the client")
-            return "error"
+                busy = self.step()
+            except Exception:  # the loop must outlive any bug in one step
+                log.exception("engine step failed")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
 
-    def _run(self, seq: _Sequence) -> str:
-        params = seq.request.sampling
-        stream = seq.request.stream
-        if seq.sink.is_cancelled():
-            seq.sink.finish("", 0, CANCELLED)
-            return CANCELLED
-        cache = self.model.new_cache(len(seq.prompt_ids) + params.max_tokens)
-        sampler = Sampler(params)
-        decoder, stops = StreamDecoder(), StopMatcher(params.stop)
-        logits = self.model.forward(seq.prompt_ids, cache)
-        self.stats.prompt_tokens += len(seq.prompt_ids)
-        # Prompt plus output never exceeds the model's context (as vLLM's max_model_len).
-        limit = min(params.max_tokens, self.model.shape.max_context - len(seq.prompt_ids))
-        produced, unsent_tokens, text_out = 0, 0, []
-        reason = LENGTH
-        next_cancel_check = 0.0
+    def _take_incoming(self) -> None:
         while True:
-            if time.monotonic() >= next_cancel_check:
-                if seq.sink.is_cancelled():
-                    reason = CANCELLED
-                    break
-                next_cancel_check = time.monotonic() + CANCEL_CHECK_INTERVAL_S
-            token = sampler.sample(logits)
-            produced += 1
-            unsent_tokens += 1
-            self.stats.generation_tokens += 1
-            if token == EOS:
-                reason = STOP
+            try:
+                self._waiting.append(self._incoming.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        for seq in [*self._running, *self._waiting]:
+            if now < seq.next_cancel_check:
+                continue
+            seq.next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
+            if seq.sink.is_cancelled():
+                self._finish(seq, CANCELLED)
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def _schedule(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        budget = self.config.max_batched_tokens
+        for seq in list(self._running):
+            if seq in self._running and self._grow(seq):
+                batch.append(seq)
+                budget -= len(seq.pending)
+        while self._waiting and len(self._running) < self.config.max_running:
+            seq = self._waiting[0]
+            if not self._admit(seq, budget, first=not batch):
                 break
-            released = stops.push(decoder.push(token))
-            if stops.stopped:
-                reason = STOP
-            if released:
-                text_out.append(released)
-                if stream:
-                    seq.sink.emit(released, unsent_tokens)
-                    unsent_tokens = 0
-            if stops.stopped or produced >= limit:
+            self._waiting.popleft()
+            self._running.append(seq)
+            batch.append(seq)
+            budget -= len(seq.pending)
+        return batch
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Gives a running sequence the blocks its next token needs, preempting the newest
+        running sequences when the pool is empty. False if ``seq`` itself was preempted."""
+        while len(seq.table) < seq.blocks_needed(self.pool.block_size):
+            if self.pool.available() == 0:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.table.append(self.pool.allocate())
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, first: bool) -> bool:
+        """Takes the blocks a waiting sequence needs, cached prefix first; False if it must
+        wait (not enough free blocks, or not enough token budget left in this step)."""
+        hits = self._prefix_hits(seq)
+        to_compute = len(seq.tokens) - len(hits) * self.pool.block_size
+        if to_compute > budget and not first:
+            return False
+        reusable_idle = sum(1 for block, _ in hits if self.pool.is_idle(block))
+        new_blocks = seq.blocks_needed(self.pool.block_size) - len(hits)
+        if new_blocks > self.pool.available() - reusable_idle:
+            return False
+        for _, content in hits:
+            block = self.pool.lookup(content)
+            if block is None:  # cannot happen: nothing ran since _prefix_hits
+                raise RuntimeError("prefix cache changed during admission")
+            seq.table.append(block)
+        seq.hashes = [content for _, content in hits]
+        seq.computed = len(hits) * self.pool.block_size
+        seq.table += [self.pool.allocate() for _ in range(new_blocks)]
+        if seq.generated == 0:
+            self.stats.prompt_tokens += seq.prompt_len
+            self.stats.prefix_hit_tokens += seq.computed
+        return True
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block, content hash) of cached blocks matching the sequence's leading full
+        blocks. At least one token is always left to compute, for the step's logits."""
+        size = self.pool.block_size
+        hits: list[tuple[int, int]] = []
+        parent = NO_PARENT
+        for index in range((len(seq.tokens) - 1) // size):
+            content = block_hash(parent, tuple(seq.tokens[index * size : (index + 1) * size]))
+            block = self.pool.cached(content)
+            if block is None:
                 break
-            logits = self.model.forward([token], cache)
-        tail = "" if stops.stopped else stops.push(decoder.flush()) + stops.flush()
-        if stream:
-            seq.sink.finish(tail, unsent_tokens, reason)
+            hits.append((block, content))
+            parent = content
+        return hits
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.release(self.pool)
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    # -- running a step -----------------------------------------------------------------
+
+    def _run(self, batch: list[Sequence]) -> None:
+        segments = [
+            Segment(seq.pending, seq.computed, self.pool.slots(seq.table, 0, len(seq.tokens)))
+            for seq in batch
+        ]
+        self.stats.prefill_tokens += sum(len(s.tokens) for s in segments if len(s.tokens) > 1)
+        try:
+            logits = self.model.forward(segments, self.pool)
+        except Exception as exc:
+            log.exception("forward pass failed")
+            for seq in batch:
+                self._fail(seq, f"generation failed: {exc}")
+            return
+        for seq, row in zip(batch, logits, strict=True):
+            seq.computed = len(seq.tokens)
+            try:
+                seq.register_full_blocks(self.pool)
+                self._advance(seq, row)
+            except Exception as exc:  # one bad sequence must not take the batch down
+                log.exception("sequence failed")
+                self._fail(seq, f"generation failed: {exc}")
+
+    def _advance(self, seq: Sequence, logits: npt.NDArray[np.float32]) -> None:
+        token = seq.sampler.sample(logits)
+        seq.tokens.append(token)
+        seq.unsent_tokens += 1
+        self.stats.generation_tokens += 1
+        if token == EOS:
+            self._finish(seq, STOP)
+            return
+        released = seq.stops.push(seq.decoder.push(token))
+        if released:
+            seq.text.append(released)
+            if seq.request.stream:
+                seq.sink.emit(released, seq.unsent_tokens)
+                seq.unsent_tokens = 0
+        if seq.stops.stopped:
+            self._finish(seq, STOP)
+        elif seq.generated >= seq.max_new:
+            self._finish(seq, LENGTH)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
+        if seq.request.stream:
+            seq.sink.finish(tail, seq.unsent_tokens, reason)
         else:
             prefix = "" if seq.request.exclude_input_in_output else seq.request.prompt
-            seq.sink.finish(prefix + "".join(text_out) + tail, produced, reason)
-        return reason
+            seq.sink.finish(prefix + "".join(seq.text) + tail, seq.generated, reason)
+        self._retire(seq, reason)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        try:
+            seq.sink.fail(message)
+        except Exception:
+            log.exception("could not report a failure to the client")
+        self._retire(seq, ERROR)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        seq.release(self.pool)
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        self.stats.finished[reason] += 1
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._published_at < STATS_INTERVAL_S:
+            return
+        self._published_at = now
+        pool = self.pool.stats()
+        self.stats.running = len(self._running)
+        self.stats.waiting = len(self._waiting) + self._incoming.qsize()
+        self.stats.kv_blocks_used = pool.used
+        self._on_stats(self.stats)

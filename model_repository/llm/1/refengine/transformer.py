@@ -9,12 +9,14 @@ cache, a GELU MLP, residual connections, and a final LayerNorm and projection.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from refengine.kvcache import BlockPool
 from refengine.tokenizer import EOS, VOCAB_SIZE
 
 Array = npt.NDArray[np.float32]
@@ -28,6 +30,8 @@ _PRIOR_TEXT = (
     "read only once; where it did not, the engine computed the keys and values again.\n"
 )
 _PRINTABLE = [*range(32, 127), 10]
+# Row counts up to which _stable_rows checks BLAS results.
+_PROBE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -62,18 +66,16 @@ class _Layer:
     w_down: Array
 
 
-class KVCache:
-    """Keys and values of one sequence, for every layer: [layers, heads, capacity, head_dim]."""
+@dataclass(frozen=True)
+class Segment:
+    """Tokens of one sequence to run this step, after ``start`` tokens already in the cache.
 
-    def __init__(self, shape: ModelShape, capacity: int) -> None:
-        dims = (shape.n_layers, shape.n_heads, capacity, shape.head_dim)
-        self.k = np.zeros(dims, dtype=np.float32)
-        self.v = np.zeros(dims, dtype=np.float32)
-        self.length = 0
+    ``slots`` are the cache slots of positions [0, start + len(tokens)) of the sequence.
+    """
 
-    @property
-    def capacity(self) -> int:
-        return int(self.k.shape[2])
+    tokens: list[int]
+    start: int
+    slots: npt.NDArray[np.intp]
 
 
 class Transformer:
@@ -105,53 +107,108 @@ class Transformer:
         self.lnf_b = np.zeros(d, np.float32)
         self.w_out = normal(d, v, std=1.5 / np.sqrt(d))
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
+        for w in (
+            self.layers[0].w_qkv,
+            self.layers[0].w_o,
+            self.layers[0].w_up,
+            self.layers[0].w_down,
+            self.w_out,
+        ):
+            _stable_rows(*w.shape)  # probe BLAS now, not during the first request
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.shape, min(capacity, self.shape.max_context))
+    def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
+        """One step for a whole batch: prefill segments and decode tokens together.
 
-    def forward(self, tokens: list[int], cache: KVCache) -> Array:
-        """Runs ``tokens`` after the cache's contents; returns the next-token logits [vocab].
-
-        Prefill passes the whole prompt at once; decode passes one token.
+        Every projection and MLP is one matrix product over all the batch's tokens;
+        attention reads each sequence's keys and values from its own cache slots. Returns
+        the next-token logits of each segment, [segments, vocab].
         """
-        start, count = cache.length, len(tokens)
-        if start + count > cache.capacity:
-            raise ValueError(f"sequence of {start + count} tokens exceeds the KV cache")
-        x = self.tok_emb[tokens] + self.pos_emb[start : start + count]
-        mask = _causal_mask(start, count)
+        tokens = [t for seg in segments for t in seg.tokens]
+        positions = np.concatenate(
+            [np.arange(seg.start, seg.start + len(seg.tokens)) for seg in segments]
+        )
+        if positions.max() >= self.shape.max_context:
+            raise ValueError("a sequence exceeds the model's context length")
+        writes = np.concatenate(
+            [seg.slots[seg.start : seg.start + len(seg.tokens)] for seg in segments]
+        )
+        ends = np.cumsum([len(seg.tokens) for seg in segments])
+        x = self.tok_emb[tokens] + self.pos_emb[positions]
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(
-                layer,
-                index,
-                _layer_norm(x, layer.ln1_g, layer.ln1_b),
-                cache,
-                start=start,
-                mask=mask,
-            )
+            h = _layer_norm(x, layer.ln1_g, layer.ln1_b)
+            attended = self._attention(layer, index, h, segments=segments, writes=writes, pool=pool)
+            x = x + _matmul(attended, layer.w_o)
             h = _layer_norm(x, layer.ln2_g, layer.ln2_b)
-            x = x + _gelu(h @ layer.w_up) @ layer.w_down
-        cache.length = start + count
-        last = _layer_norm(x[-1:], self.lnf_g, self.lnf_b)[0]
-        logits: Array = last @ self.w_out + self.out_bias
+            x = x + _matmul(_gelu(_matmul(h, layer.w_up)), layer.w_down)
+        last = _layer_norm(x[ends - 1], self.lnf_g, self.lnf_b)
+        logits: Array = _matmul(last, self.w_out) + self.out_bias
         return logits
 
     def _attention(
-        self, layer: _Layer, index: int, h: Array, cache: KVCache, *, start: int, mask: Array | None
+        self,
+        layer: _Layer,
+        index: int,
+        h: Array,
+        *,
+        segments: list[Segment],
+        writes: npt.NDArray[np.intp],
+        pool: BlockPool,
     ) -> Array:
         shape = self.shape
-        count = h.shape[0]
-        qkv = (h @ layer.w_qkv).reshape(count, 3, shape.n_heads, shape.head_dim)
-        q, k, v = (qkv[:, i].transpose(1, 0, 2) for i in range(3))  # [heads, count, hd]
-        end = start + count
-        cache.k[index, :, start:end] = k
-        cache.v[index, :, start:end] = v
-        keys, values = cache.k[index, :, :end], cache.v[index, :, :end]
-        scores = q @ keys.transpose(0, 2, 1) * np.float32(1.0 / np.sqrt(shape.head_dim))
-        if mask is not None:
-            scores = scores + mask
-        out = _softmax(scores) @ values  # [heads, count, hd]
-        merged: Array = out.transpose(1, 0, 2).reshape(count, shape.d_model) @ layer.w_o
-        return merged
+        qkv = _matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
+        keys, values = pool.keys[index], pool.values[index]
+        keys[:, writes] = qkv[:, 1].transpose(1, 0, 2)
+        values[:, writes] = qkv[:, 2].transpose(1, 0, 2)
+        out = np.empty((len(h), shape.n_heads, shape.head_dim), dtype=np.float32)
+        scale = np.float32(1.0 / np.sqrt(shape.head_dim))
+        offset = 0
+        for seg in segments:
+            # Each sequence attends over exactly its own length: no padding, so its
+            # numbers do not depend on the other sequences in the batch.
+            count = len(seg.tokens)
+            q = qkv[offset : offset + count, 0].transpose(1, 0, 2)  # [heads, count, hd]
+            k = keys[:, seg.slots]  # [heads, length, hd]
+            scores = q @ k.transpose(0, 2, 1) * scale
+            mask = _causal_mask(seg.start, count)
+            if mask is not None:
+                scores = scores + mask
+            out[offset : offset + count] = (_softmax(scores) @ values[:, seg.slots]).transpose(
+                1, 0, 2
+            )
+            offset += count
+        return out.reshape(len(h), shape.d_model)
+
+
+def _matmul(a: Array, b: Array) -> Array:
+    """``a @ b`` whose rows do not depend on how many other rows are in ``a``.
+
+    BLAS picks other kernels (and summation orders) for a handful of rows than for many;
+    padding small batches to the fewest rows from which this BLAS gives row-stable results
+    keeps a sequence's numbers, and so its sampled text, the same whatever else is in the
+    batch, at a fraction of the cost of always padding to a large batch.
+    """
+    rows, need = a.shape[0], _stable_rows(a.shape[1], b.shape[1])
+    if rows >= need:
+        out: Array = a @ b
+        return out
+    padded = np.zeros((need, a.shape[1]), dtype=a.dtype)
+    padded[:rows] = a
+    result: Array = (padded @ b)[:rows]
+    return result
+
+
+@functools.cache
+def _stable_rows(inner: int, cols: int) -> int:
+    """Smallest row count from which ``x @ w`` of this shape gives every row bit-identical
+    results however many rows follow, probed once per shape on this machine's BLAS."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(inner, cols)).astype(np.float32)
+    x = rng.normal(size=(_PROBE_ROWS, inner)).astype(np.float32)
+    full = x @ w
+    for candidate in (1, 2, 4, 8, 16, 32):
+        if all(np.array_equal(x[:rows] @ w, full[:rows]) for rows in range(candidate, _PROBE_ROWS)):
+            return candidate
+    return _PROBE_ROWS
 
 
 def _causal_mask(start: int, count: int) -> Array | None:
@@ -163,9 +220,9 @@ def _causal_mask(start: int, count: int) -> Array | None:
 
 
 def _layer_norm(x: Array, g: Array, b: Array) -> Array:
-    mean = x.mean(axis=-1, keepdims=True)
-    var = x.var(axis=-1, keepdims=True)
-    out: Array = (x - mean) / np.sqrt(var + np.float32(1e-5)) * g + b
+    centered = x - x.mean(axis=-1, keepdims=True)
+    var = (centered * centered).mean(axis=-1, keepdims=True)
+    out: Array = centered / np.sqrt(var + np.float32(1e-5)) * g + b
     return out
 
 
