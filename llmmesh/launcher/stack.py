@@ -76,9 +76,7 @@ class Stack:
         busy = [name for name, port in asdict(self.ports).items() if _in_use(self.host, port)]
         if busy:
             taken = ", ".join(f"{name} ({self.address(name)})" for name in busy)
-            raise StackError(
-                f"ports already in use: {taken}; stop what holds them or use free ports"
-            )
+            raise StackError(f"ports already in use: {taken}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         try:

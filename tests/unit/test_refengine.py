@@ -385,3 +385,24 @@ class TestEngine:
         finally:
             engine.stop()
         assert sink.tokens == 5
+
+
+class TestStreamInterval:
+    def test_lone_stream_gets_every_token(self) -> None:
+        sink = run(make_engine(), "alone", max_tokens=12, ignore_eos=True)
+        assert [n for _, n in sink.deltas] == [1] * len(sink.deltas)
+
+    def test_busy_engine_sends_fewer_larger_responses_first_token_at_once(self) -> None:
+        engine = make_engine()
+        sinks = [submit(engine, f"busy {i}", max_tokens=21, ignore_eos=True) for i in range(8)]
+        drain(engine)
+        for sink in sinks:
+            counts = [n for _, n in sink.deltas]
+            assert counts[0] == 1  # time to first token is not traded away
+            assert set(counts[1:]) == {2}  # 8 running: one response per 2 tokens
+            assert sink.tokens == 21 and len(sink.text) == 21
+
+    def test_fixed_interval(self) -> None:
+        sink = run(make_engine(stream_interval=5), "fixed", max_tokens=16, ignore_eos=True)
+        assert [n for _, n in sink.deltas] == [1, 5, 5, 5]
+        assert sink.final is not None and sink.final[1] == 0

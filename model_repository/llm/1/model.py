@@ -9,8 +9,8 @@ Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last respons
 from __future__ import annotations
 
 import json
-import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,30 +31,58 @@ from refengine.contract import decode_text, parse_sampling_parameters
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+Payload = tuple[str, str, int] | str  # (text, finish reason, tokens), or an error message
+
+
 class Outbox:
-    """Sends responses from a thread of its own, in order.
+    """Sends responses from a thread of its own, in order per request.
 
     A decoupled response send waits for Triton's main process; off the engine thread, that
-    wait overlaps with the next forward pass instead of adding to every token's latency.
+    wait overlaps with the next forward pass. While a request's earlier text still waits
+    to be sent, new text for it joins that response instead of queueing another one: when
+    many streams share the engine, fewer and larger responses keep sending from becoming
+    the bottleneck, and an idle engine still sends every token at once.
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, tuple[str, str, int] | str, int] | None] = (
-            queue.SimpleQueue()
-        )
+        self._pending: OrderedDict[int, tuple[Any, list[tuple[Payload, int]]]] = OrderedDict()
+        self._ready = threading.Condition()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
         self._thread.start()
 
-    def put(self, sender: Any, payload: tuple[str, str, int] | str, flags: int = 0) -> None:
-        """``payload``: (text, finish reason, tokens), or an error message (always final)."""
-        self._queue.put((sender, payload, flags))
+    def put(self, sender: Any, payload: Payload, flags: int = 0) -> None:
+        with self._ready:
+            _, items = self._pending.setdefault(id(sender), (sender, []))
+            last = items[-1][0] if items else None
+            if isinstance(last, tuple) and not last[1] and isinstance(payload, tuple):
+                # Unsent text that is not the last response takes the new text along.
+                merged = (last[0] + payload[0], payload[1], last[2] + payload[2])
+                items[-1] = (merged, flags)
+            else:
+                items.append((payload, flags))
+            self._ready.notify()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._queue.put(None)
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
         self._thread.join(timeout_s)
 
+    def _take(self) -> tuple[Any, Payload, int] | None:
+        with self._ready:
+            while not self._pending:
+                if self._closed:
+                    return None
+                self._ready.wait()
+            key, (sender, items) = self._pending.popitem(last=False)
+            payload, flags = items.pop(0)
+            if items:  # the request's later responses wait behind the other requests'
+                self._pending[key] = (sender, items)
+            return sender, payload, flags
+
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._take()) is not None:
             sender, payload, flags = item
             try:
                 if isinstance(payload, str):
@@ -68,24 +96,70 @@ class Outbox:
                 pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
 
 
+class CancelWatcher:
+    """Polls Triton for cancelled requests from a thread of its own.
+
+    ``is_cancelled`` is an IPC round trip to Triton's main process; asked by the engine
+    thread for every running sequence, it would stall every batched step.
+    """
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self._interval = interval_s
+        self._sinks: set[TritonSink] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cancel-watcher", daemon=True)
+        self._thread.start()
+
+    def watch(self, sink: TritonSink) -> None:
+        with self._lock:
+            self._sinks.add(sink)
+
+    def forget(self, sink: TritonSink) -> None:
+        with self._lock:
+            self._sinks.discard(sink)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                sinks = list(self._sinks)
+            for sink in sinks:
+                sink.poll_cancelled()
+
+
 class TritonSink:
     """One request's output, sent through its decoupled response sender via the outbox."""
 
-    def __init__(self, request: Any, outbox: Outbox) -> None:
+    def __init__(self, request: Any, outbox: Outbox, watcher: CancelWatcher) -> None:
         self._request = request
         self._sender = request.get_response_sender()
         self._outbox = outbox
+        self._watcher = watcher
+        self._cancelled = False
+        watcher.watch(self)
+
+    def poll_cancelled(self) -> None:
+        try:
+            self._cancelled = self._cancelled or bool(self._request.is_cancelled())
+        except Exception:  # the request is gone; the engine will finish it as cancelled
+            self._cancelled = True
 
     def is_cancelled(self) -> bool:
-        return bool(self._request.is_cancelled())
+        return self._cancelled
 
     def emit(self, text: str, num_tokens: int) -> None:
         self._outbox.put(self._sender, (text, "", num_tokens))
 
     def finish(self, text: str, num_tokens: int, reason: str) -> None:
+        self._watcher.forget(self)
         self._outbox.put(self._sender, (text, reason, num_tokens), FINAL)
 
     def fail(self, message: str) -> None:
+        self._watcher.forget(self)
         self._outbox.put(self._sender, message, FINAL)
 
 
@@ -169,16 +243,18 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        defaults = ModelShape()
         shape = ModelShape(
-            n_layers=int(params.get("n_layers", 4)),
-            d_model=int(params.get("d_model", 256)),
-            n_heads=int(params.get("n_heads", 4)),
-            d_ff=int(params.get("d_ff", 1024)),
-            max_context=int(params.get("max_context", 2048)),
+            n_layers=int(params.get("n_layers", defaults.n_layers)),
+            d_model=int(params.get("d_model", defaults.d_model)),
+            n_heads=int(params.get("n_heads", defaults.n_heads)),
+            d_ff=int(params.get("d_ff", defaults.d_ff)),
+            max_context=int(params.get("max_context", defaults.max_context)),
         )
         _limit_blas_threads(int(params.get("blas_threads", 1)))
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
         self.outbox = Outbox()
+        self.watcher = CancelWatcher()
         self.stats = StatsExporter(args["model_name"])
         config = EngineConfig(
             kv_blocks=int(params.get("kv_blocks", EngineConfig.kv_blocks)),
@@ -187,6 +263,7 @@ class TritonPythonModel:
             max_batched_tokens=int(
                 params.get("max_batched_tokens", EngineConfig.max_batched_tokens)
             ),
+            stream_interval=int(params.get("stream_interval", EngineConfig.stream_interval)),
         )
         self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.stats.publish)
         self.stats.publish(self.engine.stats)
@@ -194,7 +271,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = TritonSink(request, self.outbox)
+            sink = TritonSink(request, self.outbox, self.watcher)
             try:
                 self.engine.submit(_parse(request), sink)
             except RequestError as exc:
@@ -204,6 +281,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.watcher.close()
         self.outbox.close()
 
 

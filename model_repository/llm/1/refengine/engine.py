@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # often per sequence.
 CANCEL_CHECK_INTERVAL_S = 0.025
 STATS_INTERVAL_S = 0.1
+AUTO_STREAM_DIVISOR = 4
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineConfig:
     block_size: int = 16
     max_running: int = 32  # sequences in one step
     max_batched_tokens: int = 2048  # prefill and decode tokens in one step
+    # Tokens per streamed response after the first; 0 = one per AUTO_STREAM_DIVISOR
+    # running sequences (1 when few run, so a lone stream gets every token at once).
+    stream_interval: int = 0
 
 
 @dataclass
@@ -272,18 +276,27 @@ class Engine:
         released = seq.stops.push(seq.decoder.push(token))
         if released:
             seq.text.append(released)
-            if seq.request.stream:
-                seq.sink.emit(released, seq.unsent_tokens)
-                seq.unsent_tokens = 0
+            seq.unsent_text.append(released)
+        if seq.request.stream and seq.unsent_text and self._due(seq):
+            seq.sink.emit("".join(seq.unsent_text), seq.unsent_tokens)
+            seq.unsent_text.clear()
+            seq.unsent_tokens = 0
         if seq.stops.stopped:
             self._finish(seq, STOP)
         elif seq.generated >= seq.max_new:
             self._finish(seq, LENGTH)
 
+    def _due(self, seq: Sequence) -> bool:
+        """Whether a sequence's held text goes out now: its first text always does (time to
+        first token); later, every ``stream_interval`` tokens, which by default grows with
+        the batch so that per-response costs do not eat the batching gains."""
+        interval = self.config.stream_interval or -(-len(self._running) // AUTO_STREAM_DIVISOR)
+        return len(seq.text) == len(seq.unsent_text) or seq.unsent_tokens >= interval
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
         if seq.request.stream:
-            seq.sink.finish(tail, seq.unsent_tokens, reason)
+            seq.sink.finish("".join(seq.unsent_text) + tail, seq.unsent_tokens, reason)
         else:
             prefix = "" if seq.request.exclude_input_in_output else seq.request.prompt
             seq.sink.finish(prefix + "".join(seq.text) + tail, seq.generated, reason)

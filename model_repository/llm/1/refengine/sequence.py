@@ -43,6 +43,7 @@ class Sequence:
     hashes: list[int] = field(default_factory=list)  # content hash per full block
     next_cancel_check: float = 0.0
     unsent_tokens: int = 0
+    unsent_text: list[str] = field(default_factory=list)  # streamed text held back
     text: list[str] = field(default_factory=list)
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)

@@ -37,9 +37,9 @@ _PROBE_ROWS = 64
 @dataclass(frozen=True)
 class ModelShape:
     n_layers: int = 4
-    d_model: int = 256
+    d_model: int = 192
     n_heads: int = 4
-    d_ff: int = 1024
+    d_ff: int = 768
     max_context: int = 2048
     vocab_size: int = VOCAB_SIZE
     # Logit offset of the end-of-sequence token: lower means longer generations.
@@ -159,24 +159,20 @@ class Transformer:
         keys, values = pool.keys[index], pool.values[index]
         keys[:, writes] = qkv[:, 1].transpose(1, 0, 2)
         values[:, writes] = qkv[:, 2].transpose(1, 0, 2)
-        out = np.empty((len(h), shape.n_heads, shape.head_dim), dtype=np.float32)
-        scale = np.float32(1.0 / np.sqrt(shape.head_dim))
+        queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
+        out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
         offset = 0
         for seg in segments:
             # Each sequence attends over exactly its own length: no padding, so its
             # numbers do not depend on the other sequences in the batch.
-            count = len(seg.tokens)
-            q = qkv[offset : offset + count, 0].transpose(1, 0, 2)  # [heads, count, hd]
-            k = keys[:, seg.slots]  # [heads, length, hd]
-            scores = q @ k.transpose(0, 2, 1) * scale
-            mask = _causal_mask(seg.start, count)
+            end = offset + len(seg.tokens)
+            scores = queries[:, offset:end] @ keys[:, seg.slots].transpose(0, 2, 1)
+            mask = _causal_mask(seg.start, end - offset)
             if mask is not None:
-                scores = scores + mask
-            out[offset : offset + count] = (_softmax(scores) @ values[:, seg.slots]).transpose(
-                1, 0, 2
-            )
-            offset += count
-        return out.reshape(len(h), shape.d_model)
+                scores += mask
+            out[:, offset:end] = _softmax(scores) @ values[:, seg.slots]
+            offset = end
+        return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
 
 def _matmul(a: Array, b: Array) -> Array:
@@ -240,9 +236,11 @@ def _gelu(x: Array) -> Array:
 
 
 def _softmax(x: Array) -> Array:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    out: Array = e / e.sum(axis=-1, keepdims=True)
-    return out
+    """Softmax over the last axis, in place."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
 
 
 def _sinusoidal(positions: int, d: int) -> Array:
