@@ -23,10 +23,13 @@ typecheck: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m llmmesh.codegen
 
-# Starts its own stack on free ports; results go to docs/benchmarks.md and bench/results/.
+# Each run starts its own stack on free ports; results go to docs/benchmarks.md.
+BENCH := $(BIN)/llm-mesh bench --start-stack --no-progress --markdown docs/benchmarks.md
 bench: $(STAMP)
-	$(BIN)/llm-mesh bench --start-stack --compare --concurrency 1,16 --num-prompts 48 \
-		--rounds 5 --markdown docs/benchmarks.md --section baseline
+	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 5 --section baseline
+	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 3 --section batching
+	$(BENCH) --target triton --scenario hol
+	$(BENCH) --target triton --scenario prefix
 
 setup: $(STAMP)
 

@@ -14,7 +14,15 @@ from typing import Any
 
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
-from bench.report import Run, comparison_table, results_table, update_markdown, write_json
+from bench.report import (
+    Run,
+    comparison_table,
+    results_table,
+    scaling_table,
+    update_markdown,
+    write_json,
+)
+from bench.scenarios import Comparison, head_of_line, prefix_cache
 from bench.targets import RouterTarget, Target, TritonTarget
 from bench.workload import WorkloadSpec, make_requests
 from llmmesh.client import DEFAULT_STATE_FILE, router_address
@@ -29,6 +37,13 @@ def add_bench_parser(commands: Any) -> None:
         choices=["router", "triton"],
         action="append",
         help="what to load (repeatable; default: router)",
+    )
+    bench.add_argument(
+        "--scenario",
+        choices=["load", "hol", "prefix"],
+        default="load",
+        help="load: latency and throughput under load (default); hol: TTFT while 15 long "
+        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none",
     )
     bench.add_argument(
         "--compare",
@@ -90,11 +105,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure_and_report(args: argparse.Namespace) -> int:
+    if args.scenario != "load":
+        return _scenario(args)
     runs = asyncio.run(_run_all(args))
     command = "llm-mesh " + shlex.join(sys.argv[1:])
     write_json(args.out, command, _config(args), runs)
     print(results_table(runs))
-    comparison = comparison_table(runs, "triton", "router") if args.compare else ""
+    comparison = comparison_table(runs, "triton", "router") if args.compare else scaling_table(runs)
     if comparison:
         print("\n" + comparison)
     if args.markdown:
@@ -113,6 +130,28 @@ def _measure_and_report(args: argparse.Namespace) -> int:
         )
     print(f"\nresults: {args.out}", file=sys.stderr)
     return 1 if any(r.summary.failed for r in runs) else 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    async def measure() -> Comparison:
+        (target,) = _targets(args)[:1]
+        try:
+            if args.scenario == "hol":
+                return await head_of_line(target, prompt_len=args.input_len, seed=args.seed)
+            return await prefix_cache(target, seed=args.seed)
+        finally:
+            await target.close()
+
+    comparison = asyncio.run(measure())
+    command = "llm-mesh " + shlex.join(sys.argv[1:])
+    ratio = f"candidate / baseline TTFT p50: {comparison.ratio:.2f}"
+    print(f"{comparison.table()}\n\n{ratio}")
+    if args.markdown:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        body = f"Command: `{command}`  \nRun: {stamp}.\n\n{comparison.table()}\n\n{ratio}"
+        section = args.section if args.section != "baseline" else args.scenario
+        update_markdown(args.markdown, section, body)
+    return 0
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:

@@ -82,6 +82,21 @@ def comparison_table(runs: list[Run], baseline: str, candidate: str) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(runs: list[Run]) -> str:
+    """Output tokens/s of each load level relative to the first, per target."""
+    lines = [
+        "| target | load | output tok/s | relative to the first load |",
+        "| --- | --- | --- | --- |",
+    ]
+    first: dict[str, float] = {}
+    for run in runs:
+        rate = run.summary.output_tokens_per_s
+        base = first.setdefault(run.target, rate)
+        relative = f"{rate / base:.2f}x" if base else "n/a"
+        lines.append(f"| {run.target} | {run.load} | {rate:.0f} | {relative} |")
+    return "\n".join(lines)
+
+
 def update_markdown(path: Path, section: str, body: str) -> None:
     """Replaces (or appends) the block between this section's markers."""
     start, end = f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->"

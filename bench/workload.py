@@ -62,7 +62,7 @@ class BenchRequest:
     max_tokens: int
 
 
-def _text(rng: random.Random, length: int) -> str:
+def text_of_length(rng: random.Random, length: int) -> str:
     words: list[str] = []
     size = 0
     while size < length:
@@ -78,14 +78,16 @@ def _spread(rng: random.Random, mean: int, spread: float) -> int:
 
 def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
     rng = random.Random(spec.seed)
-    prefixes = [_text(rng, spec.shared_prefix_len) for _ in range(max(1, spec.prefix_groups))]
+    prefixes = [
+        text_of_length(rng, spec.shared_prefix_len) for _ in range(max(1, spec.prefix_groups))
+    ]
     requests = []
     for i in range(spec.num_prompts):
         prefix = prefixes[i % len(prefixes)] if spec.shared_prefix_len else ""
         body_len = max(1, _spread(rng, spec.input_len, spec.input_spread) - len(prefix))
         requests.append(
             BenchRequest(
-                prompt=prefix + _text(rng, body_len),
+                prompt=prefix + text_of_length(rng, body_len),
                 max_tokens=_spread(rng, spec.output_len, spec.output_spread),
             )
         )

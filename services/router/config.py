@@ -17,7 +17,7 @@ class RouterConfig(ServiceConfig):
         default_factory=lambda: ["127.0.0.1:50061"], min_length=1
     )
     # Models the mesh serves; the first is the default.
-    models: list[str] = Field(default_factory=lambda: ["llm"], min_length=1)
+    models: list[str] = Field(default_factory=lambda: ["llm", "llm_canary"], min_length=1)
     # Tenant every request runs as until API keys are configured.
     default_tenant: str = "default"
     max_prompt_chars: int = 8192

@@ -57,3 +57,12 @@ def test_request_id_from_metadata_is_echoed(stack: Stack) -> None:
         responses = list(call)
         assert dict(call.trailing_metadata())["x-request-id"] == "my-id-1"
     assert responses[0].request_id == "my-id-1"
+
+
+def test_canary_model_serves_with_other_weights(router_channel: grpc.Channel) -> None:
+    kwargs = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    stable = collect(router_channel, "same prompt", model="llm", **kwargs)
+    canary = collect(router_channel, "same prompt", model="llm_canary", **kwargs)
+    assert canary[0].model == "llm_canary"
+    assert canary[-1].usage.completion_tokens == 24
+    assert text_of(canary) != text_of(stable)

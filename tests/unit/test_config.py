@@ -11,7 +11,7 @@ from services.router.config import RouterConfig
 def test_defaults_without_file_or_environment() -> None:
     config = load_config(RouterConfig, "router", environ={})
     assert config.grpc_port == 50051
-    assert config.models == ["llm"]
+    assert config.models == ["llm", "llm_canary"]
 
 
 def test_environment_overrides_the_file(tmp_path: Path) -> None:
