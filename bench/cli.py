@@ -9,6 +9,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from bench.report import (
 )
 from bench.scenarios import Comparison, head_of_line, prefix_cache
 from bench.targets import RouterTarget, Target, TritonTarget
-from bench.workload import WorkloadSpec, make_requests
+from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, router_address
 
 
@@ -168,17 +169,15 @@ def _targets(args: argparse.Namespace) -> list[Target]:
 
 
 async def _run_all(args: argparse.Namespace) -> list[Run]:
-    requests = make_requests(
-        WorkloadSpec(
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            input_spread=args.input_spread,
-            output_len=args.output_len,
-            output_spread=args.output_spread,
-            prefix_groups=args.prefix_groups,
-            shared_prefix_len=args.shared_prefix_len,
-            seed=args.seed,
-        )
+    spec = WorkloadSpec(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        input_spread=args.input_spread,
+        output_len=args.output_len,
+        output_spread=args.output_spread,
+        prefix_groups=args.prefix_groups,
+        shared_prefix_len=args.shared_prefix_len,
+        seed=args.seed,
     )
     slo = Slo(
         ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
@@ -198,6 +197,9 @@ async def _run_all(args: argparse.Namespace) -> list[Run]:
                 # Alternate the order so that neither target always runs second.
                 flip = (round_index + index) % 2 == 1
                 for target in reversed(targets) if flip else targets:
+                    # Same lengths and words for every target, but a fresh salt: the
+                    # engine's prefix cache must not favour whichever target runs second.
+                    requests = make_requests(replace(spec, salt=new_salt()))
                     measured = await run_load(
                         target, requests, shape, warmup=args.warmup, progress=not args.no_progress
                     )

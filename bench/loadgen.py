@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from bench.metrics import RequestRecord, Slo, Summary, summarize
 from bench.targets import Target
-from bench.workload import BenchRequest
+from bench.workload import BenchRequest, new_salt
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ async def run_load(
     progress: bool = True,
 ) -> Measurement:
     """Warms up with ``warmup`` requests, then measures the whole workload."""
-    for request in requests[:warmup]:
-        await _one(target, request, None)
+    for request in requests[:warmup]:  # other prompts: warm-up must not fill the prefix cache
+        await _one(target, BenchRequest(new_salt() + request.prompt, request.max_tokens), None)
     # disable=None: no bar when stderr is not a terminal (CI logs).
     bar = tqdm(
         total=len(requests),

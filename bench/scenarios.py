@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from bench.metrics import RequestRecord
 from bench.targets import Target
-from bench.workload import BenchRequest, text_of_length
+from bench.workload import BenchRequest, new_salt, text_of_length
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ async def head_of_line(
     rng = random.Random(seed)
 
     def probe() -> BenchRequest:
-        return BenchRequest(text_of_length(rng, prompt_len), max_tokens=4)
+        salt = new_salt()
+        return BenchRequest(salt + text_of_length(rng, prompt_len - len(salt)), max_tokens=4)
 
     idle = [await _ttft(target, probe()) for _ in range(probes)]
     long_runs = [
@@ -100,14 +101,15 @@ async def prefix_cache(
     prefix_len = int(prompt_len * cached_share)
     cached, uncached = [], []
     for _ in range(trials):
-        prefix = text_of_length(rng, prefix_len)
+        prefix = new_salt() + text_of_length(rng, prefix_len)
         await _ttft(target, BenchRequest(prefix + text_of_length(rng, prompt_len - prefix_len), 1))
         cached.append(
             await _ttft(
                 target, BenchRequest(prefix + text_of_length(rng, prompt_len - prefix_len), 4)
             )
         )
-        uncached.append(await _ttft(target, BenchRequest(text_of_length(rng, prompt_len), 4)))
+        fresh = new_salt() + text_of_length(rng, prompt_len)
+        uncached.append(await _ttft(target, BenchRequest(fresh, 4)))
     return Comparison(
         "prefix", "uncached prompt", uncached, f"first {cached_share:.0%} cached", cached
     )

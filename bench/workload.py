@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import secrets
 from dataclasses import dataclass
 
 _WORDS = tuple(
@@ -54,6 +55,8 @@ class WorkloadSpec:
     prefix_groups: int = 1
     shared_prefix_len: int = 0
     seed: int = 0
+    # Starts every prompt, so that prompts of different runs never share a cached prefix.
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
     ]
     requests = []
     for i in range(spec.num_prompts):
-        prefix = prefixes[i % len(prefixes)] if spec.shared_prefix_len else ""
+        prefix = spec.salt + (prefixes[i % len(prefixes)] if spec.shared_prefix_len else "")
         body_len = max(1, _spread(rng, spec.input_len, spec.input_spread) - len(prefix))
         requests.append(
             BenchRequest(
@@ -92,3 +95,8 @@ def make_requests(spec: WorkloadSpec) -> list[BenchRequest]:
             )
         )
     return requests
+
+
+def new_salt() -> str:
+    """A prompt start no earlier request has used (the engine caches prompt prefixes)."""
+    return f"[{secrets.token_hex(4)}] "
