@@ -19,11 +19,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
 from refengine.contract import GenerationRequest, RequestError
 from refengine.kvcache import NO_PARENT, BlockPool, block_hash
+from refengine.sampling import sample_batch
 from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink
 from refengine.tokenizer import EOS, ByteTokenizer
 from refengine.transformer import Segment, Transformer
@@ -256,17 +254,17 @@ class Engine:
             for seq in batch:
                 self._fail(seq, f"generation failed: {exc}")
             return
-        for seq, row in zip(batch, logits, strict=True):
+        tokens = sample_batch([seq.sampler for seq in batch], logits)
+        for seq, token in zip(batch, tokens, strict=True):
             seq.computed = len(seq.tokens)
             try:
                 seq.register_full_blocks(self.pool)
-                self._advance(seq, row)
+                self._advance(seq, token)
             except Exception as exc:  # one bad sequence must not take the batch down
                 log.exception("sequence failed")
                 self._fail(seq, f"generation failed: {exc}")
 
-    def _advance(self, seq: Sequence, logits: npt.NDArray[np.float32]) -> None:
-        token = seq.sampler.sample(logits)
+    def _advance(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
         seq.unsent_tokens += 1
         self.stats.generation_tokens += 1

@@ -41,12 +41,11 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # keys[layer] and values[layer]: [heads, num_blocks * block_size, head_dim]; a
-        # token's slot is block * block_size + offset. Heads first, so that gathering a
-        # sequence's slots yields per-head matrices BLAS can use as they are.
-        shape = (n_layers, n_heads, num_blocks * block_size, head_dim)
-        self.keys: npt.NDArray[np.float32] = np.zeros(shape, dtype=np.float32)
-        self.values: npt.NDArray[np.float32] = np.zeros(shape, dtype=np.float32)
+        # kv[layer]: [2 (keys, values), heads, num_blocks * block_size, head_dim]; a token's
+        # slot is block * block_size + offset. Keys and values side by side, heads first:
+        # one gather per layer yields the per-head matrices BLAS uses as they are.
+        shape = (n_layers, 2, n_heads, num_blocks * block_size, head_dim)
+        self.kv: npt.NDArray[np.float32] = np.zeros(shape, dtype=np.float32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # block -> content hash (full blocks only)

@@ -22,18 +22,30 @@ class Sampler:
         self._rng = np.random.default_rng(params.seed)
         allowed = _ALLOWED.copy()
         allowed[EOS] = not params.ignore_eos
-        self._mask = np.where(allowed, 0.0, -np.inf)
+        self.mask = np.where(allowed, 0.0, -np.inf)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
-        scores = logits.astype(np.float64) + self._mask
-        if self.params.greedy:
-            return int(np.argmax(scores))
-        scores = scores / self.params.temperature
-        probs = np.exp(scores - scores.max())
-        probs = _top_k(probs, self.params.top_k)
-        probs = _top_p(probs, self.params.top_p)
-        probs /= probs.sum()
-        return int(self._rng.choice(len(probs), p=probs))
+        return sample_batch([self], logits[None, :])[0]
+
+    def draw(self, probs: npt.NDArray[np.float64]) -> int:
+        """A token from unnormalised probabilities, by inverse CDF with this sequence's RNG."""
+        probs = _top_p(_top_k(probs, self.params.top_k), self.params.top_p)
+        cdf = np.cumsum(probs)
+        index = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+        return min(index, len(cdf) - 1)
+
+
+def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> list[int]:
+    """One token per row of ``logits`` [batch, vocab]. Row-wise operations only, so each
+    sequence's token depends on its own logits and RNG, not on the rest of the batch."""
+    scores = logits.astype(np.float64) + np.stack([s.mask for s in samplers])
+    temperatures = np.array([s.params.temperature or 1.0 for s in samplers])[:, None]
+    scaled = scores / temperatures
+    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    return [
+        int(np.argmax(scores[row])) if sampler.params.greedy else sampler.draw(probs[row])
+        for row, sampler in enumerate(samplers)
+    ]
 
 
 def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:

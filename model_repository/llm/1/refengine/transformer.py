@@ -156,9 +156,8 @@ class Transformer:
     ) -> Array:
         shape = self.shape
         qkv = _matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
-        keys, values = pool.keys[index], pool.values[index]
-        keys[:, writes] = qkv[:, 1].transpose(1, 0, 2)
-        values[:, writes] = qkv[:, 2].transpose(1, 0, 2)
+        kv = pool.kv[index]
+        kv[:, :, writes] = qkv[:, 1:].transpose(1, 2, 0, 3)  # [2, heads, tokens, hd]
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
         out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
         offset = 0
@@ -166,11 +165,12 @@ class Transformer:
             # Each sequence attends over exactly its own length: no padding, so its
             # numbers do not depend on the other sequences in the batch.
             end = offset + len(seg.tokens)
-            scores = queries[:, offset:end] @ keys[:, seg.slots].transpose(0, 2, 1)
+            keys, values = kv[:, :, seg.slots]  # each [heads, length, hd]
+            scores = queries[:, offset:end] @ keys.transpose(0, 2, 1)
             mask = _causal_mask(seg.start, end - offset)
             if mask is not None:
                 scores += mask
-            out[:, offset:end] = _softmax(scores) @ values[:, seg.slots]
+            out[:, offset:end] = _softmax(scores) @ values
             offset = end
         return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
