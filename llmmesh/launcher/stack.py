@@ -145,6 +145,7 @@ class Stack:
         }
         if name == "inference":
             env[f"{prefix}TRITON_URL"] = self.address("triton_grpc")
+            env[f"{prefix}TRITON_METRICS_URL"] = f"http://{self.address('triton_metrics')}/metrics"
         elif name == "context":
             env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
         elif name == "router":

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from llmmesh.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -16,6 +18,111 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class WatchLoadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    max_interval_ms: _builtins.int
+    """Longest gap between two reports, in milliseconds; 0 means the replica's default (50)."""
+    def __init__(
+        self,
+        *,
+        max_interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_interval_ms", b"max_interval_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchLoadRequest: _TypeAlias = WatchLoadRequest  # noqa: Y015
+
+@_typing.final
+class ModelLoad(_message.Message):
+    """One model's engine load on this replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    KV_UTILIZATION_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Triton model name."""
+    running: _builtins.int
+    """Sequences being generated."""
+    waiting: _builtins.int
+    """Sequences waiting for admission (queue depth)."""
+    kv_utilization: _builtins.float
+    """Share of KV cache blocks in use, in [0, 1]."""
+    prefix_cache_hit_rate: _builtins.float
+    """Share of admitted prompt tokens read from the prefix cache, in [0, 1]."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        running: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        kv_utilization: _builtins.float = ...,
+        prefix_cache_hit_rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_utilization", b"kv_utilization", "model", b"model", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelLoad: _TypeAlias = ModelLoad  # noqa: Y015
+
+@_typing.final
+class LoadReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    RECENT_TTFT_S_FIELD_NUMBER: _builtins.int
+    RECENT_TPOT_S_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    ENGINE_REACHABLE_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    """Address this replica serves on (host:port)."""
+    timestamp_ms: _builtins.int
+    """When the engine statistics were read, Unix epoch milliseconds."""
+    in_flight: _builtins.int
+    """Generations this inference service is streaming now."""
+    recent_ttft_s: _builtins.float
+    """Median time to first token and per output token over the recent window (seconds;
+    0 when nothing finished recently).
+    """
+    recent_tpot_s: _builtins.float
+    engine_reachable: _builtins.bool
+    """False when Triton's statistics could not be read for this report."""
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelLoad]:
+        """Per model; empty while Triton's statistics cannot be read."""
+
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+        timestamp_ms: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        recent_ttft_s: _builtins.float = ...,
+        recent_tpot_s: _builtins.float = ...,
+        models: _abc.Iterable[Global___ModelLoad] | None = ...,
+        engine_reachable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_reachable", b"engine_reachable", "in_flight", b"in_flight", "models", b"models", "recent_tpot_s", b"recent_tpot_s", "recent_ttft_s", b"recent_ttft_s", "replica", b"replica", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
 
 @_typing.final
 class InferenceRequest(_message.Message):

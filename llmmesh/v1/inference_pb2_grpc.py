@@ -40,6 +40,11 @@ class InferenceStub:
                 request_serializer=llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/llmmesh.v1.Inference/WatchLoad',
+                request_serializer=llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -54,6 +59,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Streams this replica's load: a report whenever it changes, and at least every
+        interval, for as long as the caller listens. Routers subscribe instead of scraping.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +74,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_inference__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +109,33 @@ class Inference:
             '/llmmesh.v1.Inference/Generate',
             llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
             llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmmesh.v1.Inference/WatchLoad',
+            llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
+            llmmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

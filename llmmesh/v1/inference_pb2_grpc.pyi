@@ -37,6 +37,10 @@ class InferenceStub:
     """Streams generated text for one fully built prompt. Cancelling the call cancels the
     request inside Triton.
     """
+    WatchLoad: _grpc.UnaryStreamMultiCallable[_inference_pb2.WatchLoadRequest, _inference_pb2.LoadReport]
+    """Streams this replica's load: a report whenever it changes, and at least every
+    interval, for as long as the caller listens. Routers subscribe instead of scraping.
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -46,6 +50,10 @@ class InferenceAsyncStub(InferenceStub):
     Generate: _aio.UnaryStreamMultiCallable[_inference_pb2.InferenceRequest, _inference_pb2.InferenceResponse]  # type: ignore[assignment]
     """Streams generated text for one fully built prompt. Cancelling the call cancels the
     request inside Triton.
+    """
+    WatchLoad: _aio.UnaryStreamMultiCallable[_inference_pb2.WatchLoadRequest, _inference_pb2.LoadReport]  # type: ignore[assignment]
+    """Streams this replica's load: a report whenever it changes, and at least every
+    interval, for as long as the caller listens. Routers subscribe instead of scraping.
     """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
@@ -59,6 +67,16 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.InferenceResponse], _abc.AsyncIterator[_inference_pb2.InferenceResponse]]:
         """Streams generated text for one fully built prompt. Cancelling the call cancels the
         request inside Triton.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchLoad(
+        self,
+        request: _inference_pb2.WatchLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.LoadReport], _abc.AsyncIterator[_inference_pb2.LoadReport]]:
+        """Streams this replica's load: a report whenever it changes, and at least every
+        interval, for as long as the caller listens. Routers subscribe instead of scraping.
         """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,5 +12,9 @@ class InferenceConfig(ServiceConfig):
     triton_url: str = "127.0.0.1:8001"
     # Longest a single generation may take before Triton's stream is cancelled.
     stream_timeout_s: float = 600.0
+    # Triton's Prometheus endpoint, where the engine publishes its statistics.
+    triton_metrics_url: str = "http://127.0.0.1:8002/metrics"
+    # How often engine statistics are read while a router watches the load.
+    load_poll_interval_s: float = 0.05
     # Upper bound on max_tokens this replica accepts.
     max_tokens_limit: int = 4096

@@ -11,6 +11,7 @@ from prometheus_client import Counter, Gauge
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import Chunk, InferenceCall, check_sampling
+from services.inference.load import RecentLatency
 
 OUTPUT_TOKENS = Counter("llm_inference_output_tokens_total", "Tokens streamed", ["model"])
 REQUESTS = Counter("llm_inference_requests_total", "Requests finished", ["model", "outcome"])
@@ -25,6 +26,8 @@ class InferenceCore:
     def __init__(self, backend: GenerationBackend, max_tokens_limit: int) -> None:
         self._backend = backend
         self._limit = max_tokens_limit
+        self.in_flight = 0
+        self.latency = RecentLatency()
 
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         if not call.model:
@@ -33,12 +36,12 @@ class InferenceCore:
             raise InvalidArgument("prompt", "must not be empty")
         check_sampling(call.sampling, self._limit)
         started, first_at, tokens, outcome = time.perf_counter(), 0.0, 0, "error"
+        self.in_flight += 1
         IN_FLIGHT.inc()
         try:
             async for chunk in self._backend.generate(call):
                 if not first_at and chunk.text:
                     first_at = time.perf_counter()
-                    TTFT.labels(call.model).observe(first_at - started)
                 tokens += chunk.num_tokens
                 yield chunk
                 if chunk.finish_reason is not None:
@@ -47,8 +50,17 @@ class InferenceCore:
             outcome = "cancelled"
             raise
         finally:
+            self.in_flight -= 1
             IN_FLIGHT.dec()
-            REQUESTS.labels(call.model, outcome).inc()
-            OUTPUT_TOKENS.labels(call.model).inc(tokens)
-            if first_at and tokens > 1:
-                TPOT.labels(call.model).observe((time.perf_counter() - first_at) / (tokens - 1))
+            self._record(call.model, outcome, tokens, started, first_at)
+
+    def _record(self, model: str, outcome: str, tokens: int, started: float, first: float) -> None:
+        REQUESTS.labels(model, outcome).inc()
+        OUTPUT_TOKENS.labels(model).inc(tokens)
+        ttft = first - started if first else None
+        tpot = (time.perf_counter() - first) / (tokens - 1) if first and tokens > 1 else None
+        if ttft is not None:
+            TTFT.labels(model).observe(ttft)
+        if tpot is not None:
+            TPOT.labels(model).observe(tpot)
+        self.latency.add(ttft, tpot)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
-from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime import GrpcService, InvalidArgument, MeshError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
@@ -15,6 +18,7 @@ from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
 from services.inference.core import InferenceCore
+from services.inference.load import LoadMonitor, LoadSnapshot
 from services.inference.triton import TritonBackend
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
@@ -22,9 +26,23 @@ SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 Context = grpc.aio.ServicerContext[inference_pb2.InferenceRequest, inference_pb2.InferenceResponse]
 
 
+DEFAULT_REPORT_INTERVAL_S = 0.05
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, core: InferenceCore) -> None:
+    def __init__(self, core: InferenceCore, monitor: LoadMonitor, replica: str) -> None:
         self._core = core
+        self._monitor = monitor
+        self._replica = replica
+
+    async def WatchLoad(  # noqa: N802 (gRPC method name)
+        self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[inference_pb2.LoadReport]:
+        if request.max_interval_ms < 0:
+            await abort(context, InvalidArgument("max_interval_ms", "must be >= 0"))
+        interval = request.max_interval_ms / 1000 or DEFAULT_REPORT_INTERVAL_S
+        async for snapshot in self._monitor.watch(interval):
+            yield load_report_to_pb(snapshot, self._replica)
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.InferenceRequest, context: Context
@@ -48,12 +66,52 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await abort(context, err)
 
 
+def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.LoadReport:
+    return inference_pb2.LoadReport(
+        replica=replica,
+        timestamp_ms=snapshot.timestamp_ms,
+        in_flight=snapshot.in_flight,
+        recent_ttft_s=snapshot.recent_ttft_s,
+        recent_tpot_s=snapshot.recent_tpot_s,
+        engine_reachable=snapshot.engine_reachable,
+        models=[
+            inference_pb2.ModelLoad(
+                model=m.model,
+                running=m.running,
+                waiting=m.waiting,
+                kv_utilization=m.kv_utilization,
+                prefix_cache_hit_rate=m.prefix_cache_hit_rate,
+            )
+            for m in snapshot.models
+        ],
+    )
+
+
 def build_service(config: InferenceConfig) -> GrpcService:
     backend = TritonBackend(config.triton_url, config.stream_timeout_s)
-    servicer = InferenceServicer(InferenceCore(backend, config.max_tokens_limit))
+    core = InferenceCore(backend, config.max_tokens_limit)
+
+    async def read_engine_metrics() -> str:
+        return await asyncio.to_thread(_http_get, config.triton_metrics_url)
+
+    monitor = LoadMonitor(
+        read_engine_metrics, lambda: core.in_flight, core.latency, config.load_poll_interval_s
+    )
+    servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
+
+    async def cleanup() -> None:
+        await monitor.close()
+        await backend.close()
+
     return GrpcService(
         config,
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
-        cleanup=backend.close,
+        cleanup=cleanup,
     )
+
+
+def _http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=1.0) as reply:
+        text: str = reply.read().decode()
+    return text

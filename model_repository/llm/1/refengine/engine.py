@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # Asking Triton whether a request was cancelled is an IPC round trip; do it at most this
 # often per sequence.
 CANCEL_CHECK_INTERVAL_S = 0.025
-STATS_INTERVAL_S = 0.1
+# Statistics are published at least this often while busy (load reports read them).
+STATS_INTERVAL_S = 0.05
 AUTO_STREAM_DIVISOR = 4
 
 

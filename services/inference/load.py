@@ -1,0 +1,162 @@
+"""Load reporting: Triton's engine statistics plus this service's own, pushed to watchers.
+
+The engine publishes its statistics as Triton custom metrics; the monitor reads them
+(only while someone watches), adds this service's in-flight count and recent latencies,
+and wakes every watcher when the load changes. Watchers also get a report at least every
+interval, so a silent replica is distinguishable from an idle one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_ENGINE_METRICS = {
+    "llm_engine_running_sequences": "running",
+    "llm_engine_waiting_sequences": "waiting",
+    "llm_engine_kv_blocks_used": "kv_used",
+    "llm_engine_kv_blocks_total": "kv_total",
+    "llm_engine_prefix_cache_hit_rate": "prefix_hit_rate",
+}
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    model: str
+    running: int = 0
+    waiting: int = 0
+    kv_utilization: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    timestamp_ms: int = 0
+    in_flight: int = 0
+    recent_ttft_s: float = 0.0
+    recent_tpot_s: float = 0.0
+    models: tuple[ModelLoad, ...] = ()
+    engine_reachable: bool = False
+
+    def same_load(self, other: LoadSnapshot) -> bool:
+        """Equal but for the time it was taken."""
+        return replace(self, timestamp_ms=0) == replace(other, timestamp_ms=0)
+
+
+def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
+    """Per-model engine load from a Prometheus text exposition (Triton's /metrics)."""
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        key = _ENGINE_METRICS.get(family.name)
+        if key is None:
+            continue
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model:
+                values.setdefault(model, {})[key] = sample.value
+    return tuple(
+        ModelLoad(
+            model=model,
+            running=int(v.get("running", 0)),
+            waiting=int(v.get("waiting", 0)),
+            kv_utilization=v.get("kv_used", 0.0) / v["kv_total"] if v.get("kv_total") else 0.0,
+            prefix_cache_hit_rate=v.get("prefix_hit_rate", 0.0),
+        )
+        for model, v in sorted(values.items())
+    )
+
+
+@dataclass
+class RecentLatency:
+    """Latencies of the requests finished in the last ``window_s`` seconds."""
+
+    window_s: float = 30.0
+    _ttft: deque[tuple[float, float]] = field(default_factory=deque)
+    _tpot: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def add(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        now = time.monotonic()
+        if ttft_s is not None:
+            self._ttft.append((now, ttft_s))
+        if tpot_s is not None:
+            self._tpot.append((now, tpot_s))
+
+    def medians(self) -> tuple[float, float]:
+        cutoff = time.monotonic() - self.window_s
+        for samples in (self._ttft, self._tpot):
+            while samples and samples[0][0] < cutoff:
+                samples.popleft()
+        return _median(self._ttft), _median(self._tpot)
+
+
+def _median(samples: deque[tuple[float, float]]) -> float:
+    return statistics.median(v for _, v in samples) if samples else 0.0
+
+
+class LoadMonitor:
+    def __init__(
+        self,
+        read_engine_metrics: Callable[[], Awaitable[str]],
+        in_flight: Callable[[], int],
+        latency: RecentLatency,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self._read = read_engine_metrics
+        self._in_flight = in_flight
+        self._latency = latency
+        self._interval = poll_interval_s
+        self._snapshot = LoadSnapshot()
+        self._changed = asyncio.Condition()
+        self._watchers = 0
+        self._poller: asyncio.Task[None] | None = None
+
+    async def watch(self, max_interval_s: float) -> AsyncIterator[LoadSnapshot]:
+        """The current load now, then on every change and at least every ``max_interval_s``."""
+        self._watchers += 1
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll())
+        try:
+            await self._refresh()
+            while True:
+                yield self._snapshot
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), max_interval_s)
+        finally:
+            self._watchers -= 1
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    async def _poll(self) -> None:
+        while self._watchers > 0:
+            await self._refresh()
+            await asyncio.sleep(self._interval)  # the polling period, not synchronisation
+
+    async def _refresh(self) -> None:
+        try:
+            models, reachable = parse_engine_metrics(await self._read()), True
+        except (OSError, ValueError):
+            models, reachable = (), False
+        ttft, tpot = self._latency.medians()
+        snapshot = LoadSnapshot(
+            timestamp_ms=int(time.time() * 1000),
+            in_flight=self._in_flight(),
+            recent_ttft_s=ttft,
+            recent_tpot_s=tpot,
+            models=models,
+            engine_reachable=reachable,
+        )
+        changed = not snapshot.same_load(self._snapshot)
+        self._snapshot = snapshot
+        if changed:
+            async with self._changed:
+                self._changed.notify_all()

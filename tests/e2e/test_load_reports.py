@@ -1,0 +1,47 @@
+"""Inference replicas push their load; a router-side watcher sees a generation come and go."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from llmmesh.client import build_request
+from llmmesh.launcher import Stack
+from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+
+def _llm(report: inference_pb2.LoadReport) -> inference_pb2.ModelLoad | None:
+    return next((m for m in report.models if m.model == "llm"), None)
+
+
+def test_load_reports_follow_a_generation(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("inference")) as channel:
+        stub: Any = inference_pb2_grpc.InferenceStub(channel)
+        reports = stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=50), timeout=60)
+        first = next(reports)
+        assert first.engine_reachable and first.replica == stack.address("inference")
+        assert _llm(first) is not None
+
+        router = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.address("router")))
+        call = router.Generate(build_request("keep busy", max_tokens=1000, ignore_eos=True))
+        reader = threading.Thread(target=lambda: next(call), daemon=True)
+        reader.start()
+
+        busy = next(r for r in reports if (m := _llm(r)) and m.running >= 1 and r.in_flight >= 1)
+        assert _llm(busy).kv_utilization > 0  # type: ignore[union-attr]
+        call.cancel()
+        idle = next(r for r in reports if (m := _llm(r)) and m.running == 0 and r.in_flight == 0)
+        assert idle.timestamp_ms > busy.timestamp_ms
+        reports.cancel()
+
+
+def test_negative_interval_is_invalid(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("inference")) as channel:
+        stub: Any = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=-1), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_interval_ms" in (info.value.details() or "")

@@ -1,0 +1,75 @@
+"""Load reports: parsing the engine's Triton metrics, and the monitor's push semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.inference.load import LoadMonitor, ModelLoad, RecentLatency, parse_engine_metrics
+
+TRITON_METRICS = """\
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="llm",version="1"} 12
+# HELP llm_engine_running_sequences Sequences being generated
+# TYPE llm_engine_running_sequences gauge
+llm_engine_running_sequences{model="llm"} 3
+llm_engine_running_sequences{model="llm_canary"} 0
+# HELP llm_engine_waiting_sequences Sequences queued
+# TYPE llm_engine_waiting_sequences gauge
+llm_engine_waiting_sequences{model="llm"} 5
+# HELP llm_engine_kv_blocks_used KV cache blocks in use
+# TYPE llm_engine_kv_blocks_used gauge
+llm_engine_kv_blocks_used{model="llm"} 512
+# HELP llm_engine_kv_blocks_total KV cache blocks
+# TYPE llm_engine_kv_blocks_total gauge
+llm_engine_kv_blocks_total{model="llm"} 2048
+llm_engine_kv_blocks_total{model="llm_canary"} 2048
+# HELP llm_engine_prefix_cache_hit_rate Share of prompt tokens read from the prefix cache
+# TYPE llm_engine_prefix_cache_hit_rate gauge
+llm_engine_prefix_cache_hit_rate{model="llm"} 0.25
+"""
+
+
+def test_engine_metrics_are_read_per_model() -> None:
+    assert parse_engine_metrics(TRITON_METRICS) == (
+        ModelLoad("llm", running=3, waiting=5, kv_utilization=0.25, prefix_cache_hit_rate=0.25),
+        ModelLoad("llm_canary"),
+    )
+
+
+def test_recent_latency_medians() -> None:
+    latency = RecentLatency()
+    for ttft, tpot in ((0.01, 0.001), (0.03, None), (0.02, 0.003)):
+        latency.add(ttft, tpot)
+    assert latency.medians() == (0.02, 0.002)
+    assert RecentLatency().medians() == (0.0, 0.0)
+
+
+def test_monitor_pushes_changes_and_reports_an_unreachable_engine() -> None:
+    texts: list[str | OSError] = [
+        TRITON_METRICS,
+        TRITON_METRICS.replace("} 3", "} 4"),
+        OSError("refused"),
+    ]
+
+    async def read() -> str:
+        item = texts[0] if len(texts) == 1 else texts.pop(0)
+        if isinstance(item, OSError):
+            raise item
+        return item
+
+    async def scenario() -> list[tuple[int, bool]]:
+        monitor = LoadMonitor(read, lambda: 2, RecentLatency(), poll_interval_s=0.001)
+        seen: list[tuple[int, bool]] = []
+        async for snapshot in monitor.watch(max_interval_s=5.0):
+            running = snapshot.models[0].running if snapshot.models else -1
+            seen.append((running, snapshot.engine_reachable))
+            if not snapshot.engine_reachable:
+                break
+        await monitor.close()
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert seen[0] == (3, True)
+    assert (4, True) in seen
+    assert seen[-1] == (-1, False)
