@@ -15,7 +15,7 @@ def test_tokens_stream_with_usage_at_the_end(
     responses = collect(router_channel, "Once upon a time", max_tokens=32, ignore_eos=True)
     first, last = responses[0], responses[-1]
     assert first.request_id and first.model == "llm"
-    assert len(responses) >= 16, "tokens were not streamed as they were generated"
+    assert len(responses) >= 8, "tokens were not streamed as they were generated"
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 32
     assert last.usage.prompt_tokens == len("Once upon a time") + 1  # bytes plus BOS

