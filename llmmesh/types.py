@@ -7,6 +7,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from llmmesh.runtime.errors import InvalidArgument
+
 
 class FinishReason(enum.Enum):
     """Why a stream ended; values are the vLLM / OpenAI spellings."""
@@ -71,8 +73,6 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 def check_session_id(session_id: str) -> None:
-    from llmmesh.runtime.errors import InvalidArgument
-
     if not SESSION_ID.match(session_id):
         raise InvalidArgument(
             "session_id", "1-128 characters of letters, digits, '-', '_', '.', ':'"
@@ -81,8 +81,6 @@ def check_session_id(session_id: str) -> None:
 
 def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
     """Raises InvalidArgument naming the first bad field of ``sampling``."""
-    from llmmesh.runtime.errors import InvalidArgument
-
     if sampling.max_tokens <= 0:
         raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
     if sampling.max_tokens > max_tokens_limit:

@@ -191,6 +191,17 @@ class RouterCore:
             raise
         finally:
             await prepared.stream.abandon()
+            log.info(
+                "generation ended",
+                extra={
+                    "fields": {
+                        "model": model,
+                        "outcome": outcome,
+                        "prompt_tokens": prepared.prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                    }
+                },
+            )
             REQUESTS.labels(model, outcome).inc()
             TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
             TOKEN_USAGE.labels(model, "output").observe(completion_tokens)

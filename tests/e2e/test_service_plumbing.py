@@ -66,3 +66,19 @@ def test_logs_are_json_lines_with_the_request_id(
     entries = [json.loads(line) for line in lines if line.startswith("{")]
     matches = [e for e in entries if e["msg"] == "policy match"]
     assert matches and matches[-1]["request_id"] and matches[-1]["service"] == "policy"
+
+
+def test_router_logs_each_generation_with_its_request_id(
+    stack: Stack, router_channel: grpc.Channel
+) -> None:
+    from tests.conftest import collect
+
+    request_id = collect(router_channel, "log me", max_tokens=3)[0].request_id
+    entries = [
+        json.loads(line)
+        for line in stack.log_path("router").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    ended = [e for e in entries if e.get("request_id") == request_id]
+    assert [e["msg"] for e in ended] == ["generation ended"]
+    assert ended[0]["outcome"] == "length" and ended[0]["completion_tokens"] == 3
