@@ -165,7 +165,7 @@ class Transformer:
             # Each sequence attends over exactly its own length: no padding, so its
             # numbers do not depend on the other sequences in the batch.
             end = offset + len(seg.tokens)
-            keys, values = kv[:, :, seg.slots]  # each [heads, length, hd]
+            keys, values = np.take(kv, seg.slots, axis=2)  # each [heads, length, hd]
             scores = queries[:, offset:end] @ keys.transpose(0, 2, 1)
             mask = _causal_mask(seg.start, end - offset)
             if mask is not None:
