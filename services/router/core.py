@@ -6,7 +6,6 @@ No gRPC here: upstreams are reached through the small client interfaces in upstr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -75,8 +74,9 @@ class StartedStream:
         """Cancels the generation if it is still running (idempotent)."""
         if not self._first.done():
             self._first.cancel()
-            with contextlib.suppress(BaseException):
-                await self._first
+            await asyncio.wait({self._first})  # its outcome is moot; ours must propagate
+        if not self._first.cancelled():
+            self._first.exception()  # mark a failure of the abandoned start as seen
         await self._chunks.aclose()
 
 
@@ -85,7 +85,6 @@ class Prepared:
     """A request that passed admission: its started generation, and what to record after."""
 
     request: GenerateInput
-    call: InferenceCall
     stream: StartedStream
     user_text: str
     prompt_tokens: int
@@ -155,7 +154,7 @@ class RouterCore:
             verdict.cancel()
             await started.abandon()
             raise
-        return Prepared(request, call, started, user_text, prompt_tokens, received_at)
+        return Prepared(request, started, user_text, prompt_tokens, received_at)
 
     def _build_call(
         self, request: GenerateInput, history: list[Turn] | None, user_text: str
