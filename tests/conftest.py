@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmmesh.client import build_request
 from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
 from llmmesh.v1 import generation_pb2, generation_pb2_grpc
 from llmmesh.waiting import poll_until
 
@@ -73,3 +75,13 @@ def metric_value(url: str, name: str, labels: dict[str, str]) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+def start_service(stack: Stack, name: str, port: int, tmp_path: Path, **overrides: str) -> Child:
+    """Another instance of a stack service on ``port``, its settings overridden."""
+    prefix = f"LLM_MESH_{name.upper()}_"
+    env = stack.service_env(name) | {f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": "0"}
+    env |= {prefix + key.upper(): value for key, value in overrides.items()}
+    child = Child.service(name, env, tmp_path / f"{name}.log", tmp_path)
+    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 30)
+    return child

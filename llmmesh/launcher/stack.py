@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 
 from llmmesh.launcher.process import Child, StackError
-from llmmesh.launcher.triton import TritonDist, triton_command
+from llmmesh.launcher.triton import start_triton, wait_until_ready
 
 __all__ = ["Stack", "StackError", "StackPorts"]
 
@@ -126,12 +126,9 @@ class Stack:
         self.stop()
 
     def _start_triton(self) -> None:
-        dist = TritonDist.locate()
-        backend_dir = dist.backend_dir(self.workdir)
         ports = (self.ports.triton_grpc, self.ports.triton_http, self.ports.triton_metrics)
-        command = triton_command(dist, self.model_repository, backend_dir, self.host, ports)
-        self._children["triton"] = Child.spawn(
-            "triton", command, dist.environment(), self.log_path("triton"), self.workdir
+        self._children["triton"] = start_triton(
+            self.workdir, self.model_repository, self.host, ports, self.log_path("triton")
         )
 
     def service_env(self, name: str) -> dict[str, str]:
@@ -155,17 +152,7 @@ class Stack:
         return env
 
     def _wait_triton(self, deadline: float) -> None:
-        import tritonclient.grpc as triton_grpc
-
-        client = triton_grpc.InferenceServerClient(self.address("triton_grpc"))
-        try:
-            self._children["triton"].wait_until(
-                lambda: bool(client.is_server_ready() and client.is_model_ready("llm")),
-                deadline,
-                "load the model",
-            )
-        finally:
-            client.close()
+        wait_until_ready(self._children["triton"], self.address("triton_grpc"), deadline)
 
 
 def _in_use(host: str, port: int) -> bool:

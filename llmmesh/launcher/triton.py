@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmmesh.launcher.process import Child
+
 
 class TritonNotFound(RuntimeError):
     pass
@@ -91,3 +93,31 @@ def triton_command(
         "--exit-timeout-secs=10",
         "--log-info=false",
     ]
+
+
+def start_triton(
+    workdir: Path,
+    model_repository: Path,
+    host: str,
+    ports: tuple[int, int, int],
+    log_path: Path,
+) -> Child:
+    """Starts tritonserver (gRPC, HTTP, metrics ports) on ``model_repository``."""
+    dist = TritonDist.locate()
+    command = triton_command(dist, model_repository, dist.backend_dir(workdir), host, ports)
+    return Child.spawn("triton", command, dist.environment(), log_path, workdir)
+
+
+def wait_until_ready(triton: Child, grpc_address: str, deadline: float) -> None:
+    """Returns once Triton reports itself and the reference model ready."""
+    import tritonclient.grpc as triton_grpc
+
+    client = triton_grpc.InferenceServerClient(grpc_address)
+    try:
+        triton.wait_until(
+            lambda: bool(client.is_server_ready() and client.is_model_ready("llm")),
+            deadline,
+            "load the model",
+        )
+    finally:
+        client.close()

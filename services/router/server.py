@@ -16,12 +16,9 @@ from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, Prepared, RouterCore
-from services.router.upstreams import (
-    CHANNEL_OPTIONS,
-    GrpcContextClient,
-    GrpcInferenceClient,
-    GrpcPolicyClient,
-)
+from services.router.picking import PICKERS
+from services.router.pool import InferencePool
+from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
@@ -93,23 +90,25 @@ async def _responses(
 
 
 class Upstreams:
-    """The router's channels; closed on shutdown."""
+    """The router's channels and replica pool; closed on shutdown."""
 
     def __init__(self, config: RouterConfig) -> None:
-        def channel(address: str) -> grpc.aio.Channel:
-            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
         self.channels = [
-            channel(config.policy_address),
-            channel(config.context_address),
-            channel(config.inference_addresses[0]),
+            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            for address in (config.policy_address, config.context_address)
         ]
-        policy_ch, context_ch, inference_ch = self.channels
+        policy_ch, context_ch = self.channels
         self.policy = GrpcPolicyClient(policy_ch, config.upstream_timeout_s)
         self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
-        self.inference = GrpcInferenceClient(inference_ch, config.inference_addresses[0])
+        self.inference = InferencePool(
+            config.inference_addresses,
+            PICKERS[config.picker](),
+            config.load_report_interval_s,
+            config.load_report_stale_s,
+        )
 
     async def close(self) -> None:
+        await self.inference.close()
         for ch in self.channels:
             await ch.close()
 
@@ -120,9 +119,11 @@ def build_service(config: RouterConfig) -> GrpcService:
         config, upstreams.policy, upstreams.context, upstreams.inference, count_tokens
     )
     servicer = GenerationServicer(core, config.default_tenant)
-    return GrpcService(
+    service = GrpcService(
         config,
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
         cleanup=upstreams.close,
     )
+    service.on_start(upstreams.inference.start)
+    return service

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,19 +12,8 @@ import pytest
 
 from llmmesh.client import build_request
 from llmmesh.launcher import Stack, StackPorts
-from llmmesh.launcher.process import Child
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.conftest import collect
-
-
-def _service(stack: Stack, name: str, port: int, tmp_path: Path, **overrides: str) -> Child:
-    """Another instance of a stack service on ``port``, its settings overridden."""
-    prefix = f"LLM_MESH_{name.upper()}_"
-    env = stack.service_env(name) | {f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": "0"}
-    env |= {prefix + key.upper(): value for key, value in overrides.items()}
-    child = Child.service(name, env, tmp_path / f"{name}.log", tmp_path)
-    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 30)
-    return child
+from tests.conftest import collect, start_service
 
 
 @pytest.fixture
@@ -37,11 +25,11 @@ def extra_ports() -> StackPorts:
 def router_without_triton(stack: Stack, tmp_path: Path, extra_ports: StackPorts) -> Iterator[str]:
     """A router and an inference service whose Triton address has nothing listening."""
     dead_triton = f"127.0.0.1:{extra_ports.triton_grpc}"
-    inference = _service(
+    inference = start_service(
         stack, "inference", extra_ports.inference, tmp_path, triton_url=dead_triton
     )
     try:
-        router = _service(
+        router = start_service(
             stack,
             "router",
             extra_ports.router,
@@ -71,7 +59,7 @@ def test_sigterm_drains_the_stream_in_flight(
     stack: Stack, tmp_path: Path, extra_ports: StackPorts
 ) -> None:
     address = f"127.0.0.1:{extra_ports.router}"
-    router = _service(stack, "router", extra_ports.router, tmp_path)
+    router = start_service(stack, "router", extra_ports.router, tmp_path)
     try:
         with grpc.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
