@@ -156,7 +156,10 @@ class Stack:
 
 
 def _in_use(host: str, port: int) -> bool:
+    """Whether something listens on the port (connections lingering in TIME_WAIT after a
+    previous run do not count: servers bind with SO_REUSEADDR, and so does this probe)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

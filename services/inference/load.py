@@ -53,7 +53,9 @@ class LoadSnapshot:
 def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
     """Per-model engine load from a Prometheus text exposition (Triton's /metrics)."""
     values: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
+    # Triton exposes far more than the engine's families; parse only those lines.
+    relevant = "\n".join(line for line in text.splitlines() if "llm_engine_" in line)
+    for family in text_string_to_metric_families(relevant):
         key = _ENGINE_METRICS.get(family.name)
         if key is None:
             continue
