@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -34,21 +35,27 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 Payload = tuple[str, str, int] | str  # (text, finish reason, tokens), or an error message
 
 
-class Outbox:
-    """Sends responses from a thread of its own, in order per request.
+class TritonIO:
+    """The one thread that talks to Triton: responses, cancellation polls, metrics.
 
-    A decoupled response send waits for Triton's main process; off the engine thread, that
-    wait overlaps with the next forward pass. While a request's earlier text still waits
-    to be sent, new text for it joins that response instead of queueing another one: when
-    many streams share the engine, fewer and larger responses keep sending from becoming
-    the bottleneck, and an idle engine still sends every token at once.
+    Every call into Triton (a response send, ``is_cancelled``, a metric update) waits on
+    Triton's main process. Made here, off the engine thread, those waits overlap the next
+    forward pass; made from one thread only, they never run concurrently with each other.
+    While a request's earlier text still waits to be sent, new text for it joins that
+    response instead of queueing another one: when many streams share the engine, fewer
+    and larger responses keep sending from becoming the bottleneck, and an idle engine
+    still sends every token at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exporter: StatsExporter, poll_interval_s: float = 0.1) -> None:
+        self._exporter = exporter
+        self._poll_interval = poll_interval_s
         self._pending: OrderedDict[int, tuple[Any, list[tuple[Payload, int]]]] = OrderedDict()
+        self._sinks: set[TritonSink] = set()
+        self._stats: EngineStats | None = None
         self._ready = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="triton-io", daemon=True)
         self._thread.start()
 
     def put(self, sender: Any, payload: Payload, flags: int = 0) -> None:
@@ -63,104 +70,109 @@ class Outbox:
                 items.append((payload, flags))
             self._ready.notify()
 
+    def watch(self, sink: TritonSink) -> None:
+        with self._ready:
+            self._sinks.add(sink)
+
+    def forget(self, sink: TritonSink) -> None:
+        with self._ready:
+            self._sinks.discard(sink)
+
+    def publish(self, stats: EngineStats) -> None:
+        """Queues the engine's statistics for Triton's /metrics (the engine thread calls it)."""
+        with self._ready:
+            self._stats = stats
+            self._ready.notify()
+
     def close(self, timeout_s: float = 10.0) -> None:
         with self._ready:
             self._closed = True
             self._ready.notify()
         self._thread.join(timeout_s)
 
+    def _run(self) -> None:
+        next_poll = time.monotonic() + self._poll_interval
+        while True:
+            with self._ready:
+                while not (self._pending or self._stats or self._closed):
+                    if not self._ready.wait(max(0.0, next_poll - time.monotonic())):
+                        break
+                if self._closed and not self._pending:
+                    return
+                item = self._take()
+                stats, self._stats = self._stats, None
+                sinks = list(self._sinks) if time.monotonic() >= next_poll else []
+            if item is not None:
+                _send(*item)
+            if stats is not None:
+                self._exporter.publish(stats)
+            if sinks:
+                for sink in sinks:
+                    sink.poll_cancelled()
+                next_poll = time.monotonic() + self._poll_interval
+
     def _take(self) -> tuple[Any, Payload, int] | None:
-        with self._ready:
-            while not self._pending:
-                if self._closed:
-                    return None
-                self._ready.wait()
-            key, (sender, items) = self._pending.popitem(last=False)
-            payload, flags = items.pop(0)
-            if items:  # the request's later responses wait behind the other requests'
-                self._pending[key] = (sender, items)
-            return sender, payload, flags
-
-    def _run(self) -> None:
-        while (item := self._take()) is not None:
-            sender, payload, flags = item
-            try:
-                if isinstance(payload, str):
-                    error = pb_utils.TritonError(payload)
-                    sender.send(
-                        pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL
-                    )
-                else:
-                    sender.send(_response(*payload), flags=flags)
-            except Exception as exc:  # e.g. the client went away; other requests go on
-                pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
+        if not self._pending:
+            return None
+        key, (sender, items) = self._pending.popitem(last=False)
+        payload, flags = items.pop(0)
+        if items:  # the request's later responses wait behind the other requests'
+            self._pending[key] = (sender, items)
+        return sender, payload, flags
 
 
-class CancelWatcher:
-    """Polls Triton for cancelled requests from a thread of its own.
-
-    ``is_cancelled`` is an IPC round trip to Triton's main process; asked by the engine
-    thread for every running sequence, it would stall every batched step.
-    """
-
-    def __init__(self, interval_s: float = 0.1) -> None:
-        self._interval = interval_s
-        self._sinks: set[TritonSink] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cancel-watcher", daemon=True)
-        self._thread.start()
-
-    def watch(self, sink: TritonSink) -> None:
-        with self._lock:
-            self._sinks.add(sink)
-
-    def forget(self, sink: TritonSink) -> None:
-        with self._lock:
-            self._sinks.discard(sink)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            with self._lock:
-                sinks = list(self._sinks)
-            for sink in sinks:
-                sink.poll_cancelled()
+def _send(sender: Any, payload: Payload, flags: int) -> None:
+    try:
+        if isinstance(payload, str):
+            error = pb_utils.TritonError(payload)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+        else:
+            sender.send(_response(*payload), flags=flags)
+    except Exception as exc:  # e.g. the client went away; other requests go on
+        pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
 
 
 class TritonSink:
-    """One request's output, sent through its decoupled response sender via the outbox."""
+    """One request's output, sent through its decoupled response sender by the IO thread."""
 
-    def __init__(self, request: Any, outbox: Outbox, watcher: CancelWatcher) -> None:
+    def __init__(self, request: Any, io: TritonIO) -> None:
         self._request = request
         self._sender = request.get_response_sender()
-        self._outbox = outbox
-        self._watcher = watcher
+        self._io = io
         self._cancelled = False
-        watcher.watch(self)
+        # Triton frees the request once its final response is sent: from the moment that
+        # response is queued, nothing may touch the request (the lock orders the two).
+        self._lock = threading.Lock()
+        self._closed = False
+        io.watch(self)
 
     def poll_cancelled(self) -> None:
-        try:
-            self._cancelled = self._cancelled or bool(self._request.is_cancelled())
-        except Exception:  # the request is gone; the engine will finish it as cancelled
-            self._cancelled = True
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._cancelled = self._cancelled or bool(self._request.is_cancelled())
+            except Exception:  # the request is gone; the engine finishes it as cancelled
+                self._cancelled = True
 
     def is_cancelled(self) -> bool:
         return self._cancelled
 
     def emit(self, text: str, num_tokens: int) -> None:
-        self._outbox.put(self._sender, (text, "", num_tokens))
+        self._io.put(self._sender, (text, "", num_tokens))
 
     def finish(self, text: str, num_tokens: int, reason: str) -> None:
-        self._watcher.forget(self)
-        self._outbox.put(self._sender, (text, reason, num_tokens), FINAL)
+        self._close()
+        self._io.put(self._sender, (text, reason, num_tokens), FINAL)
 
     def fail(self, message: str) -> None:
-        self._watcher.forget(self)
-        self._outbox.put(self._sender, message, FINAL)
+        self._close()
+        self._io.put(self._sender, message, FINAL)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._io.forget(self)
 
 
 # Engine statistics as Triton custom metrics: name -> (help, value of EngineStats).
@@ -253,9 +265,7 @@ class TritonPythonModel:
         )
         _limit_blas_threads(int(params.get("blas_threads", 1)))
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
-        self.outbox = Outbox()
-        self.watcher = CancelWatcher()
-        self.stats = StatsExporter(args["model_name"])
+        self.io = TritonIO(StatsExporter(args["model_name"]))
         config = EngineConfig(
             kv_blocks=int(params.get("kv_blocks", EngineConfig.kv_blocks)),
             block_size=int(params.get("kv_block_size", EngineConfig.block_size)),
@@ -265,13 +275,13 @@ class TritonPythonModel:
             ),
             stream_interval=int(params.get("stream_interval", EngineConfig.stream_interval)),
         )
-        self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.stats.publish)
-        self.stats.publish(self.engine.stats)
+        self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.io.publish)
+        self.io.publish(self.engine.stats)
         self.engine.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            sink = TritonSink(request, self.outbox, self.watcher)
+            sink = TritonSink(request, self.io)
             try:
                 self.engine.submit(_parse(request), sink)
             except RequestError as exc:
@@ -281,8 +291,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.stop()
-        self.watcher.close()
-        self.outbox.close()
+        self.io.close()
 
 
 def _limit_blas_threads(threads: int) -> None:
