@@ -53,7 +53,8 @@ class InferencePool:
         self._watchers: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._watchers = [asyncio.create_task(self._follow(a)) for a in self._addresses]
+        if len(self._addresses) > 1:  # with one replica there is nothing to choose
+            self._watchers = [asyncio.create_task(self._follow(a)) for a in self._addresses]
 
     async def close(self) -> None:
         for task in self._watchers:

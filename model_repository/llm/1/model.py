@@ -101,12 +101,13 @@ class TritonIO:
                     return
                 item = self._take()
                 stats, self._stats = self._stats, None
-                sinks = list(self._sinks) if time.monotonic() >= next_poll else []
+                poll_due = time.monotonic() >= next_poll
+                sinks = list(self._sinks) if poll_due else []
             if item is not None:
                 _send(*item)
             if stats is not None:
                 self._exporter.publish(stats)
-            if sinks:
+            if poll_due:
                 for sink in sinks:
                     sink.poll_cancelled()
                 next_poll = time.monotonic() + self._poll_interval
