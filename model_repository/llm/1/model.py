@@ -89,6 +89,7 @@ class TritonIO:
             self._closed = True
             self._ready.notify()
         self._thread.join(timeout_s)
+        self._exporter.close()
 
     def _run(self) -> None:
         next_poll = time.monotonic() + self._poll_interval
@@ -227,6 +228,14 @@ class StatsExporter:
             for reason in FINISH_REASONS
         }
         self._published: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Drops every Metric before its MetricFamily, as the Python backend requires (in
+        the reverse order, the stub crashes while the interpreter shuts down)."""
+        self._counters.clear()
+        self._gauges.clear()
+        self._finished.clear()
+        self._families.clear()
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
