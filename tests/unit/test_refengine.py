@@ -163,6 +163,22 @@ class TestTransformer:
         batched = model.forward([*others, _segment(pool, [4, 5, 6, 7], mine, 0)], pool)[-1]
         assert np.array_equal(alone, batched)
 
+    def test_decoding_with_same_length_neighbours_is_exact(self) -> None:
+        model = Transformer(SMALL, seed=0)
+        pool = BlockPool(32, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        prompts = [ByteTokenizer().encode(f"seq {i}!") for i in range(4)]  # equal lengths
+        tables = [[4 * i, 4 * i + 1, 4 * i + 2] for i in range(4)]
+        for prompt, table in zip(prompts, tables, strict=True):
+            model.forward([_segment(pool, table, prompt[:-1], 0)], pool)
+        last = len(prompts[0]) - 1
+        batched = model.forward(
+            [_segment(pool, t, p[last:], last) for p, t in zip(prompts, tables, strict=True)],
+            pool,
+        )
+        for i, (prompt, table) in enumerate(zip(prompts, tables, strict=True)):
+            alone = model.forward([_segment(pool, table, prompt[last:], last)], pool)[0]
+            assert np.array_equal(alone, batched[i])
+
     def test_weights_depend_on_the_seed(self) -> None:
         tokens = ByteTokenizer().encode("hi")
         pool = BlockPool(1, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)

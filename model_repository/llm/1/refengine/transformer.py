@@ -160,18 +160,33 @@ class Transformer:
         kv[:, :, writes] = qkv[:, 1:].transpose(1, 2, 0, 3)  # [2, heads, tokens, hd]
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
         out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
-        offset = 0
-        for seg in segments:
-            # Each sequence attends over exactly its own length: no padding, so its
-            # numbers do not depend on the other sequences in the batch.
-            end = offset + len(seg.tokens)
+        # Each sequence attends over exactly its own length, never padded, so its numbers
+        # do not depend on the rest of the batch. Decode tokens of sequences of the same
+        # length run as one batched product: the same per-head matrices, in one call.
+        offsets = np.cumsum([0, *(len(seg.tokens) for seg in segments)])
+        same_length: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            if len(seg.tokens) == 1:
+                same_length.setdefault(len(seg.slots), []).append(i)
+        singles = [i for i, seg in enumerate(segments) if len(seg.tokens) > 1]
+        for group in same_length.values():
+            if len(group) == 1:
+                singles += group
+                continue
+            rows = offsets[group]
+            slots = np.stack([segments[i].slots for i in group])  # [group, length]
+            keys, values = np.take(kv, slots, axis=2).transpose(0, 2, 1, 3, 4)
+            q = queries[:, rows].transpose(1, 0, 2)[:, :, None, :]  # [group, heads, 1, hd]
+            scores = q @ keys.transpose(0, 1, 3, 2)
+            out[:, rows] = (_softmax(scores) @ values)[:, :, 0].transpose(1, 0, 2)
+        for i in singles:
+            seg, start, end = segments[i], offsets[i], offsets[i + 1]
             keys, values = np.take(kv, seg.slots, axis=2)  # each [heads, length, hd]
-            scores = queries[:, offset:end] @ keys.transpose(0, 2, 1)
-            mask = _causal_mask(seg.start, end - offset)
+            scores = queries[:, start:end] @ keys.transpose(0, 2, 1)
+            mask = _causal_mask(seg.start, end - start)
             if mask is not None:
                 scores += mask
-            out[:, offset:end] = _softmax(scores) @ values
-            offset = end
+            out[:, start:end] = _softmax(scores) @ values
         return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
 
