@@ -13,11 +13,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmmesh.launcher.process import Child
+from llmmesh.launcher.process import Child, StackError
 
 
-class TritonNotFound(RuntimeError):
-    pass
+class TritonNotFound(StackError):
+    """The Triton server bundled with nvidia-pytriton is missing or incomplete."""
 
 
 @dataclass(frozen=True)

@@ -76,13 +76,6 @@ class TritonBackend:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def is_ready(self, model: str) -> bool:
-        try:
-            reply = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=model))
-        except grpc.aio.AioRpcError:
-            return False
-        return bool(reply.ready)
-
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         stream = self._stub.ModelStreamInfer(timeout=self._timeout)
