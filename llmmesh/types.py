@@ -51,12 +51,27 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Route:
+    """Where a generation was served: the replica, its subset (version) and region."""
+
+    endpoint: str
+    subset: str
+    region: str
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """A piece of a generation stream: new text, tokens behind it, and on the last one why."""
+    """A piece of a generation stream: new text, tokens behind it, and on the last one why.
+
+    The router sets ``route`` on the last chunk, and ``resumed``: how many times the stream
+    moved to another replica after text had been sent.
+    """
 
     text: str
     num_tokens: int = 0
     finish_reason: FinishReason | None = None
+    route: Route | None = None
+    resumed: int = 0
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,6 @@ def start_service(stack: Stack, name: str, port: int, tmp_path: Path, **override
     prefix = f"LLM_MESH_{name.upper()}_"
     env = stack.service_env(name) | {f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": "0"}
     env |= {prefix + key.upper(): value for key, value in overrides.items()}
-    child = Child.service(name, env, tmp_path / f"{name}.log", tmp_path)
+    child = Child.service(name, env, tmp_path / f"{name}-{port}.log", tmp_path)
     child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 30)
     return child

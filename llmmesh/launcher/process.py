@@ -51,9 +51,12 @@ class Child:
         return cls(name, process, log_path)
 
     @classmethod
-    def service(cls, name: str, env: dict[str, str], log_path: Path, cwd: Path) -> Child:
-        """``python -m services.<name>`` with this interpreter."""
-        return cls.spawn(name, [sys.executable, "-m", f"services.{name}"], env, log_path, cwd)
+    def service(
+        cls, name: str, env: dict[str, str], log_path: Path, cwd: Path, module: str = ""
+    ) -> Child:
+        """``python -m services.<module>`` (default: the name) with this interpreter."""
+        command = [sys.executable, "-m", f"services.{module or name}"]
+        return cls.spawn(name, command, env, log_path, cwd)
 
     @property
     def alive(self) -> bool:

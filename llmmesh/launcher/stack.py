@@ -17,21 +17,39 @@ from llmmesh.launcher.triton import start_triton, wait_until_ready
 __all__ = ["Stack", "StackError", "StackPorts"]
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
-SERVICES = ("policy", "context", "inference", "router")
+# Process -> the service it runs. The canary replica serves model "llm" with the
+# llm_canary weights, so the local stack has a canary subset to split traffic to.
+PROCESSES = {
+    "policy": "policy",
+    "context": "context",
+    "inference": "inference",
+    "inference_canary": "inference",
+    "router": "router",
+}
+CANARY_ALIASES = {"llm": "llm_canary"}
 # Shutdown order: the front door first, so it drains while its upstreams still answer.
-STOP_ORDER = ("router", "inference", "policy", "context", "triton")
+STOP_ORDER = ("router", "inference", "inference_canary", "policy", "context", "triton")
+# The routing document the local stack starts with (see services/router/routing.py).
+DEFAULT_ROUTING = """\
+# Routing document of the local stack: edit it while the stack runs; a valid change
+# applies to new requests within a second, an invalid one is logged and ignored.
+split: {stable: 100, canary: 0}   # subset -> weight
+colors: {stable: stable, canary: canary}   # x-llm-color -> subset
+"""
 
 
 @dataclass(frozen=True)
 class StackPorts:
     router: int = 50051
     inference: int = 50061
+    inference_canary: int = 50062
     policy: int = 50071
     context: int = 50081
     router_metrics: int = 9100
     inference_metrics: int = 9101
     policy_metrics: int = 9102
     context_metrics: int = 9103
+    inference_canary_metrics: int = 9104
     triton_grpc: int = 8001
     triton_http: int = 8000
     triton_metrics: int = 8002
@@ -80,14 +98,15 @@ class Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "logs").mkdir(exist_ok=True)
         try:
+            self._write_routing_files()
             self._start_triton()
-            for name in SERVICES:
+            for name, service in PROCESSES.items():
                 self._children[name] = Child.service(
-                    name, self.service_env(name), self.log_path(name), self.workdir
+                    name, self.service_env(name), self.log_path(name), self.workdir, service
                 )
             deadline = time.monotonic() + timeout_s
             self._wait_triton(deadline)
-            for name in SERVICES:
+            for name in PROCESSES:
                 self._children[name].wait_serving(self.address(name), deadline)
         except BaseException:
             self.stop()
@@ -131,8 +150,27 @@ class Stack:
             self.workdir, self.model_repository, self.host, ports, self.log_path("triton")
         )
 
+    @property
+    def endpoints_file(self) -> Path:
+        return self.workdir / "endpoints.yaml"
+
+    @property
+    def routing_file(self) -> Path:
+        return self.workdir / "routing.yaml"
+
+    def _write_routing_files(self) -> None:
+        """The replicas as static discovery lists them; the routing document unless an
+        operator's edit from an earlier run is there."""
+        endpoints = [
+            {"address": self.address("inference"), "version": "stable", "region": "local"},
+            {"address": self.address("inference_canary"), "version": "canary", "region": "local"},
+        ]
+        self.endpoints_file.write_text(json.dumps({"endpoints": endpoints}, indent=2) + "\n")
+        if not self.routing_file.exists():
+            self.routing_file.write_text(DEFAULT_ROUTING)
+
     def service_env(self, name: str) -> dict[str, str]:
-        prefix = f"LLM_MESH_{name.upper()}_"
+        prefix = f"LLM_MESH_{PROCESSES.get(name, name).upper()}_"
         env = {
             **os.environ,
             **self._extra_env,
@@ -140,15 +178,19 @@ class Stack:
             f"{prefix}GRPC_PORT": str(getattr(self.ports, name)),
             f"{prefix}METRICS_PORT": str(getattr(self.ports, f"{name}_metrics")),
         }
-        if name == "inference":
+        if name.startswith("inference"):
             env[f"{prefix}TRITON_URL"] = self.address("triton_grpc")
             env[f"{prefix}TRITON_METRICS_URL"] = f"http://{self.address('triton_metrics')}/metrics"
+            if name == "inference_canary":
+                env[f"{prefix}MODEL_ALIASES"] = json.dumps(CANARY_ALIASES)
         elif name == "context":
             env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
         elif name == "router":
             env[f"{prefix}POLICY_ADDRESS"] = self.address("policy")
             env[f"{prefix}CONTEXT_ADDRESS"] = self.address("context")
-            env[f"{prefix}INFERENCE_ADDRESSES"] = json.dumps([self.address("inference")])
+            env[f"{prefix}ENDPOINTS_FILE"] = str(self.endpoints_file)
+            env[f"{prefix}ROUTING_FILE"] = str(self.routing_file)
+            env[f"{prefix}REGION"] = "local"
         return env
 
     def _wait_triton(self, deadline: float) -> None:

@@ -62,6 +62,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    SERVED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -76,6 +77,10 @@ class GenerateResponse(_message.Message):
     def usage(self) -> _common_pb2.Usage:
         """Set on the last response only."""
 
+    @_builtins.property
+    def served(self) -> Global___Served:
+        """Where the request was served. Set on the last response only."""
+
     def __init__(
         self,
         *,
@@ -84,11 +89,49 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         model: _builtins.str = ...,
+        served: Global___Served | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class Served(_message.Message):
+    """The replica behind a response stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    SUBSET_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    endpoint: _builtins.str
+    """The inference replica that produced the end of the stream (host:port)."""
+    subset: _builtins.str
+    """Its subset (Service.Meta.version), e.g. "stable" or "canary"."""
+    region: _builtins.str
+    """Its region."""
+    resumed: _builtins.int
+    """How many times the stream moved to another replica after text had been sent: the
+    prompt and the text already sent were re-sent there, and generation continued. The
+    client's text has no gap and no repetition either way.
+    """
+    def __init__(
+        self,
+        *,
+        endpoint: _builtins.str = ...,
+        subset: _builtins.str = ...,
+        region: _builtins.str = ...,
+        resumed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "region", b"region", "resumed", b"resumed", "subset", b"subset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Served: _TypeAlias = Served  # noqa: Y015

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pydantic import Field
+
 from llmmesh.runtime.config import ServiceConfig
 
 SERVICE = "inference"
@@ -18,3 +20,6 @@ class InferenceConfig(ServiceConfig):
     load_poll_interval_s: float = 0.05
     # Upper bound on max_tokens this replica accepts.
     max_tokens_limit: int = 4096
+    # Mesh model name -> the Triton model that serves it here, e.g. {"llm": "llm_canary"}
+    # on a canary replica. Load reports use the mesh names.
+    model_aliases: dict[str, str] = Field(default_factory=dict)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge
@@ -11,7 +12,7 @@ from prometheus_client import Counter, Gauge
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import Chunk, InferenceCall, check_sampling
-from services.inference.load import RecentLatency
+from services.inference.load import ModelLoad, RecentLatency
 
 OUTPUT_TOKENS = Counter("llm_inference_output_tokens_total", "Tokens streamed", ["model"])
 REQUESTS = Counter("llm_inference_requests_total", "Requests finished", ["model", "outcome"])
@@ -23,9 +24,15 @@ class GenerationBackend(Protocol):
 
 
 class InferenceCore:
-    def __init__(self, backend: GenerationBackend, max_tokens_limit: int) -> None:
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        max_tokens_limit: int,
+        model_aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self._backend = backend
         self._limit = max_tokens_limit
+        self._aliases = dict(model_aliases or {})
         self.in_flight = 0
         self.latency = RecentLatency()
 
@@ -39,7 +46,8 @@ class InferenceCore:
         self.in_flight += 1
         IN_FLIGHT.inc()
         try:
-            async for chunk in self._backend.generate(call):
+            served = replace(call, model=self._aliases.get(call.model, call.model))
+            async for chunk in self._backend.generate(served):
                 if not first_at and chunk.text:
                     first_at = time.perf_counter()
                 tokens += chunk.num_tokens
@@ -53,6 +61,16 @@ class InferenceCore:
             self.in_flight -= 1
             IN_FLIGHT.dec()
             self._record(call.model, outcome, tokens, started, first_at)
+
+    def mesh_view(self, models: Sequence[ModelLoad]) -> tuple[ModelLoad, ...]:
+        """Engine load under the names the mesh uses: an aliased Triton model reports as
+        its alias, and a Triton model an alias shadows is left out."""
+        names = {triton: mesh for mesh, triton in self._aliases.items()}
+        return tuple(
+            replace(m, model=names[m.model]) if m.model in names else m
+            for m in models
+            if m.model in names or m.model not in self._aliases
+        )
 
     def _record(self, model: str, outcome: str, tokens: int, started: float, first: float) -> None:
         REQUESTS.labels(model, outcome).inc()

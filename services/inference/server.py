@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -42,7 +43,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await abort(context, InvalidArgument("max_interval_ms", "must be >= 0"))
         interval = request.max_interval_ms / 1000 or DEFAULT_REPORT_INTERVAL_S
         async for snapshot in self._monitor.watch(interval):
-            yield load_report_to_pb(snapshot, self._replica)
+            named = replace(snapshot, models=self._core.mesh_view(snapshot.models))
+            yield load_report_to_pb(named, self._replica)
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.InferenceRequest, context: Context
@@ -89,7 +91,7 @@ def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.Loa
 
 def build_service(config: InferenceConfig) -> GrpcService:
     backend = TritonBackend(config.triton_url, config.stream_timeout_s)
-    core = InferenceCore(backend, config.max_tokens_limit)
+    core = InferenceCore(backend, config.max_tokens_limit, config.model_aliases)
 
     async def read_engine_metrics() -> str:
         return await asyncio.to_thread(_http_get, config.triton_metrics_url)

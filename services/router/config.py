@@ -14,15 +14,40 @@ class RouterConfig(ServiceConfig):
     metrics_port: int = 9100
     policy_address: str = "127.0.0.1:50071"
     context_address: str = "127.0.0.1:50081"
-    # Inference replicas (host:port).
+    # Inference replicas (host:port) when no discovery source is configured: subset
+    # "stable", the router's own region, every model.
     inference_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50061"], min_length=1
     )
-    # How a replica is chosen: least_loaded (load reports + in-flight) or round_robin.
-    picker: Literal["least_loaded", "round_robin"] = "least_loaded"
-    # Replicas push load reports at least this often; older ones are ignored.
-    load_report_interval_s: float = 0.05
-    load_report_stale_s: float = 1.0
+    # Where replicas are discovered: "static" (endpoints_file, else inference_addresses)
+    # or "consul" (the health API for consul_service).
+    discovery: Literal["static", "consul"] = "static"
+    # YAML/JSON file listing endpoints with their version, region and models; watched.
+    endpoints_file: str = ""
+    # Where the routing document comes from: "file" (routing_file; empty: defaults) or
+    # "consul" (KV key consul_routing_key). See services/router/routing.py.
+    routing_source: Literal["file", "consul"] = "file"
+    routing_file: str = ""
+    # How often watched files are re-read.
+    watch_interval_s: float = Field(default=0.2, gt=0)
+    # Consul HTTP address (host:port or URL); empty: CONSUL_HTTP_ADDR or 127.0.0.1:8500.
+    consul_address: str = ""
+    consul_token: str = ""
+    consul_service: str = "inference"
+    consul_routing_key: str = "llm-mesh/routing"
+    # This router's region: its replicas are preferred; others take over when none is left.
+    region: str = "local"
+    # Replicas push load reports at least this often; older ones are ignored, and a
+    # replica with no fresh report is not picked.
+    load_report_interval_s: float = Field(default=0.05, gt=0)
+    load_report_stale_s: float = Field(default=1.0, gt=0)
+    # Circuit breaker: consecutive failures that open it, and seconds before a probe.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_open_s: float = Field(default=2.0, gt=0)
+    # Attempts to start a stream (first try included), on different replicas when possible.
+    retry_attempts: int = Field(default=3, ge=1)
+    # Times one stream may move to another replica after text was sent.
+    max_resumes: int = Field(default=2, ge=0)
     # Models the mesh serves; the first is the default.
     models: list[str] = Field(default_factory=lambda: ["llm", "llm_canary"], min_length=1)
     # Tenant every request runs as until API keys are configured.

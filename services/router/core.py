@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from llmmesh.types import (
 )
 from services.router.config import RouterConfig
 from services.router.prompt import build_prompt
-from services.router.upstreams import ContextClient, InferenceClient, PolicyClient
+from services.router.upstreams import ContextClient, InferenceClient, PolicyClient, RouteHints
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ TOKEN_USAGE = Histogram(
 )
 # The model prepends a beginning-of-sequence token to every prompt.
 BOS_TOKENS = 1
+
+COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
@@ -55,6 +58,8 @@ class GenerateInput:
     prompt: str
     sampling: Sampling
     session_id: str = ""
+    color: str = ""  # x-llm-color: pins a traffic color / subset
+    deadline: float | None = None  # time.monotonic() by which the client wants an answer
 
 
 class StartedStream:
@@ -121,6 +126,8 @@ class RouterCore:
             )
         if request.session_id:
             check_session_id(request.session_id)
+        if request.color and not COLOR_NAME.match(request.color):
+            raise InvalidArgument("x-llm-color", "1-64 letters, digits, '-', '_', '.'")
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)
@@ -139,8 +146,9 @@ class RouterCore:
         request = self.validate(request)
         history = await self._load_history(request)
         call, prompt_tokens = self._build_call(request, history, request.prompt)
+        hints = self._hints(request)
         # The generation's request goes out first: it is the long pole.
-        started = StartedStream(self._inference.generate(call))
+        started = StartedStream(self._inference.generate(call, hints))
         verdict = asyncio.create_task(
             self._policy.check_input(request.request_id, request.tenant, request.prompt)
         )
@@ -149,12 +157,17 @@ class RouterCore:
             if user_text != request.prompt:
                 await started.abandon()
                 call, prompt_tokens = self._build_call(request, history, user_text)
-                started = StartedStream(self._inference.generate(call))
+                started = StartedStream(self._inference.generate(call, hints))
         except BaseException:
             verdict.cancel()
             await started.abandon()
             raise
         return Prepared(request, started, user_text, prompt_tokens, received_at)
+
+    @staticmethod
+    def _hints(request: GenerateInput) -> RouteHints:
+        session_key = f"{request.tenant}/{request.session_id}" if request.session_id else ""
+        return RouteHints(session_key, request.color, request.deadline)
 
     def _build_call(
         self, request: GenerateInput, history: list[Turn] | None, user_text: str
@@ -184,7 +197,7 @@ class RouterCore:
                 if chunk.finish_reason is not None:
                     return
             outcome = "error"
-            raise Unavailable("inference replica ended the stream without a finish reason")
+            raise Unavailable("inference ended the stream without a finish reason")
         except Unavailable:
             outcome = "unavailable"
             raise

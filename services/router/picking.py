@@ -1,17 +1,28 @@
 """Endpoint picking: which inference replica serves a request.
 
-Pickers see the candidates and what is known of their load: the replica's last pushed
-load report plus the router's own in-flight count, which moves between reports.
+A pipeline of small steps, each a function of its inputs:
+
+1. subset: ``x-llm-color`` pins one; otherwise the canary split draws one by weight
+   (from the session's hash when there is a session, so a conversation stays put), with
+   the other weighted subsets as fallbacks;
+2. health: replicas whose breaker is open or whose load report went stale are dropped;
+3. region: the router's own region first, then the document's failover order;
+4. score and pick: ``llm_aware`` (session affinity until saturated, else queue depth, KV
+   use and likely prefix-cache hits) or the ``round_robin`` baseline; ties at random.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+
+from llmmesh.runtime.errors import Unavailable
+from services.router.affinity import PrefixIndex, SessionTable
+from services.router.endpoints import Endpoint
+from services.router.routing import RoutingPolicy, Saturation, ScorerWeights
 
 
 @dataclass(frozen=True)
@@ -21,81 +32,149 @@ class ReportedLoad:
     running: int = 0
     waiting: int = 0
     kv_utilization: float = 0.0
-    received_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
-class EndpointView:
-    address: str
-    in_flight: int  # requests this router is streaming from it now
-    report: ReportedLoad | None  # None until a report arrived (or after it went stale)
+class Candidate:
+    """A replica as the picker sees it for one request."""
 
+    endpoint: Endpoint
+    region: str  # the endpoint's region, or the router's own when it names none
+    in_flight: int = 0  # streams this router has open to it
+    report: ReportedLoad | None = None  # None: no fresh report for this model
+    healthy: bool = True  # breaker closed (or probing) and reports fresh
 
-class Picker(Protocol):
-    def pick(self, candidates: Sequence[EndpointView]) -> str: ...
-
-
-class RoundRobinPicker:
-    """The baseline: every endpoint in turn, blind to load."""
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def pick(self, candidates: Sequence[EndpointView]) -> str:
-        return candidates[next(self._counter) % len(candidates)].address
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
 
 
 @dataclass(frozen=True)
-class LoadWeights:
-    waiting: float = 4.0  # a queued request waits for a slot: the costliest signal
-    running: float = 1.0
-    kv_utilization: float = 8.0  # a full cache means preemption or waiting
-    in_flight: float = 1.0
+class PickRequest:
+    model: str
+    prefix: Sequence[int] = ()  # prefix_hashes() of the prompt
+    session_key: str = ""
+    color: str = ""
+    # Where in [0, 1) the request falls on the canary split; fixed for a request's retries.
+    split_point: float = 0.0
+    avoid: frozenset[str] = frozenset()  # replicas that already failed this request
 
 
-class LeastLoadedPicker:
-    """Lowest weighted load wins; ties are broken at random. Between reports, the
-    router's own in-flight count keeps a burst from landing on one replica."""
-
-    def __init__(self, weights: LoadWeights | None = None, rng: random.Random | None = None):
-        self._weights = weights or LoadWeights()
-        self._rng = rng or random.Random()
-
-    def score(self, endpoint: EndpointView) -> float:
-        w, report = self._weights, endpoint.report
-        score = w.in_flight * endpoint.in_flight
-        if report is not None:
-            score += (
-                w.waiting * report.waiting
-                + w.running * report.running
-                + w.kv_utilization * report.kv_utilization
-            )
-        return score
-
-    def pick(self, candidates: Sequence[EndpointView]) -> str:
-        scores = [self.score(c) for c in candidates]
-        best = min(scores)
-        return self._rng.choice(
-            [c for c, s in zip(candidates, scores, strict=True) if s == best]
-        ).address
+@dataclass(frozen=True)
+class Decision:
+    candidate: Candidate
+    subset: str
+    reasons: tuple[str, ...]  # color | split | any, then failover, then affinity | prefix | load
 
 
-PICKERS = {"least_loaded": LeastLoadedPicker, "round_robin": RoundRobinPicker}
+def split_point(session_key: str, rng: random.Random) -> float:
+    """The request's position on the split: from the session when it has one."""
+    if not session_key:
+        return rng.random()
+    digest = hashlib.blake2b(session_key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
-def fresh(report: ReportedLoad | None, stale_after_s: float, now: float) -> ReportedLoad | None:
-    """The report, unless it is older than ``stale_after_s``."""
-    return report if report is not None and now - report.received_at <= stale_after_s else None
+def subset_order(request: PickRequest, policy: RoutingPolicy) -> tuple[list[str | None], str]:
+    """Subsets to try in order (None: any), and why the first was chosen."""
+    if request.color:
+        return [policy.colors.get(request.color, request.color)], "color"
+    weighted = [(s, w) for s, w in policy.split.items() if w > 0]
+    if not weighted:
+        return [None], "any"
+    total = sum(w for _, w in weighted)
+    point, chosen = request.split_point * total, weighted[-1][0]
+    for subset, weight in weighted:
+        if point < weight:
+            chosen = subset
+            break
+        point -= weight
+    fallbacks = sorted((s for s, _ in weighted if s != chosen), key=lambda s: -policy.split[s])
+    return [chosen, *fallbacks], "split"
 
 
-def views(
-    addresses: Sequence[str],
-    in_flight: Mapping[str, int],
-    reports: Mapping[str, ReportedLoad],
-    stale_after_s: float,
-) -> list[EndpointView]:
-    now = time.monotonic()
-    return [
-        EndpointView(a, in_flight.get(a, 0), fresh(reports.get(a), stale_after_s, now))
-        for a in addresses
-    ]
+def region_order(local: str, failover: Sequence[str], present: Iterable[str]) -> list[str]:
+    order = [local, *(r for r in failover if r != local)]
+    return order + sorted(set(present) - set(order))
+
+
+def load_cost(c: Candidate, w: ScorerWeights) -> float:
+    r = c.report
+    if r is None:  # only the router's own view
+        return w.running * c.in_flight
+    # Streams this router opened that the report does not show yet (sent after it).
+    unseen = max(0, c.in_flight - r.running - r.waiting)
+    return (
+        w.waiting * r.waiting
+        + w.running * r.running
+        + w.kv_utilization * r.kv_utilization
+        + w.pending * unseen
+    )
+
+
+def saturated(c: Candidate, s: Saturation) -> bool:
+    r = c.report
+    return r is not None and (r.waiting >= s.waiting or r.kv_utilization >= s.kv_utilization)
+
+
+@dataclass
+class Picker:
+    """Runs the pipeline; remembers sessions and prefixes for the llm_aware algorithm."""
+
+    local_region: str
+    rng: random.Random = field(default_factory=random.Random)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    sessions: SessionTable = field(default_factory=SessionTable)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def pick(
+        self, request: PickRequest, candidates: Sequence[Candidate], policy: RoutingPolicy
+    ) -> Decision:
+        serving = [c for c in candidates if c.healthy and c.endpoint.serves(request.model)]
+        preferred = [c for c in serving if c.address not in request.avoid] or serving
+        subsets, why = subset_order(request, policy)
+        for n, subset in enumerate(subsets):
+            pool = [c for c in preferred if subset is None or c.endpoint.version == subset]
+            if pool:
+                reasons = (why,) if n == 0 else (why, "fallback")
+                return self._in_region(request, pool, policy, subset, reasons)
+        wanted = "any subset" if subsets == [None] else f"subset {subsets[0]!r}"
+        raise Unavailable(f"no healthy replica of model '{request.model}' in {wanted}")
+
+    def _in_region(
+        self,
+        request: PickRequest,
+        pool: list[Candidate],
+        policy: RoutingPolicy,
+        subset: str | None,
+        reasons: tuple[str, ...],
+    ) -> Decision:
+        order = region_order(self.local_region, policy.regions, (c.region for c in pool))
+        region = next(r for r in order if any(c.region == r for c in pool))
+        if region != self.local_region:
+            reasons = (*reasons, "failover")
+        local = [c for c in pool if c.region == region]
+        if policy.algorithm == "round_robin":
+            local.sort(key=lambda c: c.address)
+            chosen, why = local[next(self._turn) % len(local)], "round_robin"
+        else:
+            chosen, why = self._llm_aware(request, local, policy)
+        if request.session_key:
+            self.sessions.set(request.session_key, chosen.address)
+        self.prefixes.record(request.prefix, chosen.address)
+        return Decision(chosen, subset or chosen.endpoint.version, (*reasons, why))
+
+    def _llm_aware(
+        self, request: PickRequest, pool: list[Candidate], policy: RoutingPolicy
+    ) -> tuple[Candidate, str]:
+        sticky = self.sessions.get(request.session_key) if request.session_key else None
+        for c in pool:
+            if c.address == sticky and not saturated(c, policy.saturation):
+                return c, "affinity"
+        matched = self.prefixes.matched_blocks(list(request.prefix)) if request.prefix else {}
+        blocks = max(len(request.prefix), 1)
+        w = policy.weights
+        costs = [load_cost(c, w) - w.prefix * matched.get(c.address, 0) / blocks for c in pool]
+        best = min(costs)
+        chosen = self.rng.choice([c for c, cost in zip(pool, costs, strict=True) if cost == best])
+        return chosen, "prefix" if matched.get(chosen.address) else "load"

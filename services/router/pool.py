@@ -1,8 +1,11 @@
-"""The inference replicas behind the router: one client each, their load, and picking.
+"""The inference replicas behind the router: discovery, load, health, picking, retries.
 
-Each replica's load reports (``Inference.WatchLoad``) are followed for as long as the
-router runs; a replica that stops reporting is judged by the router's own in-flight count
-until it reports again.
+Every discovered replica has a client, a circuit breaker and the load it last pushed
+(``Inference.WatchLoad``). A request is picked onto a replica (picking.py); if it fails
+before its first chunk it is retried elsewhere (tenacity: bounded attempts, jittered
+backoff, within the deadline). If a stream breaks after text was sent, it resumes on
+another replica from the prompt plus the text already sent, so the client's text
+continues without a gap or a repeat.
 """
 
 from __future__ import annotations
@@ -11,90 +14,307 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections import Counter
-from collections.abc import AsyncGenerator, Sequence
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
-from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
 
-from llmmesh.types import Chunk, InferenceCall
+from llmmesh.runtime.errors import ResourceExhausted, Unavailable
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
-from services.router.picking import Picker, ReportedLoad, views
-from services.router.upstreams import CHANNEL_OPTIONS, GrpcInferenceClient
+from services.router.affinity import prefix_hashes
+from services.router.breaker import CircuitBreaker
+from services.router.endpoints import Discovery, Endpoint
+from services.router.picking import (
+    Candidate,
+    Decision,
+    Picker,
+    PickRequest,
+    ReportedLoad,
+    split_point,
+)
+from services.router.routing import PolicyHolder
+from services.router.upstreams import CHANNEL_OPTIONS, ReplicaClient, RouteHints
 
 log = logging.getLogger(__name__)
 
-PICKS = PromCounter("llm_router_picks_total", "Requests sent, by replica", ["endpoint"])
+PICKS = Counter("llm_router_picks_total", "Requests sent, by replica", ["endpoint"])
 IN_FLIGHT = Gauge("llm_router_endpoint_in_flight", "Streams in flight, by replica", ["endpoint"])
+DECISIONS = Counter("llm_router_decisions_total", "Picking decisions, by reason", ["reason"])
+PICK_SECONDS = Histogram(
+    "llm_router_pick_seconds",
+    "Time to pick a replica",
+    buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
+)
+RETRIES = Counter("llm_router_retries_total", "Attempts retried before the first chunk")
+RESUMED = Counter("llm_router_resumed_streams_total", "Streams moved to another replica")
+BREAKER_OPEN = Gauge("llm_router_breaker_open", "1 while a replica's breaker is open", ["endpoint"])
 
-RECONNECT_BACKOFF_S = (0.1, 2.0)
+RECONNECT_BACKOFF_S = (0.1, 1.0)
+CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    local_region: str = "local"
+    report_interval_s: float = 0.05
+    stale_after_s: float = 1.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 2.0
+    attempts: int = 3  # per stream start, first try included
+    max_resumes: int = 2  # times one stream may move after text was sent
+
+
+@dataclass
+class Replica:
+    endpoint: Endpoint
+    channel: grpc.aio.Channel
+    client: ReplicaClient
+    breaker: CircuitBreaker
+    last_report_at: float  # monotonic; discovery time until the first report
+    reports: dict[str, ReportedLoad] = field(default_factory=dict)
+    engine_reachable: bool = True
+    in_flight: int = 0
+    follower: asyncio.Task[None] | None = None
 
 
 class InferencePool:
     def __init__(
         self,
-        addresses: Sequence[str],
-        picker: Picker,
-        report_interval_s: float = 0.05,
-        stale_after_s: float = 1.0,
+        discovery: Discovery,
+        routing: PolicyHolder,
+        settings: PoolSettings,
+        picker: Picker | None = None,
     ) -> None:
-        self._addresses = list(addresses)
-        self._picker = picker
-        self._interval_ms = int(report_interval_s * 1000)
-        self._stale_after = stale_after_s
-        self._channels = {
-            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self._addresses
-        }
-        self._clients = {a: GrpcInferenceClient(ch, a) for a, ch in self._channels.items()}
-        self._in_flight: Counter[str] = Counter()
-        self._reports: dict[tuple[str, str], ReportedLoad] = {}
-        self._watchers: list[asyncio.Task[None]] = []
+        self._discovery = discovery
+        self._routing = routing
+        self._settings = settings
+        self._picker = picker or Picker(settings.local_region)
+        self._replicas: dict[str, Replica] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rng = random.Random()
 
     async def start(self) -> None:
-        if len(self._addresses) > 1:  # with one replica there is nothing to choose
-            self._watchers = [asyncio.create_task(self._follow(a)) for a in self._addresses]
+        self._tasks.append(asyncio.create_task(self._follow_discovery()))
 
     async def close(self) -> None:
-        for task in self._watchers:
+        tasks = self._tasks + [r.follower for r in self._replicas.values() if r.follower]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
-        for channel in self._channels.values():
-            await channel.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for replica in self._replicas.values():
+            await replica.channel.close()
 
-    def pick(self, model: str) -> str:
-        reports = {a: r for (a, m), r in self._reports.items() if m == model}
-        return self._picker.pick(
-            views(self._addresses, self._in_flight, reports, self._stale_after)
+    # -- picking ---------------------------------------------------------------------
+
+    def candidates(self, model: str) -> list[Candidate]:
+        now, s = time.monotonic(), self._settings
+        out = []
+        for r in self._replicas.values():
+            fresh = now - r.last_report_at <= s.stale_after_s
+            healthy = fresh and r.engine_reachable and r.breaker.available(now)
+            out.append(
+                Candidate(
+                    endpoint=r.endpoint,
+                    region=r.endpoint.region or s.local_region,
+                    in_flight=r.in_flight,
+                    report=r.reports.get(model) if fresh else None,
+                    healthy=healthy,
+                )
+            )
+        return out
+
+    def pick(self, request: PickRequest) -> Decision:
+        started = time.perf_counter()
+        decision = self._picker.pick(request, self.candidates(request.model), self._routing.current)
+        PICK_SECONDS.observe(time.perf_counter() - started)
+        for reason in decision.reasons:
+            DECISIONS.labels(reason).inc()
+        return decision
+
+    # -- generation ------------------------------------------------------------------
+
+    async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
+        request = PickRequest(
+            model=call.model,
+            prefix=prefix_hashes(call.prompt),
+            session_key=hints.session_key,
+            color=hints.color,
+            split_point=split_point(hints.session_key, self._rng),
+        )
+        sent, tokens, resumed = [], 0, 0
+        attempt_call = call
+        while True:
+            replica, stream, chunk = await self._start(attempt_call, request, hints.deadline)
+            try:
+                while chunk.finish_reason is None:
+                    yield chunk
+                    sent.append(chunk.text)
+                    tokens += chunk.num_tokens
+                    chunk = await _next_chunk(stream)
+                route = Route(
+                    replica.endpoint.address,
+                    replica.endpoint.version,
+                    replica.endpoint.region or self._settings.local_region,
+                )
+                yield replace(chunk, route=route, resumed=resumed)
+                return
+            except Unavailable as err:
+                self._failed(replica, err)
+                if resumed >= self._settings.max_resumes or _past(hints.deadline):
+                    raise
+                resumed += 1
+                RESUMED.inc()
+                request = replace(request, avoid=request.avoid | {replica.endpoint.address})
+                attempt_call = _continuation(call, "".join(sent), tokens)
+                if attempt_call.sampling.max_tokens <= 0:  # broke just before its last chunk
+                    yield Chunk("", 0, FinishReason.LENGTH, resumed=resumed)
+                    return
+                log.warning(
+                    "stream resumes on another replica",
+                    extra={"fields": {"failed": replica.endpoint.address, "sent_tokens": tokens}},
+                )
+            finally:
+                await stream.aclose()  # a generation cut short is cancelled at the replica now
+                self._release(replica)
+
+    async def _start(
+        self, call: InferenceCall, request: PickRequest, deadline: float | None
+    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
+        """Picks a replica and waits for its first chunk, retrying elsewhere on failure."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(deadline),
+            wait=wait_random_exponential(multiplier=0.02, max=0.5),
+            retry=retry_if_exception_type((Unavailable, ResourceExhausted)),
+            before_sleep=lambda _: RETRIES.inc(),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                replica = self._replicas[self.pick(request).candidate.address]
+                self._acquire(replica)
+                stream = replica.client.generate(call)
+                try:
+                    first = await _next_chunk(stream)
+                except BaseException as err:
+                    await stream.aclose()
+                    self._release(replica)
+                    if isinstance(err, Unavailable | ResourceExhausted):
+                        self._failed(replica, err)
+                        request = replace(request, avoid=request.avoid | {replica.endpoint.address})
+                    else:
+                        replica.breaker.on_abandon()
+                    raise
+                replica.breaker.on_success()
+                BREAKER_OPEN.labels(replica.endpoint.address).set(0)
+                return replica, stream, first
+        raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
+
+    def _acquire(self, replica: Replica) -> None:
+        address = replica.endpoint.address
+        replica.breaker.on_pick(time.monotonic())
+        replica.in_flight += 1
+        PICKS.labels(address).inc()
+        IN_FLIGHT.labels(address).set(replica.in_flight)
+
+    def _release(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        IN_FLIGHT.labels(replica.endpoint.address).set(replica.in_flight)
+
+    def _failed(self, replica: Replica, err: Exception) -> None:
+        now = time.monotonic()
+        replica.breaker.on_failure(now)
+        is_open = not replica.breaker.available(now)
+        BREAKER_OPEN.labels(replica.endpoint.address).set(1 if is_open else 0)
+        log.warning(
+            "replica failed a request",
+            extra={"fields": {"endpoint": replica.endpoint.address, "error": str(err)}},
         )
 
-    async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
-        address = self.pick(call.model)
-        PICKS.labels(address).inc()
-        self._in_flight[address] += 1
-        IN_FLIGHT.labels(address).set(self._in_flight[address])
-        stream = self._clients[address].generate(call)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()  # a generation cut short is cancelled at the replica now
-            self._in_flight[address] -= 1
-            IN_FLIGHT.labels(address).set(self._in_flight[address])
+    # -- discovery and load ------------------------------------------------------------
 
-    async def _follow(self, address: str) -> None:
+    async def _follow_discovery(self) -> None:
+        async for endpoints in self._discovery.watch():
+            self._apply(endpoints)
+
+    def _apply(self, endpoints: list[Endpoint]) -> None:
+        wanted = {e.address: e for e in endpoints}
+        for address in set(self._replicas) - set(wanted):
+            gone = self._replicas.pop(address)
+            if gone.follower:
+                gone.follower.cancel()
+            self._tasks.append(asyncio.create_task(gone.channel.close(CLOSE_GRACE_S)))
+        for address, endpoint in wanted.items():
+            replica = self._replicas.get(address)
+            if replica is None:
+                self._replicas[address] = self._new_replica(endpoint)
+            else:
+                replica.endpoint = endpoint  # metadata (version, region) may change
+        log.info("endpoints", extra={"fields": {"endpoints": sorted(wanted)}})
+
+    def _new_replica(self, endpoint: Endpoint) -> Replica:
+        channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+        s = self._settings
+        replica = Replica(
+            endpoint=endpoint,
+            channel=channel,
+            client=ReplicaClient(channel, endpoint.address),
+            breaker=CircuitBreaker(s.breaker_failures, s.breaker_open_s),
+            last_report_at=time.monotonic(),
+        )
+        replica.follower = asyncio.create_task(self._follow_load(replica))
+        return replica
+
+    async def _follow_load(self, replica: Replica) -> None:
         """Keeps the replica's latest per-model load, reconnecting when the stream breaks."""
-        stub: Any = inference_pb2_grpc.InferenceStub(self._channels[address])
-        request = inference_pb2.WatchLoadRequest(max_interval_ms=self._interval_ms)
+        stub: Any = inference_pb2_grpc.InferenceStub(replica.channel)
+        request = inference_pb2.WatchLoadRequest(
+            max_interval_ms=int(self._settings.report_interval_s * 1000)
+        )
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async for report in stub.WatchLoad(request):
-                    for load in report.models:
-                        self._reports[(address, load.model)] = ReportedLoad(
-                            running=load.running,
-                            waiting=load.waiting,
-                            kv_utilization=load.kv_utilization,
-                        )
-            # Reconnect pacing for a replica that is down or restarting.
-            await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))
+                    replica.reports = {
+                        m.model: ReportedLoad(m.running, m.waiting, m.kv_utilization)
+                        for m in report.models
+                    }
+                    replica.engine_reachable = report.engine_reachable
+                    replica.last_report_at = time.monotonic()
+            replica.last_report_at = float("-inf")  # gone: unhealthy until it reports again
+            await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
+
+
+async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise Unavailable("inference replica ended the stream without a finish reason") from None
+
+
+def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> InferenceCall:
+    """The call that continues a broken stream: the text already sent becomes prompt."""
+    sampling = replace(call.sampling, max_tokens=call.sampling.max_tokens - sent_tokens)
+    return replace(call, prompt=call.prompt + sent_text, sampling=sampling)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+class _deadline_reached(stop_base):  # noqa: N801 (named like tenacity's own stops)
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return _past(self._deadline)

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import consul.aio
 import grpc
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.grpc_status import abort
-from llmmesh.runtime.metadata import REQUEST_ID, SESSION_ID, bind_request_id, metadata_value
+from llmmesh.runtime.metadata import (
+    COLOR,
+    REQUEST_ID,
+    SESSION_ID,
+    bind_request_id,
+    metadata_value,
+)
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.consul import ConsulDiscovery, ConsulKeyWatch, connect
 from services.router.core import GenerateInput, Prepared, RouterCore
-from services.router.picking import PICKERS
-from services.router.pool import InferencePool
+from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery, watch_file
+from services.router.pool import InferencePool, PoolSettings
+from services.router.routing import PolicyHolder
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -64,7 +76,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt=request.prompt,
             sampling=sampling_from_pb(request.sampling),
             session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
+            color=metadata_value(context, COLOR) or "",
+            deadline=_deadline(context),
         )
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 async def _responses(
@@ -86,11 +105,20 @@ async def _responses(
                     prompt_tokens=prepared.prompt_tokens, completion_tokens=completion_tokens
                 )
             )
+            if chunk.route is not None:
+                response.served.CopyFrom(
+                    generation_pb2.Served(
+                        endpoint=chunk.route.endpoint,
+                        subset=chunk.route.subset,
+                        region=chunk.route.region,
+                        resumed=chunk.resumed,
+                    )
+                )
         yield response
 
 
 class Upstreams:
-    """The router's channels and replica pool; closed on shutdown."""
+    """The router's channels, replica pool and routing sources; closed on shutdown."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.channels = [
@@ -100,17 +128,68 @@ class Upstreams:
         policy_ch, context_ch = self.channels
         self.policy = GrpcPolicyClient(policy_ch, config.upstream_timeout_s)
         self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
+        self.consul = _consul_client(config)
+        self.routing = PolicyHolder()
         self.inference = InferencePool(
-            config.inference_addresses,
-            PICKERS[config.picker](),
-            config.load_report_interval_s,
-            config.load_report_stale_s,
+            _discovery(config, self.consul), self.routing, _pool_settings(config)
         )
+        self._routing_source = _routing_source(config, self.consul)
+        self._routing_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.inference.start()
+        if self._routing_source is not None:
+            self._routing_task = asyncio.create_task(self._follow_routing(*self._routing_source))
+
+    async def _follow_routing(self, name: str, documents: AsyncIterator[str | bytes]) -> None:
+        async for text in documents:
+            self.routing.offer(text, name)
 
     async def close(self) -> None:
+        if self._routing_task is not None:
+            self._routing_task.cancel()
+            await asyncio.gather(self._routing_task, return_exceptions=True)
         await self.inference.close()
         for ch in self.channels:
             await ch.close()
+        if self.consul is not None:
+            await self.consul.close()
+
+
+def _consul_client(config: RouterConfig) -> consul.aio.Consul | None:
+    if "consul" not in (config.discovery, config.routing_source):
+        return None
+    return connect(config.consul_address, config.consul_token)
+
+
+def _discovery(config: RouterConfig, client: consul.aio.Consul | None) -> Discovery:
+    if client is not None and config.discovery == "consul":
+        return ConsulDiscovery(client, config.consul_service)
+    if config.endpoints_file:
+        return FileDiscovery(Path(config.endpoints_file), config.watch_interval_s)
+    return FixedDiscovery(config.inference_addresses)
+
+
+def _routing_source(
+    config: RouterConfig, client: consul.aio.Consul | None
+) -> tuple[str, AsyncIterator[str | bytes]] | None:
+    if client is not None and config.routing_source == "consul":
+        return "consul", ConsulKeyWatch(client, config.consul_routing_key).watch()
+    if config.routing_file:
+        return "file", watch_file(Path(config.routing_file), config.watch_interval_s)
+    return None
+
+
+def _pool_settings(config: RouterConfig) -> PoolSettings:
+    return PoolSettings(
+        local_region=config.region,
+        report_interval_s=config.load_report_interval_s,
+        stale_after_s=config.load_report_stale_s,
+        breaker_failures=config.breaker_failures,
+        breaker_open_s=config.breaker_open_s,
+        attempts=config.retry_attempts,
+        max_resumes=config.max_resumes,
+    )
 
 
 def build_service(config: RouterConfig) -> GrpcService:
@@ -125,5 +204,5 @@ def build_service(config: RouterConfig) -> GrpcService:
         lambda server: add_servicer(server, servicer, SERVICE),
         cleanup=upstreams.close,
     )
-    service.on_start(upstreams.inference.start)
+    service.on_start(upstreams.start)
     return service

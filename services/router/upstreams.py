@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -36,8 +37,19 @@ class ContextClient(Protocol):
     ) -> None: ...
 
 
+@dataclass(frozen=True)
+class RouteHints:
+    """What the router knows of a request beyond the call itself, for picking a replica."""
+
+    session_key: str = ""  # tenant and session id: a conversation's identity
+    color: str = ""  # x-llm-color
+    deadline: float | None = None  # time.monotonic() by which the client wants an answer
+
+
 class InferenceClient(Protocol):
-    def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]: ...
+    """Streams a generation from some replica (the pool picks which)."""
+
+    def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]: ...
 
 
 _ACTION_FROM_PB = {
@@ -107,7 +119,9 @@ class GrpcContextClient:
             raise from_rpc_error(exc, "context service") from None
 
 
-class GrpcInferenceClient:
+class ReplicaClient:
+    """One inference replica's Generate."""
+
     def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
         self._stub = inference_pb2_grpc.InferenceStub(channel)
         self.address = address

@@ -34,6 +34,7 @@ def router_without_triton(stack: Stack, tmp_path: Path, extra_ports: StackPorts)
             "router",
             extra_ports.router,
             tmp_path,
+            endpoints_file="",
             inference_addresses=f'["127.0.0.1:{extra_ports.inference}"]',
         )
         try:

@@ -50,6 +50,7 @@ def two_replicas(
                 ports.router,
                 tmp_path,
                 metrics_port=str(ports.router_metrics),
+                endpoints_file="",
                 inference_addresses=f'["{stack.address("inference")}", "{second}"]',
             )
         )
@@ -69,6 +70,16 @@ def test_a_busy_replica_is_passed_over(stack: Stack, two_replicas: tuple[str, st
 
     def picks(address: str) -> float:
         return metric_value(metrics, "llm_router_picks_total", {"endpoint": address})
+
+    def engine_busy() -> float:
+        url = f"http://{stack.address('triton_metrics')}/metrics"
+        labels = {"model": "llm"}
+        return metric_value(url, "llm_engine_running_sequences", labels) + metric_value(
+            url, "llm_engine_waiting_sequences", labels
+        )
+
+    # Generations left over from earlier tests would make the stack's replica look busy.
+    wait_for(lambda: engine_busy() == 0, what="the stack's engine to be idle")
 
     with grpc.insecure_channel(router) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)

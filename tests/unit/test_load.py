@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor, ModelLoad, RecentLatency, parse_engine_metrics
 
 TRITON_METRICS = """\
@@ -73,3 +74,9 @@ def test_monitor_pushes_changes_and_reports_an_unreachable_engine() -> None:
     assert seen[0] == (3, True)
     assert (4, True) in seen
     assert seen[-1] == (-1, False)
+
+
+def test_load_reports_use_the_mesh_model_names_of_aliased_models() -> None:
+    core = InferenceCore(backend=None, max_tokens_limit=8, model_aliases={"llm": "llm_canary"})  # type: ignore[arg-type]
+    engine = [ModelLoad("llm", running=1), ModelLoad("llm_canary", running=2), ModelLoad("x")]
+    assert core.mesh_view(engine) == (ModelLoad("llm", running=2), ModelLoad("x"))

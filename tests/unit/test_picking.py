@@ -1,50 +1,239 @@
+"""The picking pipeline, step by step: subset, health, region, score."""
+
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
+import pytest
+
+from llmmesh.runtime.errors import Unavailable
+from services.router.affinity import PrefixIndex, prefix_hashes
+from services.router.endpoints import Endpoint
 from services.router.picking import (
-    EndpointView,
-    LeastLoadedPicker,
+    Candidate,
+    Picker,
+    PickRequest,
     ReportedLoad,
-    RoundRobinPicker,
-    views,
+    region_order,
+    split_point,
+    subset_order,
 )
+from services.router.routing import RoutingPolicy, ScorerWeights
+
+LOCAL = "eu"
 
 
-def test_round_robin_takes_turns() -> None:
-    picker = RoundRobinPicker()
-    candidates = [EndpointView(a, 0, None) for a in ("a", "b", "c")]
-    assert [picker.pick(candidates) for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+def cand(
+    address: str,
+    version: str = "stable",
+    region: str = LOCAL,
+    report: ReportedLoad | None = None,
+    healthy: bool = True,
+    in_flight: int = 0,
+    models: tuple[str, ...] = (),
+) -> Candidate:
+    endpoint = Endpoint(address=address, version=version, region=region, models=models)
+    return Candidate(endpoint, region, in_flight, report or ReportedLoad(), healthy)
 
 
-def test_least_loaded_prefers_short_queues_and_free_cache() -> None:
-    picker = LeastLoadedPicker()
-    candidates = [
-        EndpointView("queued", 0, ReportedLoad(running=4, waiting=3)),
-        EndpointView("full-cache", 0, ReportedLoad(running=4, kv_utilization=0.95)),
-        EndpointView("fine", 0, ReportedLoad(running=5, kv_utilization=0.2)),
+def picker(seed: int = 0) -> Picker:
+    return Picker(LOCAL, rng=random.Random(seed))
+
+
+def test_color_pins_its_subset_and_never_leaks() -> None:
+    policy = RoutingPolicy(split={"stable": 100}, colors={"blue": "canary"})
+    pool = [cand("s:1"), cand("c:1", "canary")]
+    p = picker()
+    for _ in range(20):
+        decision = p.pick(PickRequest("llm", color="blue"), pool, policy)
+        assert decision.candidate.address == "c:1" and decision.reasons[0] == "color"
+    # A color that names a subset directly pins it too; none healthy there: unavailable.
+    assert p.pick(PickRequest("llm", color="canary"), pool, policy).subset == "canary"
+    with pytest.raises(Unavailable, match="canary"):
+        p.pick(
+            PickRequest("llm", color="canary"),
+            [pool[0], cand("c:1", "canary", healthy=False)],
+            policy,
+        )
+
+
+def test_split_follows_weights() -> None:
+    policy = RoutingPolicy(split={"stable": 90, "canary": 10})
+    rng = random.Random(7)
+    subsets = Counter(
+        subset_order(PickRequest("llm", split_point=split_point("", rng)), policy)[0][0]
+        for _ in range(5000)
+    )
+    assert 0.08 < subsets["canary"] / 5000 < 0.12
+
+
+def test_a_session_stays_on_one_subset() -> None:
+    policy = RoutingPolicy(split={"stable": 50, "canary": 50})
+    pool = [cand("s:1"), cand("c:1", "canary")]
+    subsets_per_session = {
+        key: {
+            picker(seed)
+            .pick(
+                PickRequest("llm", session_key=key, split_point=split_point(key, random.Random())),
+                pool,
+                policy,
+            )
+            .subset
+            for seed in range(10)
+        }
+        for key in (f"t/s{i}" for i in range(40))
+    }
+    assert all(len(s) == 1 for s in subsets_per_session.values())
+    assert {next(iter(s)) for s in subsets_per_session.values()} == {"stable", "canary"}
+
+
+def test_split_falls_back_when_the_chosen_subset_is_down_and_zero_weight_gets_nothing() -> None:
+    policy = RoutingPolicy(split={"stable": 0, "canary": 100, "blue": 0.0001})
+    pool = [cand("s:1"), cand("c:1", "canary", healthy=False), cand("b:1", "blue")]
+    decision = picker().pick(PickRequest("llm", split_point=0.0), pool, policy)
+    assert decision.candidate.address == "b:1" and decision.reasons[:2] == ("split", "fallback")
+    with pytest.raises(Unavailable):
+        picker().pick(PickRequest("llm"), pool[:2], policy)
+
+
+def test_unhealthy_and_other_model_replicas_are_never_picked() -> None:
+    pool = [
+        cand("down:1", healthy=False),
+        cand("other:1", models=("llm_canary",)),
+        cand("ok:1", report=ReportedLoad(waiting=50)),
     ]
-    assert picker.pick(candidates) == "fine"
+    assert {
+        picker(i).pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address
+        for i in range(20)
+    } == {"ok:1"}
 
 
-def test_in_flight_spreads_a_burst_between_reports() -> None:
-    picker = LeastLoadedPicker()
-    in_flight: Counter[str] = Counter()
-    reports = {a: ReportedLoad() for a in ("a", "b")}
-    for _ in range(10):
-        in_flight[picker.pick(views(["a", "b"], in_flight, reports, 1.0))] += 1
-    assert in_flight == Counter({"a": 5, "b": 5})
+def test_region_order_prefers_local_then_the_documented_order() -> None:
+    assert region_order("eu", ["us", "ap"], ["ap", "us", "sa", "eu"]) == ["eu", "us", "ap", "sa"]
+    policy = RoutingPolicy(regions=["ap", "us"])
+    pool = [cand("eu:1", healthy=False), cand("us:1", region="us"), cand("ap:1", region="ap")]
+    decision = picker().pick(PickRequest("llm"), pool, policy)
+    assert decision.candidate.address == "ap:1" and "failover" in decision.reasons
+    local = picker().pick(PickRequest("llm"), [cand("eu:2"), *pool], policy)
+    assert local.candidate.address == "eu:2" and "failover" not in local.reasons
+
+
+def test_retries_avoid_replicas_that_failed_unless_nothing_else_is_left() -> None:
+    pool = [cand("a:1"), cand("b:1")]
+    request = PickRequest("llm", avoid=frozenset({"a:1"}))
+    assert picker().pick(request, pool, RoutingPolicy()).candidate.address == "b:1"
+    assert picker().pick(request, pool[:1], RoutingPolicy()).candidate.address == "a:1"
+
+
+def test_load_score_prefers_short_queues_and_free_cache() -> None:
+    pool = [
+        cand("queued:1", report=ReportedLoad(running=4, waiting=3)),
+        cand("full:1", report=ReportedLoad(running=4, kv_utilization=0.95)),
+        cand("fine:1", report=ReportedLoad(running=5, kv_utilization=0.2)),
+    ]
+    decision = picker().pick(PickRequest("llm"), pool, RoutingPolicy())
+    assert decision.candidate.address == "fine:1" and decision.reasons[-1] == "load"
+
+
+def test_without_reports_the_routers_own_in_flight_count_spreads_load() -> None:
+    pool = [
+        Candidate(Endpoint(address="a:1"), LOCAL, in_flight=3),
+        Candidate(Endpoint(address="b:1"), LOCAL, in_flight=1),
+    ]
+    assert picker().pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address == "b:1"
+
+
+def test_streams_a_report_does_not_show_yet_count_as_load() -> None:
+    # The router just sent a stream to "a"; a's last report predates it.
+    pool = [cand("a:1", in_flight=1), cand("b:1")]
+    assert picker().pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address == "b:1"
+    # Once a report shows it, it is counted once, not twice.
+    shown = [
+        cand("a:1", in_flight=1, report=ReportedLoad(running=1)),
+        cand("b:1", report=ReportedLoad(running=1)),
+    ]
+    assert {
+        picker(i).pick(PickRequest("llm"), shown, RoutingPolicy()).candidate.address
+        for i in range(20)
+    } == {"a:1", "b:1"}
 
 
 def test_ties_are_broken_at_random() -> None:
-    picker = LeastLoadedPicker(rng=random.Random(1))
-    candidates = [EndpointView(a, 0, ReportedLoad()) for a in ("a", "b", "c")]
-    assert {picker.pick(candidates) for _ in range(50)} == {"a", "b", "c"}
+    pool = [cand(f"{n}:1") for n in "abc"]
+    p = picker(1)
+    assert {
+        p.pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address for _ in range(50)
+    } == {"a:1", "b:1", "c:1"}
 
 
-def test_stale_reports_are_ignored() -> None:
-    old = ReportedLoad(waiting=100, received_at=time.monotonic() - 10)
-    (view,) = views(["a"], {}, {"a": old}, stale_after_s=1.0)
-    assert view.report is None
+def test_prefix_affinity_sends_a_shared_prefix_back_to_its_replica() -> None:
+    shared = "You are a helpful assistant. " * 20
+    p, pool = picker(3), [cand(f"{n}:1") for n in "abcd"]
+    first = p.pick(PickRequest("llm", prefix_hashes(shared + "Q1")), pool, RoutingPolicy())
+    for q in range(2, 10):
+        again = p.pick(PickRequest("llm", prefix_hashes(shared + f"Q{q}")), pool, RoutingPolicy())
+        assert again.candidate.address == first.candidate.address
+        assert again.reasons[-1] == "prefix"
+    # Unless it is much busier than the others: the prefix bonus is bounded.
+    busy = [
+        cand(c.address, report=ReportedLoad(waiting=5))
+        if c.address == first.candidate.address
+        else c
+        for c in pool
+    ]
+    moved = p.pick(PickRequest("llm", prefix_hashes(shared + "Q11")), busy, RoutingPolicy())
+    assert moved.candidate.address != first.candidate.address
+
+
+def test_session_affinity_sticks_until_the_replica_is_saturated() -> None:
+    p, policy = picker(4), RoutingPolicy()
+    pool = [cand(f"{n}:1") for n in "abcd"]
+    home = p.pick(PickRequest("llm", session_key="t/s"), pool, policy).candidate.address
+    # Other replicas get lighter, yet the session stays...
+    lighter = [c if c.address == home else cand(c.address, report=ReportedLoad()) for c in pool]
+    busier = [
+        cand(home, report=ReportedLoad(running=6)) if c.address == home else c for c in lighter
+    ]
+    again = p.pick(PickRequest("llm", session_key="t/s"), busier, policy)
+    assert again.candidate.address == home and again.reasons[-1] == "affinity"
+    # ...until its replica has a queue: then the least loaded takes over, and keeps it.
+    saturated = [
+        cand(home, report=ReportedLoad(running=8, waiting=3)) if c.address == home else c
+        for c in lighter
+    ]
+    moved = p.pick(PickRequest("llm", session_key="t/s"), saturated, policy).candidate.address
+    assert moved != home
+    assert p.pick(PickRequest("llm", session_key="t/s"), pool, policy).candidate.address == moved
+
+
+def test_round_robin_baseline_takes_turns_blind_to_load() -> None:
+    policy = RoutingPolicy(algorithm="round_robin")
+    pool = [cand("a:1", report=ReportedLoad(waiting=100)), cand("b:1"), cand("c:1")]
+    p = picker()
+    picks = [p.pick(PickRequest("llm"), pool, policy).candidate.address for _ in range(6)]
+    assert picks == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1"]
+
+
+def test_scorer_weights_come_from_the_document() -> None:
+    pool = [
+        cand("queue:1", report=ReportedLoad(waiting=2)),
+        cand("cache:1", report=ReportedLoad(kv_utilization=0.9)),
+    ]
+    queue_averse = RoutingPolicy(weights=ScorerWeights(waiting=10, kv_utilization=1))
+    cache_averse = RoutingPolicy(weights=ScorerWeights(waiting=1, kv_utilization=10))
+    assert picker().pick(PickRequest("llm"), pool, queue_averse).candidate.address == "cache:1"
+    assert picker().pick(PickRequest("llm"), pool, cache_averse).candidate.address == "queue:1"
+
+
+def test_prefix_index_matches_leading_blocks_only_and_stays_bounded() -> None:
+    index = PrefixIndex(capacity=100)
+    a = prefix_hashes("x" * 64 * 4)
+    index.record(a, "r1")
+    index.record(a[:2], "r2")
+    assert index.matched_blocks(a) == {"r1": 4, "r2": 2}
+    diverging = prefix_hashes("x" * 64 + "y" * 64 * 3)
+    assert index.matched_blocks(diverging) == {"r1": 1, "r2": 1}
+    for i in range(300):
+        index.record(prefix_hashes(f"{i:064d}"), "r3")
+    assert index.matched_blocks(a) == {}

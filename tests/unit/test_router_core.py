@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -21,6 +21,7 @@ from llmmesh.types import (
 )
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
+from services.router.upstreams import RouteHints
 
 
 @dataclass
@@ -50,10 +51,12 @@ class Context:
 class Inference:
     calls: list[InferenceCall] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
+    hints: list[RouteHints] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
+    async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
         self.calls.append(call)
+        self.hints.append(hints)
         self.started.set()
         try:
             for i in range(call.sampling.max_tokens - 1):
@@ -132,6 +135,20 @@ def test_session_turns_are_recorded_and_prepended() -> None:
             (Role.ASSISTANT, "012!"),
         ]
         assert inference.calls[1].prompt.startswith(inference.calls[0].prompt + "012!")
+        # The conversation's identity goes to the picker, scoped by tenant.
+        assert inference.hints[1].session_key == "t/s"
+
+    asyncio.run(scenario())
+
+
+def test_color_and_deadline_reach_the_picker() -> None:
+    async def scenario() -> None:
+        policy, inference = Policy(), Inference()
+        policy.release.set()
+        core = make_core(policy, Context(), inference)
+        req = replace(request(), color="canary", deadline=123.0)
+        await run(core, req)
+        assert inference.hints == [RouteHints("", "canary", 123.0)]
 
     asyncio.run(scenario())
 
@@ -156,3 +173,6 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     with pytest.raises(InvalidArgument) as info:
         core.validate(GenerateInput("r", "t", "nope", "x", Sampling(max_tokens=1)))
     assert info.value.field == "model"
+    with pytest.raises(InvalidArgument) as info:
+        core.validate(replace(request(), color="no spaces"))
+    assert info.value.field == "x-llm-color"

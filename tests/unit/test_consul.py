@@ -1,0 +1,142 @@
+"""The Consul adapters: routing documents from KV and endpoints from the health API.
+
+They run against a real agent when CONSUL_HTTP_ADDR is set, otherwise against
+tests/consul_double.py. Faults (unreachable agent, indexes going backwards) are made
+with the double, which can produce them on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import consul.aio
+
+from services.router.consul import CONSUL_ERRORS, ConsulDiscovery, ConsulKeyWatch, connect
+from services.router.endpoints import Endpoint
+from services.router.routing import ROUTING_REJECTED, PolicyHolder, RoutingPolicy, render_policy
+from tests.consul_double import ConsulDouble
+
+T = TypeVar("T")
+KEY = f"llm-mesh-test/routing-{os.getpid()}"
+SERVICE = f"inference-test-{os.getpid()}"
+
+
+async def next_within(stream: AsyncIterator[T], seconds: float = 5.0) -> T:
+    return await asyncio.wait_for(anext(stream), seconds)
+
+
+async def with_consul(
+    scenario: Callable[[consul.aio.Consul, ConsulDouble | None], Awaitable[None]],
+    double_only: bool = False,
+) -> None:
+    """Runs ``scenario`` against the real agent if configured (unless it needs to inject
+    faults), else against the double."""
+    real = os.environ.get("CONSUL_HTTP_ADDR")
+    double = None if real and not double_only else ConsulDouble()
+    address = await double.start() if double else real or ""
+    client = connect(address)
+    try:
+        await scenario(client, double)
+    finally:
+        await client.close()
+        if double:
+            await double.stop()
+
+
+def rejected() -> float:
+    return float(ROUTING_REJECTED.labels("consul")._value.get())
+
+
+def test_a_kv_write_applies_at_once_and_an_invalid_one_is_rejected_whole() -> None:
+    async def scenario(client: consul.aio.Consul, _: ConsulDouble | None) -> None:
+        holder = PolicyHolder()
+        await client.kv.put(KEY, render_policy(RoutingPolicy(split={"stable": 100})))
+        docs = ConsulKeyWatch(client, KEY, wait="5s").watch()
+        assert holder.offer(await next_within(docs), "consul")
+        assert holder.current.split == {"stable": 100}
+
+        written = time.monotonic()
+        await client.kv.put(KEY, '{"split": {"stable": 90, "canary": 10}}')
+        assert holder.offer(await next_within(docs), "consul")
+        assert time.monotonic() - written < 1.0
+        assert holder.current.split == {"stable": 90, "canary": 10}
+
+        before = rejected()
+        await client.kv.put(KEY, '{"split": {"stable": 50, "canary": -5}, "colors": {}}')
+        assert not holder.offer(await next_within(docs), "consul")
+        assert rejected() == before + 1
+        assert holder.current.split == {"stable": 90, "canary": 10}
+        await docs.aclose()
+
+    asyncio.run(with_consul(scenario))
+
+
+def test_the_watch_follows_an_index_that_goes_backwards() -> None:
+    async def scenario(client: consul.aio.Consul, double: ConsulDouble | None) -> None:
+        assert double is not None
+        await client.kv.put(KEY, "split: {stable: 1}")
+        docs = ConsulKeyWatch(client, KEY, wait="5s").watch()
+        assert await next_within(docs) == b"split: {stable: 1}"
+        for n in range(2, 5):  # the index climbs well above what the restore resets it to
+            await client.kv.put(KEY, f"split: {{stable: {n}}}")
+            assert await next_within(docs) == f"split: {{stable: {n}}}".encode()
+        await double.restore_snapshot()
+        await next_within(docs)  # the full re-read after the reset
+        await client.kv.put(KEY, "split: {canary: 1}")
+        assert await next_within(docs) == b"split: {canary: 1}"
+        # Blocking queries never ran with an index below 1 after the first read.
+        assert not any("index=0" in r for r in double.requests)
+        await docs.aclose()
+
+    asyncio.run(with_consul(scenario, double_only=True))
+
+
+def test_an_unreachable_agent_keeps_the_last_value_and_recovers() -> None:
+    async def scenario(client: consul.aio.Consul, double: ConsulDouble | None) -> None:
+        assert double is not None
+        port = int(client.http.base_uri.rsplit(":", 1)[1])
+        await client.kv.put(KEY, "split: {stable: 1}")
+        docs = ConsulKeyWatch(client, KEY, wait="1s").watch()
+        assert await next_within(docs) == b"split: {stable: 1}"
+        waiting = asyncio.ensure_future(anext(docs))
+        errors = CONSUL_ERRORS.labels(f"kv/{KEY}")._value.get()
+        await double.stop()  # the agent goes away mid-query, then comes back
+        while CONSUL_ERRORS.labels(f"kv/{KEY}")._value.get() < errors + 2:
+            await asyncio.wait({waiting}, timeout=0.05)  # polls a condition
+        assert not waiting.done()  # failed queries yield nothing: the last value stays
+        await double.start(port)
+        await client.kv.put(KEY, "split: {canary: 1}")
+        assert await asyncio.wait_for(waiting, 15) == b"split: {canary: 1}"
+        await docs.aclose()
+
+    asyncio.run(with_consul(scenario, double_only=True))
+
+
+def test_discovery_lists_passing_instances_with_their_metadata() -> None:
+    async def scenario(client: consul.aio.Consul, _: ConsulDouble | None) -> None:
+        def register(sid: str, port: int, meta: dict[str, str]) -> Awaitable[bool]:
+            return client.agent.service.register(  # type: ignore[no-any-return]
+                SERVICE, service_id=sid, address="127.0.0.1", port=port, meta=meta
+            )
+
+        await register("a", 7001, {"version": "stable", "region": "eu", "model": "llm"})
+        endpoints = ConsulDiscovery(client, SERVICE, wait="5s").watch()
+        assert await next_within(endpoints) == [
+            Endpoint(address="127.0.0.1:7001", version="stable", region="eu", models=("llm",))
+        ]
+        await register("b", 7002, {"version": "canary"})
+        listed = await next_within(endpoints)
+        assert sorted((e.address, e.version, e.region) for e in listed) == [
+            ("127.0.0.1:7001", "stable", "eu"),
+            ("127.0.0.1:7002", "canary", "dc1"),  # no region: the datacenter
+        ]
+        await client.agent.service.deregister("a")
+        assert [e.address for e in await next_within(endpoints)] == ["127.0.0.1:7002"]
+        await client.agent.service.deregister("b")
+        await endpoints.aclose()
+
+    asyncio.run(with_consul(scenario))
