@@ -23,6 +23,14 @@ from bench.report import (
     update_markdown,
     write_json,
 )
+from bench.routing import (
+    REPLICAS,
+    RoutingResult,
+    SessionSpec,
+    compare_pickers,
+    picker_decision_time,
+    routing_fleet,
+)
 from bench.scenarios import Comparison, head_of_line, prefix_cache
 from bench.targets import RouterTarget, Target, TritonTarget
 from bench.workload import WorkloadSpec, make_requests, new_salt
@@ -41,10 +49,12 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix"],
+        choices=["load", "hol", "prefix", "routing"],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
-        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none",
+        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
+        "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
+        "--num-prompts multi-turn sessions arriving at --rate sessions/s",
     )
     bench.add_argument(
         "--compare",
@@ -92,6 +102,8 @@ def add_bench_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "routing":
+        return _routing(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -153,6 +165,33 @@ def _scenario(args: argparse.Namespace) -> int:
         section = args.section if args.section != "baseline" else args.scenario
         update_markdown(args.markdown, section, body)
     return 0
+
+
+def _routing(args: argparse.Namespace) -> int:
+    spec = SessionSpec(sessions=args.num_prompts, output_len=args.output_len, seed=args.seed)
+    rate = args.rate or 1.0
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print(f"starting {REPLICAS} replicas and a router per picker ...", file=sys.stderr)
+        with routing_fleet(Path(workdir)) as routers:
+            summaries = asyncio.run(compare_pickers(routers, spec, rate, args.rounds))
+    result = RoutingResult(summaries, picker_decision_time())
+    command = "llm-mesh " + shlex.join(sys.argv[1:])
+    print(result.table())
+    if args.markdown:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        body = (
+            f"Command: `{command}`  \nRun: {stamp}, {args.rounds} rounds per picker of "
+            f"{spec.sessions} sessions x {spec.turns} turns: the first turn is one of "
+            f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles, then "
+            f"{spec.context_len} tokens of the session's own, then a question; later turns "
+            f"a {spec.question_len}-token question each (the router prepends the history); "
+            f"{spec.output_len} output tokens per turn; sessions arrive at {rate}/s.\n\n"
+            f"{result.table()}"
+        )
+        section = args.section if args.section != "baseline" else "routing"
+        update_markdown(args.markdown, section, body)
+    failed = sum(s.failed for s in summaries.values())
+    return 1 if failed else 0
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:

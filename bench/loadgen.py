@@ -28,7 +28,7 @@ class LoadShape:
         return f"concurrency {self.concurrency}" if self.concurrency else f"rate {self.rate}/s"
 
 
-async def _one(target: Target, request: BenchRequest, bar: tqdm[Any] | None) -> RequestRecord:
+async def send_one(target: Target, request: BenchRequest, bar: tqdm[Any] | None) -> RequestRecord:
     record = RequestRecord(sent_at=time.perf_counter())
     try:
         await target.send(request, record)
@@ -48,7 +48,7 @@ async def _closed_loop(
 
     async def worker() -> None:
         while pending:
-            records.append(await _one(target, pending.pop(), bar))
+            records.append(await send_one(target, pending.pop(), bar))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records
@@ -64,7 +64,7 @@ async def _open_loop(
         delay = next_at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)  # arrival schedule, not synchronisation
-        tasks.append(asyncio.create_task(_one(target, request, bar)))
+        tasks.append(asyncio.create_task(send_one(target, request, bar)))
         next_at += rng.expovariate(rate)
     return list(await asyncio.gather(*tasks))
 
@@ -94,7 +94,7 @@ async def run_load(
 ) -> Measurement:
     """Warms up with ``warmup`` requests, then measures the whole workload."""
     for request in requests[:warmup]:  # other prompts: warm-up must not fill the prefix cache
-        await _one(target, BenchRequest(new_salt() + request.prompt, request.max_tokens), None)
+        await send_one(target, BenchRequest(new_salt() + request.prompt, request.max_tokens), None)
     # disable=None: no bar when stderr is not a terminal (CI logs).
     bar = tqdm(
         total=len(requests),

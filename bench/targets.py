@@ -34,7 +34,11 @@ class RouterTarget:
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         message = build_request(
-            request.prompt, model=self._model, max_tokens=request.max_tokens, ignore_eos=True
+            request.prompt,
+            model=self._model,
+            max_tokens=request.max_tokens,
+            ignore_eos=True,
+            session_id=request.session_id,
         )
         async for reply in self._stub.Generate(message):
             now = time.perf_counter()

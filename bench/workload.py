@@ -63,6 +63,7 @@ class WorkloadSpec:
 class BenchRequest:
     prompt: str
     max_tokens: int
+    session_id: str = ""  # the router prepends the session's earlier turns
 
 
 def text_of_length(rng: random.Random, length: int) -> str:

@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append")
     gen.add_argument("--session", default="", help="session id: keeps the conversation")
+    gen.add_argument("--color", default="", help="x-llm-color: pins a subset, e.g. canary")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds")
     gen.set_defaults(func=_generate)
 
@@ -95,16 +96,20 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         session_id=args.session,
     )
+    metadata = (("x-llm-color", args.color),) if args.color else ()
     with grpc.insecure_channel(router_address(args.router)) as channel:
-        stream_to_terminal(channel, request, args.timeout)
+        stream_to_terminal(channel, request, args.timeout, metadata)
     return 0
 
 
 def stream_to_terminal(
-    channel: grpc.Channel, request: object, timeout_s: float | None = None
+    channel: grpc.Channel,
+    request: object,
+    timeout_s: float | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> StreamStats:
     stats = StreamStats()
-    for text in stream_text(channel, request, stats, timeout_s):  # type: ignore[arg-type]
+    for text in stream_text(channel, request, stats, timeout_s, metadata):  # type: ignore[arg-type]
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -131,8 +136,9 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {err}{hint}", file=sys.stderr)
         return 1
     try:
-        stack.write_state(args.state_file)
+        stack.write_state(args.state_file, {"routing_file": str(stack.routing_file)})
         _print_endpoints(stack.endpoints(), args.state_file)
+        print(f"routing document (edit to shift traffic): {stack.routing_file}")
         if args.demo:
             _demo(stack.address("router"))
         print("stack is up; Ctrl-C to stop", file=sys.stderr)

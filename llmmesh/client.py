@@ -39,6 +39,7 @@ class StreamStats:
     prompt_tokens: int = 0
     finish_reason: str = ""
     request_id: str = ""
+    served_by: str = ""  # subset@region (endpoint), from the last response
 
     @property
     def ttft_s(self) -> float:
@@ -56,6 +57,7 @@ class StreamStats:
             f"TTFT {self.ttft_s * 1000:.1f} ms, {self.completion_tokens} tokens, "
             f"{self.decode_tokens_per_s:.1f} tokens/s, finish_reason={self.finish_reason}, "
             f"request_id={self.request_id}"
+            + (f", served by {self.served_by}" if self.served_by else "")
         )
 
 
@@ -90,10 +92,11 @@ def stream_text(
     request: generation_pb2.GenerateRequest,
     stats: StreamStats,
     timeout_s: float | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> Iterator[str]:
     """Yields text deltas as they arrive and fills ``stats``; raises grpc.RpcError on failure."""
     stub = generation_pb2_grpc.GenerationStub(channel)
-    for reply in stub.Generate(request, timeout=timeout_s):
+    for reply in stub.Generate(request, timeout=timeout_s, metadata=metadata):
         now = time.perf_counter()
         if reply.request_id:
             stats.request_id = reply.request_id
@@ -106,3 +109,6 @@ def stream_text(
             stats.finish_reason = stats.finish_reason.removeprefix("FINISH_REASON_").lower()
             stats.completion_tokens = reply.usage.completion_tokens
             stats.prompt_tokens = reply.usage.prompt_tokens
+            served = reply.served
+            if served.endpoint:
+                stats.served_by = f"{served.subset}@{served.region} ({served.endpoint})"

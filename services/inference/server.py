@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import grpc
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
@@ -93,16 +92,15 @@ def build_service(config: InferenceConfig) -> GrpcService:
     backend = TritonBackend(config.triton_url, config.stream_timeout_s)
     core = InferenceCore(backend, config.max_tokens_limit, config.model_aliases)
 
-    async def read_engine_metrics() -> str:
-        return await asyncio.to_thread(_http_get, config.triton_metrics_url)
-
+    metrics_page = MetricsPage(config.triton_metrics_url)
     monitor = LoadMonitor(
-        read_engine_metrics, lambda: core.in_flight, core.latency, config.load_poll_interval_s
+        metrics_page.read, lambda: core.in_flight, core.latency, config.load_poll_interval_s
     )
     servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
 
     async def cleanup() -> None:
         await monitor.close()
+        await metrics_page.close()
         await backend.close()
 
     return GrpcService(
@@ -113,7 +111,25 @@ def build_service(config: InferenceConfig) -> GrpcService:
     )
 
 
-def _http_get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=1.0) as reply:
-        text: str = reply.read().decode()
-    return text
+class MetricsPage:
+    """Triton's metrics page, fetched over one kept-alive connection (read at 20 Hz)."""
+
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        self._url = url
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def read(self) -> str:
+        """The page's text; OSError when Triton cannot be reached."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.get(self._url) as reply:
+                reply.raise_for_status()
+                return await reply.text()
+        except aiohttp.ClientError as err:
+            raise OSError(f"{self._url}: {err}") from err
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -37,9 +37,9 @@ class RouterConfig(ServiceConfig):
     consul_routing_key: str = "llm-mesh/routing"
     # This router's region: its replicas are preferred; others take over when none is left.
     region: str = "local"
-    # Replicas push load reports at least this often; older ones are ignored, and a
-    # replica with no fresh report is not picked.
-    load_report_interval_s: float = Field(default=0.05, gt=0)
+    # Replicas push a load report on every change (they read their engine every 50 ms) and
+    # at least this often; a replica with no report for load_report_stale_s is not picked.
+    load_report_interval_s: float = Field(default=0.25, gt=0)
     load_report_stale_s: float = Field(default=1.0, gt=0)
     # Circuit breaker: consecutive failures that open it, and seconds before a probe.
     breaker_failures: int = Field(default=3, ge=1)

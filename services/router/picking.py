@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmmesh.runtime.errors import Unavailable
-from services.router.affinity import PrefixIndex, SessionTable
+from services.router.affinity import BLOCK_CHARS, PrefixIndex, SessionTable
 from services.router.endpoints import Endpoint
 from services.router.routing import RoutingPolicy, Saturation, ScorerWeights
 
@@ -41,6 +41,9 @@ class Candidate:
     endpoint: Endpoint
     region: str  # the endpoint's region, or the router's own when it names none
     in_flight: int = 0  # streams this router has open to it
+    # Prompt tokens this router sent it that still await their first token (prefill work
+    # queued or running there: an uncached long prompt delays everything behind it).
+    prefilling: int = 0
     report: ReportedLoad | None = None  # None: no fresh report for this model
     healthy: bool = True  # breaker closed (or probing) and reports fresh
 
@@ -53,6 +56,7 @@ class Candidate:
 class PickRequest:
     model: str
     prefix: Sequence[int] = ()  # prefix_hashes() of the prompt
+    prompt_chars: int = 0
     session_key: str = ""
     color: str = ""
     # Where in [0, 1) the request falls on the canary split; fixed for a request's retries.
@@ -63,6 +67,7 @@ class PickRequest:
 @dataclass(frozen=True)
 class Decision:
     candidate: Candidate
+    uncached_tokens: int  # prefill the replica likely has to do for this prompt
     subset: str
     reasons: tuple[str, ...]  # color | split | any, then failover, then affinity | prefix | load
 
@@ -100,8 +105,9 @@ def region_order(local: str, failover: Sequence[str], present: Iterable[str]) ->
 
 def load_cost(c: Candidate, w: ScorerWeights) -> float:
     r = c.report
+    queued_prefill = w.prefill * c.prefilling / 1000
     if r is None:  # only the router's own view
-        return w.running * c.in_flight
+        return w.running * c.in_flight + queued_prefill
     # Streams this router opened that the report does not show yet (sent after it).
     unseen = max(0, c.in_flight - r.running - r.waiting)
     return (
@@ -109,12 +115,20 @@ def load_cost(c: Candidate, w: ScorerWeights) -> float:
         + w.running * r.running
         + w.kv_utilization * r.kv_utilization
         + w.pending * unseen
+        + queued_prefill
     )
 
 
-def saturated(c: Candidate, s: Saturation) -> bool:
+def saturated(c: Candidate, s: Saturation, least_load: float, w: ScorerWeights) -> bool:
     r = c.report
-    return r is not None and (r.waiting >= s.waiting or r.kv_utilization >= s.kv_utilization)
+    if r is not None and (r.waiting >= s.waiting or r.kv_utilization >= s.kv_utilization):
+        return True
+    return load_cost(c, w) - least_load > s.excess_load
+
+
+def uncached_tokens(prompt_chars: int, matched_blocks: int) -> int:
+    """Prompt tokens (characters, approximately) not covered by the cached prefix."""
+    return max(0, prompt_chars - matched_blocks * BLOCK_CHARS)
 
 
 @dataclass
@@ -154,27 +168,36 @@ class Picker:
         if region != self.local_region:
             reasons = (*reasons, "failover")
         local = [c for c in pool if c.region == region]
+        matched = self.prefixes.matched_blocks(list(request.prefix)) if request.prefix else {}
         if policy.algorithm == "round_robin":
             local.sort(key=lambda c: c.address)
             chosen, why = local[next(self._turn) % len(local)], "round_robin"
         else:
-            chosen, why = self._llm_aware(request, local, policy)
+            chosen, why = self._llm_aware(request, local, policy, matched)
         if request.session_key:
             self.sessions.set(request.session_key, chosen.address)
         self.prefixes.record(request.prefix, chosen.address)
-        return Decision(chosen, subset or chosen.endpoint.version, (*reasons, why))
+        uncached = uncached_tokens(request.prompt_chars, matched.get(chosen.address, 0))
+        return Decision(chosen, uncached, subset or chosen.endpoint.version, (*reasons, why))
 
     def _llm_aware(
-        self, request: PickRequest, pool: list[Candidate], policy: RoutingPolicy
+        self,
+        request: PickRequest,
+        pool: list[Candidate],
+        policy: RoutingPolicy,
+        matched: dict[str, int],
     ) -> tuple[Candidate, str]:
+        w = policy.weights
+        loads = [load_cost(c, w) for c in pool]
         sticky = self.sessions.get(request.session_key) if request.session_key else None
         for c in pool:
-            if c.address == sticky and not saturated(c, policy.saturation):
+            if c.address == sticky and not saturated(c, policy.saturation, min(loads), w):
                 return c, "affinity"
-        matched = self.prefixes.matched_blocks(list(request.prefix)) if request.prefix else {}
-        blocks = max(len(request.prefix), 1)
-        w = policy.weights
-        costs = [load_cost(c, w) - w.prefix * matched.get(c.address, 0) / blocks for c in pool]
+        costs = [
+            load
+            + w.prefill * uncached_tokens(request.prompt_chars, matched.get(c.address, 0)) / 1000
+            for c, load in zip(pool, loads, strict=True)
+        ]
         best = min(costs)
         chosen = self.rng.choice([c for c, cost in zip(pool, costs, strict=True) if cost == best])
         return chosen, "prefix" if matched.get(chosen.address) else "load"

@@ -68,7 +68,7 @@ CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
 @dataclass(frozen=True)
 class PoolSettings:
     local_region: str = "local"
-    report_interval_s: float = 0.05
+    report_interval_s: float = 0.25
     stale_after_s: float = 1.0
     breaker_failures: int = 3
     breaker_open_s: float = 2.0
@@ -86,6 +86,7 @@ class Replica:
     reports: dict[str, ReportedLoad] = field(default_factory=dict)
     engine_reachable: bool = True
     in_flight: int = 0
+    prefilling: int = 0  # prompt tokens sent that await their first token
     follower: asyncio.Task[None] | None = None
 
 
@@ -129,6 +130,7 @@ class InferencePool:
                     endpoint=r.endpoint,
                     region=r.endpoint.region or s.local_region,
                     in_flight=r.in_flight,
+                    prefilling=r.prefilling,
                     report=r.reports.get(model) if fresh else None,
                     healthy=healthy,
                 )
@@ -149,6 +151,7 @@ class InferencePool:
         request = PickRequest(
             model=call.model,
             prefix=prefix_hashes(call.prompt),
+            prompt_chars=len(call.prompt),
             session_key=hints.session_key,
             color=hints.color,
             split_point=split_point(hints.session_key, self._rng),
@@ -200,26 +203,37 @@ class InferencePool:
             before_sleep=lambda _: RETRIES.inc(),
             reraise=True,
         )
+        failed = set(request.avoid)
         async for attempt in retrying:
             with attempt:
-                replica = self._replicas[self.pick(request).candidate.address]
-                self._acquire(replica)
-                stream = replica.client.generate(call)
-                try:
-                    first = await _next_chunk(stream)
-                except BaseException as err:
-                    await stream.aclose()
-                    self._release(replica)
-                    if isinstance(err, Unavailable | ResourceExhausted):
-                        self._failed(replica, err)
-                        request = replace(request, avoid=request.avoid | {replica.endpoint.address})
-                    else:
-                        replica.breaker.on_abandon()
-                    raise
-                replica.breaker.on_success()
-                BREAKER_OPEN.labels(replica.endpoint.address).set(0)
-                return replica, stream, first
+                return await self._attempt(call, replace(request, avoid=frozenset(failed)), failed)
         raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
+
+    async def _attempt(
+        self, call: InferenceCall, request: PickRequest, failed: set[str]
+    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
+        """One try: pick, send, wait for the first chunk. A failed replica joins ``failed``."""
+        decision = self.pick(request)
+        replica = self._replicas[decision.candidate.address]
+        self._acquire(replica)
+        replica.prefilling += decision.uncached_tokens
+        stream = replica.client.generate(call)
+        try:
+            first = await _next_chunk(stream)
+        except BaseException as err:
+            await stream.aclose()
+            self._release(replica)
+            if isinstance(err, Unavailable | ResourceExhausted):
+                self._failed(replica, err)
+                failed.add(replica.endpoint.address)
+            else:  # the client went away: no verdict on the replica
+                replica.breaker.on_abandon()
+            raise
+        finally:
+            replica.prefilling -= decision.uncached_tokens
+        replica.breaker.on_success()
+        BREAKER_OPEN.labels(replica.endpoint.address).set(0)
+        return replica, stream, first
 
     def _acquire(self, replica: Replica) -> None:
         address = replica.endpoint.address

@@ -38,15 +38,17 @@ class ScorerWeights(_Document):
     kv_utilization: float = Field(default=8.0, ge=0)  # a full cache means preemption or waiting
     # Streams this router has open to the replica that its last report does not show.
     pending: float = Field(default=1.0, ge=0)
-    # Bonus for the share of the prompt the replica likely has in its prefix cache.
-    prefix: float = Field(default=6.0, ge=0)
+    # Per 1000 prompt tokens the replica likely lacks in its prefix cache and must prefill.
+    prefill: float = Field(default=4.0, ge=0)
 
 
 class Saturation(_Document):
-    """When a session's replica is too busy to stay sticky."""
+    """When a session's replica is too busy to stay sticky: requests queue there, its cache
+    is nearly full, or its load exceeds the least loaded replica's by ``excess_load``."""
 
     waiting: int = Field(default=2, ge=1)
     kv_utilization: float = Field(default=0.9, gt=0, le=1)
+    excess_load: float = Field(default=4.0, gt=0)
 
 
 class RoutingPolicy(_Document):

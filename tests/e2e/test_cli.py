@@ -65,6 +65,7 @@ def test_up_writes_every_endpoint_to_the_state_file(
     expected = {
         "router",
         "inference",
+        "inference_canary",
         "policy",
         "context",
         "triton_grpc",
@@ -75,6 +76,7 @@ def test_up_writes_every_endpoint_to_the_state_file(
     for name in expected:
         host, port = state[name].rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
+    assert "split:" in Path(state["routing_file"]).read_text()
 
 
 def test_generate_streams_and_prints_ttft_and_rate(up: tuple[subprocess.Popen[str], Path]) -> None:
@@ -86,6 +88,16 @@ def test_generate_streams_and_prints_ttft_and_rate(up: tuple[subprocess.Popen[st
     completion_tokens = int(result.stderr.split(" tokens,")[0].rsplit(" ", 1)[-1])
     assert len(result.stdout.removesuffix("\n")) == completion_tokens > 0
     assert "TTFT" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_the_local_stack_has_a_canary_that_a_color_reaches(
+    up: tuple[subprocess.Popen[str], Path],
+) -> None:
+    router = json.loads(up[1].read_text())["router"]
+    default = generate("Hello", "--max-tokens", "4", "--router", router)
+    assert "served by stable@local" in default.stderr, default.stderr
+    colored = generate("Hello", "--max-tokens", "4", "--color", "canary", "--router", router)
+    assert "served by canary@local" in colored.stderr, colored.stderr
 
 
 def test_generate_errors_exit_nonzero_with_the_status(

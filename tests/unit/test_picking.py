@@ -34,7 +34,9 @@ def cand(
     models: tuple[str, ...] = (),
 ) -> Candidate:
     endpoint = Endpoint(address=address, version=version, region=region, models=models)
-    return Candidate(endpoint, region, in_flight, report or ReportedLoad(), healthy)
+    return Candidate(
+        endpoint, region, in_flight=in_flight, report=report or ReportedLoad(), healthy=healthy
+    )
 
 
 def picker(seed: int = 0) -> Picker:
@@ -167,44 +169,62 @@ def test_ties_are_broken_at_random() -> None:
     } == {"a:1", "b:1", "c:1"}
 
 
+def ask(prompt: str, session_key: str = "") -> PickRequest:
+    return PickRequest("llm", prefix_hashes(prompt), len(prompt), session_key)
+
+
 def test_prefix_affinity_sends_a_shared_prefix_back_to_its_replica() -> None:
-    shared = "You are a helpful assistant. " * 20
+    shared = "You are a helpful assistant. " * 40
     p, pool = picker(3), [cand(f"{n}:1") for n in "abcd"]
-    first = p.pick(PickRequest("llm", prefix_hashes(shared + "Q1")), pool, RoutingPolicy())
+    first = p.pick(ask(shared + "Q1"), pool, RoutingPolicy())
     for q in range(2, 10):
-        again = p.pick(PickRequest("llm", prefix_hashes(shared + f"Q{q}")), pool, RoutingPolicy())
+        again = p.pick(ask(shared + f"Q{q}"), pool, RoutingPolicy())
         assert again.candidate.address == first.candidate.address
         assert again.reasons[-1] == "prefix"
-    # Unless it is much busier than the others: the prefix bonus is bounded.
+    # Unless it is much busier than the others: the prefill saved is worth only so much.
     busy = [
         cand(c.address, report=ReportedLoad(waiting=5))
         if c.address == first.candidate.address
         else c
         for c in pool
     ]
-    moved = p.pick(PickRequest("llm", prefix_hashes(shared + "Q11")), busy, RoutingPolicy())
+    moved = p.pick(ask(shared + "Q11"), busy, RoutingPolicy())
     assert moved.candidate.address != first.candidate.address
+
+
+def test_a_longer_cached_prefix_is_worth_more_load() -> None:
+    short, long = "s" * 256, "l" * 2048
+    p = picker(5)
+    p.prefixes.record(prefix_hashes(short), "a:1")
+    p.prefixes.record(prefix_hashes(long), "a:1")
+    a_busier = [cand("a:1", report=ReportedLoad(running=3)), cand("b:1", report=ReportedLoad())]
+    # 2000 tokens of prefill saved outweigh 3 running sequences; 250 tokens do not.
+    assert p.pick(ask(long + "?"), a_busier, RoutingPolicy()).candidate.address == "a:1"
+    assert p.pick(ask(short + "?"), a_busier, RoutingPolicy()).candidate.address == "b:1"
 
 
 def test_session_affinity_sticks_until_the_replica_is_saturated() -> None:
     p, policy = picker(4), RoutingPolicy()
     pool = [cand(f"{n}:1") for n in "abcd"]
-    home = p.pick(PickRequest("llm", session_key="t/s"), pool, policy).candidate.address
-    # Other replicas get lighter, yet the session stays...
-    lighter = [c if c.address == home else cand(c.address, report=ReportedLoad()) for c in pool]
-    busier = [
-        cand(home, report=ReportedLoad(running=6)) if c.address == home else c for c in lighter
-    ]
-    again = p.pick(PickRequest("llm", session_key="t/s"), busier, policy)
+    home = p.pick(ask("hi", "t/s"), pool, policy).candidate.address
+
+    def with_home(load: ReportedLoad) -> list[Candidate]:
+        return [cand(home, report=load) if c.address == home else c for c in pool]
+
+    # Somewhat busier than the others, the session's replica keeps it...
+    again = p.pick(ask("hi", "t/s"), with_home(ReportedLoad(running=3)), policy)
     assert again.candidate.address == home and again.reasons[-1] == "affinity"
-    # ...until its replica has a queue: then the least loaded takes over, and keeps it.
-    saturated = [
-        cand(home, report=ReportedLoad(running=8, waiting=3)) if c.address == home else c
-        for c in lighter
-    ]
-    moved = p.pick(PickRequest("llm", session_key="t/s"), saturated, policy).candidate.address
-    assert moved != home
-    assert p.pick(PickRequest("llm", session_key="t/s"), pool, policy).candidate.address == moved
+    # ...until it is saturated: a queue, a full cache, or far more load than the least.
+    for load in (
+        ReportedLoad(running=1, waiting=2),
+        ReportedLoad(kv_utilization=0.95),
+        ReportedLoad(running=6),
+    ):
+        moved = p.pick(ask("hi", "t/s"), with_home(load), policy).candidate.address
+        assert moved != home
+        # The session follows it to where it went.
+        assert p.pick(ask("hi", "t/s"), pool, policy).candidate.address == moved
+        p.sessions.set("t/s", home)
 
 
 def test_round_robin_baseline_takes_turns_blind_to_load() -> None:
@@ -237,3 +257,12 @@ def test_prefix_index_matches_leading_blocks_only_and_stays_bounded() -> None:
     for i in range(300):
         index.record(prefix_hashes(f"{i:064d}"), "r3")
     assert index.matched_blocks(a) == {}
+
+
+def test_prefill_already_queued_at_a_replica_counts_as_load() -> None:
+    queued = Candidate(
+        Endpoint(address="a:1"), LOCAL, in_flight=1, prefilling=2000, report=ReportedLoad(running=1)
+    )
+    idle = cand("b:1", report=ReportedLoad(running=2))
+    decision = picker().pick(ask("x" * 1000), [queued, idle], RoutingPolicy())
+    assert decision.candidate.address == "b:1" and decision.uncached_tokens == 1000

@@ -1,0 +1,268 @@
+"""Routing benchmark: the LLM-aware picker against round-robin, over the same replicas.
+
+A fleet of four reference-engine replicas (one Triton, four copies of the model, each its
+own engine process) behind two routers, one per algorithm. The workload is multi-turn
+sessions whose first turn starts with a preamble shared by a group of sessions; later
+turns carry the conversation so far (the router prepends it from the session store).
+Sessions arrive as a Poisson process; each session's turns follow one another. Both
+routers get the same sessions (freshly salted, so neither inherits the other's cache),
+in alternating order over the rounds.
+
+Also measured: the picker's decision time with 64 endpoints, prefix hashing included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.loadgen import Measurement, send_one
+from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
+from bench.targets import RouterTarget
+from bench.workload import BenchRequest, new_salt, text_of_length
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
+from llmmesh.launcher.stack import REPO_MODELS
+from services.router.affinity import prefix_hashes
+from services.router.endpoints import Endpoint
+from services.router.picking import Candidate, Picker, PickRequest, ReportedLoad, split_point
+from services.router.routing import RoutingPolicy
+
+ALGORITHMS = ("llm_aware", "round_robin")
+REPLICAS = 4
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    sessions: int = 48
+    turns: int = 4
+    prefix_groups: int = 4
+    shared_prefix_len: int = 512  # the preamble every session of a group starts with
+    context_len: int = 768  # then the session's own material (a pasted document, say)
+    question_len: int = 64
+    output_len: int = 48
+    seed: int = 0
+
+
+def make_sessions(spec: SessionSpec, salt: str) -> list[list[BenchRequest]]:
+    """Each session's turns; the first carries the group preamble and the session's
+    own material, later ones a question each (the router prepends the history)."""
+    rng = random.Random(spec.seed)
+    preambles = [
+        salt + text_of_length(rng, spec.shared_prefix_len) + "\n" for _ in range(spec.prefix_groups)
+    ]
+    sessions = []
+    for n in range(spec.sessions):
+        session_id = f"bench-{salt.strip('[] ')}-{n}"
+        opening = preambles[n % len(preambles)] + text_of_length(rng, spec.context_len) + "\n"
+        turns = [
+            BenchRequest(
+                (opening if turn == 0 else "") + text_of_length(rng, spec.question_len),
+                spec.output_len,
+                session_id,
+            )
+            for turn in range(spec.turns)
+        ]
+        sessions.append(turns)
+    return sessions
+
+
+async def run_sessions(
+    target: RouterTarget, sessions: list[list[BenchRequest]], rate: float, seed: int
+) -> Measurement:
+    """Sessions arrive at ``rate`` per second; a session's turns run back to back."""
+    rng = random.Random(seed)
+    records: list[RequestRecord] = []
+
+    async def converse(turns: list[BenchRequest]) -> None:
+        for request in turns:
+            records.append(await send_one(target, request, None))
+
+    started = time.perf_counter()
+    tasks, next_at = [], started
+    for turns in sessions:
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # arrival schedule, not synchronisation
+        tasks.append(asyncio.create_task(converse(turns)))
+        next_at += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    return Measurement(records, time.perf_counter() - started)
+
+
+# -- the fleet ---------------------------------------------------------------------------
+
+
+def replica_model(n: int) -> str:
+    return f"llm_r{n}"
+
+
+def build_repository(root: Path) -> Path:
+    """The stack's models plus ``REPLICAS`` copies of llm, each its own engine."""
+    repo = root / "models"
+    repo.mkdir(parents=True)
+    for model in ("llm", "llm_canary"):
+        (repo / model).symlink_to(REPO_MODELS / model, target_is_directory=True)
+    config = (REPO_MODELS / "llm" / "config.pbtxt").read_text()
+    for n in range(REPLICAS):
+        model_dir = repo / replica_model(n)
+        model_dir.mkdir()
+        (model_dir / "1").symlink_to(REPO_MODELS / "llm" / "1", target_is_directory=True)
+        renamed = re.sub(r'^name: "llm"', f'name: "{replica_model(n)}"', config, flags=re.M)
+        (model_dir / "config.pbtxt").write_text(renamed)
+    return repo
+
+
+@contextlib.contextmanager
+def routing_fleet(workdir: Path) -> Iterator[dict[str, str]]:
+    """Starts the fleet; yields router address by algorithm."""
+    stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
+    children: list[Child] = []
+    with stack:
+        try:
+            replicas = []
+            for n in range(REPLICAS):
+                port = StackPorts.free().inference
+                env = stack.service_env("inference") | {
+                    "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
+                    "LLM_MESH_INFERENCE_METRICS_PORT": "0",
+                    "LLM_MESH_INFERENCE_MODEL_ALIASES": json.dumps({"llm": replica_model(n)}),
+                }
+                children.append(_start(f"replica-{n}", "inference", env, workdir, port))
+                replicas.append(f"127.0.0.1:{port}")
+            endpoints = workdir / "endpoints.json"
+            endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
+            routers = {}
+            for algorithm in ALGORITHMS:
+                routing = workdir / f"routing-{algorithm}.json"
+                routing.write_text(json.dumps({"algorithm": algorithm}))
+                port = StackPorts.free().router
+                env = stack.service_env("router") | {
+                    "LLM_MESH_ROUTER_GRPC_PORT": str(port),
+                    "LLM_MESH_ROUTER_METRICS_PORT": "0",
+                    "LLM_MESH_ROUTER_ENDPOINTS_FILE": str(endpoints),
+                    "LLM_MESH_ROUTER_ROUTING_FILE": str(routing),
+                }
+                children.append(_start(f"router-{algorithm}", "router", env, workdir, port))
+                routers[algorithm] = f"127.0.0.1:{port}"
+            yield routers
+        finally:
+            for child in reversed(children):
+                child.terminate(10)
+
+
+def _start(name: str, service: str, env: dict[str, str], workdir: Path, port: int) -> Child:
+    child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
+    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
+    return child
+
+
+# -- the comparison ----------------------------------------------------------------------
+
+
+@dataclass
+class RoutingResult:
+    summaries: dict[str, Summary]
+    picker_s: dict[str, float]  # decision time percentiles, 64 endpoints
+
+    @property
+    def p99_ttft_ratio(self) -> float:
+        """Round-robin p99 TTFT / LLM-aware p99 TTFT (higher is better for the picker)."""
+        return (
+            self.summaries["round_robin"].ttft_s["p99"] / self.summaries["llm_aware"].ttft_s["p99"]
+        )
+
+    @property
+    def throughput_ratio(self) -> float:
+        s = self.summaries
+        return s["llm_aware"].output_tokens_per_s / s["round_robin"].output_tokens_per_s
+
+    def table(self) -> str:
+        rows = [
+            "| picker | turns | failed | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) "
+            "| TPOT p50 (ms) | output tokens/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, s in self.summaries.items():
+            t = s.ttft_s
+            rows.append(
+                f"| {name} | {s.requests} | {s.failed} | {t['p50'] * 1e3:.0f} "
+                f"| {t['p90'] * 1e3:.0f} | {t['p99'] * 1e3:.0f} "
+                f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} |"
+            )
+        p = self.picker_s
+        return (
+            "\n".join(rows) + f"\n\nround-robin / llm_aware TTFT p99: {self.p99_ttft_ratio:.2f}x; "
+            f"llm_aware / round-robin output tokens/s: {self.throughput_ratio:.2f}x\n\n"
+            f"Picker decision with 64 endpoints (prefix hashing included): "
+            f"p50 {p['p50'] * 1e6:.0f} µs, p99 {p['p99'] * 1e6:.0f} µs"
+        )
+
+
+async def compare_pickers(
+    routers: dict[str, str], spec: SessionSpec, rate: float, rounds: int
+) -> dict[str, Summary]:
+    targets = {name: RouterTarget(address, "llm") for name, address in routers.items()}
+    pooled: dict[str, Measurement] = {}
+    try:
+        for target in targets.values():  # warm-up: connections, code paths
+            warm = make_sessions(replace(spec, sessions=REPLICAS, turns=1), new_salt())
+            await run_sessions(target, warm, rate=100.0, seed=0)
+        for n in range(rounds):
+            order = list(ALGORITHMS) if n % 2 == 0 else list(reversed(ALGORITHMS))
+            for name in order:
+                sessions = make_sessions(replace(spec, seed=spec.seed + n), new_salt())
+                measured = await run_sessions(targets[name], sessions, rate, seed=n)
+                if name in pooled:
+                    pooled[name].add(measured)
+                else:
+                    pooled[name] = measured
+    finally:
+        for target in targets.values():
+            await target.close()
+    return {name: pooled[name].summary(Slo()) for name in ALGORITHMS}
+
+
+def picker_decision_time(
+    endpoints: int = 64, decisions: int = 20_000, seed: int = 0
+) -> dict[str, float]:
+    """Percentiles of one decision (prefix hashing + pick) among ``endpoints`` replicas."""
+    rng = random.Random(seed)
+    candidates = [
+        Candidate(
+            Endpoint(
+                address=f"10.0.{n // 250}.{n % 250}:50061",
+                version="canary" if n % 8 == 0 else "stable",
+                region="eu" if n % 2 else "us",
+            ),
+            "eu" if n % 2 else "us",
+            in_flight=rng.randrange(8),
+            report=ReportedLoad(rng.randrange(32), rng.randrange(4), rng.random()),
+        )
+        for n in range(endpoints)
+    ]
+    policy = RoutingPolicy(split={"stable": 90, "canary": 10}, regions=["eu", "us"])
+    picker = Picker("eu", rng=rng)
+    preambles = [text_of_length(rng, 1024) for _ in range(16)]
+    times = []
+    for n in range(decisions):
+        prompt = preambles[n % 16] + text_of_length(rng, 512)
+        session = f"t/s{rng.randrange(2000)}"
+        started = time.perf_counter()
+        request = PickRequest(
+            "llm",
+            prefix_hashes(prompt),
+            prompt_chars=len(prompt),
+            session_key=session,
+            split_point=split_point(session, rng),
+        )
+        picker.pick(request, candidates, policy)
+        times.append(time.perf_counter() - started)
+    return {f"p{q}": percentile(times, q) for q in PERCENTILES}
