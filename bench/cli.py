@@ -54,7 +54,12 @@ def add_bench_parser(commands: Any) -> None:
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
         "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
         "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
-        "--num-prompts multi-turn sessions arriving at --rate sessions/s",
+        "--num-prompts multi-turn sessions arriving at each of --session-rates",
+    )
+    bench.add_argument(
+        "--session-rates",
+        default="0.6,0.9,1.2",
+        help="routing scenario: session arrival rates per second, comma-separated",
     )
     bench.add_argument(
         "--compare",
@@ -169,28 +174,27 @@ def _scenario(args: argparse.Namespace) -> int:
 
 def _routing(args: argparse.Namespace) -> int:
     spec = SessionSpec(sessions=args.num_prompts, output_len=args.output_len, seed=args.seed)
-    rate = args.rate or 1.0
+    rates = [float(r) for r in args.session_rates.split(",")]
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print(f"starting {REPLICAS} replicas and a router per picker ...", file=sys.stderr)
         with routing_fleet(Path(workdir)) as routers:
-            summaries = asyncio.run(compare_pickers(routers, spec, rate, args.rounds))
+            summaries = asyncio.run(compare_pickers(routers, spec, rates, args.rounds))
     result = RoutingResult(summaries, picker_decision_time())
     command = "llm-mesh " + shlex.join(sys.argv[1:])
     print(result.table())
     if args.markdown:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         body = (
-            f"Command: `{command}`  \nRun: {stamp}, {args.rounds} rounds per picker of "
-            f"{spec.sessions} sessions x {spec.turns} turns: the first turn is one of "
-            f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles, then "
-            f"{spec.context_len} tokens of the session's own, then a question; later turns "
-            f"a {spec.question_len}-token question each (the router prepends the history); "
-            f"{spec.output_len} output tokens per turn; sessions arrive at {rate}/s.\n\n"
-            f"{result.table()}"
+            f"Command: `{command}`  \nRun: {stamp}; per rate and picker, {args.rounds} runs of "
+            f"{spec.sessions} sessions x {spec.turns} turns. A session opens with one of "
+            f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles and "
+            f"{spec.context_len} tokens of its own; every turn asks a {spec.question_len}-token "
+            f"question and gets {spec.output_len} tokens back, and the router prepends the "
+            f"history.\n\n{result.table()}"
         )
         section = args.section if args.section != "baseline" else "routing"
         update_markdown(args.markdown, section, body)
-    failed = sum(s.failed for s in summaries.values())
+    failed = sum(s.failed for by_picker in summaries.values() for s in by_picker.values())
     return 1 if failed else 0
 
 

@@ -41,13 +41,16 @@ REPLICAS = 4
 
 @dataclass(frozen=True)
 class SessionSpec:
-    sessions: int = 48
-    turns: int = 4
+    """Chat sessions: a system preamble shared by a group of sessions, a short opening
+    of the session's own, then questions and answers; the history grows every turn."""
+
+    sessions: int = 32
+    turns: int = 6
     prefix_groups: int = 4
     shared_prefix_len: int = 512  # the preamble every session of a group starts with
-    context_len: int = 768  # then the session's own material (a pasted document, say)
-    question_len: int = 64
-    output_len: int = 48
+    context_len: int = 128  # then the session's own opening
+    question_len: int = 96
+    output_len: int = 96
     seed: int = 0
 
 
@@ -169,65 +172,71 @@ def _start(name: str, service: str, env: dict[str, str], workdir: Path, port: in
 
 @dataclass
 class RoutingResult:
-    summaries: dict[str, Summary]
+    """Per arrival rate (sessions/s), each picker's summary; and the picker's own cost."""
+
+    summaries: dict[float, dict[str, Summary]]
     picker_s: dict[str, float]  # decision time percentiles, 64 endpoints
-
-    @property
-    def p99_ttft_ratio(self) -> float:
-        """Round-robin p99 TTFT / LLM-aware p99 TTFT (higher is better for the picker)."""
-        return (
-            self.summaries["round_robin"].ttft_s["p99"] / self.summaries["llm_aware"].ttft_s["p99"]
-        )
-
-    @property
-    def throughput_ratio(self) -> float:
-        s = self.summaries
-        return s["llm_aware"].output_tokens_per_s / s["round_robin"].output_tokens_per_s
 
     def table(self) -> str:
         rows = [
-            "| picker | turns | failed | TTFT p50 (ms) | TTFT p90 (ms) | TTFT p99 (ms) "
-            "| TPOT p50 (ms) | output tokens/s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| sessions/s | picker | turns | failed | TTFT p50 (ms) | TTFT p90 (ms) "
+            "| TTFT p99 (ms) | TPOT p50 (ms) | output tokens/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for name, s in self.summaries.items():
-            t = s.ttft_s
-            rows.append(
-                f"| {name} | {s.requests} | {s.failed} | {t['p50'] * 1e3:.0f} "
-                f"| {t['p90'] * 1e3:.0f} | {t['p99'] * 1e3:.0f} "
-                f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} |"
+        ratios = [
+            "| sessions/s | round-robin / llm_aware TTFT p99 | llm_aware / round-robin "
+            "output tokens/s |",
+            "| --- | --- | --- |",
+        ]
+        for rate, by_picker in self.summaries.items():
+            for name, s in by_picker.items():
+                t = s.ttft_s
+                rows.append(
+                    f"| {rate} | {name} | {s.requests} | {s.failed} | {t['p50'] * 1e3:.0f} "
+                    f"| {t['p90'] * 1e3:.0f} | {t['p99'] * 1e3:.0f} "
+                    f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} |"
+                )
+            aware, rr = by_picker["llm_aware"], by_picker["round_robin"]
+            ratios.append(
+                f"| {rate} | {rr.ttft_s['p99'] / aware.ttft_s['p99']:.2f}x "
+                f"| {aware.output_tokens_per_s / rr.output_tokens_per_s:.2f}x |"
             )
         p = self.picker_s
         return (
-            "\n".join(rows) + f"\n\nround-robin / llm_aware TTFT p99: {self.p99_ttft_ratio:.2f}x; "
-            f"llm_aware / round-robin output tokens/s: {self.throughput_ratio:.2f}x\n\n"
-            f"Picker decision with 64 endpoints (prefix hashing included): "
+            "\n".join(rows)
+            + "\n\n"
+            + "\n".join(ratios)
+            + "\n\nPicker decision with 64 endpoints (prefix hashing included): "
             f"p50 {p['p50'] * 1e6:.0f} µs, p99 {p['p99'] * 1e6:.0f} µs"
         )
 
 
 async def compare_pickers(
-    routers: dict[str, str], spec: SessionSpec, rate: float, rounds: int
-) -> dict[str, Summary]:
+    routers: dict[str, str], spec: SessionSpec, rates: list[float], rounds: int
+) -> dict[float, dict[str, Summary]]:
+    """Each rate, ``rounds`` times per picker, alternating which picker goes first."""
     targets = {name: RouterTarget(address, "llm") for name, address in routers.items()}
-    pooled: dict[str, Measurement] = {}
+    pooled: dict[tuple[float, str], Measurement] = {}
     try:
         for target in targets.values():  # warm-up: connections, code paths
             warm = make_sessions(replace(spec, sessions=REPLICAS, turns=1), new_salt())
             await run_sessions(target, warm, rate=100.0, seed=0)
-        for n in range(rounds):
-            order = list(ALGORITHMS) if n % 2 == 0 else list(reversed(ALGORITHMS))
-            for name in order:
-                sessions = make_sessions(replace(spec, seed=spec.seed + n), new_salt())
-                measured = await run_sessions(targets[name], sessions, rate, seed=n)
-                if name in pooled:
-                    pooled[name].add(measured)
-                else:
-                    pooled[name] = measured
+        for rate in rates:
+            for n in range(rounds):
+                order = list(ALGORITHMS) if n % 2 == 0 else list(reversed(ALGORITHMS))
+                for name in order:
+                    sessions = make_sessions(replace(spec, seed=spec.seed + n), new_salt())
+                    measured = await run_sessions(targets[name], sessions, rate, seed=n)
+                    if (rate, name) in pooled:
+                        pooled[(rate, name)].add(measured)
+                    else:
+                        pooled[(rate, name)] = measured
     finally:
         for target in targets.values():
             await target.close()
-    return {name: pooled[name].summary(Slo()) for name in ALGORITHMS}
+    return {
+        rate: {name: pooled[(rate, name)].summary(Slo()) for name in ALGORITHMS} for rate in rates
+    }
 
 
 def picker_decision_time(
