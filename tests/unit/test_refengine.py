@@ -280,6 +280,31 @@ class TestEngine:
         other_seed = run(make_engine(), "seeded", max_tokens=30, seed=43, ignore_eos=True)
         assert other_seed.text != alone
 
+    def test_chunked_prefill_gives_the_same_text_as_one_shot(self) -> None:
+        prompt = "a prompt that takes several steps to prefill " * 4
+        for kw in ({"temperature": 0.0}, {"seed": 7}):
+            whole = run(make_engine(), prompt, max_tokens=24, ignore_eos=True, **kw).text
+            engine = make_engine(max_batched_tokens=16)
+            sink = submit(engine, prompt, max_tokens=24, ignore_eos=True, **kw)
+            steps = drain(engine)
+            assert sink.text == whole
+            assert steps >= len(prompt) // 16 + 23  # the prompt went through in chunks
+
+    def test_a_long_prefill_does_not_stall_running_streams(self) -> None:
+        engine = make_engine(max_batched_tokens=32)
+        running = submit(engine, "short", max_tokens=200, ignore_eos=True)
+        engine.step()
+        before = len(running.deltas)
+        long = submit(engine, "x" * 200, max_tokens=4, ignore_eos=True)
+        steps = 0
+        while not long.deltas:  # the long prompt is prefilled, 31 tokens a step...
+            engine.step()
+            steps += 1
+        assert steps >= 200 // 32
+        # ...while the running stream got a token every one of those steps.
+        assert len(running.deltas) - before >= steps
+        drain(engine)
+
     def test_sequences_are_batched_in_one_step(self) -> None:
         engine = make_engine()
         sinks = [submit(engine, f"prompt {i}", max_tokens=10, ignore_eos=True) for i in range(8)]

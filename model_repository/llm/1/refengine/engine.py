@@ -165,21 +165,34 @@ class Engine:
 
     # -- scheduling ---------------------------------------------------------------------
 
-    def _schedule(self) -> list[Sequence]:
-        batch: list[Sequence] = []
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's sequences and how many of their pending tokens each computes.
+
+        Chunked prefill: the step's token budget goes first to every decoding sequence
+        (one token each), then to prompts being prefilled, oldest first, a chunk each; a
+        long prompt spreads over several steps instead of stalling every stream behind it.
+        """
         budget = self.config.max_batched_tokens
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
         for seq in list(self._running):
             if seq in self._running and self._grow(seq):
-                batch.append(seq)
-                budget -= len(seq.pending)
-        while self._waiting and len(self._running) < self.config.max_running:
+                (decoding if len(seq.pending) == 1 else prefilling).append(seq)
+        batch = [(seq, 1) for seq in decoding]
+        budget -= len(batch)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            batch.append((seq, min(len(seq.pending), budget)))
+            budget -= batch[-1][1]
+        while self._waiting and len(self._running) < self.config.max_running and budget > 0:
             seq = self._waiting[0]
-            if not self._admit(seq, budget, first=not batch):
+            if not self._admit(seq):
                 break
             self._waiting.popleft()
             self._running.append(seq)
-            batch.append(seq)
-            budget -= len(seq.pending)
+            batch.append((seq, min(len(seq.pending), budget)))
+            budget -= batch[-1][1]
         return batch
 
     def _grow(self, seq: Sequence) -> bool:
@@ -195,13 +208,10 @@ class Engine:
             seq.table.append(self.pool.allocate())
         return True
 
-    def _admit(self, seq: Sequence, budget: int, first: bool) -> bool:
+    def _admit(self, seq: Sequence) -> bool:
         """Takes the blocks a waiting sequence needs, cached prefix first; False if it must
-        wait (not enough free blocks, or not enough token budget left in this step)."""
+        wait for free blocks."""
         hits = self._prefix_hits(seq)
-        to_compute = len(seq.tokens) - len(hits) * self.pool.block_size
-        if to_compute > budget and not first:
-            return False
         reusable_idle = sum(1 for block, _ in hits if self.pool.is_idle(block))
         new_blocks = seq.blocks_needed(self.pool.block_size) - len(hits)
         if new_blocks > self.pool.available() - reusable_idle:
@@ -242,25 +252,36 @@ class Engine:
 
     # -- running a step -----------------------------------------------------------------
 
-    def _run(self, batch: list[Sequence]) -> None:
+    def _run(self, batch: list[tuple[Sequence, int]]) -> None:
         segments = [
-            Segment(seq.pending, seq.computed, self.pool.slots(seq.table, 0, len(seq.tokens)))
-            for seq in batch
+            Segment(
+                seq.tokens[seq.computed : seq.computed + n],
+                seq.computed,
+                self.pool.slots(seq.table, 0, seq.computed + n),
+            )
+            for seq, n in batch
         ]
-        self.stats.prefill_tokens += sum(len(s.tokens) for s in segments if len(s.tokens) > 1)
+        self.stats.prefill_tokens += sum(
+            n for seq, n in batch if not (len(seq.pending) == 1 and seq.generated > 0)
+        )
         try:
             logits = self.model.forward(segments, self.pool)
         except Exception as exc:
             log.exception("forward pass failed")
-            for seq in batch:
+            for seq, _ in batch:
                 self._fail(seq, f"generation failed: {exc}")
             return
-        tokens = sample_batch([seq.sampler for seq in batch], logits)
-        for seq, token in zip(batch, tokens, strict=True):
-            seq.computed = len(seq.tokens)
+        # Only a sequence whose whole prompt is now computed samples its next token.
+        ready = [i for i, (seq, n) in enumerate(batch) if seq.computed + n == len(seq.tokens)]
+        for seq, n in batch:
+            seq.computed += n
+        samplers = [batch[i][0].sampler for i in ready]
+        tokens = sample_batch(samplers, logits[ready]) if ready else []
+        for (seq, _), token in zip(batch, _spread(ready, tokens, len(batch)), strict=True):
             try:
                 seq.register_full_blocks(self.pool)
-                self._advance(seq, token)
+                if token is not None:
+                    self._advance(seq, token)
             except Exception as exc:  # one bad sequence must not take the batch down
                 log.exception("sequence failed")
                 self._fail(seq, f"generation failed: {exc}")
@@ -326,3 +347,11 @@ class Engine:
         self.stats.waiting = len(self._waiting) + self._incoming.qsize()
         self.stats.kv_blocks_used = pool.used
         self._on_stats(self.stats)
+
+
+def _spread(indexes: list[int], values: list[int], size: int) -> list[int | None]:
+    """``values`` placed at ``indexes`` of a list of ``size``, None elsewhere."""
+    out: list[int | None] = [None] * size
+    for index, value in zip(indexes, values, strict=True):
+        out[index] = value
+    return out
