@@ -34,7 +34,7 @@ from bench.routing import (
 from bench.scenarios import Comparison, head_of_line, prefix_cache
 from bench.targets import RouterTarget, Target, TritonTarget
 from bench.workload import WorkloadSpec, make_requests, new_salt
-from llmmesh.client import DEFAULT_STATE_FILE, router_address
+from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
 
 
 def add_bench_parser(commands: Any) -> None:
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             with stack:
                 args.router = stack.address("router")
                 args.triton = stack.address("triton_grpc")
+                args.api_key = stack.api_key
                 return _measure_and_report(args)
     return _measure_and_report(args)
 
@@ -177,8 +178,8 @@ def _routing(args: argparse.Namespace) -> int:
     rates = [float(r) for r in args.session_rates.split(",")]
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print(f"starting {REPLICAS} replicas and a router per picker ...", file=sys.stderr)
-        with routing_fleet(Path(workdir)) as routers:
-            summaries = asyncio.run(compare_pickers(routers, spec, rates, args.rounds))
+        with routing_fleet(Path(workdir)) as (routers, key):
+            summaries = asyncio.run(compare_pickers(routers, key, spec, rates, args.rounds))
     result = RoutingResult(summaries, picker_decision_time())
     command = "llm-mesh " + shlex.join(sys.argv[1:])
     print(result.table())
@@ -204,7 +205,9 @@ def _targets(args: argparse.Namespace) -> list[Target]:
     targets: list[Target] = []
     for name in names:
         if name == "router":
-            targets.append(RouterTarget(router_address(args.router, args.state_file), args.model))
+            address = router_address(args.router, args.state_file)
+            key = getattr(args, "api_key", None) or api_key(args.state_file)
+            targets.append(RouterTarget(address, args.model, key))
         else:
             url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
             targets.append(TritonTarget(url, args.model))

@@ -124,8 +124,8 @@ def build_repository(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def routing_fleet(workdir: Path) -> Iterator[dict[str, str]]:
-    """Starts the fleet; yields router address by algorithm."""
+def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
+    """Starts the fleet; yields router address by algorithm, and the demo API key."""
     stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
     children: list[Child] = []
     with stack:
@@ -155,7 +155,7 @@ def routing_fleet(workdir: Path) -> Iterator[dict[str, str]]:
                 }
                 children.append(_start(f"router-{algorithm}", "router", env, workdir, port))
                 routers[algorithm] = f"127.0.0.1:{port}"
-            yield routers
+            yield routers, stack.api_key
         finally:
             for child in reversed(children):
                 child.terminate(10)
@@ -212,10 +212,10 @@ class RoutingResult:
 
 
 async def compare_pickers(
-    routers: dict[str, str], spec: SessionSpec, rates: list[float], rounds: int
+    routers: dict[str, str], api_key: str, spec: SessionSpec, rates: list[float], rounds: int
 ) -> dict[float, dict[str, Summary]]:
     """Each rate, ``rounds`` times per picker, alternating which picker goes first."""
-    targets = {name: RouterTarget(address, "llm") for name, address in routers.items()}
+    targets = {name: RouterTarget(address, "llm", api_key) for name, address in routers.items()}
     pooled: dict[tuple[float, str], Measurement] = {}
     try:
         for target in targets.values():  # warm-up: connections, code paths

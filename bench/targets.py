@@ -9,7 +9,7 @@ import grpc
 
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
-from llmmesh.client import build_request
+from llmmesh.client import auth_metadata, build_request
 from llmmesh.types import InferenceCall, Sampling
 from llmmesh.v1 import generation_pb2_grpc
 from services.inference.triton import TritonBackend
@@ -27,10 +27,11 @@ class Target(Protocol):
 class RouterTarget:
     name = "router"
 
-    def __init__(self, address: str, model: str) -> None:
+    def __init__(self, address: str, model: str, api_key: str = "") -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._model = model
+        self._metadata = auth_metadata(api_key)
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         message = build_request(
@@ -40,7 +41,7 @@ class RouterTarget:
             ignore_eos=True,
             session_id=request.session_id,
         )
-        async for reply in self._stub.Generate(message):
+        async for reply in self._stub.Generate(message, metadata=self._metadata):
             now = time.perf_counter()
             if reply.text:
                 record.first_token_at = record.first_token_at or now

@@ -14,6 +14,8 @@ import grpc
 from llmmesh.client import (
     DEFAULT_STATE_FILE,
     StreamStats,
+    api_key,
+    auth_metadata,
     build_request,
     router_address,
     stream_text,
@@ -69,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--session", default="", help="session id: keeps the conversation")
     gen.add_argument("--color", default="", help="x-llm-color: pins a subset, e.g. canary")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    gen.add_argument(
+        "--state-file",
+        type=Path,
+        default=DEFAULT_STATE_FILE,
+        help="state file of `llm-mesh up` (router address, demo API key)",
+    )
     gen.set_defaults(func=_generate)
 
     from bench.cli import add_bench_parser
@@ -96,8 +104,10 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         session_id=args.session,
     )
-    metadata = (("x-llm-color", args.color),) if args.color else ()
-    with grpc.insecure_channel(router_address(args.router)) as channel:
+    metadata = auth_metadata(api_key(args.state_file))
+    if args.color:
+        metadata += (("x-llm-color", args.color),)
+    with grpc.insecure_channel(router_address(args.router, args.state_file)) as channel:
         stream_to_terminal(channel, request, args.timeout, metadata)
     return 0
 
@@ -136,11 +146,15 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {err}{hint}", file=sys.stderr)
         return 1
     try:
-        stack.write_state(args.state_file, {"routing_file": str(stack.routing_file)})
+        stack.write_state(
+            args.state_file,
+            {"api_key": stack.api_key, "routing_file": str(stack.routing_file)},
+        )
         _print_endpoints(stack.endpoints(), args.state_file)
         print(f"routing document (edit to shift traffic): {stack.routing_file}")
+        print(f"demo tenant API key: {stack.api_key}  (tenants: {stack.tenants_file})")
         if args.demo:
-            _demo(stack.address("router"))
+            _demo(stack.address("router"), stack.api_key)
         print("stack is up; Ctrl-C to stop", file=sys.stderr)
         while not stop.wait(0.5):
             if dead := stack.dead_children():
@@ -164,12 +178,12 @@ def _print_endpoints(endpoints: dict[str, str], state_file: Path) -> None:
     print(f"state file: {state_file}")
 
 
-def _demo(router: str) -> None:
+def _demo(router: str, key: str) -> None:
     print(f"\ndemo: llm-mesh generate {DEMO_PROMPT!r} --max-tokens 64 --session demo")
     request = build_request(DEMO_PROMPT, max_tokens=64, session_id="demo")
     with grpc.insecure_channel(router) as channel:
         try:
-            stream_to_terminal(channel, request, timeout_s=60)
+            stream_to_terminal(channel, request, 60, auth_metadata(key))
         except grpc.RpcError as err:
             _report_rpc_error(err)
     print()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -26,6 +27,61 @@ def router_address(explicit: str | None = None, state_file: Path = DEFAULT_STATE
     if state_file.exists():
         return str(json.loads(state_file.read_text())["router"])
     return DEFAULT_ROUTER
+
+
+def api_key(state_file: Path = DEFAULT_STATE_FILE) -> str:
+    """$LLM_MESH_API_KEY, then the demo tenant's key in the state file of `llm-mesh up`."""
+    if env := os.environ.get("LLM_MESH_API_KEY"):
+        return env
+    if state_file.exists():
+        return str(json.loads(state_file.read_text()).get("api_key", ""))
+    return ""
+
+
+def auth_metadata(key: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``key`` (none without a key)."""
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+class _CallDetails(
+    NamedTuple(
+        "_CallDetails",
+        [
+            ("method", str),
+            ("timeout", float | None),
+            ("metadata", Any),
+            ("credentials", Any),
+            ("wait_for_ready", bool | None),
+            ("compression", Any),
+        ],
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata to every call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: Any) -> _CallDetails:
+        metadata = (*(d.metadata or ()), *self._metadata)
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
+def authorized_channel(address: str, key: str) -> grpc.Channel:
+    """A channel to a router whose every call presents ``key``."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _Metadata(auth_metadata(key)))
 
 
 @dataclass

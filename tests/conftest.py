@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.v1 import generation_pb2, generation_pb2_grpc
@@ -38,7 +38,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def router_channel(stack: Stack) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         yield channel
 
 

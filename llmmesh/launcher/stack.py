@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import socket
 import time
 from dataclasses import asdict, dataclass, fields
@@ -29,6 +31,17 @@ PROCESSES = {
 CANARY_ALIASES = {"llm": "llm_canary"}
 # Shutdown order: the front door first, so it drains while its upstreams still answer.
 STOP_ORDER = ("router", "inference", "inference_canary", "policy", "context", "triton")
+DEMO_KEY_FILE = "demo_api_key"
+# Tenants of the local stack (see services/router/tenants.py): only key hashes are stored.
+DEFAULT_TENANTS = """\
+# Tenants: edit while the stack runs (a valid change applies within a second).
+tenants:
+  - id: demo
+    api_key_hashes: ["{digest}"]
+    tier: standard
+    # Budgets (omit for none): requests_per_minute, tokens_per_minute,
+    # max_concurrent_streams; models: [...] limits the models it may use.
+"""
 # The routing document the local stack starts with (see services/router/routing.py).
 DEFAULT_ROUTING = """\
 # Routing document of the local stack: edit it while the stack runs; a valid change
@@ -99,6 +112,7 @@ class Stack:
         (self.workdir / "logs").mkdir(exist_ok=True)
         try:
             self._write_routing_files()
+            self._write_tenants()
             self._start_triton()
             for name, service in PROCESSES.items():
                 self._children[name] = Child.service(
@@ -158,6 +172,25 @@ class Stack:
     def routing_file(self) -> Path:
         return self.workdir / "routing.yaml"
 
+    @property
+    def tenants_file(self) -> Path:
+        return self.workdir / "tenants.yaml"
+
+    @property
+    def api_key(self) -> str:
+        """The demo tenant's API key (kept in the work directory, readable by its owner)."""
+        return (self.workdir / DEMO_KEY_FILE).read_text().strip()
+
+    def _write_tenants(self) -> None:
+        """A demo tenant with a fresh key, unless an earlier run left its own files."""
+        key_file = self.workdir / DEMO_KEY_FILE
+        if not key_file.exists() or not self.tenants_file.exists():
+            key = "llmm-" + secrets.token_urlsafe(24)
+            key_file.touch(mode=0o600)
+            key_file.write_text(key + "\n")
+            digest = "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+            self.tenants_file.write_text(DEFAULT_TENANTS.format(digest=digest))
+
     def _write_routing_files(self) -> None:
         """The replicas as static discovery lists them; the routing document unless an
         operator's edit from an earlier run is there."""
@@ -190,6 +223,7 @@ class Stack:
             env[f"{prefix}CONTEXT_ADDRESS"] = self.address("context")
             env[f"{prefix}ENDPOINTS_FILE"] = str(self.endpoints_file)
             env[f"{prefix}ROUTING_FILE"] = str(self.routing_file)
+            env[f"{prefix}TENANTS_FILE"] = str(self.tenants_file)
             env[f"{prefix}REGION"] = "local"
         return env
 

@@ -20,6 +20,10 @@ class InvalidArgument(MeshError):
         self.reason = reason
 
 
+class Unauthenticated(MeshError):
+    """No credentials, or credentials that name no one."""
+
+
 class PermissionDenied(MeshError):
     """The caller may not do this (e.g. a policy rule denied the prompt)."""
 

@@ -15,11 +15,13 @@ from llmmesh.runtime.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
 _CODES: dict[type[MeshError], int] = {
     InvalidArgument: code_pb2.INVALID_ARGUMENT,
+    Unauthenticated: code_pb2.UNAUTHENTICATED,
     PermissionDenied: code_pb2.PERMISSION_DENIED,
     NotFound: code_pb2.NOT_FOUND,
     ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,

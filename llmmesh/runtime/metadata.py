@@ -12,6 +12,7 @@ from llmmesh.runtime.logs import request_id_var
 REQUEST_ID = "x-request-id"
 SESSION_ID = "x-session-id"
 COLOR = "x-llm-color"
+AUTHORIZATION = "authorization"
 MAX_REQUEST_ID_LEN = 128
 
 

@@ -123,7 +123,11 @@ def service_main(
     log.info("config", extra={"fields": {"config": config.model_dump()}})
 
     async def serve() -> None:
-        await run_service(build(config))
+        try:
+            service = build(config)  # in the loop: it opens grpc.aio channels
+        except ConfigError as exc:  # a file the config names is missing or invalid
+            raise SystemExit(f"{name}: {exc}") from None
+        await run_service(service)
 
     # uvloop: a faster event loop; every token crosses several of them.
     uvloop.run(serve())

@@ -50,7 +50,12 @@ class RouterConfig(ServiceConfig):
     max_resumes: int = Field(default=2, ge=0)
     # Models the mesh serves; the first is the default.
     models: list[str] = Field(default_factory=lambda: ["llm", "llm_canary"], min_length=1)
-    # Tenant every request runs as until API keys are configured.
+    # Tenants, their API key hashes, tiers and budgets (services/router/tenants.py): a
+    # watched YAML file, or Consul KV (tenants_source: consul, key consul_tenants_key).
+    # With neither, every request runs as default_tenant, unauthenticated and unlimited.
+    tenants_source: Literal["file", "consul"] = "file"
+    tenants_file: str = ""
+    consul_tenants_key: str = "llm-mesh/tenants"
     default_tenant: str = "default"
     max_prompt_chars: int = 8192
     default_max_tokens: int = 128

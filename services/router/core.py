@@ -18,6 +18,7 @@ from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailabl
 from llmmesh.runtime.metrics import TTFT
 from llmmesh.types import (
     Chunk,
+    FinishReason,
     InferenceCall,
     PolicyAction,
     Role,
@@ -29,6 +30,7 @@ from llmmesh.types import (
 )
 from services.router.config import RouterConfig
 from services.router.prompt import build_prompt
+from services.router.tenants import Lease, Tenants
 from services.router.upstreams import ContextClient, InferenceClient, PolicyClient, RouteHints
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class Prepared:
     user_text: str
     prompt_tokens: int
     received_at: float
+    lease: Lease
 
 
 class RouterCore:
@@ -104,12 +107,15 @@ class RouterCore:
         context: ContextClient,
         inference: InferenceClient,
         count_tokens: Callable[[str], int],
+        *,
+        tenants: Tenants | None = None,
     ) -> None:
         self._config = config
         self._policy = policy
         self._context = context
         self._inference = inference
         self._count = count_tokens
+        self._tenants = tenants or Tenants(config.default_tenant)
 
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""
@@ -146,6 +152,7 @@ class RouterCore:
         request = self.validate(request)
         history = await self._load_history(request)
         call, prompt_tokens = self._build_call(request, history, request.prompt)
+        lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         hints = self._hints(request)
         # The generation's request goes out first: it is the long pole.
         started = StartedStream(self._inference.generate(call, hints))
@@ -161,8 +168,9 @@ class RouterCore:
         except BaseException:
             verdict.cancel()
             await started.abandon()
+            lease.release()
             raise
-        return Prepared(request, started, user_text, prompt_tokens, received_at)
+        return Prepared(request, started, user_text, prompt_tokens, received_at, lease)
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:
@@ -185,7 +193,8 @@ class RouterCore:
         parts: list[str] = []
         completion_tokens, outcome = 0, "cancelled"
         try:
-            async for chunk in prepared.stream.chunks():
+            async for relayed in prepared.stream.chunks():
+                chunk = self._charge(prepared.lease, relayed)
                 if not parts and chunk.text:
                     TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
                 parts.append(chunk.text)
@@ -203,6 +212,7 @@ class RouterCore:
             raise
         finally:
             await prepared.stream.abandon()
+            prepared.lease.release()
             log.info(
                 "generation ended",
                 extra={
@@ -217,6 +227,13 @@ class RouterCore:
             REQUESTS.labels(model, outcome).inc()
             TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
             TOKEN_USAGE.labels(model, "output").observe(completion_tokens)
+
+    @staticmethod
+    def _charge(lease: Lease, chunk: Chunk) -> Chunk:
+        """Charges the chunk's tokens; the tenant's budget running out finishes the stream."""
+        if lease.charge(chunk.num_tokens) or chunk.finish_reason is not None:
+            return chunk
+        return replace(chunk, finish_reason=FinishReason.BUDGET)
 
     async def _load_history(self, request: GenerateInput) -> list[Turn] | None:
         if not request.session_id:

@@ -61,7 +61,7 @@ RETRIES = Counter("llm_router_retries_total", "Attempts retried before the first
 RESUMED = Counter("llm_router_resumed_streams_total", "Streams moved to another replica")
 BREAKER_OPEN = Gauge("llm_router_breaker_open", "1 while a replica's breaker is open", ["endpoint"])
 
-RECONNECT_BACKOFF_S = (0.1, 1.0)
+RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
 
 
@@ -82,7 +82,8 @@ class Replica:
     channel: grpc.aio.Channel
     client: ReplicaClient
     breaker: CircuitBreaker
-    last_report_at: float  # monotonic; discovery time until the first report
+    last_report_at: float | None = None  # monotonic; None until the first report
+    down: bool = False  # its report stream broke after reporting: gone until it reports
     reports: dict[str, ReportedLoad] = field(default_factory=dict)
     engine_reachable: bool = True
     in_flight: int = 0
@@ -123,8 +124,11 @@ class InferencePool:
         now, s = time.monotonic(), self._settings
         out = []
         for r in self._replicas.values():
-            fresh = now - r.last_report_at <= s.stale_after_s
-            healthy = fresh and r.engine_reachable and r.breaker.available(now)
+            fresh = r.last_report_at is not None and now - r.last_report_at <= s.stale_after_s
+            # Never reported yet (just discovered, or its stream still connecting): unknown,
+            # so allowed; the breaker catches a replica that is not there.
+            alive = fresh if r.last_report_at is not None else not r.down
+            healthy = alive and r.engine_reachable and r.breaker.available(now)
             out.append(
                 Candidate(
                     endpoint=r.endpoint,
@@ -285,7 +289,6 @@ class InferencePool:
             channel=channel,
             client=ReplicaClient(channel, endpoint.address),
             breaker=CircuitBreaker(s.breaker_failures, s.breaker_open_s),
-            last_report_at=time.monotonic(),
         )
         replica.follower = asyncio.create_task(self._follow_load(replica))
         return replica
@@ -305,7 +308,9 @@ class InferencePool:
                     }
                     replica.engine_reachable = report.engine_reachable
                     replica.last_report_at = time.monotonic()
-            replica.last_report_at = float("-inf")  # gone: unhealthy until it reports again
+                    replica.down = False
+            if replica.last_report_at is not None:  # it was there and went away
+                replica.down, replica.last_report_at = True, None
             await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,10 @@ import grpc
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import (
+    AUTHORIZATION,
     COLOR,
     REQUEST_ID,
     SESSION_ID,
@@ -30,6 +32,7 @@ from services.router.core import GenerateInput, Prepared, RouterCore
 from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery, watch_file
 from services.router.pool import InferencePool, PoolSettings
 from services.router.routing import PolicyHolder
+from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
@@ -41,9 +44,9 @@ def count_tokens(text: str) -> int:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, core: RouterCore, tenant: str) -> None:
+    def __init__(self, core: RouterCore, tenants: Tenants) -> None:
         self._core = core
-        self._tenant = tenant
+        self._tenants = tenants
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -53,13 +56,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
         try:
-            prepared = await self._core.prepare(self._decode(request, request_id, context))
+            tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
+            prepared = await self._core.prepare(self._decode(request, request_id, tenant, context))
             try:
                 async for response in _responses(self._core.stream(prepared), prepared):
                     yield response
             finally:
                 # Also covers a client gone between prepare and the first read.
                 await prepared.stream.abandon()
+                prepared.lease.release()
         except MeshError as err:
             await abort(context, err)
 
@@ -67,11 +72,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self,
         request: generation_pb2.GenerateRequest,
         request_id: str,
+        tenant: str,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> GenerateInput:
         return GenerateInput(
             request_id=request_id,
-            tenant=self._tenant,
+            tenant=tenant,
             model=request.model,
             prompt=request.prompt,
             sampling=sampling_from_pb(request.sampling),
@@ -130,25 +136,36 @@ class Upstreams:
         self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
         self.consul = _consul_client(config)
         self.routing = PolicyHolder()
+        tenants = _tenants_source(config, self.consul)
+        # With a source configured, nobody is let in before its first document.
+        self.tenants = Tenants(config.default_tenant, enabled=tenants is not None)
+        if config.tenants_file and config.tenants_source == "file":
+            # Read now, so the service starts with its tenants or not at all.
+            try:
+                self.tenants.apply(parse_tenants(Path(config.tenants_file).read_text()))
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"tenants_file: {err}") from None
         self.inference = InferencePool(
             _discovery(config, self.consul), self.routing, _pool_settings(config)
         )
-        self._routing_source = _routing_source(config, self.consul)
-        self._routing_task: asyncio.Task[None] | None = None
+        self._documents = [
+            (self.routing.offer, source)
+            for source in (_routing_source(config, self.consul),)
+            if source is not None
+        ]
+        if tenants is not None:
+            self._documents.append((self.tenants.offer, tenants))
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.inference.start()
-        if self._routing_source is not None:
-            self._routing_task = asyncio.create_task(self._follow_routing(*self._routing_source))
-
-    async def _follow_routing(self, name: str, documents: AsyncIterator[str | bytes]) -> None:
-        async for text in documents:
-            self.routing.offer(text, name)
+        for offer, (name, documents) in self._documents:
+            self._tasks.append(asyncio.create_task(_follow(offer, name, documents)))
 
     async def close(self) -> None:
-        if self._routing_task is not None:
-            self._routing_task.cancel()
-            await asyncio.gather(self._routing_task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.inference.close()
         for ch in self.channels:
             await ch.close()
@@ -156,8 +173,16 @@ class Upstreams:
             await self.consul.close()
 
 
+async def _follow(
+    offer: Callable[[str | bytes, str], bool], name: str, documents: AsyncIterator[str | bytes]
+) -> None:
+    """Offers every version of a watched document (invalid ones are refused there)."""
+    async for text in documents:
+        offer(text, name)
+
+
 def _consul_client(config: RouterConfig) -> consul.aio.Consul | None:
-    if "consul" not in (config.discovery, config.routing_source):
+    if "consul" not in (config.discovery, config.routing_source, config.tenants_source):
         return None
     return connect(config.consul_address, config.consul_token)
 
@@ -180,6 +205,16 @@ def _routing_source(
     return None
 
 
+def _tenants_source(
+    config: RouterConfig, client: consul.aio.Consul | None
+) -> tuple[str, AsyncIterator[str | bytes]] | None:
+    if client is not None and config.tenants_source == "consul":
+        return "consul", ConsulKeyWatch(client, config.consul_tenants_key).watch()
+    if config.tenants_file:
+        return "file", watch_file(Path(config.tenants_file), config.watch_interval_s)
+    return None
+
+
 def _pool_settings(config: RouterConfig) -> PoolSettings:
     return PoolSettings(
         local_region=config.region,
@@ -195,9 +230,14 @@ def _pool_settings(config: RouterConfig) -> PoolSettings:
 def build_service(config: RouterConfig) -> GrpcService:
     upstreams = Upstreams(config)
     core = RouterCore(
-        config, upstreams.policy, upstreams.context, upstreams.inference, count_tokens
+        config,
+        upstreams.policy,
+        upstreams.context,
+        upstreams.inference,
+        count_tokens,
+        tenants=upstreams.tenants,
     )
-    servicer = GenerationServicer(core, config.default_tenant)
+    servicer = GenerationServicer(core, upstreams.tenants)
     service = GrpcService(
         config,
         [SERVICE.full_name],

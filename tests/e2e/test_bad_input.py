@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 import pytest
 
+from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack
 from tests.conftest import bad_request_fields, collect
 
@@ -42,7 +43,7 @@ def _raw_field(number: int, payload: bytes) -> bytes:
 
 
 def test_invalid_utf8_prompt_is_invalid_argument(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         raw = channel.unary_stream(
             "/llmmesh.v1.Generation/Generate",
             request_serializer=lambda b: b,

@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from llmmesh.cli import main
 from llmmesh.launcher import Stack
 
 
-def test_compare_in_closed_loop_writes_results_and_markdown(stack: Stack, tmp_path: Path) -> None:
+def test_compare_in_closed_loop_writes_results_and_markdown(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_MESH_API_KEY", stack.api_key)
     out, doc = tmp_path / "results.json", tmp_path / "bench.md"
     doc.write_text("# Bench\n\nintro\n")
     code = main(
@@ -52,7 +57,10 @@ def test_compare_in_closed_loop_writes_results_and_markdown(stack: Stack, tmp_pa
     assert "<!-- bench:t:start -->" in text and "output tok/s ratio" in text
 
 
-def test_poisson_arrivals_against_the_router(stack: Stack, tmp_path: Path) -> None:
+def test_poisson_arrivals_against_the_router(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_MESH_API_KEY", stack.api_key)
     out = tmp_path / "rate.json"
     code = main(
         [

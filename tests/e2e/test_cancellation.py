@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import grpc
-
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import generation_pb2_grpc
 from tests.conftest import metric_value, wait_for
@@ -19,7 +17,7 @@ def test_client_cancel_reaches_the_model(stack: Stack) -> None:
     cancelled_before = metric_value(metrics, FINISHED, labels)
     generated_before = metric_value(metrics, GENERATED, {"model": "llm"})
 
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         call = stub.Generate(build_request("cancel me", max_tokens=1000, ignore_eos=True))
         received = 0

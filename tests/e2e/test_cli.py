@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,9 +20,16 @@ from tests.conftest import wait_for
 CLI = [sys.executable, "-m", "llmmesh.cli"]
 
 
-def generate(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+def generate(
+    *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, "generate", *args], capture_output=True, text=True, timeout=timeout_s, check=False
+        [*CLI, "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -77,14 +85,16 @@ def test_up_writes_every_endpoint_to_the_state_file(
         host, port = state[name].rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
     assert "split:" in Path(state["routing_file"]).read_text()
+    assert state["api_key"].startswith("llmm-")
 
 
 def test_generate_streams_and_prints_ttft_and_rate(up: tuple[subprocess.Popen[str], Path]) -> None:
-    router = json.loads(up[1].read_text())["router"]
+    # The state file gives the router's address and the demo tenant's key.
     # Greedy: random sampling may produce bytes that are not UTF-8, which the byte-level
     # tokenizer counts as tokens but the text shows as replacement characters.
+    state = str(up[1])
     result = generate(
-        "Once upon a time", "--max-tokens", "64", "--temperature", "0", "--router", router
+        "Once upon a time", "--max-tokens", "64", "--temperature", "0", "--state-file", state
     )
     assert result.returncode == 0, result.stderr
     completion_tokens = int(result.stderr.split(" tokens,")[0].rsplit(" ", 1)[-1])
@@ -95,21 +105,25 @@ def test_generate_streams_and_prints_ttft_and_rate(up: tuple[subprocess.Popen[st
 def test_the_local_stack_has_a_canary_that_a_color_reaches(
     up: tuple[subprocess.Popen[str], Path],
 ) -> None:
-    router = json.loads(up[1].read_text())["router"]
-    default = generate("Hello", "--max-tokens", "4", "--router", router)
+    state = str(up[1])
+    default = generate("Hello", "--max-tokens", "4", "--state-file", state)
     assert "served by stable@local" in default.stderr, default.stderr
-    colored = generate("Hello", "--max-tokens", "4", "--color", "canary", "--router", router)
+    colored = generate("Hello", "--max-tokens", "4", "--color", "canary", "--state-file", state)
     assert "served by canary@local" in colored.stderr, colored.stderr
 
 
 def test_generate_errors_exit_nonzero_with_the_status(
     up: tuple[subprocess.Popen[str], Path],
 ) -> None:
-    router = json.loads(up[1].read_text())["router"]
-    bad = generate("hi", "--max-tokens", "0", "--top-p", "7", "--router", router)
+    state = json.loads(up[1].read_text())
+    bad = generate("hi", "--max-tokens", "0", "--top-p", "7", "--state-file", str(up[1]))
     assert bad.returncode == 1
     assert "INVALID_ARGUMENT: sampling.top_p" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # The key from the environment wins over the state file's; a wrong one is refused.
+    wrong = generate("hi", "--router", state["router"], env={"LLM_MESH_API_KEY": "wrong"})
+    assert wrong.returncode == 1
+    assert "UNAUTHENTICATED" in wrong.stderr
     down = generate("hi", "--router", "127.0.0.1:1", "--timeout", "5")
     assert down.returncode == 1
     assert "UNAVAILABLE" in down.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.conftest import collect, start_service
@@ -45,9 +45,9 @@ def router_without_triton(stack: Stack, tmp_path: Path, extra_ports: StackPorts)
         inference.terminate(5)
 
 
-def test_triton_down_is_unavailable_and_says_so(router_without_triton: str) -> None:
+def test_triton_down_is_unavailable_and_says_so(stack: Stack, router_without_triton: str) -> None:
     with (
-        grpc.insecure_channel(router_without_triton) as channel,
+        authorized_channel(router_without_triton, stack.api_key) as channel,
         pytest.raises(grpc.RpcError) as info,
     ):
         collect(channel, "hello", max_tokens=4)
@@ -62,7 +62,7 @@ def test_sigterm_drains_the_stream_in_flight(
     address = f"127.0.0.1:{extra_ports.router}"
     router = start_service(stack, "router", extra_ports.router, tmp_path)
     try:
-        with grpc.insecure_channel(address) as channel:
+        with authorized_channel(address, stack.api_key) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             call = stub.Generate(build_request("drain", max_tokens=300, ignore_eos=True))
             replies: list[generation_pb2.GenerateResponse] = []

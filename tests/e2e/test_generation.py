@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import common_pb2
 from tests.conftest import collect, text_of
@@ -46,10 +47,9 @@ def test_default_max_tokens_applies_when_unset(router_channel: grpc.Channel) -> 
 
 
 def test_request_id_from_metadata_is_echoed(stack: Stack) -> None:
-    from llmmesh.client import build_request
     from llmmesh.v1 import generation_pb2_grpc
 
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         call = stub.Generate(
             build_request("id", max_tokens=2), metadata=(("x-request-id", "my-id-1"),)

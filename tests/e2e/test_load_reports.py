@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 
@@ -25,7 +25,9 @@ def test_load_reports_follow_a_generation(stack: Stack) -> None:
         assert first.engine_reachable and first.replica == stack.address("inference")
         assert _llm(first) is not None
 
-        router = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(stack.address("router")))
+        router = generation_pb2_grpc.GenerationStub(
+            authorized_channel(stack.address("router"), stack.api_key)
+        )
         call = router.Generate(build_request("keep busy", max_tokens=1000, ignore_eos=True))
         reader = threading.Thread(target=lambda: next(call), daemon=True)
         reader.start()

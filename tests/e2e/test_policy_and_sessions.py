@@ -7,9 +7,12 @@ import uuid
 import grpc
 import pytest
 
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from tests.conftest import collect, text_of
+
+DEMO_TENANT = "demo"  # the tenant of the local stack's API key
 
 
 def test_denied_prompt_is_permission_denied_with_the_rule_id(router_channel: grpc.Channel) -> None:
@@ -21,14 +24,14 @@ def test_denied_prompt_is_permission_denied_with_the_rule_id(router_channel: grp
 
 def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
     session = f"s-{uuid.uuid4().hex[:8]}"
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         first = collect(channel, "My name is Ada.", max_tokens=10, session_id=session)
         second = collect(channel, "What is my name?", max_tokens=10, session_id=session)
     answer = text_of(first)
 
     with grpc.insecure_channel(stack.address("context")) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
-            context_pb2.LoadSessionRequest(tenant="default", session_id=session), timeout=5
+            context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
     assert [(t.role, t.text) for t in stored.turns] == [
         (context_pb2.ROLE_USER, "My name is Ada."),
@@ -41,11 +44,10 @@ def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
 
 
 def test_session_id_from_metadata(stack: Stack) -> None:
-    from llmmesh.client import build_request
     from llmmesh.v1 import generation_pb2_grpc
 
     session = f"m-{uuid.uuid4().hex[:8]}"
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         list(
             stub.Generate(
@@ -56,7 +58,7 @@ def test_session_id_from_metadata(stack: Stack) -> None:
         )
     with grpc.insecure_channel(stack.address("context")) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
-            context_pb2.LoadSessionRequest(tenant="default", session_id=session), timeout=5
+            context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
     assert len(stored.turns) == 2
 
@@ -64,6 +66,6 @@ def test_session_id_from_metadata(stack: Stack) -> None:
 def test_request_without_session_records_nothing(stack: Stack) -> None:
     with grpc.insecure_channel(stack.address("context")) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
-            context_pb2.LoadSessionRequest(tenant="default", session_id="never-used"), timeout=5
+            context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id="never-used"), timeout=5
         )
     assert list(stored.turns) == []

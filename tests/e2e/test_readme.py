@@ -7,6 +7,8 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
 from llmmesh.launcher import Stack
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -17,7 +19,11 @@ def test_readme_streaming_example(stack: Stack) -> None:
     assert blocks, "README has no Python example"
     code = blocks[0].replace("127.0.0.1:50051", stack.address("router"))
     output = io.StringIO()
-    with contextlib.redirect_stdout(output):
+    with (
+        contextlib.redirect_stdout(output),
+        pytest.MonkeyPatch.context() as env,
+    ):
+        env.setenv("LLM_MESH_API_KEY", stack.api_key)
         exec(compile(code, "README.md", "exec"), {})
     text = output.getvalue()
     assert "finish: FINISH_REASON_" in text

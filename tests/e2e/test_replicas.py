@@ -7,10 +7,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import REPO_MODELS
 from llmmesh.launcher.triton import start_triton, wait_until_ready
@@ -81,7 +80,7 @@ def test_a_busy_replica_is_passed_over(stack: Stack, two_replicas: tuple[str, st
     # Generations left over from earlier tests would make the stack's replica look busy.
     wait_for(lambda: engine_busy() == 0, what="the stack's engine to be idle")
 
-    with grpc.insecure_channel(router) as channel:
+    with authorized_channel(router, stack.api_key) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         long_call = stub.Generate(build_request("hold", max_tokens=1000, ignore_eos=True))
         threading.Thread(target=lambda: next(long_call), daemon=True).start()

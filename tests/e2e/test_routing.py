@@ -22,7 +22,7 @@ import consul
 import grpc
 import pytest
 
-from llmmesh.client import build_request
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.v1 import generation_pb2, generation_pb2_grpc
@@ -182,9 +182,9 @@ def served(
     return responses[-1].served, text_of(responses)
 
 
-def first_canary_after(router: str, written_at: float) -> float:
+def first_canary_after(router: str, key: str, written_at: float) -> float:
     """Seconds from the write until a request was first served by canary (and stayed)."""
-    with grpc.insecure_channel(router) as channel:
+    with authorized_channel(router, key) as channel:
         while True:
             sent_at = time.monotonic()
             if served(channel, "shift")[0].subset == "canary":
@@ -195,12 +195,12 @@ def first_canary_after(router: str, written_at: float) -> float:
 
 
 def test_a_routing_file_change_applies_within_a_second(fleet: Fleet) -> None:
-    with grpc.insecure_channel(fleet.router) as channel:
+    with authorized_channel(fleet.router, fleet.stack.api_key) as channel:
         assert {served(channel, "before")[0].subset for _ in range(5)} == {"stable"}
     written_at = time.monotonic()
     fleet.write_routing({"split": {"stable": 0, "canary": 100}, "regions": ["eu", "us"]})
     try:
-        assert first_canary_after(fleet.router, written_at) < 1.0
+        assert first_canary_after(fleet.router, fleet.stack.api_key, written_at) < 1.0
     finally:
         fleet.write_routing({"split": {"stable": 100}, "regions": ["eu", "us"]})
 
@@ -220,18 +220,18 @@ def test_a_consul_kv_change_applies_within_a_second_and_a_bad_one_is_refused(
         ),
         what="the invalid document's rejection",
     )
-    with grpc.insecure_channel(fleet.consul_router) as channel:
+    with authorized_channel(fleet.consul_router, fleet.stack.api_key) as channel:
         assert {served(channel, "still")[0].subset for _ in range(5)} == {"stable"}
     written_at = time.monotonic()
     fleet.consul.kv.put(CONSUL_KEY, '{"split": {"canary": 1}}')
     try:
-        assert first_canary_after(fleet.consul_router, written_at) < 1.0
+        assert first_canary_after(fleet.consul_router, fleet.stack.api_key, written_at) < 1.0
     finally:
         fleet.consul.kv.put(CONSUL_KEY, '{"split": {"stable": 1}}')
 
 
 def test_a_color_always_reaches_its_subset(fleet: Fleet) -> None:
-    with grpc.insecure_channel(fleet.router) as channel:
+    with authorized_channel(fleet.router, fleet.stack.api_key) as channel:
         stable_text = served(channel, "Once upon a time")[1]
         for _ in range(10):
             where, text = served(channel, "Once upon a time", (("x-llm-color", "canary"),))
@@ -242,7 +242,7 @@ def test_a_color_always_reaches_its_subset(fleet: Fleet) -> None:
 def test_a_session_sticks_to_one_version(fleet: Fleet) -> None:
     fleet.write_routing({"split": {"stable": 50, "canary": 50}, "regions": ["eu", "us"]})
     try:
-        with grpc.insecure_channel(fleet.router) as channel:
+        with authorized_channel(fleet.router, fleet.stack.api_key) as channel:
             wait_for(
                 lambda: "canary" in {served(channel, "x")[0].subset for _ in range(8)},
                 what="the 50/50 split",
@@ -288,7 +288,7 @@ def test_the_breaker_opens_on_a_failing_replica_and_recovers(fleet: Fleet) -> No
         def breaker_open() -> float:
             return metric_value(metrics, "llm_router_breaker_open", {"endpoint": bad})
 
-        with grpc.insecure_channel(f"127.0.0.1:{ports.router}") as channel:
+        with authorized_channel(f"127.0.0.1:{ports.router}", stack.api_key) as channel:
             # Every request succeeds: failures on the broken replica are retried elsewhere,
             # until its breaker opens.
             for n in range(60):
@@ -320,7 +320,7 @@ def test_the_breaker_opens_on_a_failing_replica_and_recovers(fleet: Fleet) -> No
 def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet) -> None:
     """Runs last in the module: it kills the eu replicas."""
     prompts = [f"Region failover stream {n}: " for n in range(4)]
-    with grpc.insecure_channel(fleet.router) as channel:
+    with authorized_channel(fleet.router, fleet.stack.api_key) as channel:
         # What each stream says uninterrupted (the same weights serve both regions).
         reference = [text_of(list(_generate(channel, p))) for p in prompts]
         started = [threading.Event() for _ in prompts]

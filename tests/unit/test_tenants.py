@@ -1,0 +1,127 @@
+"""The tenant directory: keys, models, budgets, streams, reloads."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmmesh.runtime.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from services.router.tenants import Tenants, TenantsDocument, TenantSpec, TokenBucket, hash_key
+
+KEY = "s3cret-key-42"
+
+
+def directory(**spec: object) -> Tenants:
+    tenants = Tenants(enabled=True)
+    tenants.apply(
+        TenantsDocument(tenants=(TenantSpec(id="t", api_key_hashes=(hash_key(KEY),), **spec),))  # type: ignore[arg-type]
+    )
+    return tenants
+
+
+def test_without_a_document_everyone_is_the_default_tenant() -> None:
+    assert Tenants("dev").authenticate(None) == "dev"
+
+
+def test_keys_are_checked_and_only_hashes_are_kept() -> None:
+    tenants = directory()
+    assert tenants.authenticate(f"Bearer {KEY}") == "t"
+    assert tenants.authenticate(f"bearer  {KEY} ") == "t"
+    for bad in (None, "", KEY, "Bearer nope", f"Basic {KEY}"):
+        with pytest.raises(Unauthenticated):
+            tenants.authenticate(bad)
+    assert KEY not in repr(tenants.spec("t"))
+
+
+def test_enabled_without_a_document_lets_nobody_in() -> None:
+    with pytest.raises(Unauthenticated):
+        Tenants(enabled=True).authenticate(f"Bearer {KEY}")
+
+
+def test_models_are_restricted() -> None:
+    tenants = directory(models=("llm",))
+    tenants.admit("t", "llm", 1).release()
+    with pytest.raises(PermissionDenied, match="llm_canary"):
+        tenants.admit("t", "llm_canary", 1)
+
+
+def test_concurrent_streams_are_capped_and_released_once() -> None:
+    tenants = directory(max_concurrent_streams=1)
+    lease = tenants.admit("t", "llm", 1)
+    with pytest.raises(ResourceExhausted):
+        tenants.admit("t", "llm", 1)
+    lease.release()
+    lease.release()  # idempotent: does not free a slot twice
+    tenants.admit("t", "llm", 1)
+    with pytest.raises(ResourceExhausted):
+        tenants.admit("t", "llm", 1)
+
+
+def test_request_budget_refuses_with_the_time_until_refill() -> None:
+    tenants = directory(requests_per_minute=2)
+    for _ in range(2):
+        tenants.admit("t", "llm", 1).release()
+    with pytest.raises(ResourceExhausted) as info:
+        tenants.admit("t", "llm", 1)
+    assert 0 < info.value.retry_after_s <= 30
+
+
+def test_tokens_are_charged_as_they_stream() -> None:
+    tenants = directory(tokens_per_minute=100)
+    lease = tenants.admit("t", "llm", 40)  # the prompt
+    assert lease.charge(50)
+    assert not lease.charge(20)  # 110 > 100: the stream must finish
+    lease.release()
+    with pytest.raises(ResourceExhausted):
+        tenants.admit("t", "llm", 5)
+    with pytest.raises(InvalidArgument, match="prompt"):
+        tenants.admit("t", "llm", 101)  # could never pass
+
+
+def test_complete_mode_lets_running_streams_finish() -> None:
+    lease = directory(tokens_per_minute=10, on_budget_exhausted="complete").admit("t", "llm", 5)
+    assert lease.charge(50)
+
+
+def test_bucket_refills_continuously_up_to_capacity() -> None:
+    bucket = TokenBucket(capacity=60, level=0, updated=0.0)
+    assert bucket.refill(10.0) == pytest.approx(10)
+    assert bucket.refill(1000.0) == 60
+    bucket.level = -6
+    assert bucket.seconds_until(4, 1000.0) == pytest.approx(10)
+
+
+def test_a_reload_keeps_what_was_spent_and_open_streams() -> None:
+    tenants = directory(tokens_per_minute=100, max_concurrent_streams=2)
+    lease = tenants.admit("t", "llm", 90)
+    tenants.apply(
+        TenantsDocument(
+            tenants=(
+                TenantSpec(
+                    id="t",
+                    api_key_hashes=(hash_key("k2"),),
+                    tokens_per_minute=200,
+                    max_concurrent_streams=1,
+                ),
+            )
+        )
+    )
+    with pytest.raises(Unauthenticated):
+        tenants.authenticate(f"Bearer {KEY}")  # the old key is gone
+    with pytest.raises(ResourceExhausted, match="streams"):
+        tenants.admit("t", "llm", 1)  # the open stream still counts
+    lease.release()
+    assert tenants.authenticate("Bearer k2") == "t"
+    tenants.admit("t", "llm", 10)  # what was left carries over: spent stays spent
+
+
+def test_invalid_documents_are_refused_whole() -> None:
+    tenants = directory()
+    assert not tenants.offer("tenants: [{id: t, api_key_hashes: [plain-key]}]", "file")
+    assert not tenants.offer("tenants: [{id: a}, {id: a}]", "file")
+    assert not tenants.offer("tenants: [{id: a, tier: gold}]", "file")
+    assert tenants.authenticate(f"Bearer {KEY}") == "t"
