@@ -40,5 +40,9 @@ class ResourceExhausted(MeshError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineExceeded(MeshError):
+    """The request's deadline passed before it could be served."""
+
+
 class Unavailable(MeshError):
     """A dependency (Triton, a replica, a service) cannot be reached right now."""

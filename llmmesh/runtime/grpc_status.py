@@ -10,6 +10,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmmesh.runtime.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     MeshError,
     NotFound,
@@ -26,6 +27,7 @@ _CODES: dict[type[MeshError], int] = {
     NotFound: code_pb2.NOT_FOUND,
     ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
     Unavailable: code_pb2.UNAVAILABLE,
+    DeadlineExceeded: code_pb2.DEADLINE_EXCEEDED,
 }
 
 

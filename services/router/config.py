@@ -57,6 +57,18 @@ class RouterConfig(ServiceConfig):
     tenants_file: str = ""
     consul_tenants_key: str = "llm-mesh/tenants"
     default_tenant: str = "default"
+    # Admission (services/router/admission.py): the concurrency window over the fleet
+    # adapts between these bounds from each request's time to first token against its
+    # tier's target; requests beyond it queue, at most max_queue_wait_s by tier.
+    admission_initial_limit: float = Field(default=32, ge=1)
+    admission_min_limit: float = Field(default=4, ge=1)
+    admission_max_limit: float = Field(default=256, ge=1)
+    ttft_target_s: dict[str, float] = Field(
+        default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
+    )
+    max_queue_wait_s: dict[str, float] = Field(
+        default_factory=lambda: {"critical": 30.0, "standard": 5.0, "sheddable": 1.0}
+    )
     max_prompt_chars: int = 8192
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024

@@ -28,6 +28,7 @@ from llmmesh.types import (
     check_sampling,
     check_session_id,
 )
+from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
 from services.router.prompt import build_prompt
 from services.router.tenants import Lease, Tenants
@@ -97,6 +98,12 @@ class Prepared:
     prompt_tokens: int
     received_at: float
     lease: Lease
+    slot: Slot
+
+    def release(self, ttft_s: float | None = None) -> None:
+        """Gives back the tenant's stream and the admission slot (idempotent)."""
+        self.lease.release()
+        self.slot.release(ttft_s)
 
 
 class RouterCore:
@@ -109,6 +116,7 @@ class RouterCore:
         count_tokens: Callable[[str], int],
         *,
         tenants: Tenants | None = None,
+        admission: AdmissionQueue | None = None,
     ) -> None:
         self._config = config
         self._policy = policy
@@ -116,6 +124,7 @@ class RouterCore:
         self._inference = inference
         self._count = count_tokens
         self._tenants = tenants or Tenants(config.default_tenant)
+        self._admission = admission or AdmissionQueue()
 
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""
@@ -153,6 +162,16 @@ class RouterCore:
         history = await self._load_history(request)
         call, prompt_tokens = self._build_call(request, history, request.prompt)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
+        try:
+            slot = await self._admission.acquire(
+                request.tenant,
+                self._tenants.spec(request.tenant).tier,
+                prompt_tokens + request.sampling.max_tokens,
+                request.deadline,
+            )
+        except BaseException:
+            lease.release()
+            raise
         hints = self._hints(request)
         # The generation's request goes out first: it is the long pole.
         started = StartedStream(self._inference.generate(call, hints))
@@ -169,8 +188,9 @@ class RouterCore:
             verdict.cancel()
             await started.abandon()
             lease.release()
+            slot.release(None)
             raise
-        return Prepared(request, started, user_text, prompt_tokens, received_at, lease)
+        return Prepared(request, started, user_text, prompt_tokens, received_at, lease, slot)
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:
@@ -191,12 +211,13 @@ class RouterCore:
         """Relays the generation; records the turn in the session before the last chunk."""
         model = prepared.request.model
         parts: list[str] = []
-        completion_tokens, outcome = 0, "cancelled"
+        completion_tokens, outcome, ttft = 0, "cancelled", None
         try:
             async for relayed in prepared.stream.chunks():
                 chunk = self._charge(prepared.lease, relayed)
-                if not parts and chunk.text:
-                    TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
+                if ttft is None and chunk.text:
+                    ttft = time.perf_counter() - prepared.received_at
+                    TTFT.labels(model).observe(ttft)
                 parts.append(chunk.text)
                 completion_tokens += chunk.num_tokens
                 if chunk.finish_reason is not None:
@@ -212,7 +233,7 @@ class RouterCore:
             raise
         finally:
             await prepared.stream.abandon()
-            prepared.lease.release()
+            prepared.release(ttft)
             log.info(
                 "generation ended",
                 extra={

@@ -124,7 +124,7 @@ class InferencePool:
         now, s = time.monotonic(), self._settings
         out = []
         for r in self._replicas.values():
-            fresh = r.last_report_at is not None and now - r.last_report_at <= s.stale_after_s
+            fresh = self._fresh(r, now)
             # Never reported yet (just discovered, or its stream still connecting): unknown,
             # so allowed; the breaker catches a replica that is not there.
             alive = fresh if r.last_report_at is not None else not r.down
@@ -140,6 +140,22 @@ class InferencePool:
                 )
             )
         return out
+
+    def saturated(self) -> bool:
+        """Every replica that reports has an engine with a queue or a nearly full cache."""
+        limits, now = self._routing.current.saturation, time.monotonic()
+        reporting = [r for r in self._replicas.values() if self._fresh(r, now)]
+        return bool(reporting) and all(
+            any(
+                load.waiting >= limits.waiting or load.kv_utilization >= limits.kv_utilization
+                for load in r.reports.values()
+            )
+            for r in reporting
+        )
+
+    def _fresh(self, replica: Replica, now: float) -> bool:
+        last = replica.last_report_at
+        return last is not None and now - last <= self._settings.stale_after_s
 
     def pick(self, request: PickRequest) -> Decision:
         started = time.perf_counter()

@@ -26,6 +26,7 @@ from llmmesh.runtime.metadata import (
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
 from services.router.consul import ConsulDiscovery, ConsulKeyWatch, connect
 from services.router.core import GenerateInput, Prepared, RouterCore
@@ -64,7 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finally:
                 # Also covers a client gone between prepare and the first read.
                 await prepared.stream.abandon()
-                prepared.lease.release()
+                prepared.release()
         except MeshError as err:
             await abort(context, err)
 
@@ -215,6 +216,16 @@ def _tenants_source(
     return None
 
 
+def _admission_settings(config: RouterConfig) -> AdmissionSettings:
+    return AdmissionSettings(
+        initial_limit=config.admission_initial_limit,
+        min_limit=config.admission_min_limit,
+        max_limit=config.admission_max_limit,
+        ttft_target_s=dict(config.ttft_target_s),
+        max_wait_s=dict(config.max_queue_wait_s),
+    )
+
+
 def _pool_settings(config: RouterConfig) -> PoolSettings:
     return PoolSettings(
         local_region=config.region,
@@ -236,6 +247,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         upstreams.inference,
         count_tokens,
         tenants=upstreams.tenants,
+        admission=AdmissionQueue(_admission_settings(config), upstreams.inference.saturated),
     )
     servicer = GenerationServicer(core, upstreams.tenants)
     service = GrpcService(

@@ -3,10 +3,15 @@ session isolation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,7 +22,7 @@ from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import common_pb2, generation_pb2_grpc
 from services.router.tenants import hash_key
-from tests.conftest import collect, start_service, wait_for
+from tests.conftest import collect, metric_value, start_service, wait_for
 
 TENANTS: dict[str, dict[str, object]] = {
     "alice": {"models": ["llm"]},
@@ -153,3 +158,130 @@ def test_a_session_id_never_reaches_another_tenants_conversation(
         fresh = collect(bob, "What is my name?", max_tokens=8, session_id=session + "-b")
     # Bob's prompt under Alice's session id carries no history: exactly a fresh session's.
     assert same_id[-1].usage.prompt_tokens == fresh[-1].usage.prompt_tokens
+
+
+@dataclass(frozen=True)
+class OneSlotRouter:
+    address: str
+    metrics: str
+    keys: dict[str, str]  # tier -> key of that tier's tenant
+
+    def queued(self) -> float:
+        return sum(
+            metric_value(self.metrics, "llm_router_queued_requests", {"tier": tier})
+            for tier in self.keys
+        )
+
+
+@pytest.fixture(scope="module")
+def one_slot_router(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OneSlotRouter]:
+    """A router whose admission window is one stream wide, with a tenant per tier."""
+    tmp = tmp_path_factory.mktemp("queue")
+    keys = {tier: secrets.token_urlsafe(16) for tier in ("critical", "standard", "sheddable")}
+    doc = {
+        "tenants": [
+            {"id": f"{tier}-tenant", "tier": tier, "api_key_hashes": [hash_key(key)]}
+            for tier, key in keys.items()
+        ]
+    }
+    tenants_file = tmp / "tenants.json"
+    tenants_file.write_text(json.dumps(doc))
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp,
+        tenants_file=str(tenants_file),
+        metrics_port=str(ports.router_metrics),
+        admission_initial_limit="1",
+        admission_min_limit="1",
+        admission_max_limit="1",
+        max_queue_wait_s='{"critical": 60, "standard": 60, "sheddable": 0.5}',
+    )
+    try:
+        yield OneSlotRouter(
+            f"127.0.0.1:{ports.router}", f"http://127.0.0.1:{ports.router_metrics}/metrics", keys
+        )
+    finally:
+        router.terminate(5)
+
+
+class Held:
+    """A long stream that occupies the only slot until ``release``."""
+
+    def __init__(self, address: str, key: str) -> None:
+        self._channel = authorized_channel(address, key)
+        stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._call = stub.Generate(build_request("hold", max_tokens=1000, ignore_eos=True))
+        next(self._call)  # admitted and streaming
+
+    def release(self) -> None:
+        self._call.cancel()
+        self._channel.close()
+
+
+def test_queued_requests_are_served_in_priority_order(one_slot_router: OneSlotRouter) -> None:
+    router = one_slot_router
+    held = Held(router.address, router.keys["standard"])
+    finished: list[str] = []
+
+    def run(tier: str) -> None:
+        with authorized_channel(router.address, router.keys[tier]) as channel:
+            collect(channel, f"{tier} request", max_tokens=2)
+        finished.append(tier)
+
+    threads = [threading.Thread(target=run, args=(tier,)) for tier in ("standard", "critical")]
+    threads[0].start()
+    wait_for(lambda: router.queued() == 1, 10, "the standard request to queue")
+    threads[1].start()  # the critical one arrives last
+    wait_for(lambda: router.queued() == 2, 10, "the critical request to queue")
+    held.release()
+    for thread in threads:
+        thread.join(60)
+    assert finished == ["critical", "standard"]
+
+
+def test_a_cancelled_queued_request_frees_its_place(one_slot_router: OneSlotRouter) -> None:
+    router = one_slot_router
+    held = Held(router.address, router.keys["standard"])
+    with authorized_channel(router.address, router.keys["critical"]) as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(
+            build_request("never mind", max_tokens=2)
+        )
+        threading.Thread(target=_drain, args=(call,), daemon=True).start()
+        wait_for(lambda: router.queued() == 1, 10, "the critical request to queue")
+        call.cancel()
+        wait_for(lambda: router.queued() == 0, 10, "the cancelled request to leave the queue")
+    held.release()
+    # The slot goes to the next request, not to the one that left.
+    with authorized_channel(router.address, router.keys["standard"]) as channel:
+        assert collect(channel, "next", max_tokens=2)[-1].usage.completion_tokens == 2
+
+
+def test_a_request_that_cannot_get_a_slot_in_time_is_answered_by_its_deadline(
+    one_slot_router: OneSlotRouter,
+) -> None:
+    router = one_slot_router
+    held = Held(router.address, router.keys["standard"])
+    try:
+        sent = time.monotonic()
+        err = refusal(router.address, router.keys["sheddable"], max_tokens=2)
+        # Its tier waits 0.5 s at most: refused at once when the queue's pace says it
+        # cannot make it (with a retry delay), or told at the deadline.
+        assert time.monotonic() - sent < 0.5 + 1.0
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert retry_delay_s(err) > 0
+        else:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "slot" in (err.details() or "")
+    finally:
+        held.release()
+
+
+def _drain(call: Any) -> None:
+    with contextlib.suppress(grpc.RpcError):
+        for _ in call:
+            pass

@@ -1,0 +1,223 @@
+"""Admission: a concurrency window over the fleet, and a queue in front of it.
+
+Requests beyond the window wait for a slot: strict priority between tiers; between the
+tenants of a tier, the one served the fewest tokens goes first (a virtual token counter,
+as in "Fairness in Serving Large Language Models", OSDI '24); within a tenant, the
+earliest deadline first. The window adapts (AIMD): it grows while requests get their
+first token within their tier's target and shrinks when they do not, so the engines stay
+busy without the queue moving into them. When the fleet is saturated, ``sheddable``
+requests are refused at once, ``standard`` ones when their wait would exceed their tier's
+bound, and ``critical`` ones only when their deadline cannot be met.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
+
+TIERS = ("critical", "standard", "sheddable")  # highest priority first
+
+DECISIONS = Counter(
+    "llm_router_admission_total", "Admission outcomes", ["tenant", "tier", "outcome"]
+)
+QUEUED = Gauge("llm_router_queued_requests", "Requests waiting for a slot", ["tier"])
+QUEUE_WAIT = Histogram(
+    "llm_router_queue_wait_seconds",
+    "Time from arrival to a slot",
+    ["tier"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+LIMIT = Gauge("llm_router_concurrency_limit", "The adaptive concurrency window")
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    initial_limit: float = 32
+    min_limit: float = 4
+    max_limit: float = 256
+    decrease: float = 0.9  # multiplicative decrease on a missed target
+    # Per tier: first-token target, and the longest a request may wait in the queue.
+    ttft_target_s: dict[str, float] = field(
+        default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
+    )
+    max_wait_s: dict[str, float] = field(
+        default_factory=lambda: {"critical": 30.0, "standard": 5.0, "sheddable": 1.0}
+    )
+
+
+@dataclass(eq=False)
+class Ticket:
+    tenant: str
+    tier: str
+    cost: int  # tokens the request may use: its virtual-counter charge
+    deadline: float  # monotonic
+    order: int
+    arrived: float
+    granted: asyncio.Future[None]
+
+
+class Slot:
+    """A granted place in the window; released once, with the TTFT it achieved."""
+
+    def __init__(self, queue: AdmissionQueue, ticket: Ticket) -> None:
+        self._queue = queue
+        self.ticket = ticket
+        self._released = False
+
+    def release(self, ttft_s: float | None) -> None:
+        if not self._released:
+            self._released = True
+            self._queue.release(self.ticket, ttft_s)
+
+
+class AdmissionQueue:
+    def __init__(
+        self,
+        settings: AdmissionSettings | None = None,
+        saturated: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.settings = settings or AdmissionSettings()
+        self._saturated = saturated
+        self.limit = self.settings.initial_limit
+        self.in_flight = 0
+        self._waiting: dict[str, dict[str, list[Ticket]]] = {t: {} for t in TIERS}
+        self._served: dict[str, float] = {}  # tenant -> virtual token counter
+        self._order = itertools.count()
+        self._release_times: list[float] = []  # recent releases, for the drain rate
+        LIMIT.set(self.limit)
+
+    async def acquire(self, tenant: str, tier: str, cost: int, deadline: float | None) -> Slot:
+        """Waits for a slot; ResourceExhausted when shed, DeadlineExceeded at the deadline.
+        Cancellation (the client went away) gives the place up."""
+        now = time.monotonic()
+        bound = now + self.settings.max_wait_s.get(tier, 5.0)
+        ticket = Ticket(
+            tenant,
+            tier,
+            cost,
+            min(deadline or bound, bound),
+            next(self._order),
+            now,
+            asyncio.get_running_loop().create_future(),
+        )
+        if self.in_flight < self.limit and not self._queued():
+            self._grant(ticket)
+            return Slot(self, ticket)
+        self._shed_if_hopeless(ticket, now)
+        self._enqueue(ticket)
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.granted), ticket.deadline - now)
+        except TimeoutError:
+            if not ticket.granted.done():
+                self._remove(ticket)
+                DECISIONS.labels(tenant, tier, "deadline").inc()
+                raise DeadlineExceeded(f"no slot within {ticket.deadline - now:.1f} s") from None
+        except asyncio.CancelledError:
+            if ticket.granted.done():  # granted just as the client left: give it back
+                self.release(ticket, None)
+            else:
+                self._remove(ticket)
+            raise
+        return Slot(self, ticket)
+
+    def release(self, ticket: Ticket, ttft_s: float | None) -> None:
+        self.in_flight -= 1
+        now = time.monotonic()
+        self._release_times = [t for t in self._release_times if now - t < 10.0] + [now]
+        if ttft_s is not None:
+            self._adapt(ttft_s <= self.settings.ttft_target_s.get(ticket.tier, 1.0))
+        self._dispatch()
+
+    # -- the window ------------------------------------------------------------------
+
+    def _adapt(self, met: bool) -> None:
+        s = self.settings
+        if not met:
+            self.limit = max(s.min_limit, self.limit * s.decrease)
+        elif not self._saturated() and self.in_flight + 1 >= self.limit:
+            self.limit = min(s.max_limit, self.limit + 1 / self.limit)  # +1 per window
+        LIMIT.set(self.limit)
+
+    def _grant(self, ticket: Ticket) -> None:
+        self.in_flight += 1
+        # A tenant that was idle starts level with the busiest waiting ones: it may not
+        # bank credit for the time it sent nothing.
+        floor = self._floor()
+        served = self._served.get(ticket.tenant, floor)
+        self._served[ticket.tenant] = max(served, floor) + ticket.cost
+        QUEUE_WAIT.labels(ticket.tier).observe(time.monotonic() - ticket.arrived)
+        DECISIONS.labels(ticket.tenant, ticket.tier, "admitted").inc()
+        if not ticket.granted.done():
+            ticket.granted.set_result(None)
+
+    def _dispatch(self) -> None:
+        while self.in_flight < self.limit:
+            ticket = self._next()
+            if ticket is None:
+                return
+            self._remove(ticket)
+            self._grant(ticket)
+
+    def _next(self) -> Ticket | None:
+        """Highest tier first; in it, the tenant served least; its earliest deadline."""
+        for tier in TIERS:
+            tenants = self._waiting[tier]
+            if tenants:
+                floor = self._floor()
+                tenant = min(tenants, key=lambda t: (self._served.get(t, floor), t))
+                return min(tenants[tenant], key=lambda t: (t.deadline, t.order))
+        return None
+
+    def _floor(self) -> float:
+        """The lowest counter among tenants with requests waiting."""
+        waiting = [self._served.get(t, 0.0) for tier in self._waiting.values() for t in tier]
+        return min(waiting, default=0.0)
+
+    # -- the queue -------------------------------------------------------------------
+
+    def _queued(self) -> int:
+        return sum(len(q) for tier in self._waiting.values() for q in tier.values())
+
+    def _enqueue(self, ticket: Ticket) -> None:
+        self._waiting[ticket.tier].setdefault(ticket.tenant, []).append(ticket)
+        QUEUED.labels(ticket.tier).inc()
+
+    def _remove(self, ticket: Ticket) -> None:
+        queue = self._waiting[ticket.tier].get(ticket.tenant, [])
+        if ticket in queue:
+            queue.remove(ticket)
+            QUEUED.labels(ticket.tier).dec()
+            if not queue:
+                del self._waiting[ticket.tier][ticket.tenant]
+
+    def _shed_if_hopeless(self, ticket: Ticket, now: float) -> None:
+        """Refuses at once what the queue could not serve in time (by tier)."""
+        wait = self.expected_wait_s(ticket.tier)
+        if now + wait > ticket.deadline:  # its tier's bound on waiting, or the client's
+            reason = f"a slot is about {wait:.1f} s away, past the request's deadline"
+        elif ticket.tier == "sheddable" and self._saturated():
+            reason = "the fleet is saturated; sheddable requests are refused"
+        else:
+            return
+        DECISIONS.labels(ticket.tenant, ticket.tier, "shed").inc()
+        raise ResourceExhausted(reason, retry_after_s=max(wait, 0.1))
+
+    def expected_wait_s(self, tier: str) -> float:
+        """How long a new request of ``tier`` would wait: the requests ahead of it over the
+        recent rate of releases."""
+        ahead = 0
+        for t in TIERS:
+            ahead += sum(len(q) for q in self._waiting[t].values())
+            if t == tier:
+                break
+        now = time.monotonic()
+        recent = [t for t in self._release_times if now - t < 10.0]
+        rate = len(recent) / 10.0 if recent else 0.0
+        return (ahead + 1) / rate if rate else 0.0  # no releases seen yet: no estimate

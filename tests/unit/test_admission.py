@@ -1,0 +1,144 @@
+"""The admission queue: priority, fairness, deadlines, cancellation, shedding, the window."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
+from services.router.admission import AdmissionQueue, AdmissionSettings, Slot
+
+
+async def run_ready_tasks() -> None:
+    """One turn of the event loop: tasks created so far run up to their first wait."""
+    loop = asyncio.get_running_loop()
+    turn = loop.create_future()
+    loop.call_soon(turn.set_result, None)
+    await turn
+
+
+def queue(limit: float = 1, **kw: object) -> AdmissionQueue:
+    settings = AdmissionSettings(initial_limit=limit, min_limit=1, max_limit=64, **kw)  # type: ignore[arg-type]
+    return AdmissionQueue(settings)
+
+
+async def order_of_admission(q: AdmissionQueue, requests: list[tuple[str, str, int]]) -> list[str]:
+    """Holds the only slot, queues ``requests`` (tenant, tier, cost), then releases slots
+    one by one; returns the tenants in the order they got in."""
+    holder = await q.acquire("holder", "standard", 1, None)
+    admitted: list[str] = []
+
+    async def one(tenant: str, tier: str, cost: int, label: str) -> None:
+        slot = await q.acquire(tenant, tier, cost, None)
+        admitted.append(label)
+        slot.release(None)
+
+    tasks = []
+    for n, (tenant, tier, cost) in enumerate(requests):
+        tasks.append(asyncio.create_task(one(tenant, tier, cost, f"{tenant}{n}")))
+        await run_ready_tasks()  # enqueue in this order
+    holder.release(None)
+    await asyncio.gather(*tasks)
+    return admitted
+
+
+def test_strict_priority_between_tiers() -> None:
+    got = asyncio.run(
+        order_of_admission(
+            queue(),
+            [("s", "sheddable", 1), ("b", "standard", 1), ("c", "critical", 1)],
+        )
+    )
+    assert got == ["c2", "b1", "s0"]
+
+
+def test_tenants_of_a_tier_share_by_tokens_served() -> None:
+    # "big" sends expensive requests first; "small" still gets every other turn or more.
+    requests = [("big", "standard", 100)] * 4 + [("small", "standard", 10)] * 4
+    got = asyncio.run(order_of_admission(queue(), requests))
+    first_four = [label.rstrip("0123456789") for label in got[:4]]
+    assert first_four.count("small") >= 3
+
+
+def test_earliest_deadline_first_within_a_tenant() -> None:
+    async def scenario() -> list[str]:
+        q = queue()
+        holder = await q.acquire("t", "standard", 1, None)
+        now = time.monotonic()
+        order: list[str] = []
+
+        async def one(label: str, deadline: float) -> None:
+            slot = await q.acquire("t", "standard", 1, deadline)
+            order.append(label)
+            slot.release(None)
+
+        late = asyncio.create_task(one("late", now + 4))
+        await run_ready_tasks()
+        soon = asyncio.create_task(one("soon", now + 2))
+        await run_ready_tasks()
+        holder.release(None)
+        await asyncio.gather(late, soon)
+        return order
+
+    assert asyncio.run(scenario()) == ["soon", "late"]
+
+
+def test_a_cancelled_waiter_gives_its_place_up() -> None:
+    async def scenario() -> None:
+        q = queue()
+        holder = await q.acquire("t", "standard", 1, None)
+        gone = asyncio.create_task(q.acquire("a", "critical", 1, None))
+        stays = asyncio.create_task(q.acquire("b", "standard", 1, None))
+        await run_ready_tasks()
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        holder.release(None)
+        slot: Slot = await asyncio.wait_for(stays, 5)
+        assert slot.ticket.tenant == "b" and q.in_flight == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_not_served_by_its_deadline_is_told_so() -> None:
+    async def scenario() -> None:
+        q = queue(max_wait_s={"critical": 0.05, "standard": 5.0, "sheddable": 1.0})
+        await q.acquire("t", "standard", 1, None)
+        with pytest.raises(DeadlineExceeded):
+            await q.acquire("c", "critical", 1, None)
+        assert q.expected_wait_s("critical") >= 0 and q.in_flight == 1
+
+    asyncio.run(scenario())
+
+
+def test_sheddable_is_refused_at_once_when_saturated() -> None:
+    async def scenario() -> None:
+        q = AdmissionQueue(AdmissionSettings(initial_limit=1, min_limit=1), lambda: True)
+        await q.acquire("t", "standard", 1, None)
+        with pytest.raises(ResourceExhausted) as info:
+            await q.acquire("s", "sheddable", 1, None)
+        assert info.value.retry_after_s > 0
+        # Critical still queues (its deadline can be met).
+        waiting = asyncio.create_task(q.acquire("c", "critical", 1, None))
+        await run_ready_tasks()
+        assert not waiting.done()
+        waiting.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_the_window_grows_on_met_targets_and_shrinks_on_misses() -> None:
+    async def scenario() -> None:
+        q = queue(limit=4)
+        slots = [await q.acquire("t", "standard", 1, None) for _ in range(4)]
+        for slot in slots:
+            slot.release(0.01)  # fast first tokens with the window full: grow
+        grown = q.limit
+        assert grown > 4
+        slot = await q.acquire("t", "standard", 1, None)
+        slot.release(10.0)  # a missed target: shrink
+        assert q.limit == pytest.approx(grown * 0.9)
+
+    asyncio.run(scenario())
