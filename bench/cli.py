@@ -13,6 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.admission import Shape as AdmissionShape
+from bench.admission import admission_fleet
+from bench.admission import compare as admission_compare
+from bench.admission import plot as plot_admission
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
 from bench.report import (
@@ -49,12 +53,18 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix", "routing"],
+        choices=["load", "hol", "prefix", "routing", "admission"],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
         "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
         "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
-        "--num-prompts multi-turn sessions arriving at each of --session-rates",
+        "--num-prompts multi-turn sessions arriving at each of --session-rates; admission: "
+        "three tiers at twice the fleet's capacity for --duration seconds, without and with "
+        "admission control, on a stack it starts itself",
+    )
+    bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
+    bench.add_argument(
+        "--plot", type=Path, default=Path("docs/img/admission.png"), help="admission: PNG"
     )
     bench.add_argument(
         "--session-rates",
@@ -109,6 +119,8 @@ def add_bench_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.scenario == "routing":
         return _routing(args)
+    if args.scenario == "admission":
+        return _admission(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -197,6 +209,28 @@ def _routing(args: argparse.Namespace) -> int:
         update_markdown(args.markdown, section, body)
     failed = sum(s.failed for by_picker in summaries.values() for s in by_picker.values())
     return 1 if failed else 0
+
+
+def _admission(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack and two routers (FIFO, admission) ...", file=sys.stderr)
+        shape = AdmissionShape()
+        with admission_fleet(Path(workdir), shape) as fleet:
+            outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
+    plot_admission(outcome.results, args.plot)
+    command = "llm-mesh " + shlex.join(sys.argv[1:])
+    print(outcome.table())
+    print(f"plot: {args.plot}", file=sys.stderr)
+    if args.markdown:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        body = (
+            f"Command: `{command}`  \nRun: {stamp}; {args.duration:.0f} s per router, "
+            f"128-token prompts, 64 output tokens, a third of the requests per tier.\n\n"
+            f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})"
+        )
+        section = args.section if args.section != "baseline" else "admission"
+        update_markdown(args.markdown, section, body)
+    return 0
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:

@@ -35,6 +35,7 @@ async def send_one(target: Target, request: BenchRequest, bar: tqdm[Any] | None)
     except Exception as exc:  # a failed request is a data point, not the end of the run
         details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
         record.error = f"{type(exc).__name__}: {details}"
+        record.finished_at = time.perf_counter()  # when the answer (an error) came
     if bar is not None:
         bar.update(1)
     return record

@@ -138,7 +138,7 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                     "LLM_MESH_INFERENCE_METRICS_PORT": "0",
                     "LLM_MESH_INFERENCE_MODEL_ALIASES": json.dumps({"llm": replica_model(n)}),
                 }
-                children.append(_start(f"replica-{n}", "inference", env, workdir, port))
+                children.append(start_child(f"replica-{n}", "inference", env, workdir, port))
                 replicas.append(f"127.0.0.1:{port}")
             endpoints = workdir / "endpoints.json"
             endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
@@ -153,7 +153,7 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                     "LLM_MESH_ROUTER_ENDPOINTS_FILE": str(endpoints),
                     "LLM_MESH_ROUTER_ROUTING_FILE": str(routing),
                 }
-                children.append(_start(f"router-{algorithm}", "router", env, workdir, port))
+                children.append(start_child(f"router-{algorithm}", "router", env, workdir, port))
                 routers[algorithm] = f"127.0.0.1:{port}"
             yield routers, stack.api_key
         finally:
@@ -161,7 +161,8 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                 child.terminate(10)
 
 
-def _start(name: str, service: str, env: dict[str, str], workdir: Path, port: int) -> Child:
+def start_child(name: str, service: str, env: dict[str, str], workdir: Path, port: int) -> Child:
+    """One more service process of a benchmark fleet, once it serves."""
     child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
     child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
     return child

@@ -27,11 +27,14 @@ class Target(Protocol):
 class RouterTarget:
     name = "router"
 
-    def __init__(self, address: str, model: str, api_key: str = "") -> None:
+    def __init__(
+        self, address: str, model: str, api_key: str = "", timeout_s: float | None = None
+    ) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._model = model
         self._metadata = auth_metadata(api_key)
+        self._timeout = timeout_s
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         message = build_request(
@@ -41,7 +44,8 @@ class RouterTarget:
             ignore_eos=True,
             session_id=request.session_id,
         )
-        async for reply in self._stub.Generate(message, metadata=self._metadata):
+        call = self._stub.Generate(message, metadata=self._metadata, timeout=self._timeout)
+        async for reply in call:
             now = time.perf_counter()
             if reply.text:
                 record.first_token_at = record.first_token_at or now

@@ -50,6 +50,11 @@ class AdmissionSettings:
     max_wait_s: dict[str, float] = field(
         default_factory=lambda: {"critical": 30.0, "standard": 5.0, "sheddable": 1.0}
     )
+    # Share of the window a tier may fill: what the lower tiers leave free is headroom for
+    # higher ones (a slot, once given, is held for a whole generation).
+    window_share: dict[str, float] = field(
+        default_factory=lambda: {"critical": 1.0, "standard": 0.8, "sheddable": 0.5}
+    )
 
 
 @dataclass(eq=False)
@@ -61,20 +66,22 @@ class Ticket:
     order: int
     arrived: float
     granted: asyncio.Future[None]
+    granted_at: float = 0.0  # monotonic
 
 
 class Slot:
-    """A granted place in the window; released once, with the TTFT it achieved."""
+    """A granted place in the window; released once, with when its first token came."""
 
     def __init__(self, queue: AdmissionQueue, ticket: Ticket) -> None:
         self._queue = queue
         self.ticket = ticket
         self._released = False
 
-    def release(self, ttft_s: float | None) -> None:
+    def release(self, first_token_at: float | None) -> None:
+        """``first_token_at``: time.monotonic() of the first token, None if there was none."""
         if not self._released:
             self._released = True
-            self._queue.release(self.ticket, ttft_s)
+            self._queue.release(self.ticket, first_token_at)
 
 
 class AdmissionQueue:
@@ -87,6 +94,7 @@ class AdmissionQueue:
         self._saturated = saturated
         self.limit = self.settings.initial_limit
         self.in_flight = 0
+        self._in_flight_by_tier: dict[str, int] = dict.fromkeys(TIERS, 0)
         self._waiting: dict[str, dict[str, list[Ticket]]] = {t: {} for t in TIERS}
         self._served: dict[str, float] = {}  # tenant -> virtual token counter
         self._order = itertools.count()
@@ -107,11 +115,15 @@ class AdmissionQueue:
             now,
             asyncio.get_running_loop().create_future(),
         )
-        if self.in_flight < self.limit and not self._queued():
-            self._grant(ticket)
-            return Slot(self, ticket)
-        self._shed_if_hopeless(ticket, now)
         self._enqueue(ticket)
+        self._dispatch()  # granted now if its tier has room and nothing before it waits
+        if ticket.granted.done():
+            return Slot(self, ticket)
+        try:
+            self._shed_if_hopeless(ticket, now)
+        except ResourceExhausted:
+            self._remove(ticket)
+            raise
         try:
             await asyncio.wait_for(asyncio.shield(ticket.granted), ticket.deadline - now)
         except TimeoutError:
@@ -127,15 +139,26 @@ class AdmissionQueue:
             raise
         return Slot(self, ticket)
 
-    def release(self, ticket: Ticket, ttft_s: float | None) -> None:
+    def release(self, ticket: Ticket, first_token_at: float | None) -> None:
         self.in_flight -= 1
+        self._in_flight_by_tier[ticket.tier] -= 1
         now = time.monotonic()
         self._release_times = [t for t in self._release_times if now - t < 10.0] + [now]
-        if ttft_s is not None:
-            self._adapt(ttft_s <= self.settings.ttft_target_s.get(ticket.tier, 1.0))
+        if first_token_at is not None:
+            # The window's signal is the fleet's own latency, from the slot to the first
+            # token: time spent in this queue is what the window causes, not what it sees.
+            self._adapt(first_token_at - ticket.granted_at <= self._strictest_target(ticket))
         self._dispatch()
 
     # -- the window ------------------------------------------------------------------
+
+    def _strictest_target(self, ticket: Ticket) -> float:
+        """The tightest first-token target among the tiers being served or waiting: the
+        window is sized for the most demanding traffic present."""
+        present = {ticket.tier} | {
+            tier for tier in TIERS if self._in_flight_by_tier[tier] > 0 or self._waiting[tier]
+        }
+        return min(self.settings.ttft_target_s.get(tier, 1.0) for tier in present)
 
     def _adapt(self, met: bool) -> None:
         s = self.settings
@@ -147,6 +170,8 @@ class AdmissionQueue:
 
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1
+        self._in_flight_by_tier[ticket.tier] += 1
+        ticket.granted_at = time.monotonic()
         # A tenant that was idle starts level with the busiest waiting ones: it may not
         # bank credit for the time it sent nothing.
         floor = self._floor()
@@ -157,6 +182,9 @@ class AdmissionQueue:
         if not ticket.granted.done():
             ticket.granted.set_result(None)
 
+    def _room(self, tier: str) -> bool:
+        return self.in_flight < self.limit * self.settings.window_share.get(tier, 1.0)
+
     def _dispatch(self) -> None:
         while self.in_flight < self.limit:
             ticket = self._next()
@@ -166,10 +194,11 @@ class AdmissionQueue:
             self._grant(ticket)
 
     def _next(self) -> Ticket | None:
-        """Highest tier first; in it, the tenant served least; its earliest deadline."""
+        """Highest tier with room first; in it, the tenant served least; its earliest
+        deadline."""
         for tier in TIERS:
             tenants = self._waiting[tier]
-            if tenants:
+            if tenants and self._room(tier):
                 floor = self._floor()
                 tenant = min(tenants, key=lambda t: (self._served.get(t, floor), t))
                 return min(tenants[tenant], key=lambda t: (t.deadline, t.order))

@@ -100,10 +100,11 @@ class Prepared:
     lease: Lease
     slot: Slot
 
-    def release(self, ttft_s: float | None = None) -> None:
-        """Gives back the tenant's stream and the admission slot (idempotent)."""
+    def release(self, first_token_at: float | None = None) -> None:
+        """Gives back the tenant's stream and the admission slot (idempotent);
+        ``first_token_at`` is the time.monotonic() of the first token, if any."""
         self.lease.release()
-        self.slot.release(ttft_s)
+        self.slot.release(first_token_at)
 
 
 class RouterCore:
@@ -211,13 +212,13 @@ class RouterCore:
         """Relays the generation; records the turn in the session before the last chunk."""
         model = prepared.request.model
         parts: list[str] = []
-        completion_tokens, outcome, ttft = 0, "cancelled", None
+        completion_tokens, outcome, first_token_at = 0, "cancelled", None
         try:
             async for relayed in prepared.stream.chunks():
                 chunk = self._charge(prepared.lease, relayed)
-                if ttft is None and chunk.text:
-                    ttft = time.perf_counter() - prepared.received_at
-                    TTFT.labels(model).observe(ttft)
+                if first_token_at is None and chunk.text:
+                    first_token_at = time.monotonic()
+                    TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
                 parts.append(chunk.text)
                 completion_tokens += chunk.num_tokens
                 if chunk.finish_reason is not None:
@@ -233,7 +234,7 @@ class RouterCore:
             raise
         finally:
             await prepared.stream.abandon()
-            prepared.release(ttft)
+            prepared.release(first_token_at)
             log.info(
                 "generation ended",
                 extra={

@@ -134,11 +134,27 @@ def test_the_window_grows_on_met_targets_and_shrinks_on_misses() -> None:
         q = queue(limit=4)
         slots = [await q.acquire("t", "standard", 1, None) for _ in range(4)]
         for slot in slots:
-            slot.release(0.01)  # fast first tokens with the window full: grow
+            slot.release(slot.ticket.granted_at + 0.01)  # fast first tokens, window full: grow
         grown = q.limit
         assert grown > 4
         slot = await q.acquire("t", "standard", 1, None)
-        slot.release(10.0)  # a missed target: shrink
+        slot.release(slot.ticket.granted_at + 10.0)  # a missed target: shrink
         assert q.limit == pytest.approx(grown * 0.9)
+
+    asyncio.run(scenario())
+
+
+def test_lower_tiers_leave_headroom_for_critical() -> None:
+    async def scenario() -> None:
+        q = queue(limit=10)
+        held = [await q.acquire("s", "standard", 1, None) for _ in range(8)]
+        standard = asyncio.create_task(q.acquire("s", "standard", 1, None))
+        await run_ready_tasks()
+        assert not standard.done()  # 80% of the window is standard's share
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
+        assert q.in_flight == 9
+        critical.release(None)
+        held[0].release(None)
+        await asyncio.wait_for(standard, 5)
 
     asyncio.run(scenario())

@@ -1,0 +1,290 @@
+"""Admission benchmark: three tenants in three tiers at twice the fleet's capacity, through
+a router without admission control (FIFO: every request goes straight to the engine) and
+through one with it (adaptive window, tier priority, shedding), in one run.
+
+Capacity is measured first (closed loop, many streams, through the FIFO router); the
+offered load is then Poisson at twice that, a third of it per tier. A request counts
+towards goodput when it succeeded within its tier's TTFT target and the TPOT target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.loadgen import send_one
+from bench.metrics import RequestRecord, percentile
+from bench.targets import RouterTarget
+from bench.workload import BenchRequest, new_salt, text_of_length
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
+from services.router.tenants import hash_key
+
+TIERS = ("critical", "standard", "sheddable")
+TTFT_TARGET_S = {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
+TPOT_TARGET_S = 0.1
+ROUTERS = ("fifo", "admission")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Every request's size (tokens)."""
+
+    prompt_len: int = 128
+    output_len: int = 64
+
+
+@dataclass(frozen=True)
+class TierRecord:
+    tier: str
+    record: RequestRecord
+
+    def good(self) -> bool:
+        r = self.record
+        tpot = r.tpot
+        return (
+            r.ok and r.ttft <= TTFT_TARGET_S[self.tier] and (tpot is None or tpot <= TPOT_TARGET_S)
+        )
+
+
+@dataclass
+class RunResult:
+    router: str
+    rate: float
+    duration_s: float
+    records: list[TierRecord] = field(default_factory=list)
+    started: float = 0.0
+
+    def of(self, tier: str) -> list[TierRecord]:
+        return [r for r in self.records if r.tier == tier]
+
+    def goodput(self, tier: str | None = None) -> float:
+        records = self.of(tier) if tier else self.records
+        return sum(r.good() for r in records) / self.duration_s
+
+    def good_share(self, tier: str) -> float:
+        records = self.of(tier)
+        return sum(r.good() for r in records) / len(records) if records else 0.0
+
+    def ttft_p99(self, tier: str) -> float:
+        return percentile([r.record.ttft for r in self.of(tier) if r.record.ok], 99)
+
+    def late_answers(self, timeout_s: float) -> int:
+        """Requests answered (success or error) more than a second after their deadline."""
+        return sum(1 for r in self.records if r.record.e2e > timeout_s + 1)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    routers: dict[str, str]  # name -> address
+    keys: dict[str, str]  # tier -> API key of that tier's tenant
+    unloaded_p99_s: float  # critical TTFT p99 with nothing else running
+
+
+async def _unloaded(stack: Stack, shape: Shape) -> float:
+    target = RouterTarget(stack.address("router"), "llm", stack.api_key)
+    try:
+        return await unloaded_ttft_p99(target, shape)
+    finally:
+        await target.close()
+
+
+@contextlib.contextmanager
+def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
+    """The local stack plus two routers (FIFO, admission) with one tenant per tier, and
+    the critical tier's unloaded TTFT p99, measured first through the stack's router.
+
+    The admission router keeps its tier targets (TTFT_TARGET_S): a critical target of
+    twice the unloaded p99 (about 40 ms here, one engine step) shrinks the window below
+    what the critical traffic alone needs, and everything queues (measured: critical
+    p99 3 s, goodput no better than FIFO)."""
+    keys = {tier: secrets.token_urlsafe(16) for tier in TIERS}
+    tenants = workdir / "bench-tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"id": f"{tier}-tenant", "tier": tier, "api_key_hashes": [hash_key(k)]}
+                    for tier, k in keys.items()
+                ]
+            }
+        )
+    )
+    unlimited = {"ADMISSION_INITIAL_LIMIT": "100000", "ADMISSION_MAX_LIMIT": "100000"}
+    with Stack(workdir / "stack", StackPorts.free()) as stack:
+        unloaded = asyncio.run(_unloaded(stack, shape))
+        children: list[Child] = []
+        try:
+            routers = {}
+            for name in ROUTERS:
+                port = StackPorts.free().router
+                env = stack.service_env("router") | {
+                    "LLM_MESH_ROUTER_GRPC_PORT": str(port),
+                    "LLM_MESH_ROUTER_METRICS_PORT": "0",
+                    "LLM_MESH_ROUTER_TENANTS_FILE": str(tenants),
+                    "LLM_MESH_ROUTER_TTFT_TARGET_S": json.dumps(TTFT_TARGET_S),
+                }
+                if name == "fifo":
+                    env |= {f"LLM_MESH_ROUTER_{k}": v for k, v in unlimited.items()}
+                child = Child.service(
+                    f"router-{name}", env, workdir / f"{name}.log", workdir, "router"
+                )
+                child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
+                children.append(child)
+                routers[name] = f"127.0.0.1:{port}"
+            yield Fleet(routers, keys, unloaded)
+        finally:
+            for child in children:
+                child.terminate(10)
+
+
+def requests(n: int, seed: int, shape: Shape) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    salt = new_salt()
+    return [
+        BenchRequest(salt + text_of_length(rng, shape.prompt_len), shape.output_len)
+        for _ in range(n)
+    ]
+
+
+async def capacity_rps(target: RouterTarget, shape: Shape) -> float:
+    """Requests per second the fleet completes with plenty of streams in flight."""
+    work = requests(96, 1, shape)
+    started = time.perf_counter()
+    pending = list(work)
+
+    async def worker() -> None:
+        while pending:
+            await send_one(target, pending.pop(), None)
+
+    await asyncio.gather(*(worker() for _ in range(32)))
+    return len(work) / (time.perf_counter() - started)
+
+
+async def unloaded_ttft_p99(target: RouterTarget, shape: Shape) -> float:
+    records = [await send_one(target, r, None) for r in requests(20, 2, shape)]
+    return percentile([r.ttft for r in records if r.ok], 99)
+
+
+async def open_loop(
+    router: str, targets: dict[str, RouterTarget], rate: float, duration_s: float, shape: Shape
+) -> RunResult:
+    """Poisson arrivals at ``rate``, tiers in turn, for ``duration_s``."""
+    rng = random.Random(3)
+    work = requests(int(rate * duration_s), 4, shape)
+    result = RunResult(router, rate, duration_s, started=time.perf_counter())
+    tasks = []
+    next_at = result.started
+    for n, request in enumerate(work):
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)  # arrival schedule, not synchronisation
+        tier = TIERS[n % len(TIERS)]
+        tasks.append((tier, asyncio.create_task(send_one(targets[tier], request, None))))
+        next_at += rng.expovariate(rate)
+    for tier, task in tasks:
+        result.records.append(TierRecord(tier, await task))
+    result.duration_s = time.perf_counter() - result.started
+    return result
+
+
+def plot(results: list[RunResult], path: Path, window_s: float = 5.0) -> None:
+    """TTFT p50 and p99 per tier over time, one panel per router."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), sharey=True)
+    for ax, result in zip(axes, results, strict=True):
+        for tier, color in zip(TIERS, ("tab:red", "tab:blue", "tab:gray"), strict=True):
+            points: dict[int, list[float]] = {}
+            for r in result.of(tier):
+                if r.record.ok:
+                    window = int((r.record.sent_at - result.started) // window_s)
+                    points.setdefault(window, []).append(r.record.ttft)
+            xs = sorted(points)
+            for q, style in ((50, "-"), (99, ":")):
+                ys = [percentile(points[x], q) for x in xs]
+                ax.plot([x * window_s for x in xs], ys, style, color=color, label=f"{tier} p{q}")
+        ax.set_title(f"{result.router}: {result.rate:.1f} req/s offered")
+        ax.set_xlabel("time since start (s)")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("TTFT (s)")
+    axes[-1].legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(results: list[RunResult], unloaded_p99: float, capacity: float, timeout_s: float) -> str:
+    rows = [
+        "| router | tier | requests | failed | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| good share | goodput (req/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        for tier in TIERS:
+            recs = result.of(tier)
+            ok = [r.record.ttft for r in recs if r.record.ok]
+            rows.append(
+                f"| {result.router} | {tier} | {len(recs)} | {len(recs) - len(ok)} "
+                f"| {percentile(ok, 50) * 1e3:.0f} | {percentile(ok, 99) * 1e3:.0f} "
+                f"| {result.good_share(tier):.0%} | {result.goodput(tier):.2f} |"
+            )
+    fifo, admitted = results
+    crit = admitted.ttft_p99("critical")
+    summary = [
+        f"Capacity (closed loop, 32 streams): {capacity:.2f} req/s; offered "
+        f"{admitted.rate:.2f} req/s. Critical TTFT p99 unloaded: {unloaded_p99 * 1e3:.0f} ms.",
+        f"- critical TTFT p99 under admission control: {crit * 1e3:.0f} ms = "
+        f"{crit / unloaded_p99:.2f}x unloaded (goal <= 2x); critical good share "
+        f"{admitted.good_share('critical'):.0%} (goal >= 95%)",
+        f"- overall goodput: admission {admitted.goodput():.2f} req/s vs FIFO "
+        f"{fifo.goodput():.2f} req/s = {admitted.goodput() / max(fifo.goodput(), 1e-9):.2f}x "
+        "(goal >= 2x)",
+        f"- answered after their deadline ({timeout_s:.0f} s): FIFO "
+        f"{fifo.late_answers(timeout_s)}, admission {admitted.late_answers(timeout_s)} (goal 0)",
+    ]
+    return "\n".join(rows) + "\n\n" + "\n".join(summary)
+
+
+@dataclass
+class AdmissionComparison:
+    capacity_rps: float
+    unloaded_p99_s: float
+    results: list[RunResult]
+    timeout_s: float
+
+    def table(self) -> str:
+        return table(self.results, self.unloaded_p99_s, self.capacity_rps, self.timeout_s)
+
+
+async def compare(
+    fleet: Fleet, duration_s: float, shape: Shape, timeout_s: float = 30.0
+) -> AdmissionComparison:
+    """Capacity, then FIFO and admission at twice capacity."""
+    targets = {
+        name: {tier: RouterTarget(address, "llm", fleet.keys[tier], timeout_s) for tier in TIERS}
+        for name, address in fleet.routers.items()
+    }
+    unloaded = fleet.unloaded_p99_s
+    try:
+        capacity = await capacity_rps(targets["fifo"]["standard"], shape)
+        results = [
+            await open_loop(name, targets[name], 2 * capacity, duration_s, shape)
+            for name in ROUTERS
+        ]
+    finally:
+        for by_tier in targets.values():
+            for target in by_tier.values():
+                await target.close()
+    return AdmissionComparison(capacity, unloaded, results, timeout_s)
