@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BENCH) --target triton --scenario hol
 	$(BENCH) --target triton --scenario prefix
 	$(BENCH) --scenario routing --rounds 2 --output-len 96
+	$(BENCH) --scenario admission --duration 40
 
 setup: $(STAMP)
 
