@@ -117,7 +117,8 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
             }
         )
     )
-    unlimited = {"ADMISSION_INITIAL_LIMIT": "100000", "ADMISSION_MAX_LIMIT": "100000"}
+    # No admission control: a window too wide to matter, which cannot adapt.
+    unlimited = {f"ADMISSION_{bound}_LIMIT": "100000" for bound in ("INITIAL", "MIN", "MAX")}
     with Stack(workdir / "stack", StackPorts.free()) as stack:
         unloaded = asyncio.run(_unloaded(stack, shape))
         children: list[Child] = []
