@@ -24,7 +24,9 @@ from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
 
 TIERS = ("critical", "standard", "sheddable")  # highest priority first
 
-DECISIONS = Counter(
+# Every admission outcome, from tenant checks (model_denied, over_budget) to the queue
+# (admitted, shed, deadline).
+ADMISSION_OUTCOMES = Counter(
     "llm_router_admission_total", "Admission outcomes", ["tenant", "tier", "outcome"]
 )
 QUEUED = Gauge("llm_router_queued_requests", "Requests waiting for a slot", ["tier"])
@@ -129,7 +131,7 @@ class AdmissionQueue:
         except TimeoutError:
             if not ticket.granted.done():
                 self._remove(ticket)
-                DECISIONS.labels(tenant, tier, "deadline").inc()
+                ADMISSION_OUTCOMES.labels(tenant, tier, "deadline").inc()
                 raise DeadlineExceeded(f"no slot within {ticket.deadline - now:.1f} s") from None
         except asyncio.CancelledError:
             if ticket.granted.done():  # granted just as the client left: give it back
@@ -178,7 +180,7 @@ class AdmissionQueue:
         served = self._served.get(ticket.tenant, floor)
         self._served[ticket.tenant] = max(served, floor) + ticket.cost
         QUEUE_WAIT.labels(ticket.tier).observe(time.monotonic() - ticket.arrived)
-        DECISIONS.labels(ticket.tenant, ticket.tier, "admitted").inc()
+        ADMISSION_OUTCOMES.labels(ticket.tenant, ticket.tier, "admitted").inc()
         if not ticket.granted.done():
             ticket.granted.set_result(None)
 
@@ -235,7 +237,7 @@ class AdmissionQueue:
             reason = "the fleet is saturated; sheddable requests are refused"
         else:
             return
-        DECISIONS.labels(ticket.tenant, ticket.tier, "shed").inc()
+        ADMISSION_OUTCOMES.labels(ticket.tenant, ticket.tier, "shed").inc()
         raise ResourceExhausted(reason, retry_after_s=max(wait, 0.1))
 
     def expected_wait_s(self, tier: str) -> float:

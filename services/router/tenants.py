@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmmesh.runtime.errors import (
@@ -25,12 +25,10 @@ from llmmesh.runtime.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from services.router.admission import ADMISSION_OUTCOMES
 
 log = logging.getLogger(__name__)
 
-ADMISSIONS = Counter(
-    "llm_router_admissions_total", "Admission decisions", ["tenant", "tier", "outcome"]
-)
 BUDGET_REMAINING = Gauge(
     "llm_router_tenant_tokens_remaining", "Tokens left in the tenant's budget", ["tenant"]
 )
@@ -216,8 +214,11 @@ class Tenants:
         spec, now = state.spec, time.monotonic()
         try:
             self._check(state, model, prompt_tokens, now)
-        except (PermissionDenied, ResourceExhausted, InvalidArgument):
-            ADMISSIONS.labels(spec.id, spec.tier, "refused").inc()
+        except PermissionDenied:
+            ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "model_denied").inc()
+            raise
+        except (ResourceExhausted, InvalidArgument):
+            ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "over_budget").inc()
             raise
         if state.requests is not None:
             state.requests.level -= 1
@@ -225,7 +226,6 @@ class Tenants:
             state.tokens.level -= prompt_tokens
             BUDGET_REMAINING.labels(spec.id).set(max(state.tokens.level, 0.0))
         state.streams += 1
-        ADMISSIONS.labels(spec.id, spec.tier, "admitted").inc()
         return Lease(state)
 
     def _check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
