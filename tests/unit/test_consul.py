@@ -8,6 +8,7 @@ with the double, which can produce them on demand.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ import consul.aio
 from services.router.consul import CONSUL_ERRORS, ConsulDiscovery, ConsulKeyWatch, connect
 from services.router.endpoints import Endpoint
 from services.router.routing import ROUTING_REJECTED, PolicyHolder, RoutingPolicy, render_policy
+from services.router.tenants import Tenants, hash_key
 from tests.consul_double import ConsulDouble
 
 T = TypeVar("T")
@@ -138,5 +140,22 @@ def test_discovery_lists_passing_instances_with_their_metadata() -> None:
         assert [e.address for e in await next_within(endpoints)] == ["127.0.0.1:7002"]
         await client.agent.service.deregister("b")
         await endpoints.aclose()
+
+    asyncio.run(with_consul(scenario))
+
+
+def test_tenants_follow_their_kv_key() -> None:
+    async def scenario(client: consul.aio.Consul, _: ConsulDouble | None) -> None:
+        key = f"{KEY}-tenants"
+        tenants = Tenants(enabled=True)
+        doc = {"tenants": [{"id": "a", "api_key_hashes": [hash_key("key-a")]}]}
+        await client.kv.put(key, json.dumps(doc))
+        values = ConsulKeyWatch(client, key, wait="5s").watch()
+        assert tenants.offer(await next_within(values), "consul")
+        assert tenants.authenticate("Bearer key-a") == "a"
+        await client.kv.put(key, "tenants: [{id: b, tier: gold}]")  # invalid: refused
+        assert not tenants.offer(await next_within(values), "consul")
+        assert tenants.authenticate("Bearer key-a") == "a"
+        await values.aclose()
 
     asyncio.run(with_consul(scenario))
