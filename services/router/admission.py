@@ -50,7 +50,7 @@ class AdmissionSettings:
         default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
     )
     max_wait_s: dict[str, float] = field(
-        default_factory=lambda: {"critical": 30.0, "standard": 5.0, "sheddable": 1.0}
+        default_factory=lambda: {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
     )
     # Share of the window a tier may fill: what the lower tiers leave free is headroom for
     # higher ones (a slot, once given, is held for a whole generation).

@@ -67,7 +67,7 @@ class RouterConfig(ServiceConfig):
         default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
     )
     max_queue_wait_s: dict[str, float] = Field(
-        default_factory=lambda: {"critical": 30.0, "standard": 5.0, "sheddable": 1.0}
+        default_factory=lambda: {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
     )
     max_prompt_chars: int = 8192
     default_max_tokens: int = 128
