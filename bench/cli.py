@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -117,6 +118,9 @@ def add_bench_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so that every stack a benchmark started is stopped
+    # (Triton's backend stubs outlive a launcher that dies without stopping them).
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.scenario == "routing":
         return _routing(args)
     if args.scenario == "admission":
@@ -183,6 +187,10 @@ def _scenario(args: argparse.Namespace) -> int:
         section = args.section if args.section != "baseline" else args.scenario
         update_markdown(args.markdown, section, body)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _routing(args: argparse.Namespace) -> int:
