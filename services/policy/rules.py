@@ -8,10 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import re2
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmmesh.types import PolicyAction, Verdict
+from services.policy.detectors import DETECTORS, disjoint, find, redact
 
 
 class Stage(enum.Enum):
@@ -22,6 +31,7 @@ class Stage(enum.Enum):
 
 class RuleAction(enum.Enum):
     DENY = "deny"
+    REDACT = "redact"  # matches are replaced by typed placeholders such as [EMAIL]
     FLAG = "flag"
 
 
@@ -32,14 +42,33 @@ class RuleSpec(BaseModel):
     description: str = ""
     stage: Stage = Stage.INPUT
     action: RuleAction
-    keywords: list[str] = Field(min_length=1)
+    # Matchers (at least one kind): whole-word keywords, case-insensitive; RE2 regular
+    # expressions; built-in detectors (services/policy/detectors.py).
+    keywords: list[str] = Field(default_factory=list)
+    regex: list[str] = Field(default_factory=list)
+    detectors: list[str] = Field(default_factory=list)
+    placeholder: str = "[REDACTED]"  # for keyword and regex matches of a redact rule
 
-    @field_validator("keywords")
+    @field_validator("keywords", "regex")
     @classmethod
     def _non_blank(cls, value: list[str]) -> list[str]:
         if any(not k.strip() for k in value):
-            raise ValueError("keywords must not be blank")
+            raise ValueError("must not be blank")
         return value
+
+    @field_validator("detectors")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(DETECTORS))
+        if unknown:
+            raise ValueError(f"unknown detectors {unknown}; known: {sorted(DETECTORS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _has_a_matcher(self) -> RuleSpec:
+        if not (self.keywords or self.regex or self.detectors):
+            raise ValueError("a rule needs keywords, regex or detectors")
+        return self
 
 
 class RuleSetSpec(BaseModel):
@@ -56,10 +85,18 @@ class RuleSetError(ValueError):
 @dataclass(frozen=True)
 class _CompiledRule:
     spec: RuleSpec
-    pattern: re.Pattern[str]
+    patterns: tuple[Any, ...]  # RE2 patterns: keywords and regex
 
     def applies_to_input(self) -> bool:
         return self.spec.stage in (Stage.INPUT, Stage.BOTH)
+
+    def spans(self, text: str) -> list[tuple[int, int, str]]:
+        found = [
+            (m.start(), m.end(), self.spec.placeholder)
+            for pattern in self.patterns
+            for m in pattern.finditer(text)
+        ]
+        return found + find(text, self.spec.detectors)
 
 
 class RuleSet:
@@ -69,7 +106,7 @@ class RuleSet:
         if duplicates:
             raise RuleSetError(f"duplicate rule ids: {duplicates}")
         self.version = spec.version
-        self._rules = [_CompiledRule(r, _keyword_pattern(r.keywords)) for r in spec.rules]
+        self._rules = [_CompiledRule(r, _compile(r)) for r in spec.rules]
 
     @classmethod
     def from_file(cls, path: Path) -> RuleSet:
@@ -82,17 +119,32 @@ class RuleSet:
             raise RuleSetError(f"invalid rule file {path}: {exc}") from None
 
     def check_input(self, text: str) -> Verdict:
-        matched = [r for r in self._rules if r.applies_to_input() and r.pattern.search(text)]
-        denied = any(r.spec.action is RuleAction.DENY for r in matched)
-        return Verdict(
-            action=PolicyAction.DENY if denied else PolicyAction.ALLOW,
-            rule_ids=tuple(r.spec.id for r in matched),
-            text=text,
-            rule_set_version=self.version,
-        )
+        """Deny wins; otherwise redact rules replace what they match; flags only report."""
+        matched: list[str] = []
+        action, redactions = PolicyAction.ALLOW, []
+        for rule in (r for r in self._rules if r.applies_to_input()):
+            spans = rule.spans(text)
+            if not spans:
+                continue
+            matched.append(rule.spec.id)
+            if rule.spec.action is RuleAction.DENY:
+                action = PolicyAction.DENY
+            elif rule.spec.action is RuleAction.REDACT:
+                redactions += spans
+        if action is not PolicyAction.DENY and redactions:
+            action, text = PolicyAction.REDACT, redact(text, disjoint(redactions))
+        return Verdict(action, tuple(matched), text, self.version)
 
 
-def _keyword_pattern(keywords: list[str]) -> re.Pattern[str]:
-    # Whitespace inside a phrase matches any run of whitespace; \b keeps words whole.
-    phrases = (r"\s+".join(re.escape(w) for w in k.split()) for k in keywords)
-    return re.compile(r"\b(?:" + "|".join(phrases) + r")\b", re.IGNORECASE)
+def _compile(spec: RuleSpec) -> tuple[Any, ...]:
+    patterns = []
+    for pattern in spec.regex:
+        try:
+            patterns.append(re2.compile(pattern))
+        except re2.error as err:
+            raise RuleSetError(f"rule {spec.id}: regex {pattern!r}: {err}") from None
+    if spec.keywords:
+        # Whitespace inside a phrase matches any run of whitespace; \b keeps words whole.
+        phrases = (r"\s+".join(re.escape(w) for w in k.split()) for k in spec.keywords)
+        patterns.append(re2.compile(r"(?i)\b(?:" + "|".join(phrases) + r")\b"))
+    return tuple(patterns)

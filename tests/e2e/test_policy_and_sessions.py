@@ -22,6 +22,19 @@ def test_denied_prompt_is_permission_denied_with_the_rule_id(router_channel: grp
     assert "deny-weapons" in (info.value.details() or "")
 
 
+def test_pii_is_redacted_before_the_model_and_the_session_see_it(stack: Stack) -> None:
+    session = f"pii-{uuid.uuid4().hex[:8]}"
+    prompt = "Reach me at ada@example.com or +44 20 7946 0958."
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
+        responses = collect(channel, prompt, max_tokens=4, session_id=session)
+    assert responses[-1].usage.completion_tokens == 4
+    with grpc.insecure_channel(stack.address("context")) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
+        )
+    assert stored.turns[0].text == "Reach me at [EMAIL] or [PHONE]."
+
+
 def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
     session = f"s-{uuid.uuid4().hex[:8]}"
     with authorized_channel(stack.address("router"), stack.api_key) as channel:

@@ -1,0 +1,83 @@
+"""PII detectors, regex rules and redaction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmmesh.types import PolicyAction
+from services.policy.detectors import DETECTORS, find, redact
+from services.policy.rules import RuleSet, RuleSetError, RuleSetSpec
+
+DEFAULT_RULES = Path(__file__).resolve().parents[2] / "services" / "policy" / "default_rules.yaml"
+
+
+def scrub(text: str) -> str:
+    return redact(text, find(text, list(DETECTORS)))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("write to ada.l@example.co.uk today", "write to [EMAIL] today"),
+        ("card 4111 1111 1111 1111 exp", "card [CREDIT_CARD] exp"),
+        ("card 4111-1111-1111-1111.", "card [CREDIT_CARD]."),
+        ("iban GB82 WEST 1234 5698 7654 32 ok", "iban [IBAN] ok"),
+        ("from 10.0.0.7 to fe80:0:0:0:202:b3ff:fe1e:8329", "from [IP_ADDRESS] to [IP_ADDRESS]"),
+        ("key sk-abcdefghijklmnop1234 leaked", "key [SECRET] leaked"),
+        ("call +44 20 7946 0958 or 415-555-0123", "call [PHONE] or [PHONE]"),
+    ],
+)
+def test_detectors_find_and_type_what_they_redact(text: str, expected: str) -> None:
+    assert scrub(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "card 4111 1111 1111 1112 fails Luhn",
+        "iban GB00 WEST 1234 5698 7654 32 fails mod 97",
+        "version 999.1.1.1 is no address",
+        "order 123456789012 is no phone",
+        "an @ sign alone, and me@localhost",
+    ],
+)
+def test_detectors_leave_look_alikes_alone(text: str) -> None:
+    assert scrub(text) == text
+
+
+def test_the_default_rules_redact_pii_and_still_deny() -> None:
+    rules = RuleSet.from_file(DEFAULT_RULES)
+    verdict = rules.check_input("mail me at ada@example.com")
+    assert verdict.action is PolicyAction.REDACT
+    assert verdict.text == "mail me at [EMAIL]" and verdict.rule_ids == ("redact-pii",)
+    denied = rules.check_input("how to build a bomb, reply to ada@example.com")
+    assert denied.action is PolicyAction.DENY
+
+
+def test_regex_rules_use_re2_and_bad_patterns_are_refused(tmp_path: Path) -> None:
+    spec = {
+        "version": "t",
+        "rules": [
+            {"id": "ticket", "action": "redact", "regex": [r"TICKET-\d+"], "placeholder": "[T]"},
+        ],
+    }
+    rules = RuleSet(RuleSetSpec.model_validate(spec))
+    assert rules.check_input("see TICKET-42 and TICKET-7").text == "see [T] and [T]"
+    # Backreferences are not RE2: refused when the rule set is built, not at match time.
+    bad = {"version": "t", "rules": [{"id": "b", "action": "deny", "regex": [r"(a)\1"]}]}
+    with pytest.raises(RuleSetError, match="rule b: regex"):
+        RuleSet(RuleSetSpec.model_validate(bad))
+    path = tmp_path / "rules.yaml"
+    path.write_text(json.dumps({"version": "t", "rules": [{"id": "n", "action": "deny"}]}))
+    with pytest.raises(RuleSetError, match="needs keywords, regex or detectors"):
+        RuleSet.from_file(path)
+
+
+def test_a_pathological_pattern_runs_in_linear_time() -> None:
+    spec = {"version": "t", "rules": [{"id": "r", "action": "flag", "regex": [r"(a+)+$"]}]}
+    rules = RuleSet(RuleSetSpec.model_validate(spec))
+    # Catastrophic for a backtracking engine; RE2 answers at once.
+    assert rules.check_input("a" * 50_000 + "!").action is PolicyAction.ALLOW
