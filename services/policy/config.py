@@ -11,8 +11,10 @@ DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 class PolicyConfig(ServiceConfig):
     grpc_port: int = 50071
     metrics_port: int = 9102
-    # Rule file (YAML); the built-in default set when empty.
+    # Rule file (YAML); the built-in default set when empty. Watched: a valid change
+    # applies within watch_interval_s, an invalid one is logged and the old set stays.
     rules_path: str = ""
+    watch_interval_s: float = 0.5
 
     @property
     def rules_file(self) -> Path:

@@ -9,7 +9,7 @@ from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Verdict
-from services.policy.rules import RuleSet
+from services.policy.rules import RuleSet, RuleSetError
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +22,29 @@ CHECK_SECONDS = Histogram(
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01),
 )
 
+RULES_REJECTED = Counter("llm_policy_rules_rejected_total", "Rule files refused as invalid")
 MAX_TEXT_CHARS = 1_000_000
 
 
 class PolicyCore:
     def __init__(self, rules: RuleSet) -> None:
         self.rules = rules
+
+    def offer(self, text: str, source: str) -> bool:
+        """Swaps in a changed rule set if it is valid; otherwise the current one stays."""
+        try:
+            rules = RuleSet.from_text(text, source)
+        except RuleSetError as err:
+            RULES_REJECTED.inc()
+            log.warning(
+                "rule set rejected; the previous one stays",
+                extra={"fields": {"reason": str(err), "version": self.rules.version}},
+            )
+            return False
+        if rules.version != self.rules.version:
+            log.info("rule set applied", extra={"fields": {"version": rules.version}})
+        self.rules = rules  # one reference swap: a check sees the old set or the new one
+        return True
 
     def check_input(self, tenant: str, text: str) -> Verdict:
         if len(text) > MAX_TEXT_CHARS:

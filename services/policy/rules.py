@@ -111,12 +111,20 @@ class RuleSet:
     @classmethod
     def from_file(cls, path: Path) -> RuleSet:
         try:
-            doc: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
-            return cls(RuleSetSpec.model_validate(doc))
-        except (OSError, yaml.YAMLError) as exc:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
             raise RuleSetError(f"cannot read rule file {path}: {exc}") from None
+        return cls.from_text(text, str(path))
+
+    @classmethod
+    def from_text(cls, text: str, source: str) -> RuleSet:
+        try:
+            doc: Any = yaml.safe_load(text)
+            return cls(RuleSetSpec.model_validate(doc))
+        except yaml.YAMLError as exc:
+            raise RuleSetError(f"cannot read rule file {source}: {exc}") from None
         except ValidationError as exc:
-            raise RuleSetError(f"invalid rule file {path}: {exc}") from None
+            raise RuleSetError(f"invalid rule file {source}: {exc}") from None
 
     def check_input(self, text: str) -> Verdict:
         """Deny wins; otherwise redact rules replace what they match; flags only report."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
+from llmmesh.runtime.watch import watch_file
 from llmmesh.types import PolicyAction
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.config import PolicyConfig
@@ -46,7 +49,27 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
 
 def build_service(config: PolicyConfig) -> GrpcService:
-    servicer = PolicyServicer(PolicyCore(RuleSet.from_file(config.rules_file)))
-    return GrpcService(
-        config, [SERVICE.full_name], lambda server: add_servicer(server, servicer, SERVICE)
+    core = PolicyCore(RuleSet.from_file(config.rules_file))
+    servicer = PolicyServicer(core)
+    watcher: list[asyncio.Task[None]] = []
+
+    async def follow_rules() -> None:
+        async for text in watch_file(config.rules_file, config.watch_interval_s):
+            core.offer(text, str(config.rules_file))
+
+    async def start() -> None:
+        watcher.append(asyncio.create_task(follow_rules()))
+
+    async def stop() -> None:
+        for task in watcher:
+            task.cancel()
+        await asyncio.gather(*watcher, return_exceptions=True)
+
+    service = GrpcService(
+        config,
+        [SERVICE.full_name],
+        lambda server: add_servicer(server, servicer, SERVICE),
+        cleanup=stop,
     )
+    service.on_start(start)
+    return service

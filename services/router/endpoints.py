@@ -15,6 +15,8 @@ from typing import Protocol
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmmesh.runtime.watch import watch_file
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SUBSET = "stable"
@@ -76,32 +78,3 @@ class FileDiscovery:
                     "endpoints file rejected; the previous endpoints stay",
                     extra={"fields": {"path": str(self._path), "reason": str(err)}},
                 )
-
-
-async def watch_file(path: Path, interval_s: float) -> AsyncGenerator[str, None]:
-    """The file's text now and after every change, polled every ``interval_s``.
-
-    Polling (rather than inotify) also sees files replaced by rename, on any filesystem;
-    the content is compared, since coarse mtimes miss quick successive writes. The files
-    are small, so reading them blocks the loop for microseconds. A missing file is
-    reported once and waited for.
-    """
-    last: str | None = None
-    missing_logged = False
-    while True:
-        try:
-            text = _read(path)
-        except (OSError, UnicodeDecodeError) as err:
-            if not missing_logged:
-                log.warning("cannot read %s: %s", path, err)
-                missing_logged = True
-        else:
-            missing_logged = False
-            if text != last:
-                last = text
-                yield text
-        await asyncio.sleep(interval_s)  # the polling period
-
-
-def _read(path: Path) -> str:
-    return path.read_text("utf-8")

@@ -24,13 +24,14 @@ from llmmesh.runtime.metadata import (
     metadata_value,
 )
 from llmmesh.runtime.registration import add_servicer
+from llmmesh.runtime.watch import watch_file
 from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
 from services.router.consul import ConsulDiscovery, ConsulKeyWatch, connect
 from services.router.core import GenerateInput, Prepared, RouterCore
-from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery, watch_file
+from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery
 from services.router.pool import InferencePool, PoolSettings
 from services.router.routing import PolicyHolder
 from services.router.tenants import Tenants, parse_tenants

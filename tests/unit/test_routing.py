@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llmmesh.runtime.watch import watch_file
 from services.router.breaker import BreakerState, CircuitBreaker
-from services.router.endpoints import Endpoint, FileDiscovery, watch_file
+from services.router.endpoints import Endpoint, FileDiscovery
 from services.router.routing import (
     ROUTING_REJECTED,
     InvalidDocument,
