@@ -26,7 +26,7 @@ def test_pii_is_redacted_before_the_model_and_the_session_see_it(stack: Stack) -
     session = f"pii-{uuid.uuid4().hex[:8]}"
     prompt = "Reach me at ada@example.com or +44 20 7946 0958."
     with authorized_channel(stack.address("router"), stack.api_key) as channel:
-        responses = collect(channel, prompt, max_tokens=4, session_id=session)
+        responses = collect(channel, prompt, max_tokens=4, ignore_eos=True, session_id=session)
     assert responses[-1].usage.completion_tokens == 4
     with grpc.insecure_channel(stack.address("context")) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
