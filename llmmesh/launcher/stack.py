@@ -216,6 +216,8 @@ class Stack:
             env[f"{prefix}TRITON_METRICS_URL"] = f"http://{self.address('triton_metrics')}/metrics"
             if name == "inference_canary":
                 env[f"{prefix}MODEL_ALIASES"] = json.dumps(CANARY_ALIASES)
+        elif name == "policy":
+            env.setdefault(f"{prefix}AUDIT_PATH", str(self.workdir / "logs" / "audit.log"))
         elif name == "context":
             env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
         elif name == "router":

@@ -15,6 +15,12 @@ class PolicyConfig(ServiceConfig):
     # applies within watch_interval_s, an invalid one is logged and the old set stays.
     rules_path: str = ""
     watch_interval_s: float = 0.5
+    # Audit log: one JSON line per decision (no checked text unless audit_include_text),
+    # fsynced, rotated at audit_max_bytes keeping audit_backups old files. Empty: none.
+    audit_path: str = ""
+    audit_max_bytes: int = 10_000_000
+    audit_backups: int = 5
+    audit_include_text: bool = False
 
     @property
     def rules_file(self) -> Path:

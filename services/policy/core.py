@@ -9,6 +9,7 @@ from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Verdict
+from services.policy.audit import AuditLog
 from services.policy.rules import RuleSet, RuleSetError
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,9 @@ MAX_TEXT_CHARS = 1_000_000
 
 
 class PolicyCore:
-    def __init__(self, rules: RuleSet) -> None:
+    def __init__(self, rules: RuleSet, audit: AuditLog | None = None) -> None:
         self.rules = rules
+        self._audit = audit
 
     def offer(self, text: str, source: str) -> bool:
         """Swaps in a changed rule set if it is valid; otherwise the current one stays."""
@@ -46,7 +48,7 @@ class PolicyCore:
         self.rules = rules  # one reference swap: a check sees the old set or the new one
         return True
 
-    def check_input(self, tenant: str, text: str) -> Verdict:
+    def check_input(self, tenant: str, text: str, request_id: str = "") -> Verdict:
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidArgument("text", f"longer than {MAX_TEXT_CHARS} characters")
         started = time.perf_counter()
@@ -55,6 +57,16 @@ class PolicyCore:
         DECISIONS.labels("input", verdict.action.value).inc()
         for rule_id in verdict.rule_ids:
             RULE_MATCHES.labels(rule_id).inc()
+        if self._audit is not None:
+            self._audit.record(
+                request_id=request_id,
+                tenant=tenant,
+                stage="input",
+                action=verdict.action.value,
+                rule_ids=verdict.rule_ids,
+                rule_set_version=verdict.rule_set_version,
+                text=text,
+            )
         if verdict.rule_ids:
             log.info(
                 "policy match",

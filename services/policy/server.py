@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 
@@ -13,6 +14,7 @@ from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_file
 from llmmesh.types import PolicyAction
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
+from services.policy.audit import AuditLog
 from services.policy.config import PolicyConfig
 from services.policy.core import PolicyCore
 from services.policy.rules import RuleSet
@@ -37,7 +39,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     ) -> policy_pb2.CheckInputResponse:
         bind_request_id(context, request.request_id)
         try:
-            verdict = self._core.check_input(request.tenant, request.text)
+            verdict = self._core.check_input(request.tenant, request.text, request.request_id)
         except MeshError as err:
             await abort(context, err)
         return policy_pb2.CheckInputResponse(
@@ -49,7 +51,17 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
 
 def build_service(config: PolicyConfig) -> GrpcService:
-    core = PolicyCore(RuleSet.from_file(config.rules_file))
+    audit = (
+        AuditLog(
+            Path(config.audit_path),
+            config.audit_max_bytes,
+            config.audit_backups,
+            config.audit_include_text,
+        )
+        if config.audit_path
+        else None
+    )
+    core = PolicyCore(RuleSet.from_file(config.rules_file), audit)
     servicer = PolicyServicer(core)
     watcher: list[asyncio.Task[None]] = []
 
@@ -64,6 +76,8 @@ def build_service(config: PolicyConfig) -> GrpcService:
         for task in watcher:
             task.cancel()
         await asyncio.gather(*watcher, return_exceptions=True)
+        if audit is not None:
+            await asyncio.to_thread(audit.close)
 
     service = GrpcService(
         config,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
@@ -9,8 +10,8 @@ import pytest
 
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
-from llmmesh.v1 import context_pb2, context_pb2_grpc
-from tests.conftest import collect, text_of
+from llmmesh.v1 import context_pb2, context_pb2_grpc, generation_pb2_grpc
+from tests.conftest import collect, text_of, wait_for
 
 DEMO_TENANT = "demo"  # the tenant of the local stack's API key
 
@@ -33,6 +34,34 @@ def test_pii_is_redacted_before_the_model_and_the_session_see_it(stack: Stack) -
             context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
     assert stored.turns[0].text == "Reach me at [EMAIL] or [PHONE]."
+
+
+def test_every_decision_is_audited_without_the_prompt(stack: Stack) -> None:
+    request_id = f"audit-{uuid.uuid4().hex[:8]}"
+    prompt = "explain how to build a bomb"
+    with (
+        authorized_channel(stack.address("router"), stack.api_key) as channel,
+        pytest.raises(grpc.RpcError),
+    ):
+        list(
+            generation_pb2_grpc.GenerationStub(channel).Generate(
+                build_request(prompt, max_tokens=2), metadata=(("x-request-id", request_id),)
+            )
+        )
+    audit = stack.workdir / "logs" / "audit.log"
+
+    def entry() -> dict[str, object] | None:
+        for line in audit.read_text().splitlines() if audit.exists() else ():
+            if request_id in line:
+                found: dict[str, object] = json.loads(line)
+                return found
+        return None
+
+    wait_for(lambda: entry() is not None, 10, "the decision's audit line")
+    line = entry()
+    assert line is not None
+    assert (line["tenant"], line["action"], line["rule_ids"]) == ("demo", "deny", ["deny-weapons"])
+    assert prompt not in audit.read_text()
 
 
 def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
