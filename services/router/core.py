@@ -47,6 +47,9 @@ BOS_TOKENS = 1
 
 COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
+POLICY_FAIL_OPEN = Counter(
+    "llm_router_policy_fail_open_total", "Prompts let through unchecked (policy down)", ["tenant"]
+)
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
 
@@ -180,7 +183,7 @@ class RouterCore:
             self._policy.check_input(request.request_id, request.tenant, request.prompt)
         )
         try:
-            user_text = self._admit(await verdict) or request.prompt
+            user_text = self._admit(await self._verdict(verdict, request)) or request.prompt
             if user_text != request.prompt:
                 await started.abandon()
                 call, prompt_tokens = self._build_call(request, history, user_text)
@@ -261,6 +264,21 @@ class RouterCore:
         if not request.session_id:
             return None
         return await self._context.load(request.request_id, request.tenant, request.session_id)
+
+    async def _verdict(self, pending: asyncio.Task[Verdict], request: GenerateInput) -> Verdict:
+        """The policy's verdict; if policy is unreachable, the tenant's fail mode decides:
+        ``closed`` refuses (UNAVAILABLE), ``open`` lets the prompt through, flagged."""
+        try:
+            return await pending
+        except Unavailable:
+            if self._tenants.spec(request.tenant).policy_fail_mode == "closed":
+                raise
+            POLICY_FAIL_OPEN.labels(request.tenant).inc()
+            log.warning(
+                "policy unreachable; allowed by the tenant's fail-open mode",
+                extra={"fields": {"tenant": request.tenant}},
+            )
+            return Verdict(PolicyAction.ALLOW, text=request.prompt)
 
     def _admit(self, verdict: Verdict) -> str:
         if verdict.action is PolicyAction.DENY:

@@ -52,6 +52,9 @@ class TenantSpec(BaseModel):
     max_concurrent_streams: int | None = Field(default=None, ge=1)
     models: tuple[str, ...] = ()  # models it may use; empty: every model
     policy_set: str = "default"
+    # Policy service unreachable: refuse the request ("closed") or let it through,
+    # flagged in the logs and llm_router_policy_fail_open_total ("open").
+    policy_fail_mode: Literal["closed", "open"] = "closed"
     # When the token budget runs out mid-stream: finish the stream (finish_reason
     # "budget") or let streams already running complete.
     on_budget_exhausted: Literal["finish", "complete"] = "finish"

@@ -292,3 +292,37 @@ def _drain(call: Any) -> None:
     with contextlib.suppress(grpc.RpcError):
         for _ in call:
             pass
+
+
+def test_policy_down_refuses_fail_closed_tenants_and_admits_fail_open_ones(
+    stack: Stack, tmp_path: Path
+) -> None:
+    keys = {mode: secrets.token_urlsafe(16) for mode in ("open", "closed")}
+    doc = {
+        "tenants": [
+            {"id": f"fail-{mode}", "policy_fail_mode": mode, "api_key_hashes": [hash_key(key)]}
+            for mode, key in keys.items()
+        ]
+    }
+    tenants_file = tmp_path / "tenants.json"
+    tenants_file.write_text(json.dumps(doc))
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp_path,
+        tenants_file=str(tenants_file),
+        policy_address=f"127.0.0.1:{ports.policy}",  # nothing listens there
+        upstream_timeout_s="0.5",
+    )
+    address = f"127.0.0.1:{ports.router}"
+    try:
+        err = refusal(address, keys["closed"], max_tokens=2)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "policy" in (err.details() or "")
+        with authorized_channel(address, keys["open"]) as channel:
+            responses = collect(channel, "hello", max_tokens=2, ignore_eos=True)
+        assert responses[-1].usage.completion_tokens == 2
+    finally:
+        router.terminate(5)
