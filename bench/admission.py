@@ -118,7 +118,7 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
         )
     )
     # No admission control: a window too wide to matter, which cannot adapt.
-    unlimited = {f"ADMISSION_{bound}_LIMIT": "100000" for bound in ("INITIAL", "MIN", "MAX")}
+    unlimited = {f"admission_{bound}_limit": "100000" for bound in ("initial", "min", "max")}
     with Stack(workdir / "stack", StackPorts.free()) as stack:
         unloaded = asyncio.run(_unloaded(stack, shape))
         children: list[Child] = []
@@ -126,19 +126,12 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
             routers = {}
             for name in ROUTERS:
                 port = StackPorts.free().router
-                env = stack.service_env("router") | {
-                    "LLM_MESH_ROUTER_GRPC_PORT": str(port),
-                    "LLM_MESH_ROUTER_METRICS_PORT": "0",
-                    "LLM_MESH_ROUTER_TENANTS_FILE": str(tenants),
-                    "LLM_MESH_ROUTER_TTFT_TARGET_S": json.dumps(TTFT_TARGET_S),
+                settings = {
+                    "tenants_file": str(tenants),
+                    "ttft_target_s": json.dumps(TTFT_TARGET_S),
+                    **(unlimited if name == "fifo" else {}),
                 }
-                if name == "fifo":
-                    env |= {f"LLM_MESH_ROUTER_{k}": v for k, v in unlimited.items()}
-                child = Child.service(
-                    f"router-{name}", env, workdir / f"{name}.log", workdir, "router"
-                )
-                child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
-                children.append(child)
+                children.append(stack.start_service("router", port, workdir, **settings))
                 routers[name] = f"127.0.0.1:{port}"
             yield Fleet(routers, keys, unloaded)
         finally:

@@ -143,20 +143,18 @@ def _measure_and_report(args: argparse.Namespace) -> int:
     if args.scenario != "load":
         return _scenario(args)
     runs = asyncio.run(_run_all(args))
-    command = "llm-mesh " + shlex.join(sys.argv[1:])
-    write_json(args.out, command, _config(args), runs)
+    write_json(args.out, _command(), _config(args), runs)
     print(results_table(runs))
     comparison = comparison_table(runs, "triton", "router") if args.compare else scaling_table(runs)
     if comparison:
         print("\n" + comparison)
-    if args.markdown:
-        body = (
-            f"Command: `{command}`  \nRun: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-            f"{args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
-            f"{args.output_len} output tokens each (ignore_eos).\n\n"
-            f"{results_table(runs)}\n\n{comparison}"
-        )
-        update_markdown(args.markdown, args.section, body)
+    _record(
+        args,
+        args.section,
+        f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
+        f"{args.output_len} output tokens each (ignore_eos).",
+        f"{results_table(runs)}\n\n{comparison}",
+    )
     for failed in (r for r in runs if r.summary.failed):
         print(
             f"{failed.target} {failed.load}: {failed.summary.failed} requests failed, "
@@ -178,14 +176,9 @@ def _scenario(args: argparse.Namespace) -> int:
             await target.close()
 
     comparison = asyncio.run(measure())
-    command = "llm-mesh " + shlex.join(sys.argv[1:])
     ratio = f"candidate / baseline TTFT p50: {comparison.ratio:.2f}"
     print(f"{comparison.table()}\n\n{ratio}")
-    if args.markdown:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        body = f"Command: `{command}`  \nRun: {stamp}.\n\n{comparison.table()}\n\n{ratio}"
-        section = args.section if args.section != "baseline" else args.scenario
-        update_markdown(args.markdown, section, body)
+    _record(args, _section(args, args.scenario), ".", f"{comparison.table()}\n\n{ratio}")
     return 0
 
 
@@ -201,20 +194,18 @@ def _routing(args: argparse.Namespace) -> int:
         with routing_fleet(Path(workdir)) as (routers, key):
             summaries = asyncio.run(compare_pickers(routers, key, spec, rates, args.rounds))
     result = RoutingResult(summaries, picker_decision_time())
-    command = "llm-mesh " + shlex.join(sys.argv[1:])
     print(result.table())
-    if args.markdown:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        body = (
-            f"Command: `{command}`  \nRun: {stamp}; per rate and picker, {args.rounds} runs of "
-            f"{spec.sessions} sessions x {spec.turns} turns. A session opens with one of "
-            f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles and "
-            f"{spec.context_len} tokens of its own; every turn asks a {spec.question_len}-token "
-            f"question and gets {spec.output_len} tokens back, and the router prepends the "
-            f"history.\n\n{result.table()}"
-        )
-        section = args.section if args.section != "baseline" else "routing"
-        update_markdown(args.markdown, section, body)
+    _record(
+        args,
+        _section(args, "routing"),
+        f"; per rate and picker, {args.rounds} runs of "
+        f"{spec.sessions} sessions x {spec.turns} turns. A session opens with one of "
+        f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles and "
+        f"{spec.context_len} tokens of its own; every turn asks a {spec.question_len}-token "
+        f"question and gets {spec.output_len} tokens back, and the router prepends the "
+        "history.",
+        result.table(),
+    )
     failed = sum(s.failed for by_picker in summaries.values() for s in by_picker.values())
     return 1 if failed else 0
 
@@ -226,19 +217,33 @@ def _admission(args: argparse.Namespace) -> int:
         with admission_fleet(Path(workdir), shape) as fleet:
             outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
     plot_admission(outcome.results, args.plot)
-    command = "llm-mesh " + shlex.join(sys.argv[1:])
     print(outcome.table())
     print(f"plot: {args.plot}", file=sys.stderr)
+    _record(
+        args,
+        _section(args, "admission"),
+        f"; {args.duration:.0f} s per router, "
+        "128-token prompts, 64 output tokens, a third of the requests per tier.",
+        f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})",
+    )
+    return 0
+
+
+def _command() -> str:
+    return "llm-mesh " + shlex.join(sys.argv[1:])
+
+
+def _section(args: argparse.Namespace, scenario: str) -> str:
+    """--section, unless left at its default: then the scenario's own section."""
+    return args.section if args.section != "baseline" else scenario
+
+
+def _record(args: argparse.Namespace, section: str, run_details: str, content: str) -> None:
+    """Replaces the section of --markdown (if given) with the command, the run and content."""
     if args.markdown:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        body = (
-            f"Command: `{command}`  \nRun: {stamp}; {args.duration:.0f} s per router, "
-            f"128-token prompts, 64 output tokens, a third of the requests per tier.\n\n"
-            f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})"
-        )
-        section = args.section if args.section != "baseline" else "admission"
+        body = f"Command: `{_command()}`  \nRun: {stamp}{run_details}\n\n{content}"
         update_markdown(args.markdown, section, body)
-    return 0
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:

@@ -133,12 +133,10 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
             replicas = []
             for n in range(REPLICAS):
                 port = StackPorts.free().inference
-                env = stack.service_env("inference") | {
-                    "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
-                    "LLM_MESH_INFERENCE_METRICS_PORT": "0",
-                    "LLM_MESH_INFERENCE_MODEL_ALIASES": json.dumps({"llm": replica_model(n)}),
-                }
-                children.append(start_child(f"replica-{n}", "inference", env, workdir, port))
+                aliases = json.dumps({"llm": replica_model(n)})
+                children.append(
+                    stack.start_service("inference", port, workdir, model_aliases=aliases)
+                )
                 replicas.append(f"127.0.0.1:{port}")
             endpoints = workdir / "endpoints.json"
             endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
@@ -147,25 +145,20 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                 routing = workdir / f"routing-{algorithm}.json"
                 routing.write_text(json.dumps({"algorithm": algorithm}))
                 port = StackPorts.free().router
-                env = stack.service_env("router") | {
-                    "LLM_MESH_ROUTER_GRPC_PORT": str(port),
-                    "LLM_MESH_ROUTER_METRICS_PORT": "0",
-                    "LLM_MESH_ROUTER_ENDPOINTS_FILE": str(endpoints),
-                    "LLM_MESH_ROUTER_ROUTING_FILE": str(routing),
-                }
-                children.append(start_child(f"router-{algorithm}", "router", env, workdir, port))
+                children.append(
+                    stack.start_service(
+                        "router",
+                        port,
+                        workdir,
+                        endpoints_file=str(endpoints),
+                        routing_file=str(routing),
+                    )
+                )
                 routers[algorithm] = f"127.0.0.1:{port}"
             yield routers, stack.api_key
         finally:
             for child in reversed(children):
                 child.terminate(10)
-
-
-def start_child(name: str, service: str, env: dict[str, str], workdir: Path, port: int) -> Child:
-    """One more service process of a benchmark fleet, once it serves."""
-    child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
-    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
-    return child
 
 
 # -- the comparison ----------------------------------------------------------------------

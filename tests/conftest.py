@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,9 +78,4 @@ def metric_value(url: str, name: str, labels: dict[str, str]) -> float:
 
 def start_service(stack: Stack, name: str, port: int, tmp_path: Path, **overrides: str) -> Child:
     """Another instance of a stack service on ``port``, its settings overridden."""
-    prefix = f"LLM_MESH_{name.upper()}_"
-    env = stack.service_env(name) | {f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": "0"}
-    env |= {prefix + key.upper(): value for key, value in overrides.items()}
-    child = Child.service(name, env, tmp_path / f"{name}-{port}.log", tmp_path)
-    child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 30)
-    return child
+    return stack.start_service(name, port, tmp_path, **overrides)

@@ -133,6 +133,21 @@ class Stack:
             if child is not None:
                 child.terminate(grace_s)
 
+    def start_service(self, service: str, port: int, workdir: Path, **settings: str) -> Child:
+        """One more instance of a stack service on ``port`` beside the stack (replicas and
+        routers of benchmarks and tests), with ``settings`` overriding its config fields;
+        returns once it serves. The caller stops it."""
+        prefix = f"LLM_MESH_{service.upper()}_"
+        env = self.service_env(service) | {
+            f"{prefix}GRPC_PORT": str(port),
+            f"{prefix}METRICS_PORT": "0",
+        }
+        env |= {prefix + key.upper(): value for key, value in settings.items()}
+        name = f"{service}-{port}"
+        child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
+        child.wait_serving(f"{self.host}:{port}", time.monotonic() + 60)
+        return child
+
     def dead_children(self) -> list[str]:
         return [name for name, c in self._children.items() if not c.alive]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
 
 TIERS = ("critical", "standard", "sheddable")  # highest priority first
+RATE_WINDOW_S = 10.0  # the queue's pace: releases over this window
 
 # Every admission outcome, from tenant checks (model_denied, over_budget) to the queue
 # (admitted, shed, deadline).
@@ -100,7 +102,7 @@ class AdmissionQueue:
         self._waiting: dict[str, dict[str, list[Ticket]]] = {t: {} for t in TIERS}
         self._served: dict[str, float] = {}  # tenant -> virtual token counter
         self._order = itertools.count()
-        self._release_times: list[float] = []  # recent releases, for the drain rate
+        self._release_times: deque[float] = deque()  # releases of the last RATE_WINDOW_S
         LIMIT.set(self.limit)
 
     async def acquire(self, tenant: str, tier: str, cost: int, deadline: float | None) -> Slot:
@@ -145,7 +147,8 @@ class AdmissionQueue:
         self.in_flight -= 1
         self._in_flight_by_tier[ticket.tier] -= 1
         now = time.monotonic()
-        self._release_times = [t for t in self._release_times if now - t < 10.0] + [now]
+        self._release_times.append(now)
+        self._forget_releases(now)
         if first_token_at is not None:
             # The window's signal is the fleet's own latency, from the slot to the first
             # token: time spent in this queue is what the window causes, not what it sees.
@@ -213,9 +216,6 @@ class AdmissionQueue:
 
     # -- the queue -------------------------------------------------------------------
 
-    def _queued(self) -> int:
-        return sum(len(q) for tier in self._waiting.values() for q in tier.values())
-
     def _enqueue(self, ticket: Ticket) -> None:
         self._waiting[ticket.tier].setdefault(ticket.tenant, []).append(ticket)
         QUEUED.labels(ticket.tier).inc()
@@ -240,6 +240,10 @@ class AdmissionQueue:
         ADMISSION_OUTCOMES.labels(ticket.tenant, ticket.tier, "shed").inc()
         raise ResourceExhausted(reason, retry_after_s=max(wait, 0.1))
 
+    def _forget_releases(self, now: float) -> None:
+        while self._release_times and now - self._release_times[0] >= RATE_WINDOW_S:
+            self._release_times.popleft()
+
     def expected_wait_s(self, tier: str) -> float:
         """How long a new request of ``tier`` would wait: the requests ahead of it over the
         recent rate of releases."""
@@ -249,6 +253,6 @@ class AdmissionQueue:
             if t == tier:
                 break
         now = time.monotonic()
-        recent = [t for t in self._release_times if now - t < 10.0]
-        rate = len(recent) / 10.0 if recent else 0.0
+        self._forget_releases(now)
+        rate = len(self._release_times) / RATE_WINDOW_S
         return (ahead + 1) / rate if rate else 0.0  # no releases seen yet: no estimate

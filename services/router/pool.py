@@ -125,9 +125,7 @@ class InferencePool:
         out = []
         for r in self._replicas.values():
             fresh = self._fresh(r, now)
-            # Never reported yet (just discovered, or its stream still connecting): unknown,
-            # so allowed; the breaker catches a replica that is not there.
-            alive = fresh if r.last_report_at is not None else not r.down
+            alive = reports_alive(r.last_report_at, r.down, now, s.stale_after_s)
             healthy = alive and r.engine_reachable and r.breaker.available(now)
             out.append(
                 Candidate(
@@ -328,6 +326,15 @@ class InferencePool:
             if replica.last_report_at is not None:  # it was there and went away
                 replica.down, replica.last_report_at = True, None
             await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
+
+
+def reports_alive(last_report_at: float | None, down: bool, now: float, stale_s: float) -> bool:
+    """Whether a replica's load reports say it is there: a recent report, or none yet and
+    its stream not known broken (just discovered, or still connecting: the breaker catches
+    a replica that is not there)."""
+    if last_report_at is None:
+        return not down
+    return now - last_report_at <= stale_s
 
 
 async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:

@@ -138,7 +138,20 @@ class Upstreams:
         self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
         self.consul = _consul_client(config)
         self.routing = PolicyHolder()
-        tenants = _tenants_source(config, self.consul)
+        routing = _document_source(
+            self.consul,
+            config.routing_source,
+            config.consul_routing_key,
+            config.routing_file,
+            config.watch_interval_s,
+        )
+        tenants = _document_source(
+            self.consul,
+            config.tenants_source,
+            config.consul_tenants_key,
+            config.tenants_file,
+            config.watch_interval_s,
+        )
         # With a source configured, nobody is let in before its first document.
         self.tenants = Tenants(config.default_tenant, enabled=tenants is not None)
         if config.tenants_file and config.tenants_source == "file":
@@ -151,12 +164,10 @@ class Upstreams:
             _discovery(config, self.consul), self.routing, _pool_settings(config)
         )
         self._documents = [
-            (self.routing.offer, source)
-            for source in (_routing_source(config, self.consul),)
+            (offer, source)
+            for offer, source in ((self.routing.offer, routing), (self.tenants.offer, tenants))
             if source is not None
         ]
-        if tenants is not None:
-            self._documents.append((self.tenants.offer, tenants))
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -197,23 +208,14 @@ def _discovery(config: RouterConfig, client: consul.aio.Consul | None) -> Discov
     return FixedDiscovery(config.inference_addresses)
 
 
-def _routing_source(
-    config: RouterConfig, client: consul.aio.Consul | None
+def _document_source(
+    client: consul.aio.Consul | None, source: str, consul_key: str, file: str, interval_s: float
 ) -> tuple[str, AsyncIterator[str | bytes]] | None:
-    if client is not None and config.routing_source == "consul":
-        return "consul", ConsulKeyWatch(client, config.consul_routing_key).watch()
-    if config.routing_file:
-        return "file", watch_file(Path(config.routing_file), config.watch_interval_s)
-    return None
-
-
-def _tenants_source(
-    config: RouterConfig, client: consul.aio.Consul | None
-) -> tuple[str, AsyncIterator[str | bytes]] | None:
-    if client is not None and config.tenants_source == "consul":
-        return "consul", ConsulKeyWatch(client, config.consul_tenants_key).watch()
-    if config.tenants_file:
-        return "file", watch_file(Path(config.tenants_file), config.watch_interval_s)
+    """A watched document (routing, tenants): its Consul KV key or its file, if any."""
+    if client is not None and source == "consul":
+        return "consul", ConsulKeyWatch(client, consul_key).watch()
+    if file:
+        return "file", watch_file(Path(file), interval_s)
     return None
 
 

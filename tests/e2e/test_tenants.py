@@ -39,21 +39,24 @@ def tenant_router(
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """A router with the tenants above; yields its address and each tenant's key."""
     tmp = tmp_path_factory.mktemp("tenants")
-    keys = {name: secrets.token_urlsafe(16) for name in TENANTS}
-    doc = {
-        "tenants": [
-            {"id": name, "api_key_hashes": [hash_key(keys[name])], **spec}
-            for name, spec in TENANTS.items()
-        ]
-    }
     tenants_file = tmp / "tenants.json"
-    tenants_file.write_text(json.dumps(doc))
+    keys = write_tenants(
+        tenants_file, {name: {"id": name, **spec} for name, spec in TENANTS.items()}
+    )
     port = StackPorts.free().router
     router = start_service(stack, "router", port, tmp, tenants_file=str(tenants_file))
     try:
         yield f"127.0.0.1:{port}", keys
     finally:
         router.terminate(5)
+
+
+def write_tenants(path: Path, specs: dict[str, dict[str, object]]) -> dict[str, str]:
+    """A tenants file with a fresh API key per spec (name -> tenant fields); the keys."""
+    keys = {name: secrets.token_urlsafe(16) for name in specs}
+    tenants = [{**spec, "api_key_hashes": [hash_key(keys[name])]} for name, spec in specs.items()]
+    path.write_text(json.dumps({"tenants": tenants}))
+    return keys
 
 
 def refusal(address: str, key: str, prompt: str = "hi", **kwargs: object) -> grpc.RpcError:
@@ -184,15 +187,9 @@ def one_slot_router(
 ) -> Iterator[OneSlotRouter]:
     """A router whose admission window is one stream wide, with a tenant per tier."""
     tmp = tmp_path_factory.mktemp("queue")
-    keys = {tier: secrets.token_urlsafe(16) for tier in ("critical", "standard", "sheddable")}
-    doc = {
-        "tenants": [
-            {"id": f"{tier}-tenant", "tier": tier, "api_key_hashes": [hash_key(key)]}
-            for tier, key in keys.items()
-        ]
-    }
     tenants_file = tmp / "tenants.json"
-    tenants_file.write_text(json.dumps(doc))
+    tiers = ("critical", "standard", "sheddable")
+    keys = write_tenants(tenants_file, {t: {"id": f"{t}-tenant", "tier": t} for t in tiers})
     ports = StackPorts.free()
     router = start_service(
         stack,
@@ -297,15 +294,11 @@ def _drain(call: Any) -> None:
 def test_policy_down_refuses_fail_closed_tenants_and_admits_fail_open_ones(
     stack: Stack, tmp_path: Path
 ) -> None:
-    keys = {mode: secrets.token_urlsafe(16) for mode in ("open", "closed")}
-    doc = {
-        "tenants": [
-            {"id": f"fail-{mode}", "policy_fail_mode": mode, "api_key_hashes": [hash_key(key)]}
-            for mode, key in keys.items()
-        ]
-    }
     tenants_file = tmp_path / "tenants.json"
-    tenants_file.write_text(json.dumps(doc))
+    modes = ("open", "closed")
+    keys = write_tenants(
+        tenants_file, {m: {"id": f"fail-{m}", "policy_fail_mode": m} for m in modes}
+    )
     ports = StackPorts.free()
     router = start_service(
         stack,

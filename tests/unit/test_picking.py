@@ -19,6 +19,7 @@ from services.router.picking import (
     split_point,
     subset_order,
 )
+from services.router.pool import reports_alive
 from services.router.routing import RoutingPolicy, ScorerWeights
 
 LOCAL = "eu"
@@ -266,3 +267,11 @@ def test_prefill_already_queued_at_a_replica_counts_as_load() -> None:
     idle = cand("b:1", report=ReportedLoad(running=2))
     decision = picker().pick(ask("x" * 1000), [queued, idle], RoutingPolicy())
     assert decision.candidate.address == "b:1" and decision.uncached_tokens == 1000
+
+
+def test_a_replica_is_alive_by_its_reports() -> None:
+    stale = 1.0
+    assert reports_alive(None, False, 100.0, stale)  # not reported yet: unknown, allowed
+    assert not reports_alive(None, True, 100.0, stale)  # its stream broke after reports
+    assert reports_alive(99.5, False, 100.0, stale)
+    assert not reports_alive(98.0, False, 100.0, stale)  # went silent
