@@ -62,7 +62,9 @@ def test_streaming_request_with_the_vllm_contract(stack: Stack) -> None:
     texts = [i.as_numpy("text_output")[0].decode() for i in items]
     tokens = [int(i.as_numpy("num_output_tokens")[0]) for i in items]
     reasons = [i.as_numpy("finish_reason")[0].decode() for i in items]
-    assert len(items) >= 4  # streamed; the outbox may merge tokens a busy sender lags on
+    # Streamed: more than one response. How many depends on load: the outbox merges the
+    # tokens of a stream whose sender lags (seen: 3 responses for 12 tokens in CI).
+    assert len(items) >= 2
     assert sum(tokens) == 12
     assert len("".join(texts)) == 12
     assert reasons[-1] == "length" and not any(reasons[:-1])
