@@ -145,3 +145,13 @@ class Verdict:
     rule_ids: tuple[str, ...] = ()
     text: str = ""
     rule_set_version: str = ""
+    checks_output: bool = False  # the rule set also has rules for generated text
+
+
+@dataclass(frozen=True)
+class GuardedText:
+    """Generated text after the streamed output check: what may be shown now, or the
+    deny rule that stops the generation."""
+
+    text: str
+    denied_by: str | None = None

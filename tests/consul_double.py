@@ -106,6 +106,8 @@ class ConsulDouble:
 
     async def _kv_get(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]
+        if "recurse" in request.query:
+            return await self._kv_get_prefix(request, key)
 
         def current() -> int:
             entry = self.kv.get(key)
@@ -116,17 +118,26 @@ class ConsulDouble:
         entry = self.kv.get(key)
         if entry is None:
             return web.Response(status=404, headers=headers)
-        value, create, modify = entry
-        body = [
-            {
-                "Key": key,
-                "Flags": 0,
-                "LockIndex": 0,
-                "CreateIndex": create,
-                "ModifyIndex": modify,
-                "Value": base64.b64encode(value).decode(),
-            }
-        ]
+        return web.json_response([self._kv_entry(key)], headers=headers)
+
+    def _kv_entry(self, key: str) -> dict[str, Any]:
+        value, create, modify = self.kv[key]
+        return {
+            "Key": key,
+            "Flags": 0,
+            "LockIndex": 0,
+            "CreateIndex": create,
+            "ModifyIndex": modify,
+            "Value": base64.b64encode(value).decode(),
+        }
+
+    async def _kv_get_prefix(self, request: web.Request, prefix: str) -> web.Response:
+        # Any KV change wakes a prefix query (Consul may wake them spuriously too).
+        await self._block(request, lambda: self.index)
+        headers = {"X-Consul-Index": str(self.index)}
+        body = [self._kv_entry(key) for key in sorted(self.kv) if key.startswith(prefix)]
+        if not body:
+            return web.Response(status=404, headers=headers)
         return web.json_response(body, headers=headers)
 
     async def _kv_put(self, request: web.Request) -> web.Response:

@@ -24,19 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"E\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\"{\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03\x32U\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"W\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08rule_set\x18\x04 \x01(\t\"\x92\x01\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x15\n\rchecks_output\x18\x05 \x01(\x08\"g\n\x12\x43heckOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08rule_set\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\x87\x01\n\x13\x43heckOutputResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x03 \x03(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x12\n\nheld_chars\x18\x05 \x01(\r*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03\x32\xa9\x01\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponse\x12R\n\x0b\x43heckOutput\x12\x1e.llmmesh.v1.CheckOutputRequest\x1a\x1f.llmmesh.v1.CheckOutputResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTION']._serialized_start=235
-  _globals['_ACTION']._serialized_end=321
+  _globals['_ACTION']._serialized_start=520
+  _globals['_ACTION']._serialized_end=606
   _globals['_CHECKINPUTREQUEST']._serialized_start=39
-  _globals['_CHECKINPUTREQUEST']._serialized_end=108
-  _globals['_CHECKINPUTRESPONSE']._serialized_start=110
-  _globals['_CHECKINPUTRESPONSE']._serialized_end=233
-  _globals['_POLICY']._serialized_start=323
-  _globals['_POLICY']._serialized_end=408
+  _globals['_CHECKINPUTREQUEST']._serialized_end=126
+  _globals['_CHECKINPUTRESPONSE']._serialized_start=129
+  _globals['_CHECKINPUTRESPONSE']._serialized_end=275
+  _globals['_CHECKOUTPUTREQUEST']._serialized_start=277
+  _globals['_CHECKOUTPUTREQUEST']._serialized_end=380
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_start=383
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_end=518
+  _globals['_POLICY']._serialized_start=609
+  _globals['_POLICY']._serialized_end=778
 # @@protoc_insertion_point(module_scope)

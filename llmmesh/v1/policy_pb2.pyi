@@ -52,22 +52,26 @@ class CheckInputRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    RULE_SET_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, recorded in the audit trail."""
     tenant: _builtins.str
     """Tenant whose rule set applies."""
     text: _builtins.str
     """The prompt to check."""
+    rule_set: _builtins.str
+    """Rule set to apply (the tenant's); empty means "default"."""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
         text: _builtins.str = ...,
+        rule_set: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -81,11 +85,14 @@ class CheckInputResponse(_message.Message):
     RULE_IDS_FIELD_NUMBER: _builtins.int
     REDACTED_TEXT_FIELD_NUMBER: _builtins.int
     RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
+    CHECKS_OUTPUT_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     redacted_text: _builtins.str
     """The text to send on (equal to the input unless redacted)."""
     rule_set_version: _builtins.str
     """Version of the rule set that decided."""
+    checks_output: _builtins.bool
+    """The rule set has output rules: stream the generation through CheckOutput."""
     @_builtins.property
     def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ids of the rules that matched, in rule-set order."""
@@ -97,11 +104,89 @@ class CheckInputResponse(_message.Message):
         rule_ids: _abc.Iterable[_builtins.str] | None = ...,
         redacted_text: _builtins.str = ...,
         rule_set_version: _builtins.str = ...,
+        checks_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "redacted_text", b"redacted_text", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checks_output", b"checks_output", "redacted_text", b"redacted_text", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckInputResponse: _TypeAlias = CheckInputResponse  # noqa: Y015
+
+@_typing.final
+class CheckOutputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    RULE_SET_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The first message names the stream (later ones may leave these empty)."""
+    tenant: _builtins.str
+    rule_set: _builtins.str
+    """Rule set to apply for the whole stream; empty means "default"."""
+    text: _builtins.str
+    """The next piece of generated text."""
+    final: _builtins.bool
+    """The generation has ended: release whatever is held back."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        rule_set: _builtins.str = ...,
+        text: _builtins.str = ...,
+        final: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckOutputRequest: _TypeAlias = CheckOutputRequest  # noqa: Y015
+
+@_typing.final
+class CheckOutputResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    RULE_IDS_FIELD_NUMBER: _builtins.int
+    RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
+    HELD_CHARS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text this message released, redacted; empty while text is held back. Concatenated,
+    the released texts equal the check of the whole output at once.
+    """
+    action: Global___Action.ValueType
+    """ALLOW; REDACT when something released was replaced; DENY: stop the generation
+    (nothing more is released).
+    """
+    rule_set_version: _builtins.str
+    """Version of the rule set that checks this stream."""
+    held_chars: _builtins.int
+    """Characters held back after this message: a tail that may still become a match."""
+    @_builtins.property
+    def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Rules that matched for the first time in this message."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        action: Global___Action.ValueType = ...,
+        rule_ids: _abc.Iterable[_builtins.str] | None = ...,
+        rule_set_version: _builtins.str = ...,
+        held_chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "held_chars", b"held_chars", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckOutputResponse: _TypeAlias = CheckOutputResponse  # noqa: Y015

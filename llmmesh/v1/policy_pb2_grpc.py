@@ -40,6 +40,11 @@ class PolicyStub:
                 request_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckInputRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckInputResponse.FromString,
                 _registered_method=True)
+        self.CheckOutput = channel.stream_stream(
+                '/llmmesh.v1.Policy/CheckOutput',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServicer:
@@ -53,6 +58,13 @@ class PolicyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckOutput(self, request_iterator, context):
+        """Checks generated text as it streams: one response per request message, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_PolicyServicer_to_server(servicer, server):
                     servicer.CheckInput,
                     request_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckInputRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckInputResponse.SerializeToString,
+            ),
+            'CheckOutput': grpc.stream_stream_rpc_method_handler(
+                    servicer.CheckOutput,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Policy:
             '/llmmesh.v1.Policy/CheckInput',
             llmmesh_dot_v1_dot_policy__pb2.CheckInputRequest.SerializeToString,
             llmmesh_dot_v1_dot_policy__pb2.CheckInputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckOutput(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmmesh.v1.Policy/CheckOutput',
+            llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,

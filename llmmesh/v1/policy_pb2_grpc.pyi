@@ -35,6 +35,8 @@ class PolicyStub:
     def __new__(cls, channel: _aio.Channel) -> PolicyAsyncStub: ...
     CheckInput: _grpc.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]
     """Checks a prompt before it reaches a model."""
+    CheckOutput: _grpc.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]
+    """Checks generated text as it streams: one response per request message, in order."""
 
 @_typing.type_check_only
 class PolicyAsyncStub(PolicyStub):
@@ -43,6 +45,8 @@ class PolicyAsyncStub(PolicyStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CheckInput: _aio.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]  # type: ignore[assignment]
     """Checks a prompt before it reaches a model."""
+    CheckOutput: _aio.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]  # type: ignore[assignment]
+    """Checks generated text as it streams: one response per request message, in order."""
 
 class PolicyServicer(metaclass=_abc_1.ABCMeta):
     """Internal: guardrails on prompts and generated text."""
@@ -54,5 +58,13 @@ class PolicyServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_policy_pb2.CheckInputResponse, _abc.Awaitable[_policy_pb2.CheckInputResponse]]:
         """Checks a prompt before it reaches a model."""
+
+    @_abc_1.abstractmethod
+    def CheckOutput(
+        self,
+        request_iterator: _MaybeAsyncIterator[_policy_pb2.CheckOutputRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_pb2.CheckOutputResponse], _abc.AsyncIterator[_policy_pb2.CheckOutputResponse]]:
+        """Checks generated text as it streams: one response per request message, in order."""
 
 def add_PolicyServicer_to_server(servicer: PolicyServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

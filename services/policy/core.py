@@ -1,82 +1,158 @@
-"""Policy core: applies the active rule set to prompts and counts decisions."""
+"""Policy core: applies a tenant's rule set to prompts and to generated text as it
+streams, counts decisions and writes the audit trail."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Verdict
+from llmmesh.types import PolicyAction, Verdict
 from services.policy.audit import AuditLog
-from services.policy.rules import RuleSet, RuleSetError
+from services.policy.library import RuleLibrary
+from services.policy.streaming import OutputScanner, OutputStep
 
 log = logging.getLogger(__name__)
 
 DECISIONS = Counter("llm_policy_decisions_total", "Policy decisions", ["stage", "action"])
-RULE_MATCHES = Counter("llm_policy_rule_matches_total", "Rule matches", ["rule_id"])
+RULE_MATCHES = Counter("llm_policy_rule_matches_total", "Rule matches", ["rule_id", "stage"])
 CHECK_SECONDS = Histogram(
     "llm_policy_check_seconds",
-    "Time to check one text",
+    "Time to check one prompt or one output chunk",
     ["stage"],
-    buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01),
+    buckets=(0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01),
 )
-
-RULES_REJECTED = Counter("llm_policy_rules_rejected_total", "Rule files refused as invalid")
+HELD_CHARS = Histogram(
+    "llm_policy_output_held_chars",
+    "Characters of generated text held back after each chunk",
+    buckets=(0, 4, 8, 16, 32, 64, 128, 256, 512),
+)
 MAX_TEXT_CHARS = 1_000_000
 
 
+def check_text(field: str, text: str) -> None:
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidArgument(field, f"longer than {MAX_TEXT_CHARS} characters")
+
+
 class PolicyCore:
-    def __init__(self, rules: RuleSet, audit: AuditLog | None = None) -> None:
-        self.rules = rules
+    def __init__(self, library: RuleLibrary, audit: AuditLog | None = None) -> None:
+        self.library = library
         self._audit = audit
 
-    def offer(self, text: str, source: str) -> bool:
-        """Swaps in a changed rule set if it is valid; otherwise the current one stays."""
-        try:
-            rules = RuleSet.from_text(text, source)
-        except RuleSetError as err:
-            RULES_REJECTED.inc()
-            log.warning(
-                "rule set rejected; the previous one stays",
-                extra={"fields": {"reason": str(err), "version": self.rules.version}},
-            )
-            return False
-        if rules.version != self.rules.version:
-            log.info("rule set applied", extra={"fields": {"version": rules.version}})
-        self.rules = rules  # one reference swap: a check sees the old set or the new one
-        return True
-
-    def check_input(self, tenant: str, text: str, request_id: str = "") -> Verdict:
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidArgument("text", f"longer than {MAX_TEXT_CHARS} characters")
+    def check_input(
+        self, tenant: str, text: str, request_id: str = "", rule_set: str = ""
+    ) -> Verdict:
+        check_text("text", text)
+        rules = self.library.get(rule_set)
         started = time.perf_counter()
-        verdict = self.rules.check_input(text)
+        verdict = rules.check_input(text)
         CHECK_SECONDS.labels("input").observe(time.perf_counter() - started)
-        DECISIONS.labels("input", verdict.action.value).inc()
-        for rule_id in verdict.rule_ids:
-            RULE_MATCHES.labels(rule_id).inc()
+        self.record_decision(
+            stage="input",
+            request_id=request_id,
+            tenant=tenant,
+            action=verdict.action,
+            rule_ids=verdict.rule_ids,
+            text=text,
+            version=verdict.rule_set_version,
+        )
+        return verdict
+
+    def has_output_rules(self, rule_set: str) -> bool:
+        return bool(self.library.get(rule_set).output)
+
+    def open_output(self, tenant: str, request_id: str, rule_set: str) -> OutputCheck:
+        """A streamed check of one generation, with the set in force now to its end."""
+        rules = self.library.get(rule_set)
+        return OutputCheck(self, OutputScanner(rules.output), tenant, request_id, rules.version)
+
+    def record_decision(
+        self,
+        *,
+        stage: str,
+        request_id: str,
+        tenant: str,
+        action: PolicyAction,
+        rule_ids: Sequence[str],
+        text: str,
+        version: str,
+    ) -> None:
+        DECISIONS.labels(stage, action.value).inc()
+        for rule_id in rule_ids:
+            RULE_MATCHES.labels(rule_id, stage).inc()
         if self._audit is not None:
             self._audit.record(
                 request_id=request_id,
                 tenant=tenant,
-                stage="input",
-                action=verdict.action.value,
-                rule_ids=verdict.rule_ids,
-                rule_set_version=verdict.rule_set_version,
+                stage=stage,
+                action=action.value,
+                rule_ids=tuple(rule_ids),
+                rule_set_version=version,
                 text=text,
             )
-        if verdict.rule_ids:
+        if rule_ids:
             log.info(
                 "policy match",
                 extra={
                     "fields": {
+                        "stage": stage,
                         "tenant": tenant,
-                        "rule_ids": verdict.rule_ids,
-                        "action": verdict.action.value,
-                        "rule_set_version": verdict.rule_set_version,
+                        "rule_ids": list(rule_ids),
+                        "action": action.value,
+                        "rule_set_version": version,
                     }
                 },
             )
-        return verdict
+
+
+class OutputCheck:
+    """One generation's streamed check; ``close`` records the decision once."""
+
+    def __init__(
+        self, core: PolicyCore, scanner: OutputScanner, tenant: str, request_id: str, version: str
+    ) -> None:
+        self._core = core
+        self._scanner = scanner
+        self._tenant = tenant
+        self._request_id = request_id
+        self.version = version
+        self._redacted = False
+        self._text: list[str] = []
+        self._closed = False
+
+    def feed(self, text: str, final: bool = False) -> OutputStep:
+        check_text("text", text)
+        started = time.perf_counter()
+        step = self._scanner.feed(text)
+        if final and step.denied_by is None:
+            step = step.then(self._scanner.finish())
+        CHECK_SECONDS.labels("output_chunk").observe(time.perf_counter() - started)
+        HELD_CHARS.observe(step.held)
+        self._text.append(text)
+        self._redacted = self._redacted or step.redacted
+        if final or step.denied_by is not None:
+            self.close()
+        return step
+
+    def close(self) -> None:
+        """Records the stream's decision (also when the stream was cut short)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._scanner.denied_by is not None:
+            action = PolicyAction.DENY
+        else:
+            action = PolicyAction.REDACT if self._redacted else PolicyAction.ALLOW
+        self._core.record_decision(
+            stage="output",
+            request_id=self._request_id,
+            tenant=self._tenant,
+            action=action,
+            rule_ids=self._scanner.matched,
+            text="".join(self._text),
+            version=self.version,
+        )

@@ -36,16 +36,24 @@ def _phone(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Detector:
+    """``partial`` (RE2 syntax) matches every text that may still grow into a match, and
+    possibly more: the streamed output check holds back a tail it matches."""
+
     name: str
     placeholder: str
     pattern: Any  # re2 pattern
-    valid: Callable[[str], bool] = lambda _: True
+    partial: str
+    valid: Callable[[str], bool]
 
 
 def _detector(
-    name: str, placeholder: str, pattern: str, valid: Callable[[str], bool] | None = None
+    name: str,
+    placeholder: str,
+    pattern: str,
+    partial: str,
+    valid: Callable[[str], bool] | None = None,
 ) -> Detector:
-    return Detector(name, placeholder, re2.compile(pattern), valid or (lambda _: True))
+    return Detector(name, placeholder, re2.compile(pattern), partial, valid or (lambda _: True))
 
 
 DETECTORS = {
@@ -55,15 +63,40 @@ DETECTORS = {
             "email",
             "[EMAIL]",
             r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
+            r"[A-Za-z0-9._%+-]+(?:@[A-Za-z0-9.-]*)?",
         ),
-        _detector("credit_card", "[CREDIT_CARD]", r"\b\d(?:[ -]?\d){12,18}\b", _luhn),
-        _detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban),
-        _detector("ip_address", "[IP_ADDRESS]", r"\b(?:\d{1,3}\.){3}\d{1,3}\b", _ipv4),
-        _detector("ip_address_v6", "[IP_ADDRESS]", r"\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b"),
+        _detector(
+            "credit_card",
+            "[CREDIT_CARD]",
+            r"\b\d(?:[ -]?\d){12,18}\b",
+            r"\d(?:[ -]?\d)*[ -]?",
+            _luhn,
+        ),
+        _detector(
+            "iban",
+            "[IBAN]",
+            r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b",
+            r"[A-Z](?:[A-Z](?:\d(?:\d(?: ?[A-Z0-9])* ?)?)?)?",
+            _iban,
+        ),
+        _detector(
+            "ip_address",
+            "[IP_ADDRESS]",
+            r"\b(?:\d{1,3}\.){3}\d{1,3}\b",
+            r"\d[\d.]*",
+            _ipv4,
+        ),
+        _detector(
+            "ip_address_v6",
+            "[IP_ADDRESS]",
+            r"\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b",
+            r"[0-9A-Fa-f][0-9A-Fa-f:]*",
+        ),
         _detector(
             "api_key",
             "[SECRET]",
             r"\b(?:sk|pk|rk|ghp|gho|ghs|xox[abp]|AKIA|llmm)[-_]?[A-Za-z0-9_-]{16,}\b",
+            r"[A-Za-z0-9_-]+",
         ),
         _detector(
             "phone",
@@ -72,6 +105,7 @@ DETECTORS = {
             # left alone (they are as often order numbers as phones).
             r"(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d(?:[ .-]?\d){6,12}"
             r"|\(\d{2,4}\)[ .-]?\d{3,4}[ .-]?\d{3,4}|\b\d{3}[.-]\d{3}[.-]\d{4})\b",
+            r"[+(][\d .()-]*|\d[\d.-]*",
             _phone,
         ),
     )

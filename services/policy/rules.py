@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import enum
-import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import re2
 import yaml
 from pydantic import (
     BaseModel,
@@ -20,7 +19,8 @@ from pydantic import (
 )
 
 from llmmesh.types import PolicyAction, Verdict
-from services.policy.detectors import DETECTORS, disjoint, find, redact
+from services.policy.detectors import DETECTORS, disjoint, redact
+from services.policy.matching import Hit, Matcher, PatternError, RuleMatchers, compile_regex
 
 
 class Stage(enum.Enum):
@@ -42,9 +42,11 @@ class RuleSpec(BaseModel):
     description: str = ""
     stage: Stage = Stage.INPUT
     action: RuleAction
-    # Matchers (at least one kind): whole-word keywords, case-insensitive; RE2 regular
-    # expressions; built-in detectors (services/policy/detectors.py).
+    # Matchers (at least one kind): keywords, case-insensitive, any whitespace run
+    # matching a space, whole words unless whole_word is false; RE2 regular expressions;
+    # built-in detectors (services/policy/detectors.py).
     keywords: list[str] = Field(default_factory=list)
+    whole_word: bool = True
     regex: list[str] = Field(default_factory=list)
     detectors: list[str] = Field(default_factory=list)
     placeholder: str = "[REDACTED]"  # for keyword and regex matches of a redact rule
@@ -70,89 +72,148 @@ class RuleSpec(BaseModel):
             raise ValueError("a rule needs keywords, regex or detectors")
         return self
 
+    def applies_to(self, stage: Stage) -> bool:
+        return self.stage in (stage, Stage.BOTH)
+
 
 class RuleSetSpec(BaseModel):
+    """One rule set document. A set may start from another (``extends``): its rules
+    replace the inherited ones of the same id, ``disable`` drops inherited ones, and new
+    ones follow the inherited."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: str = Field(min_length=1)
+    extends: str | None = None
+    disable: list[str] = Field(default_factory=list)
     rules: list[RuleSpec]
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> RuleSetSpec:
+        ids = [r.id for r in self.rules]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate rule ids: {duplicates}")
+        return self
 
 
 class RuleSetError(ValueError):
-    """A rule file is invalid; the message says where."""
+    """A rule set is invalid; the message says where."""
+
+
+def read_rule_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RuleSetError(f"cannot read rule file {path}: {exc}") from None
+
+
+def parse_rule_set(text: str, source: str) -> RuleSetSpec:
+    try:
+        doc: Any = yaml.safe_load(text)
+        return RuleSetSpec.model_validate(doc)
+    except yaml.YAMLError as exc:
+        raise RuleSetError(f"cannot read rule set {source}: {exc}") from None
+    except ValidationError as exc:
+        raise RuleSetError(f"invalid rule set {source}: {exc}") from None
+
+
+DEFAULT_HOLDBACK_CAP = 256
 
 
 @dataclass(frozen=True)
-class _CompiledRule:
-    spec: RuleSpec
-    patterns: tuple[Any, ...]  # RE2 patterns: keywords and regex
+class Decision:
+    """What the rules of one stage found in a text: matched rule ids in rule-set order,
+    the deny rule that matched first (if any), and the text with redactions applied."""
 
-    def applies_to_input(self) -> bool:
-        return self.spec.stage in (Stage.INPUT, Stage.BOTH)
+    rule_ids: tuple[str, ...]
+    denied_by: str | None
+    text: str
+    redacted: bool
 
-    def spans(self, text: str) -> list[tuple[int, int, str]]:
-        found = [
-            (m.start(), m.end(), self.spec.placeholder)
-            for pattern in self.patterns
-            for m in pattern.finditer(text)
+    def verdict(self, version: str) -> Verdict:
+        if self.denied_by is not None:
+            action = PolicyAction.DENY
+        elif self.redacted:
+            action = PolicyAction.REDACT
+        else:
+            action = PolicyAction.ALLOW
+        return Verdict(action, self.rule_ids, self.text, version)
+
+
+class StageRules:
+    """The rules of a set that apply at one stage, compiled into one matcher."""
+
+    def __init__(self, rules: Sequence[RuleSpec], holdback_cap: int) -> None:
+        self.rules = list(rules)
+        self.matcher = Matcher([_matchers(r) for r in self.rules], holdback_cap)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def denies(self, rule: int) -> bool:
+        return self.rules[rule].action is RuleAction.DENY
+
+    def decide(self, text: str, hits: Sequence[Hit], offset: int = 0) -> Decision:
+        """Applies ``hits`` (positions ``offset`` past the start of ``text``)."""
+        matched = sorted({h.rule for h in hits if h.valid})
+        deny = [i for i in matched if self.denies(i)]
+        redactions = [
+            (h.start - offset, h.end - offset, h.placeholder or self.rules[h.rule].placeholder)
+            for h in hits
+            if h.valid and self.rules[h.rule].action is RuleAction.REDACT
         ]
-        return found + find(text, self.spec.detectors)
+        redacted = redact(text, disjoint(redactions)) if redactions and not deny else text
+        return Decision(
+            tuple(self.rules[i].id for i in matched),
+            self.rules[deny[0]].id if deny else None,
+            redacted,
+            bool(redactions) and not deny,
+        )
+
+    def check(self, text: str) -> Decision:
+        return self.decide(text, self.matcher.hits(text))
+
+
+def _matchers(spec: RuleSpec) -> RuleMatchers:
+    try:
+        compiled = [compile_regex(p) for p in spec.regex]
+    except PatternError as err:
+        raise RuleSetError(f"rule {spec.id}: {err}") from None
+    return RuleMatchers(spec.keywords, spec.whole_word, compiled, spec.detectors, spec.placeholder)
 
 
 class RuleSet:
-    def __init__(self, spec: RuleSetSpec) -> None:
-        ids = [r.id for r in spec.rules]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
-        if duplicates:
-            raise RuleSetError(f"duplicate rule ids: {duplicates}")
-        self.version = spec.version
-        self._rules = [_CompiledRule(r, _compile(r)) for r in spec.rules]
+    """A resolved rule set (inheritance applied), compiled per stage."""
+
+    def __init__(
+        self,
+        rules: Sequence[RuleSpec],
+        version: str,
+        holdback_cap: int = DEFAULT_HOLDBACK_CAP,
+    ) -> None:
+        self.version = version
+        self.input = StageRules([r for r in rules if r.applies_to(Stage.INPUT)], holdback_cap)
+        self.output = StageRules([r for r in rules if r.applies_to(Stage.OUTPUT)], holdback_cap)
 
     @classmethod
-    def from_file(cls, path: Path) -> RuleSet:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise RuleSetError(f"cannot read rule file {path}: {exc}") from None
-        return cls.from_text(text, str(path))
+    def from_spec(cls, spec: RuleSetSpec, holdback_cap: int = DEFAULT_HOLDBACK_CAP) -> RuleSet:
+        if spec.extends:
+            raise RuleSetError(f"set extends '{spec.extends}': load it through a RuleLibrary")
+        return cls(spec.rules, spec.version, holdback_cap)
 
     @classmethod
     def from_text(cls, text: str, source: str) -> RuleSet:
-        try:
-            doc: Any = yaml.safe_load(text)
-            return cls(RuleSetSpec.model_validate(doc))
-        except yaml.YAMLError as exc:
-            raise RuleSetError(f"cannot read rule file {source}: {exc}") from None
-        except ValidationError as exc:
-            raise RuleSetError(f"invalid rule file {source}: {exc}") from None
+        return cls.from_spec(parse_rule_set(text, source))
+
+    @classmethod
+    def from_file(cls, path: Path) -> RuleSet:
+        return cls.from_text(read_rule_file(path), str(path))
 
     def check_input(self, text: str) -> Verdict:
         """Deny wins; otherwise redact rules replace what they match; flags only report."""
-        matched: list[str] = []
-        action, redactions = PolicyAction.ALLOW, []
-        for rule in (r for r in self._rules if r.applies_to_input()):
-            spans = rule.spans(text)
-            if not spans:
-                continue
-            matched.append(rule.spec.id)
-            if rule.spec.action is RuleAction.DENY:
-                action = PolicyAction.DENY
-            elif rule.spec.action is RuleAction.REDACT:
-                redactions += spans
-        if action is not PolicyAction.DENY and redactions:
-            action, text = PolicyAction.REDACT, redact(text, disjoint(redactions))
-        return Verdict(action, tuple(matched), text, self.version)
+        return self.input.check(text).verdict(self.version)
 
-
-def _compile(spec: RuleSpec) -> tuple[Any, ...]:
-    patterns = []
-    for pattern in spec.regex:
-        try:
-            patterns.append(re2.compile(pattern))
-        except re2.error as err:
-            raise RuleSetError(f"rule {spec.id}: regex {pattern!r}: {err}") from None
-    if spec.keywords:
-        # Whitespace inside a phrase matches any run of whitespace; \b keeps words whole.
-        phrases = (r"\s+".join(re.escape(w) for w in k.split()) for k in spec.keywords)
-        patterns.append(re2.compile(r"(?i)\b(?:" + "|".join(phrases) + r")\b"))
-    return tuple(patterns)
+    def check_output(self, text: str) -> Verdict:
+        """The whole of a generated text at once (the streamed check gives the same)."""
+        return self.output.check(text).verdict(self.version)

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc
 
 from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime.config import ConfigError
+from llmmesh.runtime.consul import ConsulPrefixWatch, connect
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
-from llmmesh.runtime.watch import watch_file
+from llmmesh.runtime.watch import watch_directory, watch_file
 from llmmesh.types import PolicyAction
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.audit import AuditLog
 from services.policy.config import PolicyConfig
-from services.policy.core import PolicyCore
-from services.policy.rules import RuleSet
+from services.policy.core import OutputCheck, PolicyCore
+from services.policy.library import DEFAULT_SET, RuleLibrary
+from services.policy.rules import RuleSetError
+from services.policy.streaming import OutputStep
 
 SERVICE = policy_pb2.DESCRIPTOR.services_by_name["Policy"]
 
@@ -27,7 +32,10 @@ _ACTIONS = {
     PolicyAction.REDACT: policy_pb2.ACTION_REDACT,
 }
 
-Context = grpc.aio.ServicerContext[policy_pb2.CheckInputRequest, policy_pb2.CheckInputResponse]
+InputContext = grpc.aio.ServicerContext[policy_pb2.CheckInputRequest, policy_pb2.CheckInputResponse]
+OutputContext = grpc.aio.ServicerContext[
+    policy_pb2.CheckOutputRequest, policy_pb2.CheckOutputResponse
+]
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServicer):
@@ -35,11 +43,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         self._core = core
 
     async def CheckInput(  # noqa: N802 (gRPC method name)
-        self, request: policy_pb2.CheckInputRequest, context: Context
+        self, request: policy_pb2.CheckInputRequest, context: InputContext
     ) -> policy_pb2.CheckInputResponse:
         bind_request_id(context, request.request_id)
         try:
-            verdict = self._core.check_input(request.tenant, request.text, request.request_id)
+            verdict = self._core.check_input(
+                request.tenant, request.text, request.request_id, request.rule_set
+            )
+            checks_output = self._core.has_output_rules(request.rule_set)
         except MeshError as err:
             await abort(context, err)
         return policy_pb2.CheckInputResponse(
@@ -47,7 +58,76 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
             rule_ids=list(verdict.rule_ids),
             redacted_text=verdict.text,
             rule_set_version=verdict.rule_set_version,
+            checks_output=checks_output,
         )
+
+    async def CheckOutput(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[policy_pb2.CheckOutputRequest],
+        context: OutputContext,
+    ) -> AsyncGenerator[policy_pb2.CheckOutputResponse, None]:
+        check: OutputCheck | None = None
+        try:
+            async for request in request_iterator:
+                if check is None:
+                    bind_request_id(context, request.request_id)
+                    check = self._core.open_output(
+                        request.tenant, request.request_id, request.rule_set
+                    )
+                step = check.feed(request.text, request.final)
+                yield _output_response(step, check.version)
+                if step.denied_by is not None or request.final:
+                    return
+        except MeshError as err:
+            await abort(context, err)
+        finally:
+            if check is not None:
+                check.close()  # a stream cut short is still a decision to record
+
+
+def _output_response(step: OutputStep, version: str) -> policy_pb2.CheckOutputResponse:
+    rule_ids = list(step.rule_ids)
+    if step.denied_by is not None:  # the deny rule comes first
+        action = policy_pb2.ACTION_DENY
+        rule_ids = [step.denied_by, *(r for r in rule_ids if r != step.denied_by)]
+    else:
+        action = policy_pb2.ACTION_REDACT if step.redacted else policy_pb2.ACTION_ALLOW
+    return policy_pb2.CheckOutputResponse(
+        text=step.text,
+        action=action,
+        rule_ids=rule_ids,
+        rule_set_version=version,
+        held_chars=step.held,
+    )
+
+
+def _read_sets(location: Path) -> dict[str, str]:
+    """{set name: YAML} from a rule file (the default set) or a directory of sets."""
+    try:
+        if location.is_dir():
+            return {p.stem: p.read_text("utf-8") for p in sorted(location.glob("*.yaml"))}
+        return {DEFAULT_SET: location.read_text("utf-8")}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"rules_path: {err}") from None
+
+
+async def _file_sets(
+    location: Path, is_dir: bool, interval_s: float
+) -> AsyncIterator[dict[str, str]]:
+    if is_dir:
+        async for texts in watch_directory(location, ".yaml", interval_s):
+            yield texts
+    else:
+        async for text in watch_file(location, interval_s):
+            yield {DEFAULT_SET: text}
+
+
+def _rule_updates(config: PolicyConfig) -> AsyncIterator[dict[str, str]]:
+    if config.rules_source == "consul":
+        client = connect(config.consul_address, config.consul_token)
+        return ConsulPrefixWatch(client, config.consul_policy_prefix).watch()
+    location = config.rules_location
+    return _file_sets(location, location.is_dir(), config.watch_interval_s)
 
 
 def build_service(config: PolicyConfig) -> GrpcService:
@@ -61,13 +141,18 @@ def build_service(config: PolicyConfig) -> GrpcService:
         if config.audit_path
         else None
     )
-    core = PolicyCore(RuleSet.from_file(config.rules_file), audit)
+    library = RuleLibrary(config.output_holdback_cap)
+    try:  # the service starts with valid rules or not at all
+        library.load(_read_sets(config.rules_location), str(config.rules_location))
+    except RuleSetError as err:
+        raise ConfigError(str(err)) from None
+    core = PolicyCore(library, audit)
     servicer = PolicyServicer(core)
     watcher: list[asyncio.Task[None]] = []
 
     async def follow_rules() -> None:
-        async for text in watch_file(config.rules_file, config.watch_interval_s):
-            core.offer(text, str(config.rules_file))
+        async for texts in _rule_updates(config):
+            library.offer(texts, config.rules_source)
 
     async def start() -> None:
         watcher.append(asyncio.create_task(follow_rules()))

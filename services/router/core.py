@@ -32,7 +32,13 @@ from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
 from services.router.prompt import build_prompt
 from services.router.tenants import Lease, Tenants
-from services.router.upstreams import ContextClient, InferenceClient, PolicyClient, RouteHints
+from services.router.upstreams import (
+    ContextClient,
+    InferenceClient,
+    OutputGuard,
+    PolicyClient,
+    RouteHints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +108,7 @@ class Prepared:
     received_at: float
     lease: Lease
     slot: Slot
+    guard: OutputGuard | None = None  # the streamed output check, when the rules have one
 
     def release(self, first_token_at: float | None = None) -> None:
         """Gives back the tenant's stream and the admission slot (idempotent);
@@ -179,22 +186,29 @@ class RouterCore:
         hints = self._hints(request)
         # The generation's request goes out first: it is the long pole.
         started = StartedStream(self._inference.generate(call, hints))
-        verdict = asyncio.create_task(
-            self._policy.check_input(request.request_id, request.tenant, request.prompt)
+        rule_set = self._tenants.spec(request.tenant).policy_set
+        pending = asyncio.create_task(
+            self._policy.check_input(request.request_id, request.tenant, request.prompt, rule_set)
         )
         try:
-            user_text = self._admit(await self._verdict(verdict, request)) or request.prompt
+            verdict = await self._verdict(pending, request)
+            user_text = self._admit(verdict) or request.prompt
             if user_text != request.prompt:
                 await started.abandon()
                 call, prompt_tokens = self._build_call(request, history, user_text)
                 started = StartedStream(self._inference.generate(call, hints))
         except BaseException:
-            verdict.cancel()
+            pending.cancel()
             await started.abandon()
             lease.release()
             slot.release(None)
             raise
-        return Prepared(request, started, user_text, prompt_tokens, received_at, lease, slot)
+        guard = (
+            self._policy.guard_output(request.request_id, request.tenant, rule_set)
+            if verdict.checks_output
+            else None
+        )
+        return Prepared(request, started, user_text, prompt_tokens, received_at, lease, slot, guard)
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:
@@ -216,9 +230,15 @@ class RouterCore:
         model = prepared.request.model
         parts: list[str] = []
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
+        guard, held_tokens = prepared.guard, 0
         try:
             async for relayed in prepared.stream.chunks():
-                chunk = self._charge(prepared.lease, relayed)
+                charged = self._charge(prepared.lease, relayed)
+                chunk, guard = await self._guard(prepared.request.tenant, guard, charged)
+                if not chunk.text and chunk.finish_reason is None:
+                    held_tokens += chunk.num_tokens  # all held back: nothing to send yet
+                    continue
+                chunk, held_tokens = replace(chunk, num_tokens=chunk.num_tokens + held_tokens), 0
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
@@ -237,6 +257,8 @@ class RouterCore:
             raise
         finally:
             await prepared.stream.abandon()
+            if guard is not None:
+                await guard.close()
             prepared.release(first_token_at)
             log.info(
                 "generation ended",
@@ -259,6 +281,33 @@ class RouterCore:
         if lease.charge(chunk.num_tokens) or chunk.finish_reason is not None:
             return chunk
         return replace(chunk, finish_reason=FinishReason.BUDGET)
+
+    async def _guard(
+        self, tenant: str, guard: OutputGuard | None, chunk: Chunk
+    ) -> tuple[Chunk, OutputGuard | None]:
+        """The chunk as the streamed output check lets it out: redacted, held back in
+        part, or turned into the end of the stream (finish reason ``policy``); and the
+        guard for the next chunk. If policy becomes unreachable, the tenant's fail mode
+        decides, as for prompts: ``open`` relays the rest unchecked."""
+        if guard is None:
+            return chunk, None
+        final = chunk.finish_reason is not None
+        try:
+            guarded = await guard.check(chunk.text, final)
+        except Unavailable:
+            if self._tenants.spec(tenant).policy_fail_mode == "closed":
+                raise
+            POLICY_FAIL_OPEN.labels(tenant).inc()
+            log.warning(
+                "policy unreachable mid-stream; output unchecked by the tenant's fail-open mode",
+                extra={"fields": {"tenant": tenant}},
+            )
+            await guard.close()
+            return chunk, None
+        if guarded.denied_by is not None:
+            log.info("generation stopped by policy", extra={"fields": {"rule": guarded.denied_by}})
+            return replace(chunk, text="", finish_reason=FinishReason.POLICY), guard
+        return replace(chunk, text=guarded.text), guard
 
     async def _load_history(self, request: GenerateInput) -> list[Turn] | None:
         if not request.session_id:

@@ -14,6 +14,7 @@ import grpc
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.config import ConfigError
+from llmmesh.runtime.consul import ConsulKeyWatch, connect
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import (
     AUTHORIZATION,
@@ -29,7 +30,7 @@ from llmmesh.types import Chunk
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
-from services.router.consul import ConsulDiscovery, ConsulKeyWatch, connect
+from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Prepared, RouterCore
 from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery
 from services.router.pool import InferencePool, PoolSettings

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -12,7 +13,7 @@ from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb,
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
-from llmmesh.types import Chunk, InferenceCall, PolicyAction, Turn, Verdict
+from llmmesh.types import Chunk, GuardedText, InferenceCall, PolicyAction, Turn, Verdict
 from llmmesh.v1 import (
     context_pb2,
     context_pb2_grpc,
@@ -25,8 +26,20 @@ from llmmesh.v1 import (
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 * 1024 * 1024)]
 
 
+class OutputGuard(Protocol):
+    """One generation's streamed output check."""
+
+    async def check(self, text: str, final: bool) -> GuardedText: ...
+
+    async def close(self) -> None: ...
+
+
 class PolicyClient(Protocol):
-    async def check_input(self, request_id: str, tenant: str, text: str) -> Verdict: ...
+    async def check_input(
+        self, request_id: str, tenant: str, text: str, rule_set: str
+    ) -> Verdict: ...
+
+    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> OutputGuard: ...
 
 
 class ContextClient(Protocol):
@@ -68,8 +81,10 @@ class GrpcPolicyClient:
         self._stub = policy_pb2_grpc.PolicyStub(channel)
         self._timeout = timeout_s
 
-    async def check_input(self, request_id: str, tenant: str, text: str) -> Verdict:
-        request = policy_pb2.CheckInputRequest(request_id=request_id, tenant=tenant, text=text)
+    async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
+        request = policy_pb2.CheckInputRequest(
+            request_id=request_id, tenant=tenant, text=text, rule_set=rule_set
+        )
         try:
             reply = await self._stub.CheckInput(
                 request, timeout=self._timeout, metadata=_metadata(request_id)
@@ -81,7 +96,56 @@ class GrpcPolicyClient:
             rule_ids=tuple(reply.rule_ids),
             text=reply.redacted_text,
             rule_set_version=reply.rule_set_version,
+            checks_output=reply.checks_output,
         )
+
+    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> GrpcOutputGuard:
+        return GrpcOutputGuard(self._stub, request_id, tenant, rule_set, self._timeout)
+
+
+class GrpcOutputGuard:
+    """A CheckOutput stream: one request and one reply per chunk of generated text."""
+
+    def __init__(
+        self,
+        stub: policy_pb2_grpc.PolicyStub,
+        request_id: str,
+        tenant: str,
+        rule_set: str,
+        timeout_s: float,
+    ) -> None:
+        self._stub = stub
+        self._first = policy_pb2.CheckOutputRequest(
+            request_id=request_id, tenant=tenant, rule_set=rule_set
+        )
+        self._request_id = request_id
+        self._timeout = timeout_s
+        self._call: Any = None
+
+    async def check(self, text: str, final: bool) -> GuardedText:
+        request = policy_pb2.CheckOutputRequest(text=text, final=final)
+        if self._call is None:
+            # No request iterator: requests go out with write(), one per chunk.
+            self._call = self._stub.CheckOutput(  # type: ignore[call-arg]
+                metadata=_metadata(self._request_id)
+            )
+            request.MergeFrom(self._first)
+        try:
+            await self._call.write(request)
+            reply = await asyncio.wait_for(self._call.read(), self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "policy service") from None
+        except TimeoutError:
+            raise Unavailable("policy service did not answer an output check in time") from None
+        if reply is grpc.aio.EOF:
+            raise Unavailable("policy service ended the output check early")
+        if reply.action == policy_pb2.ACTION_DENY:
+            return GuardedText("", reply.rule_ids[0] if reply.rule_ids else "unknown")
+        return GuardedText(reply.text)
+
+    async def close(self) -> None:
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
 
 
 class GrpcContextClient:

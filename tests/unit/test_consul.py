@@ -16,7 +16,10 @@ from typing import TypeVar
 
 import consul.aio
 
-from services.router.consul import CONSUL_ERRORS, ConsulDiscovery, ConsulKeyWatch, connect
+from llmmesh.runtime.consul import CONSUL_ERRORS, ConsulKeyWatch, ConsulPrefixWatch, connect
+from llmmesh.types import PolicyAction
+from services.policy.library import RuleLibrary
+from services.router.consul import ConsulDiscovery
 from services.router.endpoints import Endpoint
 from services.router.routing import ROUTING_REJECTED, PolicyHolder, RoutingPolicy, render_policy
 from services.router.tenants import Tenants, hash_key
@@ -157,5 +160,33 @@ def test_tenants_follow_their_kv_key() -> None:
         assert not tenants.offer(await next_within(values), "consul")
         assert tenants.authenticate("Bearer key-a") == "a"
         await values.aclose()
+
+    asyncio.run(with_consul(scenario))
+
+
+def test_policy_rule_sets_follow_a_kv_prefix() -> None:
+    prefix = f"llm-mesh-test/policy-{os.getpid()}/"
+    rules = "version: {v}\nrules: [{{id: deny-x, action: deny, keywords: [{word}]}}]\n"
+
+    async def scenario(client: consul.aio.Consul, _: ConsulDouble | None) -> None:
+        library = RuleLibrary()
+        await client.kv.put(prefix + "default", rules.format(v="d1", word="apples"))
+        await client.kv.put(prefix + "acme", "version: a1\nextends: default\nrules: []\n")
+        sets = ConsulPrefixWatch(client, prefix, wait="5s").watch()
+        assert library.offer(await next_within(sets), "consul")
+        assert library.versions() == {"acme": "a1+d1", "default": "d1"}
+        assert library.get("acme").check_input("apples").action is PolicyAction.DENY
+
+        await client.kv.put(prefix + "acme", "version: a2\nextends: nowhere\nrules: []\n")
+        assert not library.offer(await next_within(sets), "consul")
+        assert library.versions()["acme"] == "a1+d1"
+
+        await client.kv.put(prefix + "default", rules.format(v="d2", word="pears"))
+        await client.kv.put(prefix + "acme", "version: a3\nextends: default\nrules: []\n")
+        while library.versions()["acme"] != "a3+d2":
+            library.offer(await next_within(sets), "consul")
+        assert library.get("acme").check_input("pears").action is PolicyAction.DENY
+        await sets.aclose()
+        await client.kv.delete(prefix, recurse=True)
 
     asyncio.run(with_consul(scenario))

@@ -64,12 +64,12 @@ def test_regex_rules_use_re2_and_bad_patterns_are_refused(tmp_path: Path) -> Non
             {"id": "ticket", "action": "redact", "regex": [r"TICKET-\d+"], "placeholder": "[T]"},
         ],
     }
-    rules = RuleSet(RuleSetSpec.model_validate(spec))
+    rules = RuleSet.from_spec(RuleSetSpec.model_validate(spec))
     assert rules.check_input("see TICKET-42 and TICKET-7").text == "see [T] and [T]"
     # Backreferences are not RE2: refused when the rule set is built, not at match time.
     bad = {"version": "t", "rules": [{"id": "b", "action": "deny", "regex": [r"(a)\1"]}]}
     with pytest.raises(RuleSetError, match="rule b: regex"):
-        RuleSet(RuleSetSpec.model_validate(bad))
+        RuleSet.from_spec(RuleSetSpec.model_validate(bad))
     path = tmp_path / "rules.yaml"
     path.write_text(json.dumps({"version": "t", "rules": [{"id": "n", "action": "deny"}]}))
     with pytest.raises(RuleSetError, match="needs keywords, regex or detectors"):
@@ -78,6 +78,6 @@ def test_regex_rules_use_re2_and_bad_patterns_are_refused(tmp_path: Path) -> Non
 
 def test_a_pathological_pattern_runs_in_linear_time() -> None:
     spec = {"version": "t", "rules": [{"id": "r", "action": "flag", "regex": [r"(a+)+$"]}]}
-    rules = RuleSet(RuleSetSpec.model_validate(spec))
+    rules = RuleSet.from_spec(RuleSetSpec.model_validate(spec))
     # Catastrophic for a backtracking engine; RE2 answers at once.
     assert rules.check_input("a" * 50_000 + "!").action is PolicyAction.ALLOW

@@ -12,6 +12,7 @@ from llmmesh.runtime.errors import InvalidArgument, PermissionDenied
 from llmmesh.types import (
     Chunk,
     FinishReason,
+    GuardedText,
     InferenceCall,
     PolicyAction,
     Role,
@@ -19,19 +20,52 @@ from llmmesh.types import (
     Turn,
     Verdict,
 )
+from services.policy.rules import RuleSet
+from services.policy.streaming import OutputScanner
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
 from services.router.upstreams import RouteHints
+
+
+class ScannerGuard:
+    """The policy service's own streamed check, in process."""
+
+    def __init__(self, scanner: OutputScanner) -> None:
+        self.scanner = scanner
+        self.closed = False
+
+    async def check(self, text: str, final: bool) -> GuardedText:
+        step = self.scanner.feed(text)
+        if final and step.denied_by is None:
+            step = step.then(self.scanner.finish())
+        return GuardedText(step.text, step.denied_by)
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 @dataclass
 class Policy:
     verdict: Verdict = field(default_factory=lambda: Verdict(PolicyAction.ALLOW))
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    output_rules: RuleSet | None = None
+    guards: list[ScannerGuard] = field(default_factory=list)
+    rule_sets: list[str] = field(default_factory=list)
 
-    async def check_input(self, request_id: str, tenant: str, text: str) -> Verdict:
+    async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
         await self.release.wait()
-        return Verdict(self.verdict.action, self.verdict.rule_ids, self.verdict.text or text)
+        self.rule_sets.append(rule_set)
+        return Verdict(
+            self.verdict.action,
+            self.verdict.rule_ids,
+            self.verdict.text or text,
+            checks_output=self.output_rules is not None,
+        )
+
+    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> ScannerGuard:
+        assert self.output_rules is not None
+        self.guards.append(ScannerGuard(OutputScanner(self.output_rules.output)))
+        return self.guards[-1]
 
 
 @dataclass
@@ -176,3 +210,50 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     with pytest.raises(InvalidArgument) as info:
         core.validate(replace(request(), color="no spaces"))
     assert info.value.field == "x-llm-color"
+
+
+def output_rules(rule: str) -> RuleSet:
+    return RuleSet.from_text(f"version: o1\nrules:\n  - {rule}\n", "test")
+
+
+def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
+    async def scenario() -> None:
+        rules = output_rules(
+            "{id: digits, stage: output, action: redact, regex: ['\\d{3}'], placeholder: '#'}"
+        )
+        policy, inference = Policy(output_rules=rules), Inference()
+        policy.release.set()
+        chunks = await run(make_core(policy, Context(), inference), request(max_tokens=12))
+        raw = "01234567890!"
+        assert "".join(c.text for c in chunks) == rules.check_output(raw).text == "###90!"
+        assert all(c.text for c in chunks)  # fully held chunks are not sent empty
+        assert sum(c.num_tokens for c in chunks) == 12
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
+        assert policy.guards[0].closed
+
+    asyncio.run(scenario())
+
+
+def test_an_output_deny_rule_stops_the_generation() -> None:
+    async def scenario() -> None:
+        rules = output_rules("{id: no-345, stage: output, action: deny, regex: ['345']}")
+        policy, inference = Policy(output_rules=rules), Inference()
+        policy.release.set()
+        chunks = await run(make_core(policy, Context(), inference), request(max_tokens=40))
+        text = "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason is FinishReason.POLICY
+        assert "345" not in text and "012".startswith(text)
+        assert inference.closed == ["hello"]  # the generation was cut off upstream
+
+    asyncio.run(scenario())
+
+
+def test_the_tenants_rule_set_is_asked_for() -> None:
+    async def scenario() -> None:
+        policy = Policy()
+        policy.release.set()
+        await run(make_core(policy, Context(), Inference()), request())
+        assert policy.rule_sets == ["default"]
+        assert policy.guards == []  # no output rules: no streamed check
+
+    asyncio.run(scenario())

@@ -30,8 +30,7 @@ _PRIOR_TEXT = (
     "read only once; where it did not, the engine computed the keys and values again.\n"
 )
 _PRINTABLE = [*range(32, 127), 10]
-# Row counts up to which _stable_rows checks BLAS results.
-_PROBE_ROWS = 64
+_BLOCK_ROWS = 64  # rows per matrix product (see _matmul)
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class Transformer:
             self.layers[0].w_down,
             self.w_out,
         ):
-            _stable_rows(*w.shape)  # probe BLAS now, not during the first request
+            _stable_slots(*w.shape)  # probe BLAS now, not during the first request
 
     def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
         """One step for a whole batch: prefill segments and decode tokens together.
@@ -191,35 +190,35 @@ class Transformer:
 
 
 def _matmul(a: Array, b: Array) -> Array:
-    """``a @ b`` whose rows do not depend on how many other rows are in ``a``.
+    """``a @ b`` whose rows do not depend on what else is in ``a``.
 
-    BLAS picks other kernels (and summation orders) for a handful of rows than for many;
-    padding small batches to the fewest rows from which this BLAS gives row-stable results
-    keeps a sequence's numbers, and so its sampled text, the same whatever else is in the
-    batch, at a fraction of the cost of always padding to a large batch.
+    BLAS computes a row with a summation order that depends on the row's position in the
+    matrix (the register tile it falls in) and on the matrix's height. So the product is
+    always taken in blocks of one fixed height, and rows go only to the positions that
+    compute exactly as position 0 does: a sequence's numbers, and so its sampled text,
+    are the same whatever else is in the batch.
     """
-    rows, need = a.shape[0], _stable_rows(a.shape[1], b.shape[1])
-    if rows >= need:
-        out: Array = a @ b
-        return out
-    padded = np.zeros((need, a.shape[1]), dtype=a.dtype)
-    padded[:rows] = a
-    result: Array = (padded @ b)[:rows]
+    slots = _stable_slots(a.shape[1], b.shape[1])
+    rows = a.shape[0]
+    blocks = -(-rows // len(slots))
+    index = (np.arange(blocks)[:, None] * _BLOCK_ROWS + np.array(slots)[None, :]).ravel()[:rows]
+    padded = np.zeros((blocks * _BLOCK_ROWS, a.shape[1]), dtype=a.dtype)
+    padded[index] = a
+    product = padded.reshape(blocks, _BLOCK_ROWS, a.shape[1]) @ b  # one gemm per block
+    result: Array = product.reshape(-1, b.shape[1])[index]
     return result
 
 
 @functools.cache
-def _stable_rows(inner: int, cols: int) -> int:
-    """Smallest row count from which ``x @ w`` of this shape gives every row bit-identical
-    results however many rows follow, probed once per shape on this machine's BLAS."""
+def _stable_slots(inner: int, cols: int) -> tuple[int, ...]:
+    """Positions of a block that compute exactly as position 0, probed once per shape on
+    this machine's BLAS (with the BLAS threads set at the first call): a block of
+    identical rows shows them."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(inner, cols)).astype(np.float32)
-    x = rng.normal(size=(_PROBE_ROWS, inner)).astype(np.float32)
-    full = x @ w
-    for candidate in (1, 2, 4, 8, 16, 32):
-        if all(np.array_equal(x[:rows] @ w, full[:rows]) for rows in range(candidate, _PROBE_ROWS)):
-            return candidate
-    return _PROBE_ROWS
+    row = rng.normal(size=(1, 1, inner)).astype(np.float32)
+    out = np.repeat(row, _BLOCK_ROWS, axis=1) @ w
+    return tuple(int(p) for p in np.flatnonzero((out[0] == out[0, 0]).all(axis=1)))
 
 
 def _causal_mask(start: int, count: int) -> Array | None:

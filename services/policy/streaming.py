@@ -1,0 +1,80 @@
+"""The streamed output check: generated text goes in chunk by chunk; text that can no
+longer be part of a match comes out, redacted, and a deny rule stops the stream.
+
+Only the tail that may still grow into a match is held back (the matchers say which; see
+Matcher.settled_until), so the work per chunk is bounded by that tail plus the chunk,
+however long the stream has run. Streaming any split of a text gives exactly what
+checking the whole text at once gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.policy.matching import Hit
+from services.policy.rules import StageRules
+
+
+@dataclass(frozen=True)
+class OutputStep:
+    """What one chunk released: text (``redacted`` if a rule replaced some of it), rules
+    that matched for the first time, the deny rule that stops the stream (nothing is
+    released then), and how much is held back."""
+
+    text: str
+    rule_ids: tuple[str, ...] = ()
+    denied_by: str | None = None
+    held: int = 0
+    redacted: bool = False
+
+    def then(self, later: OutputStep) -> OutputStep:
+        """This step followed by ``later``, as one."""
+        return OutputStep(
+            self.text + later.text,
+            self.rule_ids + later.rule_ids,
+            later.denied_by,
+            later.held,
+            self.redacted or later.redacted,
+        )
+
+
+class OutputScanner:
+    def __init__(self, rules: StageRules) -> None:
+        self._rules = rules
+        self._context = ""  # the last released character: word boundaries need it
+        self._pending = ""
+        self.matched: list[str] = []  # every rule that matched so far, first match first
+        self.denied_by: str | None = None
+
+    def feed(self, text: str) -> OutputStep:
+        return self._step(self._pending + text, final=False)
+
+    def finish(self) -> OutputStep:
+        """Releases what is still held: the stream has ended."""
+        return self._step(self._pending, final=True)
+
+    def _certain_deny(self, hit: Hit, scanned: int) -> bool:
+        return hit.certain and hit.valid and hit.end < scanned and self._rules.denies(hit.rule)
+
+    def _step(self, pending: str, final: bool) -> OutputStep:
+        if self.denied_by is not None:
+            return OutputStep("", denied_by=self.denied_by)
+        if not self._rules:
+            self._pending = ""
+            return OutputStep(pending)
+        scan, pos = self._context + pending, len(self._context)
+        matcher = self._rules.matcher
+        hits = matcher.hits(scan, pos)
+        settled = len(scan) if final else matcher.settled_until(scan, pos, hits)
+        # A deny match that is certain stops the stream at once, even while held back.
+        decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
+        decision = self._rules.decide(scan[pos:settled], decided, pos)
+        new = tuple(r for r in decision.rule_ids if r not in self.matched)
+        self.matched += new
+        if decision.denied_by is not None:
+            self.denied_by, self._pending = decision.denied_by, ""
+            return OutputStep("", new, decision.denied_by)
+        if settled > pos:
+            self._context = scan[settled - 1]
+        self._pending = scan[settled:]
+        return OutputStep(decision.text, new, None, len(self._pending), decision.redacted)

@@ -1,0 +1,137 @@
+"""The streamed output check: any split of a text gives exactly the one-shot check of the
+whole, only a possible match's tail is held back, and a deny rule stops the stream."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmmesh.types import PolicyAction
+from services.policy.config import DEFAULT_RULES
+from services.policy.rules import RuleSet, RuleSetError, RuleSetSpec
+from services.policy.streaming import OutputScanner
+
+
+def output_rules() -> RuleSet:
+    """The default set applied to output too, plus a keyword phrase, a regex and a
+    deny rule."""
+    doc = yaml.safe_load(DEFAULT_RULES.read_text())
+    for rule in doc["rules"]:
+        rule["stage"] = "both"
+    doc["rules"] += [
+        {"id": "ticket", "stage": "output", "action": "redact", "regex": [r"TICKET-\d{1,4}\b"]},
+        {"id": "plan", "stage": "output", "action": "redact", "keywords": ["secret plan", "ab"]},
+        {"id": "stop-word", "stage": "output", "action": "deny", "keywords": ["forbidden"]},
+        {
+            "id": "part",
+            "stage": "output",
+            "action": "flag",
+            "keywords": ["ion"],
+            "whole_word": False,
+        },
+    ]
+    return RuleSet.from_spec(RuleSetSpec.model_validate(doc))
+
+
+RULES = output_rules()
+
+
+def stream(chunks: list[str]) -> tuple[str, OutputScanner]:
+    scanner = OutputScanner(RULES.output)
+    released = [scanner.feed(chunk).text for chunk in chunks]
+    released.append(scanner.finish().text)
+    return "".join(released), scanner
+
+
+def assert_same_as_one_shot(text: str, chunks: list[str]) -> None:
+    released, scanner = stream(chunks)
+    whole = RULES.check_output(text)
+    if whole.action is PolicyAction.DENY:
+        assert scanner.denied_by in whole.rule_ids, (text, chunks)
+        return
+    assert scanner.denied_by is None, (text, chunks)
+    assert released == whole.text, (text, chunks)
+    assert sorted(scanner.matched) == sorted(whole.rule_ids), (text, chunks)
+
+
+MATCHING = [
+    "mail ada@example.com now",
+    "card 4111 1111 1111 1111 ok",
+    "call +44 20 7946 0958 today",
+    "iban GB82 WEST 1234 5698 7654 32 end",
+    "host 192.168.10.1 and ::1",
+    "key sk-abcdefghijklmnop0123 here",
+    "the secret   plan is TICKET-42.",
+    "a forbidden word",
+    "nation",
+]
+
+
+@pytest.mark.parametrize("text", MATCHING)
+def test_every_pair_of_chunk_splits_gives_the_one_shot_result(text: str) -> None:
+    assert RULES.check_output(text).rule_ids, "each sample must match some rule"
+    for first in range(len(text) + 1):
+        for second in range(first, len(text) + 1):
+            assert_same_as_one_shot(text, [text[:first], text[first:second], text[second:]])
+
+
+WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion"]
+PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
+PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(PIECES, max_size=40).map("".join), st.lists(st.integers(0, 400), max_size=12))
+def test_streaming_any_split_equals_the_one_shot_check(text: str, cuts: list[int]) -> None:
+    edges = sorted({c for c in cuts if c < len(text)})
+    bounds = list(zip([0, *edges], [*edges, len(text)], strict=True))
+    assert_same_as_one_shot(text, [text[a:b] for a, b in bounds])
+
+
+def test_only_a_possible_match_is_held_back() -> None:
+    scanner = OutputScanner(RuleSet.from_file(DEFAULT_RULES).output)  # detectors only
+    assert scanner.feed("Hello, world. Write to ").text == "Hello, world. Write to "
+    step = scanner.feed("ada@exam")
+    assert (step.text, step.held) == ("", len("ada@exam"))
+    step = scanner.feed("ple.com, thanks")
+    assert step.text == "[EMAIL], " and step.redacted
+    assert scanner.finish().text == "thanks"
+
+
+def test_a_deny_rule_stops_the_stream_and_nothing_more_is_released() -> None:
+    scanner = OutputScanner(RULES.output)
+    released = scanner.feed("this is forbid").text + scanner.feed("den, truly").text
+    assert scanner.denied_by == "stop-word"
+    assert "forbid" not in released
+    assert scanner.feed(" more text").text == ""
+    assert scanner.finish().denied_by == "stop-word"
+
+
+def test_work_per_chunk_does_not_grow_with_the_stream() -> None:
+    rules = RuleSet.from_text(
+        "version: v\nrules:\n  - {id: r, stage: output, action: redact, regex: ['x\\w*y']}\n",
+        "test",
+    )
+    scanner = OutputScanner(rules.output)
+    held = [scanner.feed("x" + "a" * 50).held for _ in range(200)]
+    # An unbounded regex is held back up to the cap only: what each chunk rescans stays
+    # bounded however long the stream is.
+    assert max(held) <= rules.output.matcher.holdback_cap + 51
+
+
+def test_re2_refuses_backtracking_patterns_with_a_clear_error() -> None:
+    for pattern, reason in [
+        (r"(a)\1", "not valid RE2 syntax: invalid escape sequence"),
+        (r"(?=a)b", "not valid RE2 syntax: invalid perl operator"),
+        (r"a*", "matches the empty string"),
+    ]:
+        doc = f"version: v\nrules:\n  - {{id: bad, action: deny, regex: ['{pattern}']}}\n"
+        with pytest.raises(RuleSetError, match=rf"rule bad: .*{reason}"):
+            RuleSet.from_text(doc, "test")
+
+
+def test_keywords_can_match_inside_words_when_asked() -> None:
+    assert RULES.check_output("the nation").rule_ids == ("part",)
+    assert RULES.check_output("an abacus").rule_ids == ()  # "ab" is whole-word only
