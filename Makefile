@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BENCH) --target triton --scenario prefix
 	$(BENCH) --scenario routing --rounds 2 --output-len 96
 	$(BENCH) --scenario admission --duration 40
+	$(BENCH) --scenario policy --rounds 5
 
 setup: $(STAMP)
 

@@ -20,6 +20,7 @@ from bench.admission import compare as admission_compare
 from bench.admission import plot as plot_admission
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
+from bench.policy import run as run_policy
 from bench.report import (
     Run,
     comparison_table,
@@ -54,14 +55,15 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix", "routing", "admission"],
+        choices=["load", "hol", "prefix", "routing", "admission", "policy"],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
         "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
         "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
         "--num-prompts multi-turn sessions arriving at each of --session-rates; admission: "
         "three tiers at twice the fleet's capacity for --duration seconds, without and with "
-        "admission control, on a stack it starts itself",
+        "admission control, on a stack it starts itself; policy: a 200-rule set on 4 KB "
+        "prompts and output chunks, and TTFT with and without the streamed output check",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -125,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         return _routing(args)
     if args.scenario == "admission":
         return _admission(args)
+    if args.scenario == "policy":
+        return _policy(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -225,6 +229,23 @@ def _admission(args: argparse.Namespace) -> int:
         f"; {args.duration:.0f} s per router, "
         "128-token prompts, 64 output tokens, a third of the requests per tier.",
         f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})",
+    )
+    return 0
+
+
+def _policy(args: argparse.Namespace) -> int:
+    rounds = args.rounds * 10
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack, a policy service and a router ...", file=sys.stderr)
+        result = run_policy(Path(workdir), rounds, args.seed)
+    print(result.table())
+    _record(
+        args,
+        _section(args, "policy"),
+        f"; {rounds} generations of 16 tokens per tenant, alternating. The router's "
+        "tenants differ only in their rule set: the same 200 rules on input and output, "
+        "or on input only.",
+        result.table(),
     )
     return 0
 

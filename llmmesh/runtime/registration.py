@@ -41,6 +41,12 @@ def _handler(
     response_cls = message_factory.GetMessageClass(method.output_type)
     deserialize = _lenient(request_cls)
     serialize = response_cls.SerializeToString
+    if method.client_streaming and method.server_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            _checked_bidi(behaviour),
+            request_deserializer=deserialize,
+            response_serializer=serialize,
+        )
     if method.client_streaming:
         raise NotImplementedError(f"{method.full_name}: client streaming is not registered here")
     if method.server_streaming:
@@ -82,6 +88,24 @@ def _checked_stream(
         if isinstance(request, MalformedRequest):
             await abort(context, request.error)
         async for response in behaviour(request, context):
+            yield response
+
+    return handle
+
+
+def _checked_bidi(
+    behaviour: Callable[..., AsyncIterator[Any]],
+) -> Callable[..., AsyncIterator[Any]]:
+    async def handle(
+        requests: AsyncIterator[object], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        async def checked() -> AsyncIterator[object]:
+            async for request in requests:
+                if isinstance(request, MalformedRequest):
+                    await abort(context, request.error)
+                yield request
+
+        async for response in behaviour(checked(), context):
             yield response
 
     return handle

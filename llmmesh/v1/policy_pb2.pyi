@@ -88,7 +88,9 @@ class CheckInputResponse(_message.Message):
     CHECKS_OUTPUT_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     redacted_text: _builtins.str
-    """The text to send on (equal to the input unless redacted)."""
+    """With ACTION_REDACT, the text to send on instead of the input; otherwise empty (the
+    input goes on unchanged, and is not sent back).
+    """
     rule_set_version: _builtins.str
     """Version of the rule set that decided."""
     checks_output: _builtins.bool

@@ -19,6 +19,7 @@ import ahocorasick
 import re2
 
 from services.policy.detectors import DETECTORS, Detector
+from services.policy.partial import prefix_pattern
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}|[^\S ]")
 UNBOUNDED = 1 << 30
@@ -183,16 +184,20 @@ class PatternIndex:
         for index, rule in enumerate(rules):
             for compiled in rule.regex:
                 self._patterns.append(_Pattern(index, compiled, rule.placeholder, None))
-                regex_width = max(regex_width, _width(compiled.pattern)[1])
+                partial = _checked_prefix(compiled.pattern)
+                if partial is None:
+                    regex_width = max(regex_width, _width(compiled.pattern)[1])
+                else:
+                    partials.append(partial)
             for name in rule.detectors:
                 detector: Detector = DETECTORS[name]
                 self._patterns.append(
                     _Pattern(index, detector.pattern, detector.placeholder, detector.valid)
                 )
                 partials.append(detector.partial)
-        # A regex match can start up to its longest width (and one character of context
-        # decides a trailing \b) before the end of the text; detectors say exactly which
-        # tails can still grow into a match.
+        # A tail of the text that a partial pattern matches may still grow into a match.
+        # A regex without one (syntax Python's parser lacks) holds back its longest width
+        # (and one character of context that decides a trailing \b).
         self.regex_holdback = min(regex_width + 1, cap) if regex_width else 0
         unique = sorted(set(partials))
         self._partial = re2.compile("|".join(f"(?:{p})\\z" for p in unique)) if unique else None
@@ -220,6 +225,17 @@ class PatternIndex:
             if tail is not None:
                 starts.append(tail.start())
         return min(starts) if starts else None
+
+
+def _checked_prefix(pattern: str) -> str | None:
+    partial = prefix_pattern(pattern)
+    if partial is None:
+        return None
+    try:
+        re2.compile(partial)
+    except re2.error:
+        return None
+    return partial
 
 
 class Matcher:

@@ -56,7 +56,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         return policy_pb2.CheckInputResponse(
             action=_ACTIONS[verdict.action],
             rule_ids=list(verdict.rule_ids),
-            redacted_text=verdict.text,
+            redacted_text=verdict.text if verdict.action is PolicyAction.REDACT else "",
             rule_set_version=verdict.rule_set_version,
             checks_output=checks_output,
         )

@@ -94,7 +94,7 @@ class GrpcPolicyClient:
         return Verdict(
             action=_ACTION_FROM_PB.get(reply.action, PolicyAction.DENY),
             rule_ids=tuple(reply.rule_ids),
-            text=reply.redacted_text,
+            text=reply.redacted_text or text,  # empty: unchanged
             rule_set_version=reply.rule_set_version,
             checks_output=reply.checks_output,
         )

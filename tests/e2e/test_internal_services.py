@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -129,5 +131,46 @@ def test_policy_verdict_for_clean_text(stack: Stack) -> None:
             policy_pb2.CheckInputRequest(tenant="t", text="Once upon a time"), timeout=10
         )
     assert reply.action == policy_pb2.ACTION_ALLOW
-    assert reply.redacted_text == "Once upon a time"
+    assert reply.redacted_text == ""  # unchanged: not sent back
     assert reply.rule_set_version
+
+
+def test_policy_output_stream_redacts_and_refuses_bad_chunks(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("policy")) as channel:
+        check_output = output_checker(channel)
+        replies = check_output(
+            [
+                policy_pb2.CheckOutputRequest(request_id="r", tenant="t", text="write to ada@"),
+                policy_pb2.CheckOutputRequest(text="example.com soon"),
+                policy_pb2.CheckOutputRequest(final=True),
+            ]
+        )
+        assert "".join(r.text for r in replies) == "write to [EMAIL] soon"
+        assert [list(r.rule_ids) for r in replies] == [[], ["redact-pii"], []]
+        assert replies[1].action == policy_pb2.ACTION_REDACT
+        with pytest.raises(grpc.RpcError) as info:
+            check_output([policy_pb2.CheckOutputRequest(rule_set="nope", text="x")])
+        assert bad_request_fields(info.value) == ["rule_set"]
+
+        raw = channel.stream_stream(
+            "/llmmesh.v1.Policy/CheckOutput",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(iter([b"\x22\x01a", b"\x22\x02\xff\xfe"]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(info.value) == ["text"]
+
+
+def output_checker(
+    channel: grpc.Channel,
+) -> Callable[[list[policy_pb2.CheckOutputRequest]], list[policy_pb2.CheckOutputResponse]]:
+    stub = policy_pb2_grpc.PolicyStub(channel)
+
+    def call(
+        requests: list[policy_pb2.CheckOutputRequest],
+    ) -> list[policy_pb2.CheckOutputResponse]:
+        return list(stub.CheckOutput(iter(requests), timeout=10))
+
+    return call

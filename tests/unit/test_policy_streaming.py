@@ -22,6 +22,7 @@ def output_rules() -> RuleSet:
         rule["stage"] = "both"
     doc["rules"] += [
         {"id": "ticket", "stage": "output", "action": "redact", "regex": [r"TICKET-\d{1,4}\b"]},
+        {"id": "code", "stage": "output", "action": "redact", "regex": [r"(?i)\bcode\s+\w+"]},
         {"id": "plan", "stage": "output", "action": "redact", "keywords": ["secret plan", "ab"]},
         {"id": "stop-word", "stage": "output", "action": "deny", "keywords": ["forbidden"]},
         {
@@ -64,6 +65,7 @@ MATCHING = [
     "host 192.168.10.1 and ::1",
     "key sk-abcdefghijklmnop0123 here",
     "the secret   plan is TICKET-42.",
+    "the CODE  blue42 now",
     "a forbidden word",
     "nation",
 ]
@@ -77,7 +79,7 @@ def test_every_pair_of_chunk_splits_gives_the_one_shot_result(text: str) -> None
             assert_same_as_one_shot(text, [text[:first], text[first:second], text[second:]])
 
 
-WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion"]
+WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "Code", "  "]
 PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
 PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII])
 

@@ -1,0 +1,241 @@
+"""Policy benchmark: a 200-rule set on 4 KB prompts and on token-sized output chunks,
+in process and through the policy service, and the time to first token through a router
+with and without the streamed output check, in one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+
+from bench.metrics import RequestRecord, percentile
+from bench.targets import RouterTarget
+from bench.workload import BenchRequest, text_of_length
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
+from llmmesh.v1 import policy_pb2, policy_pb2_grpc
+from services.policy.config import DEFAULT_RULES
+from services.policy.library import RuleLibrary
+from services.policy.rules import RuleSet
+from services.policy.streaming import OutputScanner
+from services.router.tenants import hash_key
+
+PROMPT_CHARS = 4096
+CHUNK_CHARS = 4  # about one token of English text
+DETECTORS = ("email", "phone", "credit_card", "iban", "ip_address", "ip_address_v6", "api_key")
+
+
+def synthetic_rules(count: int = 200, seed: int = 0) -> str:
+    """A rule set of ``count`` rules: the PII detectors, and keyword and regex rules on
+    made-up words (so that prompts rarely trip them), on input and output."""
+    rng = random.Random(seed)
+
+    def word() -> str:
+        return "".join(rng.choice("bcdfghjklmnpqrstvwxz") + rng.choice("aeiou") for _ in range(4))
+
+    rules: list[dict[str, object]] = [
+        {"id": f"pii-{name}", "stage": "both", "action": "redact", "detectors": [name]}
+        for name in DETECTORS
+    ]
+    regexes = [
+        lambda: rf"\b{word()}-\d{{2,6}}\b",
+        lambda: rf"(?i)\b{word()}\s+{word()}\b",
+        lambda: rf"\b[A-Z]{{3}}-{word()}\b",
+    ]
+    while len(rules) < count:
+        index = len(rules)
+        if index % 5 == 0:
+            matcher: dict[str, object] = {"regex": [rng.choice(regexes)()]}
+        else:
+            matcher = {"keywords": [word() for _ in range(4)] + [f"{word()} {word()}"]}
+        action = ("deny", "flag", "redact")[index % 3]
+        rules.append({"id": f"rule-{index}", "stage": "both", "action": action, **matcher})
+    return yaml.safe_dump({"version": f"bench-{count}", "rules": rules})
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    """4 KB prompts of ordinary words, one in four with an email or phone number in it."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = text_of_length(rng, PROMPT_CHARS)
+        if i % 4 == 0:
+            cut = rng.randrange(len(text))
+            text = f"{text[:cut]} reach me at ada{i}@example.com or +1 555 010 {i % 10}999 "
+        out.append(text[:PROMPT_CHARS].ljust(PROMPT_CHARS))
+    return out
+
+
+@dataclass(frozen=True)
+class Latency:
+    label: str
+    samples_s: list[float]
+
+    def row(self) -> str:
+        p50, p99 = (percentile(self.samples_s, q) * 1000 for q in (50, 99))
+        rate = len(self.samples_s) / sum(self.samples_s) if self.samples_s else 0.0
+        return f"| {self.label} | {len(self.samples_s)} | {p50:.3f} | {p99:.3f} | {rate:,.0f} |"
+
+
+def _timed(action: Callable[[], object], repeat: int) -> list[float]:
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def in_process(rules: RuleSet, texts: list[str]) -> list[Latency]:
+    inputs = iter(texts * 2)
+    input_check = _timed(lambda: rules.check_input(next(inputs)), len(texts))
+    scanner = OutputScanner(rules.output)
+    output = "".join(texts)
+    chunks = iter([output[i : i + CHUNK_CHARS] for i in range(0, len(output), CHUNK_CHARS)])
+    chunk_check = _timed(lambda: scanner.feed(next(chunks)), len(output) // CHUNK_CHARS)
+    return [
+        Latency("input check, 4 KB prompt (in process)", input_check),
+        Latency(f"output chunk of {CHUNK_CHARS} chars (in process)", chunk_check),
+    ]
+
+
+async def over_grpc(address: str, texts: list[str], rule_set: str) -> list[Latency]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = policy_pb2_grpc.PolicyStub(channel)
+        input_check = []
+        for text in texts:
+            started = time.perf_counter()
+            request = policy_pb2.CheckInputRequest(tenant="bench", text=text, rule_set=rule_set)
+            await stub.CheckInput(request)
+            input_check.append(time.perf_counter() - started)
+        call = stub.CheckOutput()
+        await call.write(policy_pb2.CheckOutputRequest(tenant="bench", rule_set=rule_set))
+        await call.read()
+        output = "".join(texts)[: 64 * 1024]
+        chunk_check = []
+        for i in range(0, len(output), CHUNK_CHARS):
+            started = time.perf_counter()
+            await call.write(policy_pb2.CheckOutputRequest(text=output[i : i + CHUNK_CHARS]))
+            await call.read()
+            chunk_check.append(time.perf_counter() - started)
+        await call.done_writing()
+    return [
+        Latency("input check, 4 KB prompt (gRPC round trip)", input_check),
+        Latency(f"output chunk of {CHUNK_CHARS} chars (gRPC round trip)", chunk_check),
+    ]
+
+
+@dataclass
+class PolicyFleet:
+    policy: str
+    router: str
+    keys: dict[str, str]  # "output checked" / "input only" -> API key
+
+
+@contextmanager
+def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
+    """The local stack, a policy service with the 200-rule set as default and a set that
+    checks input only, and a router with a tenant on each."""
+    rules = workdir / "rules"
+    rules.mkdir(parents=True)
+    (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
+    bench_set = yaml.safe_load(synthetic_rules())
+    (rules / "bench.yaml").write_text(yaml.safe_dump(bench_set))
+    input_only = {**bench_set, "rules": [{**r, "stage": "input"} for r in bench_set["rules"]]}
+    (rules / "bench-input-only.yaml").write_text(yaml.safe_dump(input_only))
+    keys = {"output checked": secrets.token_urlsafe(16), "input only": secrets.token_urlsafe(16)}
+    sets = {"output checked": "bench", "input only": "bench-input-only"}
+    tenants = workdir / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {
+                        "id": name.replace(" ", "-"),
+                        "policy_set": sets[name],
+                        "api_key_hashes": [hash_key(key)],
+                    }
+                    for name, key in keys.items()
+                ]
+            }
+        )
+    )
+    with Stack(workdir / "stack", StackPorts.free()) as stack:
+        ports = StackPorts.free()
+        children: list[Child] = []
+        try:
+            children.append(
+                stack.start_service("policy", ports.policy, workdir, rules_path=str(rules))
+            )
+            children.append(
+                stack.start_service(
+                    "router",
+                    ports.router,
+                    workdir,
+                    tenants_file=str(tenants),
+                    policy_address=f"127.0.0.1:{ports.policy}",
+                )
+            )
+            yield PolicyFleet(f"127.0.0.1:{ports.policy}", f"127.0.0.1:{ports.router}", keys)
+        finally:
+            for child in reversed(children):
+                child.terminate(10)
+
+
+async def router_ttft(fleet: PolicyFleet, rounds: int, seed: int) -> dict[str, list[float]]:
+    """TTFT of short generations, alternating between the two tenants."""
+    rng = random.Random(seed)
+    targets = {name: RouterTarget(fleet.router, "", key) for name, key in fleet.keys.items()}
+    ttft: dict[str, list[float]] = {name: [] for name in targets}
+    try:
+        for _ in range(rounds):
+            prompt = text_of_length(rng, 64)
+            for name, target in targets.items():
+                record = RequestRecord(sent_at=time.perf_counter())
+                await target.send(BenchRequest(prompt, 16), record)
+                ttft[name].append(record.ttft)
+    finally:
+        for target in targets.values():
+            await target.close()
+    return ttft
+
+
+@dataclass
+class PolicyResult:
+    latencies: list[Latency]
+    ttft_s: dict[str, list[float]]
+
+    def table(self) -> str:
+        rows = [
+            "| check (200 rules) | samples | p50 (ms) | p99 (ms) | per second, serially |",
+            "| --- | --- | --- | --- | --- |",
+            *(latency.row() for latency in self.latencies),
+            "",
+            "| through the router | requests | TTFT p50 (ms) | TTFT p99 (ms) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, values in self.ttft_s.items():
+            p50, p99 = (percentile(values, q) * 1000 for q in (50, 99))
+            rows.append(f"| {name} | {len(values)} | {p50:.1f} | {p99:.1f} |")
+        return "\n".join(rows)
+
+
+def run(workdir: Path, rounds: int, seed: int) -> PolicyResult:
+    library = RuleLibrary()
+    library.load({"default": synthetic_rules()}, "bench")
+    texts = prompts(400, seed)
+    latencies = in_process(library.get(""), texts)
+    with policy_fleet(workdir) as fleet:
+        latencies += asyncio.run(over_grpc(fleet.policy, texts, "bench"))
+        ttft = asyncio.run(router_ttft(fleet, rounds, seed))
+    return PolicyResult(latencies, ttft)
