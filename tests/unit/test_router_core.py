@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from llmmesh.runtime.errors import InvalidArgument, PermissionDenied
+from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -24,6 +24,7 @@ from services.policy.rules import RuleSet
 from services.policy.streaming import OutputScanner
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
+from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import RouteHints
 
 
@@ -44,6 +45,14 @@ class ScannerGuard:
         self.closed = True
 
 
+class FailingGuard:
+    async def check(self, text: str, final: bool) -> GuardedText:
+        raise Unavailable("policy service unreachable")
+
+    async def close(self) -> None:
+        pass
+
+
 @dataclass
 class Policy:
     verdict: Verdict = field(default_factory=lambda: Verdict(PolicyAction.ALLOW))
@@ -51,6 +60,7 @@ class Policy:
     output_rules: RuleSet | None = None
     guards: list[ScannerGuard] = field(default_factory=list)
     rule_sets: list[str] = field(default_factory=list)
+    output_unreachable: bool = False
 
     async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
         await self.release.wait()
@@ -62,7 +72,11 @@ class Policy:
             checks_output=self.output_rules is not None,
         )
 
-    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> ScannerGuard:
+    def guard_output(
+        self, request_id: str, tenant: str, rule_set: str
+    ) -> ScannerGuard | FailingGuard:
+        if self.output_unreachable:
+            return FailingGuard()
         assert self.output_rules is not None
         self.guards.append(ScannerGuard(OutputScanner(self.output_rules.output)))
         return self.guards[-1]
@@ -255,5 +269,24 @@ def test_the_tenants_rule_set_is_asked_for() -> None:
         await run(make_core(policy, Context(), Inference()), request())
         assert policy.rule_sets == ["default"]
         assert policy.guards == []  # no output rules: no streamed check
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None:
+    async def scenario() -> None:
+        rules = output_rules("{id: x, stage: output, action: flag, keywords: [x]}")
+        policy = Policy(output_rules=rules, output_unreachable=True)
+        policy.release.set()
+        tenants = Tenants()
+        tenants.apply(parse_tenants(f"tenants: [{{id: t, policy_fail_mode: {mode}}}]"))
+        core = RouterCore(RouterConfig(), policy, Context(), Inference(), len, tenants=tenants)
+        if mode == "closed":
+            with pytest.raises(Unavailable):
+                await run(core, request())
+        else:
+            chunks = await run(core, request())
+            assert "".join(c.text for c in chunks) == "012!"  # relayed unchecked
 
     asyncio.run(scenario())
