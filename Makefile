@@ -36,10 +36,11 @@ bench: $(STAMP)
 
 setup: $(STAMP)
 
-# Triton's Python-backend stub links against the system libpython3.11.
+# Triton's Python-backend stub links against the system libpython3.11; the context
+# service's Redis store is tested against Debian's redis-server.
 system-deps:
-	@dpkg -s libpython3.11 >/dev/null 2>&1 || \
-		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpython3.11)
+	@dpkg -s libpython3.11 redis-server >/dev/null 2>&1 || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpython3.11 redis-server)
 
 $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -128,6 +128,7 @@ def build_request(
     stop: list[str] | None = None,
     session_id: str = "",
     ignore_eos: bool = False,
+    truncation: str = "",
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
@@ -139,7 +140,7 @@ def build_request(
     if seed is not None:
         sampling.seed = seed
     return generation_pb2.GenerateRequest(
-        model=model, prompt=prompt, sampling=sampling, session_id=session_id
+        model=model, prompt=prompt, sampling=sampling, session_id=session_id, truncation=truncation
     )
 
 

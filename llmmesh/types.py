@@ -84,6 +84,11 @@ class InferenceCall:
     sampling: Sampling
 
 
+def count_tokens(text: str) -> int:
+    """Token count in the reference model's byte-level tokenizer."""
+    return len(text.encode("utf-8"))
+
+
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -129,6 +134,22 @@ class Turn:
     token_count: int = 0
     request_id: str = ""
     created_at_ms: int = 0
+
+
+@dataclass(frozen=True)
+class History:
+    """A session's history as it goes into a prompt, cut to a token budget: the system
+    prompt, a summary standing for older turns, the turns kept whole, and what was left
+    out (``truncation`` is the strategy applied)."""
+
+    turns: tuple[Turn, ...] = ()
+    system_prompt: str = ""
+    summary: str = ""
+    truncation: str = ""
+    total_turns: int = 0
+    dropped_turns: int = 0
+    summarized_turns: int = 0
+    system_prompt_dropped: bool = False
 
 
 class PolicyAction(enum.Enum):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
+from llmmesh.launcher.redis import start_redis
 from llmmesh.v1 import generation_pb2, generation_pb2_grpc
 from llmmesh.waiting import poll_until
 
@@ -33,6 +35,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir: Path = tmp_path_factory.mktemp("stack")
     with Stack(workdir, StackPorts.free()) as running:
         yield running
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    port: int
+    workdir: Path
+    child: Child
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """Debian's redis-server on a free port, appendfsync always (tests use key prefixes
+    of their own)."""
+    workdir: Path = tmp_path_factory.mktemp("redis")
+    port = StackPorts.free().context
+    child = start_redis(workdir, port)
+    try:
+        yield RedisServer(f"redis://127.0.0.1:{port}/0", port, workdir, child)
+    finally:
+        child.terminate(5)
 
 
 @pytest.fixture(scope="session")

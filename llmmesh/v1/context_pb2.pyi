@@ -80,45 +80,144 @@ class LoadSessionRequest(_message.Message):
 
     TENANT_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    BUDGET_TOKENS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    TURN_OVERHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
+    budget_tokens: _builtins.int
+    """Tokens the system prompt, summary and turns may take together; 0: everything."""
+    truncation: _builtins.str
+    """How to fit the budget: last_turns (default), keep_system_and_recent,
+    sliding_summary, key_sentences.
+    """
+    turn_overhead_tokens: _builtins.int
+    """Tokens each rendered turn adds to its text (role tags and separators)."""
+    ttl_seconds: _builtins.int
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        budget_tokens: _builtins.int = ...,
+        truncation: _builtins.str = ...,
+        turn_overhead_tokens: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_tokens", b"budget_tokens", "session_id", b"session_id", "tenant", b"tenant", "truncation", b"truncation", "ttl_seconds", b"ttl_seconds", "turn_overhead_tokens", b"turn_overhead_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadSessionRequest: _TypeAlias = LoadSessionRequest  # noqa: Y015
 
 @_typing.final
+class Truncation(_message.Message):
+    """What a load left out to fit the budget."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRATEGY_FIELD_NUMBER: _builtins.int
+    DROPPED_TURNS_FIELD_NUMBER: _builtins.int
+    SUMMARIZED_TURNS_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_DROPPED_FIELD_NUMBER: _builtins.int
+    DROPPED_SENTENCES_FIELD_NUMBER: _builtins.int
+    DROPPED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    strategy: _builtins.str
+    dropped_turns: _builtins.int
+    """Turns not sent whole (the oldest ones)."""
+    summarized_turns: _builtins.int
+    """Of those, how many `summary` stands for."""
+    system_prompt_dropped: _builtins.bool
+    dropped_sentences: _builtins.int
+    """key_sentences: sentences of the dropped turns left out of `summary`."""
+    @_builtins.property
+    def dropped_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Request ids of the dropped turns, oldest first, without repeats."""
+
+    def __init__(
+        self,
+        *,
+        strategy: _builtins.str = ...,
+        dropped_turns: _builtins.int = ...,
+        summarized_turns: _builtins.int = ...,
+        system_prompt_dropped: _builtins.bool = ...,
+        dropped_sentences: _builtins.int = ...,
+        dropped_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_request_ids", b"dropped_request_ids", "dropped_sentences", b"dropped_sentences", "dropped_turns", b"dropped_turns", "strategy", b"strategy", "summarized_turns", b"summarized_turns", "system_prompt_dropped", b"system_prompt_dropped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Truncation: _TypeAlias = Truncation  # noqa: Y015
+
+@_typing.final
 class Session(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     TENANT_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    TOTAL_TURNS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
+    system_prompt: _builtins.str
+    """Empty when there is none or it was dropped."""
+    summary: _builtins.str
+    """Stands for older turns (sliding_summary, key_sentences); goes before `turns`."""
+    total_turns: _builtins.int
+    """Turns the session holds in all."""
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
-        """Turns in the order they were appended."""
+        """The turns kept whole, in the order they were appended."""
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def truncation(self) -> Global___Truncation: ...
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         session_id: _builtins.str = ...,
         turns: _abc.Iterable[Global___Turn] | None = ...,
+        system_prompt: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        summary: _builtins.str = ...,
+        truncation: Global___Truncation | None = ...,
+        total_turns: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["truncation", b"truncation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "tenant", b"tenant", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -132,10 +231,12 @@ class AppendTurnsRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TURNS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
     request_id: _builtins.str
     """Correlation id of the request that produced these turns; the idempotency key."""
+    ttl_seconds: _builtins.int
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
         """Turns to append, in order."""
@@ -147,10 +248,11 @@ class AppendTurnsRequest(_message.Message):
         session_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
         turns: _abc.Iterable[Global___Turn] | None = ...,
+        ttl_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "session_id", b"session_id", "tenant", b"tenant", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "session_id", b"session_id", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -179,3 +281,163 @@ class AppendTurnsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AppendTurnsResponse: _TypeAlias = AppendTurnsResponse  # noqa: Y015
+
+@_typing.final
+class PutSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    session_id: _builtins.str
+    system_prompt: _builtins.str
+    ttl_seconds: _builtins.int
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        system_prompt: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "session_id", b"session_id", "system_prompt", b"system_prompt", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutSessionRequest: _TypeAlias = PutSessionRequest  # noqa: Y015
+
+@_typing.final
+class PutSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutSessionResponse: _TypeAlias = PutSessionResponse  # noqa: Y015
+
+@_typing.final
+class DeleteSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    session_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionRequest: _TypeAlias = DeleteSessionRequest  # noqa: Y015
+
+@_typing.final
+class DeleteSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """False when there was no such session."""
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
+
+@_typing.final
+class ListSessionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    page_size: _builtins.int
+    """At most this many ids (default 100, at most 1000)."""
+    page_token: _builtins.str
+    """`next_page_token` of the previous page; empty for the first."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
+
+@_typing.final
+class ListSessionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_IDS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
+    @_builtins.property
+    def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        session_ids: _abc.Iterable[_builtins.str] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "session_ids", b"session_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015

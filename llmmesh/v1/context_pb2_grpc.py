@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class ContextStub:
-    """Internal: conversation history per (tenant, session).
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
     """
 
     def __init__(self, channel):
@@ -45,14 +47,31 @@ class ContextStub:
                 request_serializer=llmmesh_dot_v1_dot_context__pb2.AppendTurnsRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_context__pb2.AppendTurnsResponse.FromString,
                 _registered_method=True)
+        self.PutSession = channel.unary_unary(
+                '/llmmesh.v1.Context/PutSession',
+                request_serializer=llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/llmmesh.v1.Context/DeleteSession',
+                request_serializer=llmmesh_dot_v1_dot_context__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_context__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/llmmesh.v1.Context/ListSessions',
+                request_serializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class ContextServicer:
-    """Internal: conversation history per (tenant, session).
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
     """
 
     def LoadSession(self, request, context):
-        """Returns the session's turns, oldest first. An unknown session has no turns.
+        """Returns the session, cut to `budget_tokens` if set. NOT_FOUND if there is none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,7 +79,29 @@ class ContextServicer:
 
     def AppendTurns(self, request, context):
         """Appends turns to a session, creating it if needed. Idempotent per request id:
-        turns already stored for the same request id are not added again.
+        turns already stored for the same request id are not added again. Concurrent
+        appends to one session all land, each whole, in the order the store took them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutSession(self, request, context):
+        """Creates a session or replaces its system prompt and metadata.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Erases a session and everything stored with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Pages through a tenant's live sessions in session id order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +120,21 @@ def add_ContextServicer_to_server(servicer, server):
                     request_deserializer=llmmesh_dot_v1_dot_context__pb2.AppendTurnsRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_context__pb2.AppendTurnsResponse.SerializeToString,
             ),
+            'PutSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutSession,
+                    request_deserializer=llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=llmmesh_dot_v1_dot_context__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_context__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'llmmesh.v1.Context', rpc_method_handlers)
@@ -88,7 +144,9 @@ def add_ContextServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Context:
-    """Internal: conversation history per (tenant, session).
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
     """
 
     @staticmethod
@@ -135,6 +193,87 @@ class Context:
             '/llmmesh.v1.Context/AppendTurns',
             llmmesh_dot_v1_dot_context__pb2.AppendTurnsRequest.SerializeToString,
             llmmesh_dot_v1_dot_context__pb2.AppendTurnsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Context/PutSession',
+            llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.SerializeToString,
+            llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Context/DeleteSession',
+            llmmesh_dot_v1_dot_context__pb2.DeleteSessionRequest.SerializeToString,
+            llmmesh_dot_v1_dot_context__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Context/ListSessions',
+            llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.SerializeToString,
+            llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,33 +27,56 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class ContextStub:
-    """Internal: conversation history per (tenant, session)."""
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ContextAsyncStub: ...
     LoadSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.LoadSessionRequest, _context_pb2.Session]
-    """Returns the session's turns, oldest first. An unknown session has no turns."""
+    """Returns the session, cut to `budget_tokens` if set. NOT_FOUND if there is none."""
     AppendTurns: _grpc.UnaryUnaryMultiCallable[_context_pb2.AppendTurnsRequest, _context_pb2.AppendTurnsResponse]
     """Appends turns to a session, creating it if needed. Idempotent per request id:
-    turns already stored for the same request id are not added again.
+    turns already stored for the same request id are not added again. Concurrent
+    appends to one session all land, each whole, in the order the store took them.
     """
+    PutSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.PutSessionRequest, _context_pb2.PutSessionResponse]
+    """Creates a session or replaces its system prompt and metadata."""
+    DeleteSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.DeleteSessionRequest, _context_pb2.DeleteSessionResponse]
+    """Erases a session and everything stored with it."""
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]
+    """Pages through a tenant's live sessions in session id order."""
 
 @_typing.type_check_only
 class ContextAsyncStub(ContextStub):
-    """Internal: conversation history per (tenant, session)."""
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     LoadSession: _aio.UnaryUnaryMultiCallable[_context_pb2.LoadSessionRequest, _context_pb2.Session]  # type: ignore[assignment]
-    """Returns the session's turns, oldest first. An unknown session has no turns."""
+    """Returns the session, cut to `budget_tokens` if set. NOT_FOUND if there is none."""
     AppendTurns: _aio.UnaryUnaryMultiCallable[_context_pb2.AppendTurnsRequest, _context_pb2.AppendTurnsResponse]  # type: ignore[assignment]
     """Appends turns to a session, creating it if needed. Idempotent per request id:
-    turns already stored for the same request id are not added again.
+    turns already stored for the same request id are not added again. Concurrent
+    appends to one session all land, each whole, in the order the store took them.
     """
+    PutSession: _aio.UnaryUnaryMultiCallable[_context_pb2.PutSessionRequest, _context_pb2.PutSessionResponse]  # type: ignore[assignment]
+    """Creates a session or replaces its system prompt and metadata."""
+    DeleteSession: _aio.UnaryUnaryMultiCallable[_context_pb2.DeleteSessionRequest, _context_pb2.DeleteSessionResponse]  # type: ignore[assignment]
+    """Erases a session and everything stored with it."""
+    ListSessions: _aio.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """Pages through a tenant's live sessions in session id order."""
 
 class ContextServicer(metaclass=_abc_1.ABCMeta):
-    """Internal: conversation history per (tenant, session)."""
+    """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
+    another tenant's session is NOT_FOUND, exactly like one that does not exist. A session
+    expires ttl_seconds after its last access (the service's default when 0).
+    """
 
     @_abc_1.abstractmethod
     def LoadSession(
@@ -61,7 +84,7 @@ class ContextServicer(metaclass=_abc_1.ABCMeta):
         request: _context_pb2.LoadSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_context_pb2.Session, _abc.Awaitable[_context_pb2.Session]]:
-        """Returns the session's turns, oldest first. An unknown session has no turns."""
+        """Returns the session, cut to `budget_tokens` if set. NOT_FOUND if there is none."""
 
     @_abc_1.abstractmethod
     def AppendTurns(
@@ -70,7 +93,32 @@ class ContextServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_context_pb2.AppendTurnsResponse, _abc.Awaitable[_context_pb2.AppendTurnsResponse]]:
         """Appends turns to a session, creating it if needed. Idempotent per request id:
-        turns already stored for the same request id are not added again.
+        turns already stored for the same request id are not added again. Concurrent
+        appends to one session all land, each whole, in the order the store took them.
         """
+
+    @_abc_1.abstractmethod
+    def PutSession(
+        self,
+        request: _context_pb2.PutSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_pb2.PutSessionResponse, _abc.Awaitable[_context_pb2.PutSessionResponse]]:
+        """Creates a session or replaces its system prompt and metadata."""
+
+    @_abc_1.abstractmethod
+    def DeleteSession(
+        self,
+        request: _context_pb2.DeleteSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_pb2.DeleteSessionResponse, _abc.Awaitable[_context_pb2.DeleteSessionResponse]]:
+        """Erases a session and everything stored with it."""
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _context_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_pb2.ListSessionsResponse, _abc.Awaitable[_context_pb2.ListSessionsResponse]]:
+        """Pages through a tenant's live sessions in session id order."""
 
 def add_ContextServicer_to_server(servicer: ContextServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

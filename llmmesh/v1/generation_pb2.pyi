@@ -25,6 +25,7 @@ class GenerateRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name, as served by the mesh (e.g. "llm"). Empty selects the default model."""
     prompt: _builtins.str
@@ -32,6 +33,10 @@ class GenerateRequest(_message.Message):
     session_id: _builtins.str
     """Conversation id. When set, the mesh prepends the session's earlier turns and records
     this turn. Letters, digits, '-', '_', '.', ':' only; at most 128 characters.
+    """
+    truncation: _builtins.str
+    """How to cut a session's history that does not fit the model's context: last_turns,
+    keep_system_and_recent, sliding_summary or key_sentences. Empty: the tenant's choice.
     """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
@@ -44,10 +49,11 @@ class GenerateRequest(_message.Message):
         prompt: _builtins.str = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         session_id: _builtins.str = ...,
+        truncation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -63,6 +69,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -81,6 +88,12 @@ class GenerateResponse(_message.Message):
     def served(self) -> Global___Served:
         """Where the request was served. Set on the last response only."""
 
+    @_builtins.property
+    def context(self) -> Global___SessionContext:
+        """What of the session's history went into the prompt. Set on the first response of a
+        request with a session.
+        """
+
     def __init__(
         self,
         *,
@@ -90,14 +103,50 @@ class GenerateResponse(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         model: _builtins.str = ...,
         served: Global___Served | None = ...,
+        context: Global___SessionContext | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["served", b"served", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class SessionContext(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HISTORY_TURNS_FIELD_NUMBER: _builtins.int
+    DROPPED_TURNS_FIELD_NUMBER: _builtins.int
+    SUMMARIZED_TURNS_FIELD_NUMBER: _builtins.int
+    TRUNCATION_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_DROPPED_FIELD_NUMBER: _builtins.int
+    history_turns: _builtins.int
+    """Turns the session held before this request."""
+    dropped_turns: _builtins.int
+    """Of those, turns not in the prompt whole (history too long for the model's context)."""
+    summarized_turns: _builtins.int
+    """Of the dropped, turns a summary in the prompt stands for."""
+    truncation: _builtins.str
+    """The strategy that cut the history (empty when nothing was cut)."""
+    system_prompt_dropped: _builtins.bool
+    def __init__(
+        self,
+        *,
+        history_turns: _builtins.int = ...,
+        dropped_turns: _builtins.int = ...,
+        summarized_turns: _builtins.int = ...,
+        truncation: _builtins.str = ...,
+        system_prompt_dropped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_turns", b"dropped_turns", "history_turns", b"history_turns", "summarized_turns", b"summarized_turns", "system_prompt_dropped", b"system_prompt_dropped", "truncation", b"truncation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionContext: _TypeAlias = SessionContext  # noqa: Y015
 
 @_typing.final
 class Served(_message.Message):

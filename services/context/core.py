@@ -1,22 +1,47 @@
-"""Context core: validates session requests and delegates to the configured store."""
+"""Context core: validates session requests, applies expiry and truncation, and maps a
+failing store to UNAVAILABLE."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.exceptions
 from prometheus_client import Counter, Histogram
 
-from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Turn, check_session_id
+from llmmesh.runtime.errors import InvalidArgument, NotFound, Unavailable
+from llmmesh.types import Turn, check_session_id, count_tokens
 from services.context.store import SessionStore
+from services.context.truncation import Budget, Truncated, check_strategy, truncate
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_TURN_CHARS = 1_000_000
 MAX_TURNS_PER_APPEND = 16
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_CHARS = 4096
+MAX_PAGE_SIZE = 1000
+MAX_TTL_S = 366 * 86_400
 
 APPENDS = Counter("llm_context_appends_total", "Append calls", ["outcome"])
 LOAD_SECONDS = Histogram(
     "llm_context_load_seconds",
-    "Time to load a session",
+    "Time to load (and truncate) a session",
     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
 )
+TRUNCATIONS = Counter(
+    "llm_context_truncations_total", "Loads that cut a session to its budget", ["strategy"]
+)
+STORE_ERRORS = Counter("llm_context_store_errors_total", "Store operations that failed", ["op"])
+SWEPT = Counter("llm_context_sessions_expired_total", "Sessions removed by the expiry sweep")
+
+# What a store raises when it is unreachable or failing (not a caller's mistake).
+STORE_FAILURES = (sqlite3.Error, redis.exceptions.RedisError, OSError)
 
 
 def check_session_key(tenant: str, session_id: str) -> None:
@@ -25,17 +50,66 @@ def check_session_key(tenant: str, session_id: str) -> None:
     check_session_id(session_id)
 
 
-class ContextCore:
-    def __init__(self, store: SessionStore) -> None:
-        self.store = store
+@dataclass(frozen=True)
+class Loaded:
+    total_turns: int
+    metadata: dict[str, str]
+    truncated: Truncated
 
-    async def load(self, tenant: str, session_id: str) -> list[Turn]:
+
+class ContextCore:
+    def __init__(self, store: SessionStore, default_ttl_s: int) -> None:
+        self.store = store
+        self._default_ttl_s = default_ttl_s
+
+    def _ttl_ms(self, ttl_s: int) -> int:
+        if not 0 <= ttl_s <= MAX_TTL_S:
+            raise InvalidArgument("ttl_seconds", f"must be in [0, {MAX_TTL_S}], got {ttl_s}")
+        return (ttl_s or self._default_ttl_s) * 1000
+
+    async def _store(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await call()
+        except STORE_FAILURES as err:
+            STORE_ERRORS.labels(op).inc()
+            log.warning("session store failed", extra={"fields": {"op": op, "error": repr(err)}})
+            raise Unavailable("session store unavailable") from None
+
+    async def load(
+        self,
+        tenant: str,
+        session_id: str,
+        budget: Budget,
+        strategy: str = "",
+        ttl_s: int = 0,
+    ) -> Loaded:
+        """The session cut to ``budget``; NOT_FOUND (the same for every tenant) if this
+        tenant has no such session."""
         check_session_key(tenant, session_id)
+        strategy = check_strategy(strategy)
+        ttl_ms = self._ttl_ms(ttl_s)
         with LOAD_SECONDS.time():
-            return await self.store.load(tenant, session_id)
+            session = await self._store("load", lambda: self.store.load(tenant, session_id, ttl_ms))
+            if session is None:
+                raise NotFound(f"no session '{session_id}'")
+            cut = truncate(session, budget, strategy, count_tokens)
+        if cut.dropped:
+            TRUNCATIONS.labels(strategy).inc()
+        if cut.stored_summary is not None:
+            summary, covered = cut.stored_summary
+            await self._store(
+                "save_summary",
+                lambda: self.store.save_summary(tenant, session_id, summary, covered),
+            )
+        return Loaded(len(session.turns), session.metadata, cut)
 
     async def append(
-        self, tenant: str, session_id: str, request_id: str, turns: list[Turn]
+        self,
+        tenant: str,
+        session_id: str,
+        request_id: str,
+        turns: list[Turn],
+        ttl_s: int = 0,
     ) -> tuple[int, bool]:
         check_session_key(tenant, session_id)
         if not request_id:
@@ -45,12 +119,66 @@ class ContextCore:
         if len(turns) > MAX_TURNS_PER_APPEND:
             raise InvalidArgument("turns", f"at most {MAX_TURNS_PER_APPEND} per call")
         for i, turn in enumerate(turns):
-            if len(turn.text) > MAX_TURN_CHARS:
-                raise InvalidArgument(
-                    f"turns[{i}].text", f"longer than {MAX_TURN_CHARS} characters"
-                )
+            _check_text(f"turns[{i}].text", turn.text)
             if turn.token_count < 0:
                 raise InvalidArgument(f"turns[{i}].token_count", "must be >= 0")
-        count, appended = await self.store.append(tenant, session_id, request_id, turns)
+        ttl_ms = self._ttl_ms(ttl_s)
+        count, appended = await self._store(
+            "append", lambda: self.store.append(tenant, session_id, request_id, turns, ttl_ms)
+        )
         APPENDS.labels("appended" if appended else "duplicate").inc()
         return count, appended
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int = 0,
+    ) -> None:
+        check_session_key(tenant, session_id)
+        _check_text("system_prompt", system_prompt)
+        _check_metadata(metadata)
+        ttl_ms = self._ttl_ms(ttl_s)
+        await self._store(
+            "put", lambda: self.store.put(tenant, session_id, system_prompt, metadata, ttl_ms)
+        )
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        check_session_key(tenant, session_id)
+        return await self._store("delete", lambda: self.store.delete(tenant, session_id))
+
+    async def list(self, tenant: str, page_size: int, page_token: str) -> tuple[list[str], str]:
+        """A page of the tenant's session ids and the token of the next page ("" at the
+        end). The token is the last id of the page: paging is stable under inserts."""
+        if not tenant:
+            raise InvalidArgument("tenant", "required")
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidArgument("page_size", f"must be in [0, {MAX_PAGE_SIZE}]")
+        if page_token:
+            check_session_id(page_token)
+        size = page_size or 100
+        ids = await self._store("list", lambda: self.store.list(tenant, page_token, size + 1))
+        page = ids[:size]
+        return page, page[-1] if len(ids) > size else ""
+
+    async def sweep(self) -> int:
+        swept = await self._store("sweep", self.store.sweep)
+        SWEPT.inc(swept)
+        return swept
+
+
+def _check_text(field: str, text: str) -> None:
+    if len(text) > MAX_TURN_CHARS:
+        raise InvalidArgument(field, f"longer than {MAX_TURN_CHARS} characters")
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidArgument("metadata", f"at most {MAX_METADATA_ENTRIES} entries")
+    for key, value in metadata.items():
+        if not key or len(key) > 128:
+            raise InvalidArgument("metadata", f"keys are 1-128 characters, got {key[:140]!r}")
+        if len(value) > MAX_METADATA_CHARS:
+            raise InvalidArgument(f"metadata[{key}]", f"longer than {MAX_METADATA_CHARS}")

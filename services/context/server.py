@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from typing import Any
 
 import grpc
@@ -12,10 +15,16 @@ from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.config import ContextConfig
-from services.context.core import ContextCore
-from services.context.store import SqliteSessionStore
+from services.context.core import ContextCore, Loaded
+from services.context.redis_store import RedisSessionStore
+from services.context.store import SessionStore, SqliteSessionStore
+from services.context.truncation import Budget
+
+log = logging.getLogger(__name__)
 
 SERVICE = context_pb2.DESCRIPTOR.services_by_name["Context"]
+
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class ContextServicer(context_pb2_grpc.ContextServicer):
@@ -23,38 +32,121 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
         self._core = core
 
     async def LoadSession(  # noqa: N802 (gRPC method name)
-        self, request: context_pb2.LoadSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: context_pb2.LoadSessionRequest, context: Context
     ) -> context_pb2.Session:
         try:
-            turns = await self._core.load(request.tenant, request.session_id)
+            loaded = await self._core.load(
+                request.tenant,
+                request.session_id,
+                Budget(request.budget_tokens, request.turn_overhead_tokens),
+                request.truncation,
+                request.ttl_seconds,
+            )
         except MeshError as err:
             await abort(context, err)
-        return context_pb2.Session(
-            tenant=request.tenant,
-            session_id=request.session_id,
-            turns=[turn_to_pb(t) for t in turns],
-        )
+        return _session(request, loaded)
 
     async def AppendTurns(  # noqa: N802 (gRPC method name)
-        self, request: context_pb2.AppendTurnsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: context_pb2.AppendTurnsRequest, context: Context
     ) -> context_pb2.AppendTurnsResponse:
         try:
             turns = [turn_from_pb(t, f"turns[{i}]") for i, t in enumerate(request.turns)]
             count, appended = await self._core.append(
-                request.tenant, request.session_id, request.request_id, turns
+                request.tenant, request.session_id, request.request_id, turns, request.ttl_seconds
             )
         except MeshError as err:
             await abort(context, err)
         return context_pb2.AppendTurnsResponse(turn_count=count, appended=appended)
 
+    async def PutSession(  # noqa: N802 (gRPC method name)
+        self, request: context_pb2.PutSessionRequest, context: Context
+    ) -> context_pb2.PutSessionResponse:
+        try:
+            await self._core.put(
+                request.tenant,
+                request.session_id,
+                request.system_prompt,
+                dict(request.metadata),
+                request.ttl_seconds,
+            )
+        except MeshError as err:
+            await abort(context, err)
+        return context_pb2.PutSessionResponse()
+
+    async def DeleteSession(  # noqa: N802 (gRPC method name)
+        self, request: context_pb2.DeleteSessionRequest, context: Context
+    ) -> context_pb2.DeleteSessionResponse:
+        try:
+            deleted = await self._core.delete(request.tenant, request.session_id)
+        except MeshError as err:
+            await abort(context, err)
+        return context_pb2.DeleteSessionResponse(deleted=deleted)
+
+    async def ListSessions(  # noqa: N802 (gRPC method name)
+        self, request: context_pb2.ListSessionsRequest, context: Context
+    ) -> context_pb2.ListSessionsResponse:
+        try:
+            ids, token = await self._core.list(
+                request.tenant, request.page_size, request.page_token
+            )
+        except MeshError as err:
+            await abort(context, err)
+        return context_pb2.ListSessionsResponse(session_ids=ids, next_page_token=token)
+
+
+def _session(request: context_pb2.LoadSessionRequest, loaded: Loaded) -> context_pb2.Session:
+    cut = loaded.truncated
+    dropped_ids = list(dict.fromkeys(t.request_id for t in cut.dropped if t.request_id))
+    return context_pb2.Session(
+        tenant=request.tenant,
+        session_id=request.session_id,
+        turns=[turn_to_pb(t) for t in cut.turns],
+        system_prompt=cut.system_prompt,
+        metadata=loaded.metadata,
+        summary=cut.summary,
+        truncation=context_pb2.Truncation(
+            strategy=cut.strategy,
+            dropped_turns=len(cut.dropped),
+            summarized_turns=cut.summarized_turns,
+            system_prompt_dropped=cut.system_prompt_dropped,
+            dropped_sentences=cut.dropped_sentences,
+            dropped_request_ids=dropped_ids,
+        ),
+        total_turns=loaded.total_turns,
+    )
+
+
+def build_store(config: ContextConfig) -> SessionStore:
+    if config.store == "redis":
+        return RedisSessionStore(config.redis_url, config.redis_prefix)
+    return SqliteSessionStore(config.db_path)
+
 
 def build_service(config: ContextConfig) -> GrpcService:
-    store = SqliteSessionStore(config.db_path)
-    servicer = ContextServicer(ContextCore(store))
+    store = build_store(config)
+    core = ContextCore(store, config.default_ttl_s)
+    servicer = ContextServicer(core)
+    sweeper: list[asyncio.Task[None]] = []
+
+    async def sweep_forever() -> None:
+        while True:
+            await asyncio.sleep(config.sweep_interval_s)  # the sweep period
+            with contextlib.suppress(MeshError):  # logged by the core; next time, then
+                await core.sweep()
+
+    async def start() -> None:
+        await store.open()
+        sweeper.append(asyncio.create_task(sweep_forever()))
+
+    async def stop() -> None:
+        for task in sweeper:
+            task.cancel()
+        await asyncio.gather(*sweeper, return_exceptions=True)
+        await store.close()
 
     def register(server: grpc.aio.Server) -> None:
         add_servicer(server, servicer, SERVICE)
 
-    service = GrpcService(config, [SERVICE.full_name], register, cleanup=store.close)
-    service.on_start(store.open)
+    service = GrpcService(config, [SERVICE.full_name], register, cleanup=stop)
+    service.on_start(start)
     return service

@@ -1,18 +1,93 @@
-"""Session stores. SQLite (WAL, synchronous=FULL): an append is acknowledged only once durable."""
+"""Session stores: the interface, and SQLite (WAL, synchronous=FULL).
+
+A session is keyed by (tenant, session id): every query names both, so one tenant can
+never reach another's sessions. An append is acknowledged only once durable; appends that
+arrive together share one transaction and one fsync (group commit), and reads go through
+their own connection, so they never wait for a write.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from llmmesh.types import Role, Turn
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Session:
+    system_prompt: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    turns: list[Turn] = field(default_factory=list)
+    summary: str = ""  # extractive summary of the oldest turns (sliding_summary)
+    summarized_turns: int = 0  # how many of the oldest turns the summary covers
+
+
+class SessionStore(Protocol):
+    """``ttl_ms`` slides a session's expiry on every access; an expired session is gone,
+    whether or not a sweep has removed it yet."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def load(self, tenant: str, session_id: str, ttl_ms: int) -> Session | None: ...
+
+    async def append(
+        self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
+    ) -> tuple[int, bool]:
+        """Appends (creating the session) unless ``request_id`` was stored already;
+        returns (turn count, appended)."""
+        ...
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> None:
+        """Creates the session or replaces its system prompt and metadata."""
+        ...
+
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, summarized_turns: int
+    ) -> None: ...
+
+    async def delete(self, tenant: str, session_id: str) -> bool: ...
+
+    async def list(self, tenant: str, after: str, limit: int) -> list[str]:
+        """Session ids of ``tenant`` after ``after``, in order, at most ``limit``."""
+        ...
+
+    async def sweep(self) -> int:
+        """Removes expired sessions; returns how many."""
+        ...
+
+
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    summary TEXT NOT NULL DEFAULT '',
+    summarized_turns INTEGER NOT NULL DEFAULT 0,
+    turn_count INTEGER NOT NULL DEFAULT 0,
+    expires_at_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session_id)
+);
+CREATE INDEX IF NOT EXISTS sessions_expiry ON sessions (expires_at_ms);
 CREATE TABLE IF NOT EXISTS turns (
     tenant TEXT NOT NULL,
     session_id TEXT NOT NULL,
@@ -31,105 +106,278 @@ CREATE TABLE IF NOT EXISTS appends (
     PRIMARY KEY (tenant, session_id, request_id)
 );
 """
+# Databases from before the sessions table: every conversation becomes a session.
+_MIGRATE = """
+INSERT OR IGNORE INTO sessions (tenant, session_id, turn_count, expires_at_ms)
+SELECT tenant, session_id, COUNT(*), ? FROM turns GROUP BY tenant, session_id
+"""
 
-T = TypeVar("T")
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
 
 
-class SessionStore(Protocol):
-    async def load(self, tenant: str, session_id: str) -> list[Turn]: ...
-
-    async def append(
-        self, tenant: str, session_id: str, request_id: str, turns: list[Turn]
-    ) -> tuple[int, bool]:
-        """Appends unless ``request_id`` was stored already; returns (turn count, appended)."""
-
-    async def close(self) -> None: ...
+Write = Callable[[sqlite3.Connection], Any]
 
 
 class SqliteSessionStore:
-    """One connection, used from one worker thread, so the event loop never blocks on disk."""
-
     def __init__(self, path: str | Path) -> None:
         self._path = Path(path)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite")
-        self._conn: sqlite3.Connection | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-write")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-read")
+        self._write_conn: sqlite3.Connection | None = None
+        self._read_conn: sqlite3.Connection | None = None
+        self._queue: list[tuple[Write, asyncio.Future[Any]]] = []
+        self._flushing: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        await self._run(self._open)
+        loop = asyncio.get_running_loop()
+        self._write_conn = await loop.run_in_executor(self._writer, self._connect, True)
+        self._read_conn = await loop.run_in_executor(self._reader, self._connect, False)
 
-    def _open(self) -> None:
+    def _connect(self, writer: bool) -> sqlite3.Connection:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.executescript(_SCHEMA)
-        self._conn = conn
+        conn.execute("PRAGMA busy_timeout=5000")
+        if writer:
+            conn.executescript(_SCHEMA)
+            conn.execute(_MIGRATE, (now_ms() + 7 * 86_400_000,))
+        return conn
 
     async def close(self) -> None:
-        if self._conn is not None:
-            await self._run(self._conn.close)
-            self._conn = None
-        self._executor.shutdown(wait=True)
+        if self._flushing is not None:
+            await asyncio.gather(self._flushing, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for conn, executor in ((self._write_conn, self._writer), (self._read_conn, self._reader)):
+            if conn is not None:
+                await loop.run_in_executor(executor, conn.close)
+            executor.shutdown(wait=True)
+        self._write_conn = self._read_conn = None
 
-    async def load(self, tenant: str, session_id: str) -> list[Turn]:
-        return await self._run(self._load, tenant, session_id)
+    # Writes: queued, and committed together by one flush.
 
-    async def append(
-        self, tenant: str, session_id: str, request_id: str, turns: list[Turn]
-    ) -> tuple[int, bool]:
-        return await self._run(self._append, tenant, session_id, request_id, turns)
+    async def _write(self, action: Write) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((action, future))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.create_task(self._flush())
+        return await future
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            batch, self._queue = self._queue, []
+            try:
+                results = await loop.run_in_executor(self._writer, self._commit, batch)
+            except Exception as err:  # the whole transaction failed: so did every write
+                results = [err] * len(batch)
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            raise RuntimeError("store is not open")
-        return self._conn
-
-    def _load(self, tenant: str, session_id: str) -> list[Turn]:
-        rows = self._db().execute(
-            "SELECT role, text, token_count, request_id, created_at_ms FROM turns"
-            " WHERE tenant = ? AND session_id = ? ORDER BY seq",
-            (tenant, session_id),
-        )
-        return [Turn(Role(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
-
-    def _append(
-        self, tenant: str, session_id: str, request_id: str, turns: list[Turn]
-    ) -> tuple[int, bool]:
-        db = self._db()
-        now_ms = int(time.time() * 1000)
+    def _commit(self, batch: list[tuple[Write, asyncio.Future[Any]]]) -> list[Any]:
+        """One transaction: each write in its own savepoint, so one failing write fails
+        alone; one fsync at COMMIT acknowledges them all."""
+        db = self._connection(self._write_conn)
+        results: list[Any] = []
         db.execute("BEGIN IMMEDIATE")
         try:
-            inserted = db.execute(
-                "INSERT OR IGNORE INTO appends (tenant, session_id, request_id) VALUES (?, ?, ?)",
-                (tenant, session_id, request_id),
-            ).rowcount
-            (count,) = db.execute(
-                "SELECT COUNT(*) FROM turns WHERE tenant = ? AND session_id = ?",
-                (tenant, session_id),
-            ).fetchone()
-            if inserted:
-                db.executemany(
-                    "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            tenant,
-                            session_id,
-                            count + i,
-                            t.role.value,
-                            t.text,
-                            t.token_count,
-                            request_id,
-                            now_ms,
-                        )
-                        for i, t in enumerate(turns)
-                    ],
-                )
-                count += len(turns)
+            for action, _ in batch:
+                db.execute("SAVEPOINT one")
+                try:
+                    results.append(action(db))
+                    db.execute("RELEASE one")
+                except sqlite3.Error as err:
+                    db.execute("ROLLBACK TO one")
+                    db.execute("RELEASE one")
+                    results.append(err)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return count, bool(inserted)
+        return results
+
+    async def _read(self, action: Callable[[sqlite3.Connection], T]) -> T:
+        conn = self._connection(self._read_conn)
+        return await asyncio.get_running_loop().run_in_executor(self._reader, action, conn)
+
+    @staticmethod
+    def _connection(conn: sqlite3.Connection | None) -> sqlite3.Connection:
+        if conn is None:
+            raise RuntimeError("store is not open")
+        return conn
+
+    # The operations.
+
+    async def load(self, tenant: str, session_id: str, ttl_ms: int) -> Session | None:
+        found = await self._read(lambda db: _load(db, tenant, session_id))
+        if found is None:
+            return None
+        session, expires_at_ms = found
+        # Sliding expiry. A conversation's appends slide it already: a load writes only
+        # when the expiry lags by more than a tenth of the TTL.
+        if expires_at_ms - now_ms() < ttl_ms * 0.9:
+            await self._write(_touch(tenant, session_id, ttl_ms))
+        return session
+
+    async def append(
+        self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
+    ) -> tuple[int, bool]:
+        result: tuple[int, bool] = await self._write(
+            _append(tenant, session_id, request_id, turns, ttl_ms)
+        )
+        return result
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> None:
+        def action(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO sessions (tenant, session_id, system_prompt, metadata,"
+                " expires_at_ms) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET"
+                " system_prompt = excluded.system_prompt, metadata = excluded.metadata,"
+                " expires_at_ms = excluded.expires_at_ms",
+                (tenant, session_id, system_prompt, json.dumps(metadata), now_ms() + ttl_ms),
+            )
+
+        await self._write(action)
+
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, summarized_turns: int
+    ) -> None:
+        def action(db: sqlite3.Connection) -> None:
+            db.execute(
+                "UPDATE sessions SET summary = ?, summarized_turns = ?"
+                " WHERE tenant = ? AND session_id = ?",
+                (summary, summarized_turns, tenant, session_id),
+            )
+
+        await self._write(action)
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        def action(db: sqlite3.Connection) -> bool:
+            return _delete(db, "tenant = ? AND session_id = ?", (tenant, session_id)) > 0
+
+        deleted: bool = await self._write(action)
+        return deleted
+
+    async def list(self, tenant: str, after: str, limit: int) -> list[str]:
+        def action(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                "SELECT session_id FROM sessions WHERE tenant = ? AND session_id > ?"
+                " AND expires_at_ms > ? ORDER BY session_id LIMIT ?",
+                (tenant, after, now_ms(), limit),
+            )
+            return [r[0] for r in rows]
+
+        return await self._read(action)
+
+    async def sweep(self) -> int:
+        def action(db: sqlite3.Connection) -> int:
+            return _delete(db, "expires_at_ms <= ?", (now_ms(),))
+
+        swept: int = await self._write(action)
+        return swept
+
+
+def _load(db: sqlite3.Connection, tenant: str, session_id: str) -> tuple[Session, int] | None:
+    row = db.execute(
+        "SELECT system_prompt, metadata, summary, summarized_turns, expires_at_ms FROM sessions"
+        " WHERE tenant = ? AND session_id = ? AND expires_at_ms > ?",
+        (tenant, session_id, now_ms()),
+    ).fetchone()
+    if row is None:
+        return None
+    turns = db.execute(
+        "SELECT role, text, token_count, request_id, created_at_ms FROM turns"
+        " WHERE tenant = ? AND session_id = ? ORDER BY seq",
+        (tenant, session_id),
+    )
+    session = Session(
+        system_prompt=row[0],
+        metadata=json.loads(row[1]),
+        turns=[Turn(Role(r[0]), r[1], r[2], r[3], r[4]) for r in turns],
+        summary=row[2],
+        summarized_turns=row[3],
+    )
+    return session, row[4]
+
+
+def _touch(tenant: str, session_id: str, ttl_ms: int) -> Write:
+    def action(db: sqlite3.Connection) -> None:
+        db.execute(
+            "UPDATE sessions SET expires_at_ms = MAX(expires_at_ms, ?)"
+            " WHERE tenant = ? AND session_id = ?",
+            (now_ms() + ttl_ms, tenant, session_id),
+        )
+
+    return action
+
+
+def _append(tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int) -> Write:
+    def action(db: sqlite3.Connection) -> tuple[int, bool]:
+        now = now_ms()
+        # A session that expired but is not swept yet starts over.
+        expired = db.execute(
+            "SELECT 1 FROM sessions WHERE tenant = ? AND session_id = ? AND expires_at_ms <= ?",
+            (tenant, session_id, now),
+        ).fetchone()
+        if expired:
+            _delete(db, "tenant = ? AND session_id = ?", (tenant, session_id))
+        db.execute(
+            "INSERT INTO sessions (tenant, session_id, expires_at_ms) VALUES (?, ?, ?)"
+            " ON CONFLICT DO UPDATE SET expires_at_ms = excluded.expires_at_ms",
+            (tenant, session_id, now + ttl_ms),
+        )
+        inserted = db.execute(
+            "INSERT OR IGNORE INTO appends (tenant, session_id, request_id) VALUES (?, ?, ?)",
+            (tenant, session_id, request_id),
+        ).rowcount
+        (count,) = db.execute(
+            "SELECT turn_count FROM sessions WHERE tenant = ? AND session_id = ?",
+            (tenant, session_id),
+        ).fetchone()
+        if not inserted:
+            return count, False
+        db.executemany(
+            "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    tenant,
+                    session_id,
+                    count + i,
+                    t.role.value,
+                    t.text,
+                    t.token_count,
+                    request_id,
+                    now,
+                )
+                for i, t in enumerate(turns)
+            ],
+        )
+        db.execute(
+            "UPDATE sessions SET turn_count = ? WHERE tenant = ? AND session_id = ?",
+            (count + len(turns), tenant, session_id),
+        )
+        return count + len(turns), True
+
+    return action
+
+
+def _delete(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:
+    """Deletes the sessions matching ``where`` with their turns and request ids."""
+    keys = db.execute(f"SELECT tenant, session_id FROM sessions WHERE {where}", args).fetchall()
+    for table in ("turns", "appends", "sessions"):
+        db.executemany(f"DELETE FROM {table} WHERE tenant = ? AND session_id = ?", keys)
+    return len(keys)

@@ -19,6 +19,7 @@ from llmmesh.runtime.metrics import TTFT
 from llmmesh.types import (
     Chunk,
     FinishReason,
+    History,
     InferenceCall,
     PolicyAction,
     Role,
@@ -30,10 +31,11 @@ from llmmesh.types import (
 )
 from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
-from services.router.prompt import build_prompt
+from services.router.prompt import build_prompt, turn_overhead, user_tail
 from services.router.tenants import Lease, Tenants
 from services.router.upstreams import (
     ContextClient,
+    HistoryRequest,
     InferenceClient,
     OutputGuard,
     PolicyClient,
@@ -58,6 +60,12 @@ POLICY_FAIL_OPEN = Counter(
 )
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
+CONTEXT_FAIL_OPEN = Counter(
+    "llm_router_context_fail_open_total",
+    "Requests answered without their session (store down)",
+    ["tenant"],
+)
+TRUNCATIONS = ("last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences")
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class GenerateInput:
     session_id: str = ""
     color: str = ""  # x-llm-color: pins a traffic color / subset
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
+    truncation: str = ""  # how to cut a long history; empty: the tenant's choice
 
 
 class StartedStream:
@@ -109,6 +118,7 @@ class Prepared:
     lease: Lease
     slot: Slot
     guard: OutputGuard | None = None  # the streamed output check, when the rules have one
+    history: History | None = None  # the session's history as it went into the prompt
 
     def release(self, first_token_at: float | None = None) -> None:
         """Gives back the tenant's stream and the admission slot (idempotent);
@@ -154,6 +164,10 @@ class RouterCore:
             check_session_id(request.session_id)
         if request.color and not COLOR_NAME.match(request.color):
             raise InvalidArgument("x-llm-color", "1-64 letters, digits, '-', '_', '.'")
+        if request.truncation and request.truncation not in TRUNCATIONS:
+            raise InvalidArgument(
+                "truncation", f"unknown strategy '{request.truncation}'; one of {TRUNCATIONS}"
+            )
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)
@@ -208,7 +222,9 @@ class RouterCore:
             if verdict.checks_output
             else None
         )
-        return Prepared(request, started, user_text, prompt_tokens, received_at, lease, slot, guard)
+        return Prepared(
+            request, started, user_text, prompt_tokens, received_at, lease, slot, guard, history
+        )
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:
@@ -216,10 +232,11 @@ class RouterCore:
         return RouteHints(session_key, request.color, request.deadline)
 
     def _build_call(
-        self, request: GenerateInput, history: list[Turn] | None, user_text: str
+        self, request: GenerateInput, history: History | None, user_text: str
     ) -> tuple[InferenceCall, int]:
         budget = self._config.model_context_tokens - request.sampling.max_tokens - BOS_TOKENS
         prompt, dropped = build_prompt(history, user_text, budget, self._count)
+        dropped += history.dropped_turns if history else 0
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
@@ -309,10 +326,37 @@ class RouterCore:
             return replace(chunk, text="", finish_reason=FinishReason.POLICY), guard
         return replace(chunk, text=guarded.text), guard
 
-    async def _load_history(self, request: GenerateInput) -> list[Turn] | None:
+    async def _load_history(self, request: GenerateInput) -> History | None:
+        """The session's history cut to what the prompt can hold; if the session store is
+        unreachable, the tenant's fail mode decides: ``open`` answers without history."""
         if not request.session_id:
             return None
-        return await self._context.load(request.request_id, request.tenant, request.session_id)
+        spec = self._tenants.spec(request.tenant)
+        room = (
+            self._config.model_context_tokens
+            - request.sampling.max_tokens
+            - BOS_TOKENS
+            - self._count(user_tail(request.prompt))
+        )
+        wanted = HistoryRequest(
+            request.tenant,
+            request.session_id,
+            budget_tokens=max(room, 1),
+            truncation=request.truncation or spec.truncation,
+            turn_overhead_tokens=turn_overhead(self._count),
+            ttl_s=spec.session_ttl_s,
+        )
+        try:
+            return await self._context.load(request.request_id, wanted)
+        except Unavailable:
+            if spec.context_fail_mode == "closed":
+                raise
+            CONTEXT_FAIL_OPEN.labels(request.tenant).inc()
+            log.warning(
+                "session store unreachable; answered without history (fail-open tenant)",
+                extra={"fields": {"tenant": request.tenant}},
+            )
+            return History()
 
     async def _verdict(self, pending: asyncio.Task[Verdict], request: GenerateInput) -> Verdict:
         """The policy's verdict; if policy is unreachable, the tenant's fail mode decides:
@@ -343,4 +387,16 @@ class RouterCore:
             Turn(Role.USER, prepared.user_text, self._count(prepared.user_text)),
             Turn(Role.ASSISTANT, answer, answer_tokens),
         ]
-        await self._context.append(request.request_id, request.tenant, request.session_id, turns)
+        spec = self._tenants.spec(request.tenant)
+        try:
+            await self._context.append(
+                request.request_id, request.tenant, request.session_id, turns, spec.session_ttl_s
+            )
+        except Unavailable:
+            if spec.context_fail_mode == "closed":
+                raise
+            CONTEXT_FAIL_OPEN.labels(request.tenant).inc()
+            log.warning(
+                "session store unreachable; the turn was not recorded (fail-open tenant)",
+                extra={"fields": {"tenant": request.tenant}},
+            )

@@ -1,39 +1,62 @@
 """Builds the model prompt from a session's history and the new user message.
 
-The layout is append-only: the prompt of turn N+1 starts with the exact text of turn N's
-prompt followed by turn N's answer, so engine prefix caches and session affinity pay off.
+The layout is append-only: the system prompt, a summary of older turns (once the context
+service had to fold some), then the turns. Unless the history was cut, the prompt of turn
+N+1 starts with the exact text of turn N's prompt followed by turn N's answer, so engine
+prefix caches and session affinity pay off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Role, Turn
+from llmmesh.types import History, Role, Turn
 
 _TAGS = {Role.SYSTEM: "<|system|>", Role.USER: "<|user|>", Role.ASSISTANT: "<|assistant|>"}
+SUMMARY_LEAD = "Earlier in this conversation: "
 
 
 def render_turn(turn: Turn) -> str:
     return f"{_TAGS[turn.role]}\n{turn.text}\n"
 
 
+def turn_overhead(count_tokens: Callable[[str], int]) -> int:
+    """Tokens a rendered turn adds to its text (the longest role tag and separators; a
+    summary's lead-in too)."""
+    return max(count_tokens(render_turn(Turn(role, ""))) for role in Role) + count_tokens(
+        SUMMARY_LEAD
+    )
+
+
+def user_tail(user_text: str) -> str:
+    """What follows the history: the new message and the assistant's cue."""
+    return render_turn(Turn(Role.USER, user_text)) + _TAGS[Role.ASSISTANT] + "\n"
+
+
+def _preamble(history: History) -> list[Turn]:
+    turns = []
+    if history.system_prompt:
+        turns.append(Turn(Role.SYSTEM, history.system_prompt))
+    if history.summary:
+        turns.append(Turn(Role.SYSTEM, SUMMARY_LEAD + history.summary))
+    return turns
+
+
 def build_prompt(
-    history: Sequence[Turn] | None,
+    history: History | None,
     user_text: str,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
 ) -> tuple[str, int]:
-    """Returns (prompt, dropped turns): the most recent history that fits ``budget_tokens``.
+    """Returns (prompt, turns dropped here): the history within ``budget_tokens``.
 
-    Without a session (``history`` is None) the prompt goes to the model as it is, a plain
+    The context service cuts the history to the budget already; what would still not fit
+    (it counted differently, or an older service) is dropped here, oldest first. Without a
+    session (``history`` is None) the prompt goes to the model as it is, a plain
     completion; a session's turns are laid out in the chat format.
     """
-    tail = (
-        user_text
-        if history is None
-        else render_turn(Turn(Role.USER, user_text)) + _TAGS[Role.ASSISTANT] + "\n"
-    )
+    tail = user_text if history is None else user_tail(user_text)
     used = count_tokens(tail)
     if used > budget_tokens:
         raise InvalidArgument(
@@ -41,8 +64,9 @@ def build_prompt(
             f"{used} tokens leave no room for generation in the model's context "
             f"({budget_tokens} tokens available after max_tokens)",
         )
+    turns = [*_preamble(history), *history.turns] if history else []
     kept: list[str] = []
-    for turn in reversed(history or ()):
+    for turn in reversed(turns):
         rendered = render_turn(turn)
         cost = count_tokens(rendered)
         if used + cost > budget_tokens:
@@ -50,4 +74,4 @@ def build_prompt(
         kept.append(rendered)
         used += cost
     kept.reverse()
-    return "".join(kept) + tail, len(history or ()) - len(kept)
+    return "".join(kept) + tail, len(turns) - len(kept)

@@ -26,7 +26,7 @@ from llmmesh.runtime.metadata import (
 )
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_file
-from llmmesh.types import Chunk
+from llmmesh.types import Chunk, History, count_tokens
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
@@ -39,11 +39,6 @@ from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
-
-
-def count_tokens(text: str) -> int:
-    """Token count in the reference model's byte-level tokenizer."""
-    return len(text.encode("utf-8"))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -87,6 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
             color=metadata_value(context, COLOR) or "",
             deadline=_deadline(context),
+            truncation=request.truncation,
         )
 
 
@@ -106,6 +102,8 @@ async def _responses(
         if first:
             response.request_id = prepared.request.request_id
             response.model = prepared.request.model
+            if prepared.history is not None:
+                response.context.CopyFrom(_session_context(prepared.history))
             first = False
         if chunk.finish_reason is not None:
             response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
@@ -124,6 +122,17 @@ async def _responses(
                     )
                 )
         yield response
+
+
+def _session_context(history: History) -> generation_pb2.SessionContext:
+    cut = history.dropped_turns > 0 or history.system_prompt_dropped
+    return generation_pb2.SessionContext(
+        history_turns=history.total_turns,
+        dropped_turns=history.dropped_turns,
+        summarized_turns=history.summarized_turns,
+        truncation=history.truncation if cut else "",
+        system_prompt_dropped=history.system_prompt_dropped,
+    )
 
 
 class Upstreams:

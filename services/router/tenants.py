@@ -58,6 +58,15 @@ class TenantSpec(BaseModel):
     # When the token budget runs out mid-stream: finish the stream (finish_reason
     # "budget") or let streams already running complete.
     on_budget_exhausted: Literal["finish", "complete"] = "finish"
+    # Sessions: how a history too long for the model is cut (a request may choose
+    # another), how long an idle session lives (0: the context service's default), and
+    # whether a request is answered without its history when the session store is
+    # unreachable ("open") or refused with UNAVAILABLE ("closed").
+    truncation: Literal[
+        "last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences"
+    ] = "last_turns"
+    session_ttl_s: int = Field(default=0, ge=0, le=366 * 86_400)
+    context_fail_mode: Literal["closed", "open"] = "closed"
 
     @model_validator(mode="after")
     def _hashes_well_formed(self) -> TenantSpec:

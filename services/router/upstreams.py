@@ -13,7 +13,15 @@ from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb,
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
-from llmmesh.types import Chunk, GuardedText, InferenceCall, PolicyAction, Turn, Verdict
+from llmmesh.types import (
+    Chunk,
+    GuardedText,
+    History,
+    InferenceCall,
+    PolicyAction,
+    Turn,
+    Verdict,
+)
 from llmmesh.v1 import (
     context_pb2,
     context_pb2_grpc,
@@ -42,11 +50,25 @@ class PolicyClient(Protocol):
     def guard_output(self, request_id: str, tenant: str, rule_set: str) -> OutputGuard: ...
 
 
+@dataclass(frozen=True)
+class HistoryRequest:
+    """Which session to load, and how to fit it into ``budget_tokens``."""
+
+    tenant: str
+    session_id: str
+    budget_tokens: int
+    truncation: str
+    turn_overhead_tokens: int
+    ttl_s: int = 0
+
+
 class ContextClient(Protocol):
-    async def load(self, request_id: str, tenant: str, session_id: str) -> list[Turn]: ...
+    async def load(self, request_id: str, wanted: HistoryRequest) -> History:
+        """The session's history (empty for a session not stored yet)."""
+        ...
 
     async def append(
-        self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
+        self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None: ...
 
 
@@ -153,27 +175,48 @@ class GrpcContextClient:
         self._stub = context_pb2_grpc.ContextStub(channel)
         self._timeout = timeout_s
 
-    async def load(self, request_id: str, tenant: str, session_id: str) -> list[Turn]:
-        request = context_pb2.LoadSessionRequest(tenant=tenant, session_id=session_id)
+    async def load(self, request_id: str, wanted: HistoryRequest) -> History:
+        request = context_pb2.LoadSessionRequest(
+            tenant=wanted.tenant,
+            session_id=wanted.session_id,
+            budget_tokens=wanted.budget_tokens,
+            truncation=wanted.truncation,
+            turn_overhead_tokens=wanted.turn_overhead_tokens,
+            ttl_seconds=wanted.ttl_s,
+        )
         try:
             reply = await self._stub.LoadSession(
                 request, timeout=self._timeout, metadata=_metadata(request_id)
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return History()  # a new conversation
             raise from_rpc_error(exc, "context service") from None
         try:
-            return [turn_from_pb(t, "session.turns") for t in reply.turns]
+            turns = tuple(turn_from_pb(t, "session.turns") for t in reply.turns)
         except InvalidArgument as err:
             raise Unavailable(f"context service returned a bad session: {err.message}") from None
+        cut = reply.truncation
+        return History(
+            turns=turns,
+            system_prompt=reply.system_prompt,
+            summary=reply.summary,
+            truncation=cut.strategy,
+            total_turns=reply.total_turns,
+            dropped_turns=cut.dropped_turns,
+            summarized_turns=cut.summarized_turns,
+            system_prompt_dropped=cut.system_prompt_dropped,
+        )
 
     async def append(
-        self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
+        self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None:
         request = context_pb2.AppendTurnsRequest(
             tenant=tenant,
             session_id=session_id,
             request_id=request_id,
             turns=[turn_to_pb(t) for t in turns],
+            ttl_seconds=ttl_s,
         )
         try:
             await self._stub.AppendTurns(

@@ -1,83 +1,189 @@
-"""The SQLite session store against real database files."""
+"""The session stores, one suite for both: SQLite on a real database file and Redis on a
+real redis-server (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.runtime.errors import InvalidArgument, NotFound
 from llmmesh.types import Role, Turn
 from services.context.core import ContextCore
-from services.context.store import SqliteSessionStore
+from services.context.redis_store import RedisSessionStore
+from services.context.store import SessionStore, SqliteSessionStore
+from services.context.truncation import Budget
+from tests.conftest import RedisServer
 
+T = TypeVar("T")
 TURNS = [Turn(Role.USER, "hi", 2), Turn(Role.ASSISTANT, "hello ✓", 9)]
+DAY_MS = 86_400_000
+
+StoreFactory = Callable[[], SessionStore]
 
 
-async def _open(path: Path) -> SqliteSessionStore:
-    store = SqliteSessionStore(path)
+@pytest.fixture(params=["sqlite", "redis"])
+def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+    """Makes store objects over one database (a file, or a key prefix on the server)."""
+    if request.param == "sqlite":
+        return lambda: SqliteSessionStore(tmp_path / "ctx.sqlite3")
+    server: RedisServer = request.getfixturevalue("redis_server")
+    prefix = f"test-{uuid.uuid4().hex}:"
+    return lambda: RedisSessionStore(server.url, prefix)
+
+
+@asynccontextmanager
+async def opened(new_store: StoreFactory) -> AsyncIterator[SessionStore]:
+    store = new_store()
     await store.open()
-    return store
-
-
-def test_append_then_load_survives_reopening(tmp_path: Path) -> None:
-    async def scenario() -> list[Turn]:
-        store = await _open(tmp_path / "ctx.sqlite3")
-        assert await store.append("t1", "s1", "r1", TURNS) == (2, True)
+    try:
+        yield store
+    finally:
         await store.close()
-        reopened = await _open(tmp_path / "ctx.sqlite3")
-        try:
-            return await reopened.load("t1", "s1")
-        finally:
-            await reopened.close()
-
-    loaded = asyncio.run(scenario())
-    assert [(t.role, t.text, t.token_count) for t in loaded] == [
-        (Role.USER, "hi", 2),
-        (Role.ASSISTANT, "hello ✓", 9),
-    ]
-    assert all(t.request_id == "r1" and t.created_at_ms > 0 for t in loaded)
 
 
-def test_retried_request_id_is_not_appended_twice(tmp_path: Path) -> None:
-    async def scenario() -> tuple[tuple[int, bool], tuple[int, bool], int]:
-        store = await _open(tmp_path / "ctx.sqlite3")
-        try:
-            first = await store.append("t", "s", "r1", TURNS)
-            again = await store.append("t", "s", "r1", TURNS)
-            return first, again, len(await store.load("t", "s"))
-        finally:
-            await store.close()
+def run(new_store: StoreFactory, scenario: Callable[[SessionStore], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with opened(new_store) as store:
+            return await scenario(store)
 
-    assert asyncio.run(scenario()) == ((2, True), (2, False), 2)
+    return asyncio.run(main())
 
 
-def test_sessions_are_isolated_by_tenant(tmp_path: Path) -> None:
-    async def scenario() -> list[Turn]:
-        store = await _open(tmp_path / "ctx.sqlite3")
-        try:
-            await store.append("tenant-a", "shared-id", "r1", TURNS)
-            return await store.load("tenant-b", "shared-id")
-        finally:
-            await store.close()
+def test_append_then_load_survives_reopening(new_store: StoreFactory) -> None:
+    async def scenario() -> None:
+        async with opened(new_store) as store:
+            assert await store.append("t1", "s1", "r1", TURNS, DAY_MS) == (2, True)
+        async with opened(new_store) as reopened:
+            session = await reopened.load("t1", "s1", DAY_MS)
+        assert session is not None
+        assert [(t.role, t.text, t.token_count) for t in session.turns] == [
+            (Role.USER, "hi", 2),
+            (Role.ASSISTANT, "hello ✓", 9),
+        ]
+        assert all(t.request_id == "r1" and t.created_at_ms > 0 for t in session.turns)
 
-    assert asyncio.run(scenario()) == []
+    asyncio.run(scenario())
 
 
-def test_concurrent_appends_both_land_in_order(tmp_path: Path) -> None:
-    async def scenario() -> list[str]:
-        store = await _open(tmp_path / "ctx.sqlite3")
-        try:
-            await asyncio.gather(
-                *(store.append("t", "s", f"r{i}", [Turn(Role.USER, f"m{i}")]) for i in range(20))
-            )
-            return [t.request_id for t in await store.load("t", "s")]
-        finally:
-            await store.close()
+def test_retried_request_id_is_not_appended_twice(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, True)
+        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, False)
+        session = await store.load("t", "s", DAY_MS)
+        assert session is not None and len(session.turns) == 2
 
-    ids = asyncio.run(scenario())
-    assert sorted(ids) == sorted(f"r{i}" for i in range(20))
+    run(new_store, scenario)
+
+
+def test_another_tenants_session_is_missing(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await store.append("tenant-a", "shared-id", "r1", TURNS, DAY_MS)
+        assert await store.load("tenant-b", "shared-id", DAY_MS) is None
+        assert await store.load("tenant-a", "never", DAY_MS) is None
+        assert not await store.delete("tenant-b", "shared-id")
+        assert await store.list("tenant-b", "", 10) == []
+        assert await store.load("tenant-a", "shared-id", DAY_MS) is not None
+
+    run(new_store, scenario)
+
+
+def test_concurrent_appends_all_land_each_whole(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        appends = [[Turn(Role.USER, f"q{i}"), Turn(Role.ASSISTANT, f"a{i}")] for i in range(20)]
+        await asyncio.gather(
+            *(store.append("t", "s", f"r{i}", turns, DAY_MS) for i, turns in enumerate(appends))
+        )
+        session = await store.load("t", "s", DAY_MS)
+        assert session is not None
+        pairs = list(zip(session.turns[::2], session.turns[1::2], strict=True))
+        # Every append landed, its two turns next to each other, in the store's order.
+        assert sorted(q.request_id for q, _ in pairs) == sorted(f"r{i}" for i in range(20))
+        assert all(q.request_id == a.request_id for q, a in pairs)
+        assert all(q.text[1:] == a.text[1:] for q, a in pairs)
+
+    run(new_store, scenario)
+
+
+def test_system_prompt_metadata_and_summary(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await store.put("t", "s", "Be brief.", {"lang": "en"}, DAY_MS)
+        await store.append("t", "s", "r1", TURNS, DAY_MS)
+        await store.save_summary("t", "s", "They said hi.", 2)
+        await store.put("t", "s", "Be very brief.", {"lang": "fr"}, DAY_MS)
+        session = await store.load("t", "s", DAY_MS)
+        assert session is not None
+        assert (session.system_prompt, session.metadata) == ("Be very brief.", {"lang": "fr"})
+        assert (session.summary, session.summarized_turns) == ("They said hi.", 2)
+        assert len(session.turns) == 2
+
+    run(new_store, scenario)
+
+
+def test_delete_erases_everything(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await store.put("t", "s", "system", {"k": "v"}, DAY_MS)
+        await store.append("t", "s", "r1", TURNS, DAY_MS)
+        assert await store.delete("t", "s")
+        assert await store.load("t", "s", DAY_MS) is None
+        assert await store.list("t", "", 10) == []
+        # The request id went with it: the same request appends again.
+        assert await store.append("t", "s", "r1", TURNS[:1], DAY_MS) == (1, True)
+        await store.save_summary("gone", "nowhere", "x", 1)  # never creates a session
+        assert await store.load("gone", "nowhere", DAY_MS) is None
+
+    run(new_store, scenario)
+
+
+def test_list_pages_through_a_tenants_sessions(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        for i in range(7):
+            await store.append("t", f"s{i}", "r", TURNS[:1], DAY_MS)
+        await store.append("other", "x", "r", TURNS[:1], DAY_MS)
+        core = ContextCore(store, 60)
+        pages, token = [], ""
+        while True:
+            page, token = await core.list("t", 3, token)
+            pages.append(page)
+            if not token:
+                break
+        assert pages == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6"]]
+
+    run(new_store, scenario)
+
+
+def test_sessions_expire_after_their_ttl_and_the_sweep_drops_them(
+    new_store: StoreFactory,
+) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await store.append("t", "short", "r", TURNS, 1)  # 1 ms to live
+        await store.append("t", "long", "r", TURNS, DAY_MS)
+        deadline = asyncio.get_running_loop().time() + 5
+        while await store.load("t", "short", 1) is not None:  # expiry is wall-clock
+            assert asyncio.get_running_loop().time() < deadline, "never expired"
+            await asyncio.sleep(0.01)  # poll interval
+        assert await store.list("t", "", 10) == ["long"]
+        assert await store.sweep() >= 1
+        assert await store.load("t", "long", DAY_MS) is not None
+        # An expired session's id starts a new conversation.
+        assert await store.append("t", "short", "r", TURNS[:1], DAY_MS) == (1, True)
+
+    run(new_store, scenario)
+
+
+def test_an_access_slides_the_expiry(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await store.append("t", "s", "r", TURNS, 400)
+        assert await store.load("t", "s", DAY_MS) is not None  # slides it a day out
+        await asyncio.sleep(0.5)  # wall-clock time past the first expiry
+        assert await store.load("t", "s", DAY_MS) is not None
+
+    run(new_store, scenario)
 
 
 @pytest.mark.parametrize(
@@ -88,18 +194,50 @@ def test_concurrent_appends_both_land_in_order(tmp_path: Path) -> None:
         ("t", "s", "", TURNS, "request_id"),
         ("t", "s", "r", [], "turns"),
         ("t", "s", "r", [Turn(Role.USER, "x", -1)], "turns[0].token_count"),
+        ("t", "s", "r", [Turn(Role.USER, "x" * 1_000_001)], "turns[0].text"),
     ],
 )
 def test_core_rejects_bad_appends(
     tmp_path: Path, tenant: str, session: str, request_id: str, turns: list[Turn], field: str
 ) -> None:
-    async def scenario() -> None:
-        store = await _open(tmp_path / "ctx.sqlite3")
-        try:
-            await ContextCore(store).append(tenant, session, request_id, turns)
-        finally:
-            await store.close()
+    async def scenario(store: SessionStore) -> None:
+        await ContextCore(store, 60).append(tenant, session, request_id, turns)
 
     with pytest.raises(InvalidArgument) as info:
-        asyncio.run(scenario())
+        run(lambda: SqliteSessionStore(tmp_path / "ctx.sqlite3"), scenario)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("budget", "strategy", "ttl", "field"),
+    [
+        (Budget(10), "longest_first", 0, "truncation"),
+        (Budget(10), "", -1, "ttl_seconds"),
+    ],
+)
+def test_core_rejects_bad_loads(
+    tmp_path: Path, budget: Budget, strategy: str, ttl: int, field: str
+) -> None:
+    async def scenario(store: SessionStore) -> None:
+        await ContextCore(store, 60).load("t", "s", budget, strategy, ttl)
+
+    with pytest.raises(InvalidArgument) as info:
+        run(lambda: SqliteSessionStore(tmp_path / "ctx.sqlite3"), scenario)
+    assert info.value.field == field
+
+
+def test_negative_budgets_are_invalid() -> None:
+    with pytest.raises(InvalidArgument, match="budget_tokens"):
+        Budget(-1)
+
+
+def test_a_missing_session_is_not_found(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        core = ContextCore(store, 60)
+        await core.append("a", "s", "r", TURNS)
+        for tenant, session in (("b", "s"), ("a", "other")):
+            with pytest.raises(NotFound) as info:
+                await core.load(tenant, session, Budget(0))
+            assert info.value.message == f"no session '{session}'"
+
+    run(new_store, scenario)

@@ -3,26 +3,38 @@ from __future__ import annotations
 import pytest
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Role, Turn
-from services.router.prompt import build_prompt
+from llmmesh.types import History, Role, Turn
+from services.router.prompt import SUMMARY_LEAD, build_prompt
 
 
 def count(text: str) -> int:
     return len(text.encode())
 
 
+def history(*turns: Turn, system: str = "", summary: str = "") -> History:
+    return History(turns=turns, system_prompt=system, summary=summary)
+
+
 def test_next_turn_prompt_extends_the_previous_prompt_and_answer() -> None:
-    first, dropped = build_prompt([], "hello", 1000, count)
+    first, dropped = build_prompt(history(system="Be kind."), "hello", 1000, count)
     assert dropped == 0
-    history = [Turn(Role.USER, "hello"), Turn(Role.ASSISTANT, " world!")]
-    second, _ = build_prompt(history, "again", 1000, count)
+    grown = history(Turn(Role.USER, "hello"), Turn(Role.ASSISTANT, " world!"), system="Be kind.")
+    second, _ = build_prompt(grown, "again", 1000, count)
     assert second.startswith(first + " world!")
+    assert second.startswith("<|system|>\nBe kind.\n<|user|>\nhello\n")
     assert second.endswith("again\n<|assistant|>\n")
 
 
-def test_oldest_turns_are_dropped_to_fit_the_budget() -> None:
-    history = [Turn(Role.USER, f"turn {i} " + "x" * 50) for i in range(10)]
-    prompt, dropped = build_prompt(history, "now", 200, count)
+def test_a_summary_goes_after_the_system_prompt_and_before_the_turns() -> None:
+    prompt, _ = build_prompt(
+        history(Turn(Role.USER, "q"), system="S", summary="They met."), "now", 1000, count
+    )
+    assert prompt.index("S\n") < prompt.index(SUMMARY_LEAD + "They met.") < prompt.index("q\n")
+
+
+def test_what_still_does_not_fit_is_dropped_oldest_first() -> None:
+    turns = [Turn(Role.USER, f"turn {i} " + "x" * 50) for i in range(10)]
+    prompt, dropped = build_prompt(history(*turns), "now", 200, count)
     assert count(prompt) <= 200
     assert dropped > 0
     assert "turn 9" in prompt
@@ -31,7 +43,7 @@ def test_oldest_turns_are_dropped_to_fit_the_budget() -> None:
 
 def test_prompt_that_cannot_fit_is_invalid() -> None:
     with pytest.raises(InvalidArgument) as info:
-        build_prompt([], "x" * 100, 50, count)
+        build_prompt(history(), "x" * 100, 50, count)
     assert info.value.field == "prompt"
 
 

@@ -13,6 +13,7 @@ from llmmesh.types import (
     Chunk,
     FinishReason,
     GuardedText,
+    History,
     InferenceCall,
     PolicyAction,
     Role,
@@ -25,7 +26,7 @@ from services.policy.streaming import OutputScanner
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
 from services.router.tenants import Tenants, parse_tenants
-from services.router.upstreams import RouteHints
+from services.router.upstreams import HistoryRequest, RouteHints
 
 
 class ScannerGuard:
@@ -85,13 +86,21 @@ class Policy:
 @dataclass
 class Context:
     sessions: dict[tuple[str, str], list[Turn]] = field(default_factory=dict)
+    asked: list[HistoryRequest] = field(default_factory=list)
+    down: bool = False
 
-    async def load(self, request_id: str, tenant: str, session_id: str) -> list[Turn]:
-        return list(self.sessions.get((tenant, session_id), []))
+    async def load(self, request_id: str, wanted: HistoryRequest) -> History:
+        self.asked.append(wanted)
+        if self.down:
+            raise Unavailable("context service unreachable")
+        turns = self.sessions.get((wanted.tenant, wanted.session_id), [])
+        return History(turns=tuple(turns), total_turns=len(turns))
 
     async def append(
-        self, request_id: str, tenant: str, session_id: str, turns: list[Turn]
+        self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None:
+        if self.down:
+            raise Unavailable("context service unreachable")
         self.sessions.setdefault((tenant, session_id), []).extend(turns)
 
 
@@ -288,5 +297,41 @@ def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None
         else:
             chunks = await run(core, request())
             assert "".join(c.text for c in chunks) == "012!"  # relayed unchecked
+
+    asyncio.run(scenario())
+
+
+def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy() -> None:
+    async def scenario() -> None:
+        policy, context = Policy(), Context()
+        policy.release.set()
+        core = make_core(policy, context, Inference())
+        await run(core, request("hi", session="s", max_tokens=4))
+        await run(core, replace(request("hi", session="s"), truncation="sliding_summary"))
+        first, second = context.asked
+        assert first.truncation == "last_turns"  # the tenant's default
+        assert second.truncation == "sliding_summary"
+        room = RouterConfig().model_context_tokens - 4 - 1 - len("<|user|>\nhi\n<|assistant|>\n")
+        assert first.budget_tokens == room
+        with pytest.raises(InvalidArgument, match="truncation"):
+            await core.prepare(replace(request("hi", session="s"), truncation="newest"))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_session_store_down_follows_the_tenants_context_fail_mode(mode: str) -> None:
+    async def scenario() -> None:
+        policy, context = Policy(), Context(down=True)
+        policy.release.set()
+        tenants = Tenants()
+        tenants.apply(parse_tenants(f"tenants: [{{id: t, context_fail_mode: {mode}}}]"))
+        core = RouterCore(RouterConfig(), policy, context, Inference(), len, tenants=tenants)
+        if mode == "closed":
+            with pytest.raises(Unavailable):
+                await run(core, request(session="s"))
+        else:
+            chunks = await run(core, request(session="s"))
+            assert chunks[-1].finish_reason is FinishReason.LENGTH
 
     asyncio.run(scenario())

@@ -1,0 +1,210 @@
+"""Redis session store, for several context replicas sharing sessions.
+
+Per session: a hash (system prompt, metadata, summary), a list of turns (JSON) and a set
+of the request ids already appended, all expiring together (PEXPIRE, slid on every
+access). Per tenant, a sorted set of session ids pages ``list``; one sorted set of expiry
+times lets ``sweep`` drop the ids of sessions Redis has expired. An append is one Lua
+script, so concurrent appends to a session land whole, one after the other. Durability is
+the server's: run it with ``appendonly yes`` and ``appendfsync always`` so that a reply
+means the append is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+from urllib.parse import quote
+
+import redis.asyncio as redis
+
+from llmmesh.types import Role, Turn
+from services.context.store import Session
+
+_APPEND = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'system_prompt', '', 'metadata', '{}', 'summary', '',
+             'summarized_turns', '0')
+end
+local added = redis.call('SADD', KEYS[3], ARGV[1])
+if added == 1 then
+  for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+end
+local count = redis.call('LLEN', KEYS[2])
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+redis.call('ZADD', KEYS[4], 0, ARGV[5])
+redis.call('ZADD', KEYS[5], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
+return {count, added}
+"""
+# Reads a session and slides its expiry (never shortening it), if it exists.
+_LOAD = """
+local meta = redis.call('HGETALL', KEYS[1])
+if #meta == 0 then return false end
+local turns = redis.call('LRANGE', KEYS[2], 0, -1)
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[1], 'GT') end
+redis.call('ZADD', KEYS[4], 'GT', tonumber(ARGV[2]) + tonumber(ARGV[1]), ARGV[3])
+return {meta, turns}
+"""
+# Only while the session exists: a summary must not resurrect a deleted session.
+_SAVE_SUMMARY = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'summary', ARGV[1], 'summarized_turns', ARGV[2])
+end
+return 0
+"""
+_SWEEP_BATCH = 1000
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class RedisSessionStore:
+    def __init__(self, url: str, prefix: str = "llm-mesh:ctx:") -> None:
+        self._client = redis.Redis.from_url(url, decode_responses=True)
+        self._prefix = prefix
+        self._append = self._client.register_script(_APPEND)
+        self._load = self._client.register_script(_LOAD)
+        self._save_summary = self._client.register_script(_SAVE_SUMMARY)
+
+    async def open(self) -> None:
+        await self._client.ping()  # type: ignore[misc]  # redis-py types sync and async alike
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _keys(self, tenant: str, session_id: str) -> tuple[str, str, str]:
+        base = f"{quote(tenant, safe='')}:{session_id}"
+        p = self._prefix
+        return f"{p}s:{base}", f"{p}t:{base}", f"{p}r:{base}"
+
+    def _index(self, tenant: str) -> str:
+        return f"{self._prefix}idx:{quote(tenant, safe='')}"
+
+    @property
+    def _expiry(self) -> str:
+        return f"{self._prefix}exp"
+
+    @staticmethod
+    def _member(tenant: str, session_id: str) -> str:
+        return f"{quote(tenant, safe='')}\n{session_id}"
+
+    async def load(self, tenant: str, session_id: str, ttl_ms: int) -> Session | None:
+        keys = [*self._keys(tenant, session_id), self._expiry]
+        args: list[str | int] = [ttl_ms, _now_ms(), self._member(tenant, session_id)]
+        found = await self._load(keys=keys, args=args)
+        if not found:
+            return None
+        flat, turns = found
+        meta = dict(zip(flat[::2], flat[1::2], strict=True))
+        return Session(
+            system_prompt=meta.get("system_prompt", ""),
+            metadata=json.loads(meta.get("metadata", "{}")),
+            turns=[_turn(json.loads(t)) for t in turns],
+            summary=meta.get("summary", ""),
+            summarized_turns=int(meta.get("summarized_turns", 0)),
+        )
+
+    async def append(
+        self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
+    ) -> tuple[int, bool]:
+        now = _now_ms()
+        keys = [*self._keys(tenant, session_id), self._index(tenant), self._expiry]
+        args: list[str | int] = [
+            request_id,
+            ttl_ms,
+            now,
+            self._member(tenant, session_id),
+            session_id,
+        ]
+        args += [json.dumps(_turn_doc(t, request_id, now)) for t in turns]
+        count, added = await self._append(keys=keys, args=args)
+        return int(count), bool(added)
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> None:
+        meta_key, turns_key, requests_key = self._keys(tenant, session_id)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(meta_key, "summary", "")
+            pipe.hsetnx(meta_key, "summarized_turns", "0")
+            pipe.hset(
+                meta_key,
+                mapping={"system_prompt": system_prompt, "metadata": json.dumps(metadata)},
+            )
+            for key in (meta_key, turns_key, requests_key):
+                pipe.pexpire(key, ttl_ms)
+            pipe.zadd(self._index(tenant), {session_id: 0})
+            pipe.zadd(self._expiry, {self._member(tenant, session_id): _now_ms() + ttl_ms})
+            await pipe.execute()
+
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, summarized_turns: int
+    ) -> None:
+        meta_key = self._keys(tenant, session_id)[0]
+        await self._save_summary(keys=[meta_key], args=[summary, summarized_turns])
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.delete(*self._keys(tenant, session_id))
+            pipe.zrem(self._index(tenant), session_id)
+            pipe.zrem(self._expiry, self._member(tenant, session_id))
+            deleted, *_ = await pipe.execute()
+        return bool(deleted)
+
+    async def list(self, tenant: str, after: str, limit: int) -> list[str]:
+        found: list[str] = []
+        start = f"({after}" if after else "-"
+        while len(found) < limit:
+            ids = await self._client.zrangebylex(self._index(tenant), start, "+", 0, limit)
+            if not ids:
+                break
+            expiries = await self._client.zmscore(
+                self._expiry, [self._member(tenant, i) for i in ids]
+            )
+            now = _now_ms()
+            found += [i for i, e in zip(ids, expiries, strict=True) if e and e > now]
+            start = f"({ids[-1]}"
+        return found[:limit]
+
+    async def sweep(self) -> int:
+        """Redis expires the sessions themselves; this drops their ids from the indexes."""
+        swept = 0
+        while True:
+            members = await self._client.zrangebyscore(
+                self._expiry, "-inf", _now_ms(), 0, _SWEEP_BATCH
+            )
+            if not members:
+                return swept
+            async with self._client.pipeline(transaction=False) as pipe:
+                for member in members:
+                    tenant, session_id = member.split("\n", 1)
+                    pipe.zrem(f"{self._prefix}idx:{tenant}", session_id)
+                pipe.zrem(self._expiry, *members)
+                await pipe.execute()
+            swept += len(members)
+
+
+def _turn_doc(turn: Turn, request_id: str, now: int) -> dict[str, Any]:
+    return {
+        "role": turn.role.value,
+        "text": turn.text,
+        "token_count": turn.token_count,
+        "request_id": request_id,
+        "created_at_ms": now,
+    }
+
+
+def _turn(doc: dict[str, Any]) -> Turn:
+    return Turn(
+        Role(doc["role"]),
+        doc["text"],
+        int(doc["token_count"]),
+        doc["request_id"],
+        int(doc["created_at_ms"]),
+    )
