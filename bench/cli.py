@@ -18,6 +18,7 @@ from bench.admission import Shape as AdmissionShape
 from bench.admission import admission_fleet
 from bench.admission import compare as admission_compare
 from bench.admission import plot as plot_admission
+from bench.context import run as run_context
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
 from bench.policy import run as run_policy
@@ -55,7 +56,7 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix", "routing", "admission", "policy"],
+        choices=["load", "hol", "prefix", "routing", "admission", "policy", "context"],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
         "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
@@ -63,7 +64,9 @@ def add_bench_parser(commands: Any) -> None:
         "--num-prompts multi-turn sessions arriving at each of --session-rates; admission: "
         "three tiers at twice the fleet's capacity for --duration seconds, without and with "
         "admission control, on a stack it starts itself; policy: a 200-rule set on 4 KB "
-        "prompts and output chunks, and TTFT with and without the streamed output check",
+        "prompts and output chunks, and TTFT with and without the streamed output check; "
+        "context: append and load latency of 32 concurrent 50-turn conversations on SQLite "
+        "and Redis, and truncation cost on a 200-turn session",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         return _admission(args)
     if args.scenario == "policy":
         return _policy(args)
+    if args.scenario == "context":
+        return _context(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -245,6 +250,21 @@ def _policy(args: argparse.Namespace) -> int:
         f"; {rounds} generations of 16 tokens per tenant, alternating. The router's "
         "tenants differ only in their rule set: the same 200 rules on input and output, "
         "or on input only.",
+        result.table(),
+    )
+    return 0
+
+
+def _context(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting redis-server and context services ...", file=sys.stderr)
+        result = run_context(Path(workdir), args.seed)
+    print(result.table())
+    _record(
+        args,
+        _section(args, "context"),
+        "; 32 conversations at once, each 25 rounds of a load and an append of two "
+        "200-character turns (50 turns at the end); Redis with appendfsync always.",
         result.table(),
     )
     return 0

@@ -118,6 +118,7 @@ def now_ms() -> int:
 
 
 Write = Callable[[sqlite3.Connection], Any]
+CHECKPOINT_EVERY_COMMITS = 200
 
 
 class SqliteSessionStore:
@@ -127,13 +128,20 @@ class SqliteSessionStore:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-read")
         self._write_conn: sqlite3.Connection | None = None
         self._read_conn: sqlite3.Connection | None = None
+        self._checkpoint_conn: sqlite3.Connection | None = None
         self._queue: list[tuple[Write, asyncio.Future[Any]]] = []
         self._flushing: asyncio.Task[None] | None = None
+        # WAL checkpoints copy pages into the database file and fsync it: done by a
+        # thread of their own, not by the commit that happens to cross the threshold.
+        self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-ckpt")
+        self._checkpointing: asyncio.Future[Any] | None = None
+        self._commits_since_checkpoint = 0
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         self._write_conn = await loop.run_in_executor(self._writer, self._connect, True)
         self._read_conn = await loop.run_in_executor(self._reader, self._connect, False)
+        self._checkpoint_conn = await loop.run_in_executor(self._checkpointer, self._connect, False)
 
     def _connect(self, writer: bool) -> sqlite3.Connection:
         self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +150,7 @@ class SqliteSessionStore:
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA busy_timeout=5000")
         if writer:
+            conn.execute("PRAGMA wal_autocheckpoint=0")  # see _maybe_checkpoint
             conn.executescript(_SCHEMA)
             conn.execute(_MIGRATE, (now_ms() + 7 * 86_400_000,))
         return conn
@@ -149,12 +158,18 @@ class SqliteSessionStore:
     async def close(self) -> None:
         if self._flushing is not None:
             await asyncio.gather(self._flushing, return_exceptions=True)
+        if self._checkpointing is not None:
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
         loop = asyncio.get_running_loop()
-        for conn, executor in ((self._write_conn, self._writer), (self._read_conn, self._reader)):
+        for conn, executor in (
+            (self._write_conn, self._writer),
+            (self._read_conn, self._reader),
+            (self._checkpoint_conn, self._checkpointer),
+        ):
             if conn is not None:
                 await loop.run_in_executor(executor, conn.close)
             executor.shutdown(wait=True)
-        self._write_conn = self._read_conn = None
+        self._write_conn = self._read_conn = self._checkpoint_conn = None
 
     # Writes: queued, and committed together by one flush.
 
@@ -180,6 +195,19 @@ class SqliteSessionStore:
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+            self._maybe_checkpoint()
+
+    def _maybe_checkpoint(self) -> None:
+        """A passive checkpoint (it waits for no reader or writer) every so many commits."""
+        self._commits_since_checkpoint += 1
+        busy = self._checkpointing is not None and not self._checkpointing.done()
+        if self._commits_since_checkpoint < CHECKPOINT_EVERY_COMMITS or busy:
+            return
+        self._commits_since_checkpoint = 0
+        conn = self._connection(self._checkpoint_conn)
+        self._checkpointing = asyncio.get_running_loop().run_in_executor(
+            self._checkpointer, conn.execute, "PRAGMA wal_checkpoint(PASSIVE)"
+        )
 
     def _commit(self, batch: list[tuple[Write, asyncio.Future[Any]]]) -> list[Any]:
         """One transaction: each write in its own savepoint, so one failing write fails
