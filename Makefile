@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario routing --rounds 2 --output-len 96
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
+	$(BENCH) --scenario context
 
 setup: $(STAMP)
 

@@ -57,6 +57,7 @@ async def conversations(load: Load, append: Append, seed: int, paced: bool = Tru
     samples = Samples()
     rng = random.Random(seed)
     run = f"{seed}-{time.time_ns()}"
+
     # Warm-up, not measured: a round of every kind of call, all at once (connections,
     # threads, Lua scripts, the database's files).
     async def warm_up(n: int) -> None:
