@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -79,10 +81,81 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=_generate)
 
+    _add_canary_parser(commands)
+
     from bench.cli import add_bench_parser
 
     add_bench_parser(commands)
     return parser
+
+
+def _add_canary_parser(commands: Any) -> None:
+    canary = commands.add_parser(
+        "canary", help="shift the canary split; compare it with the traffic the router sent"
+    )
+    actions = canary.add_subparsers(required=True, metavar="ACTION")
+    set_ = actions.add_parser("set", help="write new weights into the routing document")
+    set_.add_argument(
+        "--weight",
+        action="append",
+        required=True,
+        metavar="SUBSET=PERCENT",
+        help="e.g. canary=10; subsets not named share the rest (repeatable)",
+    )
+    set_.set_defaults(func=_canary_set)
+    status = actions.add_parser("status", help="configured weights beside observed shares")
+    status.add_argument(
+        "--window", type=float, default=0.0, help="observe for this many seconds (0: since start)"
+    )
+    status.add_argument("--router-metrics", help="router metrics URL (default: state file)")
+    status.set_defaults(func=_canary_status)
+    for action in (set_, status):
+        action.add_argument("--consul", default="", help="Consul address (or CONSUL_HTTP_ADDR)")
+        action.add_argument("--routing-file", type=Path, help="default: the state file's")
+        action.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE)
+
+
+def _routing_store(args: argparse.Namespace) -> Any:
+    from llmmesh.canary import routing_store
+
+    routing_file = args.routing_file or _state(args.state_file).get("routing_file")
+    return routing_store(args.consul, Path(routing_file) if routing_file else None)
+
+
+def _state(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+def _canary_set(args: argparse.Namespace) -> int:
+    from llmmesh.canary import CanaryError, parse_weights
+
+    try:
+        store = _routing_store(args)
+        doc = store.update(parse_weights(args.weight))
+    except CanaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    split = ", ".join(f"{s}={w:g}" for s, w in doc["split"].items())
+    print(f"split {split} written to {store.where}")
+    return 0
+
+
+def _canary_status(args: argparse.Namespace) -> int:
+    from llmmesh.canary import CanaryError, observed_over, status_table
+
+    try:
+        store = _routing_store(args)
+        split = store.read().get("split") or {}
+    except CanaryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    url = (
+        args.router_metrics
+        or f"http://{_state(args.state_file).get('router_metrics', '127.0.0.1:9100')}/metrics"
+    )
+    print(f"configured in {store.where}; observed at {url}")
+    print(status_table(split, observed_over(url, args.window)))
+    return 0
 
 
 def _report_rpc_error(err: grpc.RpcError) -> int:

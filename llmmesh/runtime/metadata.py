@@ -13,6 +13,9 @@ REQUEST_ID = "x-request-id"
 SESSION_ID = "x-session-id"
 COLOR = "x-llm-color"
 AUTHORIZATION = "authorization"
+# The inference endpoint the router's picker chose, for the sidecar that routes to it
+# (the header the Gateway API Inference Extension's endpoint picker sets).
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 MAX_REQUEST_ID_LEN = 128
 
 

@@ -24,6 +24,10 @@ class RouterConfig(ServiceConfig):
     discovery: Literal["static", "consul"] = "static"
     # YAML/JSON file listing endpoints with their version, region and models; watched.
     endpoints_file: str = ""
+    # Behind a sidecar: its listener (host:port) that forwards each inference call to the
+    # endpoint the picker chose, named in x-gateway-destination-endpoint, over mTLS (an
+    # original-destination cluster). Empty: replicas are dialed directly.
+    inference_via: str = ""
     # Where the routing document comes from: "file" (routing_file; empty: defaults) or
     # "consul" (KV key consul_routing_key). See services/router/routing.py.
     routing_source: Literal["file", "consul"] = "file"

@@ -31,6 +31,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from llmmesh.runtime.errors import ResourceExhausted, Unavailable
+from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
 from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.affinity import prefix_hashes
@@ -49,7 +50,9 @@ from services.router.upstreams import CHANNEL_OPTIONS, ReplicaClient, RouteHints
 
 log = logging.getLogger(__name__)
 
-PICKS = Counter("llm_router_picks_total", "Requests sent, by replica", ["endpoint"])
+PICKS = Counter(
+    "llm_router_picks_total", "Requests sent, by replica and its subset", ["endpoint", "subset"]
+)
 IN_FLIGHT = Gauge("llm_router_endpoint_in_flight", "Streams in flight, by replica", ["endpoint"])
 DECISIONS = Counter("llm_router_decisions_total", "Picking decisions, by reason", ["reason"])
 PICK_SECONDS = Histogram(
@@ -74,6 +77,9 @@ class PoolSettings:
     breaker_open_s: float = 2.0
     attempts: int = 3  # per stream start, first try included
     max_resumes: int = 2  # times one stream may move after text was sent
+    # host:port of the local sidecar listener that forwards each call to the endpoint it
+    # names in DESTINATION_ENDPOINT; empty: replicas are dialed directly.
+    via: str = ""
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Replica:
     reports: dict[str, ReportedLoad] = field(default_factory=dict)
     engine_reachable: bool = True
     in_flight: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()  # on every call: where a sidecar routes it
     prefilling: int = 0  # prompt tokens sent that await their first token
     follower: asyncio.Task[None] | None = None
 
@@ -257,7 +264,7 @@ class InferencePool:
         address = replica.endpoint.address
         replica.breaker.on_pick(time.monotonic())
         replica.in_flight += 1
-        PICKS.labels(address).inc()
+        PICKS.labels(address, replica.endpoint.version).inc()
         IN_FLIGHT.labels(address).set(replica.in_flight)
 
     def _release(self, replica: Replica) -> None:
@@ -296,13 +303,15 @@ class InferencePool:
         log.info("endpoints", extra={"fields": {"endpoints": sorted(wanted)}})
 
     def _new_replica(self, endpoint: Endpoint) -> Replica:
-        channel = grpc.aio.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
         s = self._settings
+        channel = grpc.aio.insecure_channel(s.via or endpoint.address, options=CHANNEL_OPTIONS)
+        destination = ((DESTINATION_ENDPOINT, endpoint.address),) if s.via else ()
         replica = Replica(
             endpoint=endpoint,
             channel=channel,
-            client=ReplicaClient(channel, endpoint.address),
+            client=ReplicaClient(channel, endpoint.address, destination),
             breaker=CircuitBreaker(s.breaker_failures, s.breaker_open_s),
+            metadata=destination,
         )
         replica.follower = asyncio.create_task(self._follow_load(replica))
         return replica
@@ -315,7 +324,7 @@ class InferencePool:
         )
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                async for report in stub.WatchLoad(request):
+                async for report in stub.WatchLoad(request, metadata=replica.metadata):
                     replica.reports = {
                         m.model: ReportedLoad(m.running, m.waiting, m.kv_utilization)
                         for m in report.models

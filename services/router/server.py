@@ -248,6 +248,7 @@ def _pool_settings(config: RouterConfig) -> PoolSettings:
         breaker_open_s=config.breaker_open_s,
         attempts=config.retry_attempts,
         max_resumes=config.max_resumes,
+        via=config.inference_via,
     )
 
 

@@ -229,9 +229,12 @@ class GrpcContextClient:
 class ReplicaClient:
     """One inference replica's Generate."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, address: str, extra: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._stub = inference_pb2_grpc.InferenceStub(channel)
         self.address = address
+        self._extra = extra  # metadata on every call (the sidecar's destination)
 
     async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""
@@ -241,7 +244,7 @@ class ReplicaClient:
             prompt=call.prompt,
             sampling=sampling_to_pb(call.sampling),
         )
-        rpc = self._stub.Generate(request, metadata=_metadata(call.request_id))
+        rpc = self._stub.Generate(request, metadata=_metadata(call.request_id) + self._extra)
         seen, finished = 0, False
         try:
             async for reply in rpc:
