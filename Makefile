@@ -5,13 +5,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
 
-.PHONY: run test lint typecheck unit protos bench system-deps setup clean
+.PHONY: run test test-sidecars lint typecheck unit protos bench system-deps setup clean
 
 run: $(STAMP)
 	$(BIN)/llm-mesh up --demo
 
 test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-sidecars
+
+# The end-to-end suite again, every service behind an Envoy sidecar (mTLS, RBAC).
+test-sidecars: $(STAMP)
+	LLM_MESH_TEST_SIDECARS=1 $(BIN)/python -m pytest -q tests/e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         "--free-ports", action="store_true", help="use free ephemeral ports instead of the defaults"
     )
     up.add_argument("--demo", action="store_true", help="stream one demo generation once up")
+    up.add_argument(
+        "--sidecars",
+        action="store_true",
+        help="an Envoy sidecar beside every service: mTLS, RBAC from mesh/consul's intentions",
+    )
     up.set_defaults(func=_up)
 
     gen = commands.add_parser("generate", help="stream a generation through the router")
@@ -207,7 +212,8 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack = Stack(args.workdir, StackPorts.free() if args.free_ports else StackPorts())
+    ports = StackPorts.free() if args.free_ports else StackPorts()
+    stack = Stack(args.workdir, ports, sidecars=args.sidecars)
     print(
         f"starting Triton and the mesh services (logs in {stack.workdir / 'logs'}) ...",
         file=sys.stderr,

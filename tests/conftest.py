@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,10 +31,15 @@ def wait_for(
         pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
 
 
+# LLM_MESH_TEST_SIDECARS=1 runs the end-to-end suite against the stack with an Envoy
+# sidecar beside every service (mTLS, RBAC from mesh/consul's intentions).
+SIDECARS = os.environ.get("LLM_MESH_TEST_SIDECARS") == "1"
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir: Path = tmp_path_factory.mktemp("stack")
-    with Stack(workdir, StackPorts.free()) as running:
+    with Stack(workdir, StackPorts.free(), sidecars=SIDECARS) as running:
         yield running
 
 

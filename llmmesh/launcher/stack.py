@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from llmmesh.launcher.process import Child, StackError
+from llmmesh.launcher.sidecars import SidecarPorts, start_sidecar, wait_ready, write_configs
 from llmmesh.launcher.triton import start_triton, wait_until_ready
 
 __all__ = ["Stack", "StackError", "StackPorts"]
@@ -87,6 +88,8 @@ class Stack:
         host: str = "127.0.0.1",
         model_repository: Path = REPO_MODELS,
         env: dict[str, str] | None = None,
+        *,
+        sidecars: bool = False,
     ) -> None:
         self.workdir = workdir.resolve()
         self.ports = ports or StackPorts()
@@ -94,13 +97,22 @@ class Stack:
         self.model_repository = model_repository.resolve()
         self._extra_env = env or {}
         self._children: dict[str, Child] = {}
+        # With sidecars: a real Envoy beside every service (launcher/sidecars.py).
+        self.sidecar_ports = SidecarPorts.free() if sidecars else None
 
     def address(self, name: str) -> str:
         return f"{self.host}:{getattr(self.ports, name)}"
 
     def endpoints(self) -> dict[str, str]:
         """Every endpoint as host:port, as written to the state file."""
-        return {f.name: self.address(f.name) for f in fields(self.ports)}
+        found = {f.name: self.address(f.name) for f in fields(self.ports)}
+        if self.sidecar_ports is not None:
+            sidecars = self.sidecar_ports
+            for process, port in sidecars.inbound.items():
+                found[f"sidecar_{process}"] = f"{self.host}:{port}"
+            for process, port in sidecars.admin.items():
+                found[f"sidecar_{process}_admin"] = f"{self.host}:{port}"
+        return found
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Starts every process and returns once all of them are ready."""
@@ -114,6 +126,7 @@ class Stack:
             self._write_routing_files()
             self._write_tenants()
             self._start_triton()
+            self._start_sidecars(time.monotonic() + timeout_s)
             for name, service in PROCESSES.items():
                 self._children[name] = Child.service(
                     name, self.service_env(name), self.log_path(name), self.workdir, service
@@ -127,11 +140,26 @@ class Stack:
             raise
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM in order, each given ``grace_s`` to drain, then SIGKILL of its group."""
-        for name in STOP_ORDER:
+        """SIGTERM in order, each given ``grace_s`` to drain, then SIGKILL of its group;
+        sidecars last, so that draining services can still reach their upstreams."""
+        order = [*STOP_ORDER, *(f"sidecar-{p}" for p in PROCESSES)]
+        for name in order:
             child = self._children.pop(name, None)
             if child is not None:
                 child.terminate(grace_s)
+
+    def _start_sidecars(self, deadline: float) -> None:
+        if self.sidecar_ports is None:
+            return
+        app_ports = {p: getattr(self.ports, p) for p in PROCESSES}
+        configs = write_configs(self.workdir / "mesh", self.sidecar_ports, app_ports)
+        for process, config in configs.items():
+            self._children[f"sidecar-{process}"] = start_sidecar(
+                process, config, self.log_path(f"sidecar-{process}"), self.workdir
+            )
+        for process in configs:
+            admin = self.sidecar_ports.admin[process]
+            wait_ready(self._children[f"sidecar-{process}"], admin, deadline)
 
     def start_service(self, service: str, port: int, workdir: Path, **settings: str) -> Child:
         """One more instance of a stack service on ``port`` beside the stack (replicas and
@@ -142,6 +170,10 @@ class Stack:
             f"{prefix}GRPC_PORT": str(port),
             f"{prefix}METRICS_PORT": "0",
         }
+        own_replicas = {"endpoints_file", "inference_addresses", "discovery"} & set(settings)
+        if service == "router" and own_replicas and "inference_via" not in settings:
+            # Replicas of its own have no sidecars: dial them directly.
+            env[f"{prefix}INFERENCE_VIA"] = ""
         env |= {prefix + key.upper(): value for key, value in settings.items()}
         name = f"{service}-{port}"
         child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
@@ -210,12 +242,18 @@ class Stack:
         """The replicas as static discovery lists them; the routing document unless an
         operator's edit from an earlier run is there."""
         endpoints = [
-            {"address": self.address("inference"), "version": "stable", "region": "local"},
-            {"address": self.address("inference_canary"), "version": "canary", "region": "local"},
+            {"address": self.replica_address(p), "version": version, "region": "local"}
+            for p, version in (("inference", "stable"), ("inference_canary", "canary"))
         ]
         self.endpoints_file.write_text(json.dumps({"endpoints": endpoints}, indent=2) + "\n")
         if not self.routing_file.exists():
             self.routing_file.write_text(DEFAULT_ROUTING)
+
+    def replica_address(self, process: str) -> str:
+        """Where the router reaches an inference replica: its sidecar, if it has one."""
+        if self.sidecar_ports is None:
+            return self.address(process)
+        return self.sidecar_ports.inbound_address(process, self.host)
 
     def service_env(self, name: str) -> dict[str, str]:
         prefix = f"LLM_MESH_{PROCESSES.get(name, name).upper()}_"
@@ -236,13 +274,21 @@ class Stack:
         elif name == "context":
             env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
         elif name == "router":
-            env[f"{prefix}POLICY_ADDRESS"] = self.address("policy")
-            env[f"{prefix}CONTEXT_ADDRESS"] = self.address("context")
+            env[f"{prefix}POLICY_ADDRESS"] = self._upstream("policy")
+            env[f"{prefix}CONTEXT_ADDRESS"] = self._upstream("context")
+            if self.sidecar_ports is not None:
+                env[f"{prefix}INFERENCE_VIA"] = self._upstream("inference")
             env[f"{prefix}ENDPOINTS_FILE"] = str(self.endpoints_file)
             env[f"{prefix}ROUTING_FILE"] = str(self.routing_file)
             env[f"{prefix}TENANTS_FILE"] = str(self.tenants_file)
             env[f"{prefix}REGION"] = "local"
         return env
+
+    def _upstream(self, service: str) -> str:
+        """How the router reaches ``service``: its sidecar's listener, or directly."""
+        if self.sidecar_ports is None:
+            return self.address(service)
+        return self.sidecar_ports.router_address(service, self.host)
 
     def _wait_triton(self, deadline: float) -> None:
         wait_until_ready(self._children["triton"], self.address("triton_grpc"), deadline)

@@ -103,7 +103,10 @@ def _http_manager(
                         "domains": ["*"],
                         # Streams last as long as a generation: no route timeout.
                         "routes": [
-                            {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}
+                            {
+                                "match": {"prefix": "/"},
+                                "route": {"cluster": cluster, "timeout": "0s"},
+                            }
                         ],
                     }
                 ]
@@ -117,6 +120,10 @@ def _http_manager(
             ],
         },
     }
+
+
+def _route_all(cluster: str) -> dict[str, Any]:
+    return {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}
 
 
 def _rbac(grants: Sequence[Grant]) -> dict[str, Any]:

@@ -84,8 +84,16 @@ def grants(entry: ServiceIntentions) -> list[Grant]:
         if source.Action == "allow":
             allowed.append(Grant(source=source.Name))
         elif source.Permissions is not None:
-            exact = tuple(p.HTTP.PathExact for p in source.Permissions if p.Action == "allow" and p.HTTP.PathExact)
-            prefix = tuple(p.HTTP.PathPrefix for p in source.Permissions if p.Action == "allow" and p.HTTP.PathPrefix)
+            exact = tuple(
+                p.HTTP.PathExact
+                for p in source.Permissions
+                if p.Action == "allow" and p.HTTP.PathExact
+            )
+            prefix = tuple(
+                p.HTTP.PathPrefix
+                for p in source.Permissions
+                if p.Action == "allow" and p.HTTP.PathPrefix
+            )
             if exact or prefix:
                 allowed.append(Grant(source=source.Name, paths=exact, prefixes=prefix))
     return allowed

@@ -11,7 +11,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 TRUST_DOMAIN = "llm-mesh.consul"
 DATACENTER = "dc1"
@@ -79,7 +79,9 @@ class LocalCA:
                 critical=True,
             )
             .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"spiffe://{TRUST_DOMAIN}")]),
+                x509.SubjectAlternativeName(
+                    [x509.UniformResourceIdentifier(f"spiffe://{TRUST_DOMAIN}")]
+                ),
                 critical=False,
             )
             .sign(self._key, hashes.SHA256())
@@ -107,7 +109,7 @@ class LocalCA:
             )
             .add_extension(
                 x509.ExtendedKeyUsage(
-                    [x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
                 ),
                 critical=False,
             )

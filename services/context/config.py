@@ -20,5 +20,5 @@ class ContextConfig(ServiceConfig):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "llm-mesh:ctx:"
     # Sessions expire this long after their last access, unless a request sets its own.
-    default_ttl_s: int = Field(7 * 86_400, ge=1)
-    sweep_interval_s: float = Field(60.0, gt=0)
+    default_ttl_s: int = Field(default=7 * 86_400, ge=1)
+    sweep_interval_s: float = Field(default=60.0, gt=0)

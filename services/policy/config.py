@@ -28,7 +28,7 @@ class PolicyConfig(ServiceConfig):
     consul_policy_prefix: str = "llm-mesh/policy/"
     # The streamed output check holds back at most this many characters (a match longer
     # than that can be missed), except to keep a complete match whole.
-    output_holdback_cap: int = Field(DEFAULT_HOLDBACK_CAP, ge=16, le=65536)
+    output_holdback_cap: int = Field(default=DEFAULT_HOLDBACK_CAP, ge=16, le=65536)
     # Audit log: one JSON line per decision (no checked text unless audit_include_text),
     # fsynced, rotated at audit_max_bytes keeping audit_backups old files. Empty: none.
     audit_path: str = ""
