@@ -56,7 +56,7 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix", "routing", "admission", "policy", "context"],
+        choices=["load", "hol", "prefix", "routing", "admission", "policy", "context", "sidecars"],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
         "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
@@ -66,7 +66,8 @@ def add_bench_parser(commands: Any) -> None:
         "admission control, on a stack it starts itself; policy: a 200-rule set on 4 KB "
         "prompts and output chunks, and TTFT with and without the streamed output check; "
         "context: append and load latency of 32 concurrent 50-turn conversations on SQLite "
-        "and Redis, and truncation cost on a 200-turn session",
+        "and Redis, and truncation cost on a 200-turn session; sidecars: the router through "
+        "Envoy sidecars (mTLS, RBAC) vs a router of the same stack calling directly",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return _policy(args)
     if args.scenario == "context":
         return _context(args)
+    if args.scenario == "sidecars":
+        return _sidecars(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -270,6 +273,34 @@ def _context(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sidecars(args: argparse.Namespace) -> int:
+    from bench.sidecars import hop_latency, hop_table, sidecar_fleet
+
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack with sidecars and a direct router ...", file=sys.stderr)
+        with sidecar_fleet(Path(workdir)) as routers:
+
+            async def measure() -> list[Run]:
+                return await _run_all(args, list(routers.targets()))
+
+            runs = asyncio.run(measure())
+            hops = asyncio.run(hop_latency(routers))
+    write_json(args.out, _command(), _config(args), runs)
+    table = (
+        f"{results_table(runs)}\n\n{comparison_table(runs, 'direct', 'sidecars')}"
+        f"\n\n{hop_table(hops)}"
+    )
+    print(table)
+    _record(
+        args,
+        _section(args, "sidecars"),
+        f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
+        f"{args.output_len} output tokens each (ignore_eos), with sessions off.",
+        table,
+    )
+    return 1 if any(r.summary.failed for r in runs) else 0
+
+
 def _command() -> str:
     return "llm-mesh " + shlex.join(sys.argv[1:])
 
@@ -302,7 +333,7 @@ def _targets(args: argparse.Namespace) -> list[Target]:
     return targets
 
 
-async def _run_all(args: argparse.Namespace) -> list[Run]:
+async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None) -> list[Run]:
     spec = WorkloadSpec(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
@@ -322,7 +353,7 @@ async def _run_all(args: argparse.Namespace) -> list[Run]:
         if args.rate
         else [LoadShape(concurrency=int(c)) for c in args.concurrency.split(",")]
     )
-    targets = _targets(args)
+    targets = targets or _targets(args)
     order = {target.name: i for i, target in enumerate(targets)}
     pooled: dict[tuple[int, str], Measurement] = {}
     try:
