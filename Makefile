@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
 	$(BENCH) --scenario context
+	$(BENCH) --scenario sidecars --concurrency 1,16 --num-prompts 48 --rounds 3
 
 setup: $(STAMP)
 
