@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from llmmesh.runtime.config import ServiceConfig
 
@@ -19,9 +19,13 @@ class RouterConfig(ServiceConfig):
     inference_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50061"], min_length=1
     )
-    # Where replicas are discovered: "static" (endpoints_file, else inference_addresses)
-    # or "consul" (the health API for consul_service).
-    discovery: Literal["static", "consul"] = "static"
+    # Where replicas are discovered: "static" (endpoints_file, else inference_addresses),
+    # "dns" (dns_endpoints: subset -> host:port, every address of the name an endpoint;
+    # on Kubernetes a headless Service per subset) or "consul" (the health API for
+    # consul_service).
+    discovery: Literal["static", "dns", "consul"] = "static"
+    dns_endpoints: dict[str, str] = Field(default_factory=dict)
+    dns_interval_s: float = Field(default=2.0, gt=0)
     # YAML/JSON file listing endpoints with their version, region and models; watched.
     endpoints_file: str = ""
     # Behind a sidecar: its listener (host:port) that forwards each inference call to the
@@ -80,3 +84,13 @@ class RouterConfig(ServiceConfig):
     model_context_tokens: int = 2048
     # Deadline for each policy and context call.
     upstream_timeout_s: float = 2.0
+
+    @model_validator(mode="after")
+    def _dns_names_given(self) -> RouterConfig:
+        if self.discovery == "dns" and not self.dns_endpoints:
+            raise ValueError("discovery dns needs dns_endpoints (subset: host:port)")
+        for subset, target in self.dns_endpoints.items():
+            host, _, port = target.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dns_endpoints.{subset}: expected host:port, got {target!r}")
+        return self

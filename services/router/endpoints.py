@@ -1,13 +1,15 @@
 """Inference endpoints and where the router learns of them (discovery).
 
 A discovery source yields the full list of endpoints whenever it changes: a watched
-static file here, Consul's health API in production (``consul.py``).
+static file or DNS names here (on Kubernetes, a headless Service per subset resolves to
+its ready pods), Consul's health API in production (``consul.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -78,3 +80,47 @@ class FileDiscovery:
                     "endpoints file rejected; the previous endpoints stay",
                     extra={"fields": {"path": str(self._path), "reason": str(err)}},
                 )
+
+
+class DnsDiscovery:
+    """Endpoints behind DNS names, one name per subset (``{"stable": "host:port"}``),
+    resolved every ``interval_s``: every address a name resolves to is an endpoint of
+    that subset. A failed lookup keeps that subset's last endpoints."""
+
+    def __init__(self, names: dict[str, str], region: str, interval_s: float) -> None:
+        self._names = names
+        self._region = region
+        self._interval = interval_s
+
+    async def watch(self) -> AsyncGenerator[list[Endpoint], None]:
+        known: dict[str, list[Endpoint]] = {subset: [] for subset in self._names}
+        last: list[Endpoint] | None = None
+        while True:
+            for subset, target in self._names.items():
+                found = await self._resolve(subset, target)
+                if found is not None:
+                    known[subset] = found
+            current = sorted((e for found in known.values() for e in found), key=_by_address)
+            if current and current != last:
+                last = current
+                yield current
+            await asyncio.sleep(self._interval)  # the resolution period
+
+    async def _resolve(self, subset: str, target: str) -> list[Endpoint] | None:
+        host, _, port = target.rpartition(":")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, int(port), type=socket.SOCK_STREAM
+            )
+        except (OSError, ValueError) as err:
+            log.warning(
+                "endpoint lookup failed; the last endpoints stay",
+                extra={"fields": {"name": target, "error": str(err)}},
+            )
+            return None
+        addresses = sorted({f"{info[4][0]}:{port}" for info in infos if info[0] == socket.AF_INET})
+        return [Endpoint(address=a, version=subset, region=self._region) for a in addresses]
+
+
+def _by_address(endpoint: Endpoint) -> str:
+    return endpoint.address

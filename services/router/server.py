@@ -32,7 +32,7 @@ from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
 from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Prepared, RouterCore
-from services.router.endpoints import Discovery, FileDiscovery, FixedDiscovery
+from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.pool import InferencePool, PoolSettings
 from services.router.routing import PolicyHolder
 from services.router.tenants import Tenants, parse_tenants
@@ -213,6 +213,8 @@ def _consul_client(config: RouterConfig) -> consul.aio.Consul | None:
 def _discovery(config: RouterConfig, client: consul.aio.Consul | None) -> Discovery:
     if client is not None and config.discovery == "consul":
         return ConsulDiscovery(client, config.consul_service)
+    if config.discovery == "dns":
+        return DnsDiscovery(config.dns_endpoints, config.region, config.dns_interval_s)
     if config.endpoints_file:
         return FileDiscovery(Path(config.endpoints_file), config.watch_interval_s)
     return FixedDiscovery(config.inference_addresses)

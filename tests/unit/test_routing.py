@@ -9,7 +9,8 @@ import pytest
 
 from llmmesh.runtime.watch import watch_file
 from services.router.breaker import BreakerState, CircuitBreaker
-from services.router.endpoints import Endpoint, FileDiscovery
+from services.router.config import RouterConfig
+from services.router.endpoints import DnsDiscovery, Endpoint, FileDiscovery
 from services.router.routing import (
     ROUTING_REJECTED,
     InvalidDocument,
@@ -120,3 +121,27 @@ def test_an_abandoned_probe_frees_the_probe_slot() -> None:
     breaker.on_pick(1.5)
     breaker.on_abandon()
     assert breaker.available(1.6)
+
+
+def test_dns_discovery_lists_every_address_of_each_subsets_name() -> None:
+    async def scenario() -> list[Endpoint]:
+        discovery = DnsDiscovery(
+            {"stable": "localhost:50061", "canary": "127.0.0.1:50062"}, "eu", 0.01
+        )
+        updates = discovery.watch()
+        first = await asyncio.wait_for(anext(updates), 5)
+        await updates.aclose()
+        return first
+
+    endpoints = asyncio.run(scenario())
+    assert [(e.address, e.version, e.region) for e in endpoints] == [
+        ("127.0.0.1:50061", "stable", "eu"),
+        ("127.0.0.1:50062", "canary", "eu"),
+    ]
+
+
+def test_dns_discovery_needs_names() -> None:
+    with pytest.raises(ValueError, match="dns_endpoints"):
+        RouterConfig(discovery="dns")
+    with pytest.raises(ValueError, match="host:port"):
+        RouterConfig(discovery="dns", dns_endpoints={"stable": "inference-stable"})
