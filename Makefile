@@ -44,10 +44,12 @@ bench: $(STAMP)
 setup: $(STAMP)
 
 # Triton's Python-backend stub links against the system libpython3.11; the context
-# service's Redis store is tested against Debian's redis-server.
+# service's Redis store is tested against Debian's redis-server; docker-compose checks
+# docker-compose.yml (no container engine needed).
 system-deps:
-	@dpkg -s libpython3.11 redis-server >/dev/null 2>&1 || \
-		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpython3.11 redis-server)
+	@dpkg -s libpython3.11 redis-server docker-compose >/dev/null 2>&1 || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			libpython3.11 redis-server docker-compose)
 
 $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -75,7 +75,7 @@ def test_generation_and_sessions_go_through_the_sidecars(mesh: Stack) -> None:
     assert mesh.sidecar_ports is not None
     canary_sidecar = mesh.sidecar_ports.inbound_address("inference_canary")
     with authorized_channel(mesh.address("router"), mesh.api_key) as channel:
-        first = collect(channel, "hello", max_tokens=4, session_id="through-envoy")
+        first = collect(channel, "hello", max_tokens=4, session_id="through-envoy", ignore_eos=True)
         second = collect(channel, "again", max_tokens=4, session_id="through-envoy")
         stub = generation_pb2_grpc.GenerationStub(channel)
         pinned = list(

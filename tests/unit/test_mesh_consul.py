@@ -138,10 +138,17 @@ class UpstreamDef(Strict):
     local_bind_port: int
 
 
+class Expose(Strict):
+    checks: bool = False
+    paths: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class ProxyDef(Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     upstreams: list[UpstreamDef] = Field(default_factory=list)
     mode: Literal["", "direct", "transparent"] = ""
+    # Health checks through the sidecar, so that a service may listen on loopback only.
+    expose: Expose | None = None
 
 
 class SidecarService(Strict):
@@ -214,8 +221,12 @@ def test_registrations_match_the_services_ports_and_every_service_speaks_grpc() 
     # The picker dials the instance it chose: inference must allow being dialed directly.
     transparent = defaults["inference"].TransparentProxy
     assert transparent is not None and transparent.DialedDirectly
-    router = next(r for r in registrations().values() if r.service.name == "router")
-    assert router.service.connect.sidecar_service.proxy.mode == "transparent"
+    for reg in registrations().values():
+        proxy = reg.service.connect.sidecar_service.proxy
+        assert proxy.expose is not None and proxy.expose.checks
+        # The router dials its pick directly and the pick receives it: both transparent.
+        if reg.service.name in ("router", "inference"):
+            assert proxy.mode == "transparent"
 
 
 def test_splits_and_routes_name_subsets_the_resolver_defines() -> None:

@@ -196,6 +196,11 @@ GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "llm_engine_waiting_sequences": ("Sequences queued", lambda s: s.waiting),
     "llm_engine_kv_blocks_used": ("KV cache blocks in use", lambda s: s.kv_blocks_used),
     "llm_engine_kv_blocks_total": ("KV cache blocks", lambda s: s.kv_blocks_total),
+    # What an autoscaler scales on: queue depth, and this (no ratio of two series needed).
+    "llm_engine_kv_utilization": (
+        "Share of KV cache blocks in use",
+        lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+    ),
     "llm_engine_prefix_cache_hit_rate": (
         "Share of prompt tokens read from the prefix cache",
         lambda s: s.prefix_hit_rate,
