@@ -227,11 +227,16 @@ def _up(args: argparse.Namespace) -> int:
     try:
         stack.write_state(
             args.state_file,
-            {"api_key": stack.api_key, "routing_file": str(stack.routing_file)},
+            {
+                "api_key": stack.api_key,
+                "routing_file": str(stack.routing_file),
+                "openai_base_url": stack.openai_base_url,
+            },
         )
         _print_endpoints(stack.endpoints(), args.state_file)
         print(f"routing document (edit to shift traffic): {stack.routing_file}")
         print(f"demo tenant API key: {stack.api_key}  (tenants: {stack.tenants_file})")
+        print(f"OpenAI-compatible API: {stack.openai_base_url}")
         if args.demo:
             _demo(stack.address("router"), stack.api_key)
         print("stack is up; Ctrl-C to stop", file=sys.stderr)

@@ -60,6 +60,7 @@ class StackPorts:
     policy: int = 50071
     context: int = 50081
     router_metrics: int = 9100
+    router_http: int = 8080  # OpenAI-compatible HTTP
     inference_metrics: int = 9101
     policy_metrics: int = 9102
     context_metrics: int = 9103
@@ -102,6 +103,10 @@ class Stack:
 
     def address(self, name: str) -> str:
         return f"{self.host}:{getattr(self.ports, name)}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"http://{self.address('router_http')}/v1"
 
     def endpoints(self) -> dict[str, str]:
         """Every endpoint as host:port, as written to the state file."""
@@ -170,6 +175,8 @@ class Stack:
             f"{prefix}GRPC_PORT": str(port),
             f"{prefix}METRICS_PORT": "0",
         }
+        if service == "router":
+            env[f"{prefix}HTTP_PORT"] = "0"  # the stack's router has the HTTP port
         own_replicas = {"endpoints_file", "inference_addresses", "discovery"} & set(settings)
         if service == "router" and own_replicas and "inference_via" not in settings:
             # Replicas of its own have no sidecars: dial them directly.
@@ -274,6 +281,7 @@ class Stack:
         elif name == "context":
             env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
         elif name == "router":
+            env[f"{prefix}HTTP_PORT"] = str(self.ports.router_http)
             env[f"{prefix}POLICY_ADDRESS"] = self._upstream("policy")
             env[f"{prefix}CONTEXT_ADDRESS"] = self._upstream("context")
             if self.sidecar_ports is not None:

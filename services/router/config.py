@@ -11,6 +11,9 @@ SERVICE = "router"
 
 class RouterConfig(ServiceConfig):
     grpc_port: int = 50051
+    # OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models) on the
+    # same host, in the same process; 0: off.
+    http_port: int = 8080
     metrics_port: int = 9100
     policy_address: str = "127.0.0.1:50071"
     context_address: str = "127.0.0.1:50081"

@@ -81,6 +81,8 @@ class GenerateInput:
     color: str = ""  # x-llm-color: pins a traffic color / subset
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
     truncation: str = ""  # how to cut a long history; empty: the tenant's choice
+    # A conversation sent whole with the request (OpenAI's messages) instead of a session.
+    inline_history: History | None = None
 
 
 class StartedStream:
@@ -330,7 +332,7 @@ class RouterCore:
         """The session's history cut to what the prompt can hold; if the session store is
         unreachable, the tenant's fail mode decides: ``open`` answers without history."""
         if not request.session_id:
-            return None
+            return request.inline_history
         spec = self._tenants.spec(request.tenant)
         room = (
             self._config.model_context_tokens

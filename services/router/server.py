@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import consul.aio
 import grpc
+from aiohttp import web
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, MeshError
@@ -33,10 +35,13 @@ from services.router.config import RouterConfig
 from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Prepared, RouterCore
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
+from services.router.openai_api import OpenAiApi
 from services.router.pool import InferencePool, PoolSettings
 from services.router.routing import PolicyHolder
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
+
+log = logging.getLogger(__name__)
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
@@ -266,11 +271,44 @@ def build_service(config: RouterConfig) -> GrpcService:
         admission=AdmissionQueue(_admission_settings(config), upstreams.inference.saturated),
     )
     servicer = GenerationServicer(core, upstreams.tenants)
+    http = HttpFront(config, OpenAiApi(core, upstreams.tenants, config.models))
+
+    async def stop() -> None:
+        await http.stop()  # no new HTTP requests; those running finish (grace period)
+        await upstreams.close()
+
     service = GrpcService(
         config,
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
-        cleanup=upstreams.close,
+        cleanup=stop,
     )
     service.on_start(upstreams.start)
+    service.on_start(http.start)
     return service
+
+
+class HttpFront:
+    """The OpenAI-compatible HTTP server, in the gRPC server's event loop."""
+
+    def __init__(self, config: RouterConfig, api: OpenAiApi) -> None:
+        self._config = config
+        # A client that disconnects cancels its handler, and with it the generation.
+        self._runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        self.port = 0
+
+    async def start(self) -> None:
+        if not self._config.http_port:
+            return
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner,
+            self._config.host,
+            self._config.http_port,
+            shutdown_timeout=self._config.shutdown_grace_s,
+        )
+        await site.start()
+        log.info("serving HTTP", extra={"fields": {"port": self._config.http_port}})
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

@@ -1,0 +1,370 @@
+"""OpenAI-compatible HTTP on the router: ``/v1/chat/completions``, ``/v1/completions``
+(server-sent events or whole), ``/v1/models``. A second transport over the same core as
+the gRPC one, in the same event loop: authentication, admission, policy, sessions,
+routing and cancellation (an HTTP client that goes away cancels its generation) behave
+identically. Errors are OpenAI's error JSON with the matching status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmmesh.runtime.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
+from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
+from services.router.core import GenerateInput, Prepared, RouterCore
+from services.router.tenants import Tenants
+
+log = logging.getLogger(__name__)
+
+_STATUS: dict[type[MeshError], tuple[int, str]] = {
+    InvalidArgument: (400, "invalid_request_error"),
+    Unauthenticated: (401, "authentication_error"),
+    PermissionDenied: (403, "permission_error"),
+    NotFound: (404, "not_found_error"),
+    ResourceExhausted: (429, "rate_limit_error"),
+    Unavailable: (503, "service_unavailable"),
+    DeadlineExceeded: (504, "timeout"),
+}
+# The mesh's finish reasons in OpenAI's vocabulary.
+_FINISH = {
+    FinishReason.LENGTH: "length",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.POLICY: "content_filter",
+    FinishReason.BUDGET: "length",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    # Parameters this API does not implement are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionBody(_Body):
+    prompt: str
+
+
+_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
+
+
+def _error(err: MeshError) -> web.Response:
+    status, kind = _STATUS.get(type(err), (500, "internal_error"))
+    param = err.field if isinstance(err, InvalidArgument) else None
+    headers = {}
+    if isinstance(err, ResourceExhausted):
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    body = {"error": {"message": err.message, "type": kind, "param": param, "code": None}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+async def _json_body(request: web.Request, model: type[_Body]) -> Any:
+    try:
+        raw = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidArgument("body", "must be a JSON object") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidArgument(field, first["msg"]) from None
+
+
+def _sampling(body: _Body) -> Sampling:
+    if body.n != 1:
+        raise InvalidArgument("n", "only n=1 is supported")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    kwargs: dict[str, Any] = {
+        "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
+        "ignore_eos": body.ignore_eos,
+    }
+    for name in ("temperature", "top_p", "seed"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    return Sampling(stop=stop, **kwargs)
+
+
+def _inline_history(messages: list[Message]) -> tuple[History, str]:
+    """Earlier messages as history (system ones as the system prompt), and the last one,
+    which must be the user's, as the prompt."""
+    *earlier, last = messages
+    if last.role != "user":
+        raise InvalidArgument("messages", "the last message must be the user's")
+    system = "\n".join(m.text() for m in earlier if m.role in ("system", "developer"))
+    turns = tuple(
+        Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text())
+        for m in earlier
+        if m.role not in ("system", "developer")
+    )
+    return History(turns=turns, system_prompt=system, total_turns=len(turns)), last.text()
+
+
+class OpenAiApi:
+    def __init__(self, core: RouterCore, tenants: Tenants, models: list[str]) -> None:
+        self._core = core
+        self._tenants = tenants
+        self._models = models
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[_http_errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._tenants.authenticate(request.headers.get("Authorization"))
+        except MeshError as err:
+            return _error(err)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "llm-mesh"} for m in self._models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        try:
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            body = await _json_body(request, ChatBody if chat else CompletionBody)
+            generate = self._decode(request, request_id, tenant, body, chat)
+            prepared = await self._core.prepare(generate)
+        except MeshError as err:
+            response = _error(err)
+            response.headers[REQUEST_ID] = request_id
+            return response
+        reply = _Reply(request_id, prepared.request.model, chat, body)
+        try:
+            if body.stream:
+                return await self._stream(request, prepared, reply)
+            return await self._whole(prepared, reply)
+        finally:
+            await prepared.stream.abandon()
+            prepared.release()
+
+    def _decode(
+        self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
+    ) -> GenerateInput:
+        session_id = request.headers.get(SESSION_ID, "")
+        inline: History | None = None
+        if chat:
+            history, prompt = _inline_history(body.messages)
+            if not session_id:
+                inline = history  # with a session, the stored history is the history
+        else:
+            prompt = body.prompt
+        return GenerateInput(
+            request_id=request_id,
+            tenant=tenant,
+            model=body.model,
+            prompt=prompt,
+            sampling=_sampling(body),
+            session_id=session_id,
+            color=request.headers.get(COLOR, ""),
+            inline_history=inline,
+        )
+
+    async def _whole(self, prepared: Prepared, reply: _Reply) -> web.Response:
+        try:
+            async for chunk in self._core.stream(prepared):
+                reply.add(chunk)
+        except MeshError as err:
+            return _error(err)
+        return web.json_response(reply.whole(prepared.prompt_tokens), headers=reply.headers)
+
+    async def _stream(
+        self, request: web.Request, prepared: Prepared, reply: _Reply
+    ) -> web.StreamResponse:
+        # Headers wait for the first chunk: an error before it is still a proper status.
+        chunks = self._core.stream(prepared)
+        try:
+            first = await anext(chunks)
+        except MeshError as err:
+            return _error(err)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **reply.headers,
+            }
+        )
+        await response.prepare(request)
+        try:
+            async for event in reply.events(first, chunks, prepared.prompt_tokens):
+                await response.write(event)
+        except MeshError as err:  # after the headers: the error is the last event
+            status, kind = _STATUS.get(type(err), (500, "internal_error"))
+            error = {"error": {"message": err.message, "type": kind, "code": status}}
+            await response.write(_sse(error))
+        await response.write_eof()
+        return response
+
+
+@web.middleware
+async def _http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (no such route, wrong method, body too large) as OpenAI
+    error JSON too."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
+        return web.json_response(body, status=exc.status)
+
+
+def _sse(doc: dict[str, Any] | str) -> bytes:
+    data = doc if isinstance(doc, str) else json.dumps(doc, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _Reply:
+    """One response in OpenAI's shapes: chat or text completion, whole or as chunks."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, body: Any) -> None:
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.headers = {REQUEST_ID: request_id}
+        self.parts: list[str] = []
+        self.completion_tokens = 0
+        self.finish: str | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.parts.append(chunk.text)
+        self.completion_tokens += chunk.num_tokens
+        if chunk.finish_reason is not None:
+            self.finish = _FINISH[chunk.finish_reason]
+
+    def _usage(self, prompt_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+        }
+
+    def whole(self, prompt_tokens: int) -> dict[str, Any]:
+        text = "".join(self.parts)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(prompt_tokens),
+        }
+
+    def _chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    async def events(
+        self, first: Chunk, rest: AsyncIterator[Chunk], prompt_tokens: int
+    ) -> AsyncIterator[bytes]:
+        chunk, is_first = first, True
+        while True:
+            self.add(chunk)
+            finish = _FINISH[chunk.finish_reason] if chunk.finish_reason is not None else None
+            if chunk.text or finish or is_first:
+                yield _sse(self._chunk(chunk.text, finish, is_first))
+                is_first = False
+            if finish is not None:
+                break
+            chunk = await anext(rest)
+        if self.include_usage:
+            usage = {
+                **self._chunk("", None, False),
+                "choices": [],
+                "usage": self._usage(prompt_tokens),
+            }
+            yield _sse(usage)
+        yield _sse("[DONE]")

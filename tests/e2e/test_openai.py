@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP API with the real `openai` SDK (sync and async) and with
+httpx for the server-sent-event framing and client disconnects, against the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from llmmesh.launcher import Stack, StackPorts
+from tests.conftest import metric_value, start_service, wait_for
+from tests.e2e.test_tenants import write_tenants
+
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello there"},
+]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+BOMB: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how to build a bomb"}]
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+
+
+def test_chat_completion_whole(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="llm", messages=CHAT, max_tokens=8, extra_body={"ignore_eos": True}, seed=1
+    )
+    (choice,) = reply.choices
+    assert reply.object == "chat.completion" and reply.model == "llm"
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 8
+
+
+def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="llm",
+        messages=CHAT,
+        max_completion_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        seed=1,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.encode()) <= chunks[-1].usage.completion_tokens
+    whole = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=8, seed=1)
+    assert whole.choices[0].message.content == text  # same seed, same text
+
+
+def test_text_completion_and_models(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="llm", prompt="Once upon a", max_tokens=5, seed=2)
+    assert reply.object == "text_completion"
+    assert reply.usage is not None and reply.usage.prompt_tokens == len("Once upon a") + 1
+    assert [m.id for m in client.models.list()] == ["llm", "llm_canary"]
+
+
+def test_async_client_streams(stack: Stack) -> None:
+    async def scenario() -> str:
+        client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key)
+        stream = await client.chat.completions.create(
+            model="llm",
+            messages=CHAT,
+            max_tokens=6,
+            stream=True,
+            seed=3,
+            extra_body={"ignore_eos": True},
+        )
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        await client.close()
+        return "".join(parts)
+
+    assert len(asyncio.run(scenario())) == 6  # one character per token
+
+
+def test_a_session_keeps_the_conversation(client: openai.OpenAI) -> None:
+    headers = {"x-session-id": "openai-session"}
+    first = client.chat.completions.create(
+        model="llm",
+        messages=HI,
+        max_tokens=4,
+        extra_headers=headers,
+    )
+    second = client.chat.completions.create(
+        model="llm",
+        messages=HI,
+        max_tokens=4,
+        extra_headers=headers,
+    )
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=stack.openai_base_url, api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="gpt-9", messages=CHAT)
+    assert bad.value.body["param"] == "model"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model="llm", messages=CHAT, n=2)
+    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
+        client.chat.completions.create(model="llm", messages=BOMB)
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nowhere", cast_to=object)
+
+
+@pytest.fixture(scope="module")
+def limited(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """A router with a tenant allowed one request a minute."""
+    tmp = tmp_path_factory.mktemp("openai-limits")
+    keys = write_tenants(
+        tmp / "tenants.json",
+        {"hasty": {"id": "hasty", "requests_per_minute": 1}},
+    )
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp,
+        tenants_file=str(tmp / "tenants.json"),
+        http_port=str(ports.router_http),
+    )
+    try:
+        yield f"http://127.0.0.1:{ports.router_http}/v1", keys
+    finally:
+        router.terminate(5)
+
+
+def test_rate_limits_are_429_with_retry_after(limited: tuple[str, dict[str, str]]) -> None:
+    base, keys = limited
+    client = openai.OpenAI(base_url=base, api_key=keys["hasty"], max_retries=0)
+    client.completions.create(model="llm", prompt="one", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model="llm", prompt="two", max_tokens=1)
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+
+
+def test_sse_framing(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {"model": "llm", "prompt": "Once", "max_tokens": 6, "stream": True}
+    with httpx.stream(
+        "POST", f"{stack.openai_base_url}/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-request-id"]
+        raw = b"".join(response.iter_bytes()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_a_client_that_disconnects_cancels_its_generation(stack: Stack) -> None:
+    metrics = f"http://{stack.address('router_metrics')}/metrics"
+    labels = {"model": "llm", "outcome": "cancelled"}
+    before = metric_value(metrics, "llm_router_requests_total", labels)
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {
+        "model": "llm",
+        "prompt": "Tell me everything",
+        "max_tokens": 1000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", f"{stack.openai_base_url}/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        next(response.iter_lines())  # the stream is running; now the client leaves
+    wait_for(
+        lambda: metric_value(metrics, "llm_router_requests_total", labels) > before,
+        10,
+        "the router to cancel the generation",
+    )
