@@ -21,6 +21,7 @@ from bench.admission import plot as plot_admission
 from bench.context import run as run_context
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
+from bench.plots import write_plots
 from bench.policy import run as run_policy
 from bench.report import (
     Run,
@@ -39,7 +40,7 @@ from bench.routing import (
     routing_fleet,
 )
 from bench.scenarios import Comparison, head_of_line, prefix_cache
-from bench.targets import RouterTarget, Target, TritonTarget
+from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget
 from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
 
@@ -50,7 +51,7 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--target",
-        choices=["router", "triton"],
+        choices=["router", "openai", "triton"],
         action="append",
         help="what to load (repeatable; default: router)",
     )
@@ -84,6 +85,9 @@ def add_bench_parser(commands: Any) -> None:
         help="run triton and router with the same prompts and compare them",
     )
     bench.add_argument("--router", help="router host:port (default: the state file's)")
+    bench.add_argument(
+        "--openai-url", help="OpenAI-compatible base URL (default: the state file's)"
+    )
     bench.add_argument("--triton", help="Triton gRPC host:port (default: the state file's)")
     bench.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE)
     bench.add_argument(
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             with stack:
                 args.router = stack.address("router")
                 args.triton = stack.address("triton_grpc")
+                args.openai_url = stack.openai_base_url
                 args.api_key = stack.api_key
                 return _measure_and_report(args)
     return _measure_and_report(args)
@@ -156,17 +161,23 @@ def _measure_and_report(args: argparse.Namespace) -> int:
         return _scenario(args)
     runs = asyncio.run(_run_all(args))
     write_json(args.out, _command(), _config(args), runs)
+    plots = write_plots(runs, args.out.with_suffix(""))
     print(results_table(runs))
-    comparison = comparison_table(runs, "triton", "router") if args.compare else scaling_table(runs)
+    comparison = _comparisons(args, runs)
     if comparison:
         print("\n" + comparison)
+    figures = ""
+    if args.markdown:  # copies beside the document, which shows them
+        shown = write_plots(runs, args.markdown.parent / "img" / args.section)
+        figures = "\n\n" + " ".join(f"![{p.stem}](img/{p.name})" for p in shown)
     _record(
         args,
         args.section,
         f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each (ignore_eos).",
-        f"{results_table(runs)}\n\n{comparison}",
+        f"{results_table(runs)}\n\n{comparison}{figures}",
     )
+    print(f"plots: {', '.join(map(str, plots))}", file=sys.stderr)
     for failed in (r for r in runs if r.summary.failed):
         print(
             f"{failed.target} {failed.load}: {failed.summary.failed} requests failed, "
@@ -175,6 +186,17 @@ def _measure_and_report(args: argparse.Namespace) -> int:
         )
     print(f"\nresults: {args.out}", file=sys.stderr)
     return 1 if any(r.summary.failed for r in runs) else 0
+
+
+def _comparisons(args: argparse.Namespace, runs: list[Run]) -> str:
+    """The mesh against Triton, and HTTP against gRPC, for the targets that ran."""
+    names = {run.target for run in runs}
+    tables = [
+        comparison_table(runs, base, candidate)
+        for base, candidate in (("triton", "router"), ("router", "openai"))
+        if {base, candidate} <= names
+    ]
+    return "\n\n".join(tables) if tables else scaling_table(runs)
 
 
 def _scenario(args: argparse.Namespace) -> int:
@@ -323,10 +345,17 @@ def _targets(args: argparse.Namespace) -> list[Target]:
     state = json.loads(args.state_file.read_text()) if args.state_file.exists() else {}
     targets: list[Target] = []
     for name in names:
+        key = getattr(args, "api_key", None) or api_key(args.state_file)
         if name == "router":
             address = router_address(args.router, args.state_file)
-            key = getattr(args, "api_key", None) or api_key(args.state_file)
             targets.append(RouterTarget(address, args.model, key))
+        elif name == "openai":
+            base = (
+                getattr(args, "openai_url", None)
+                or state.get("openai_base_url")
+                or "http://127.0.0.1:8080/v1"
+            )
+            targets.append(OpenAiTarget(base, args.model, key))
         else:
             url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
             targets.append(TritonTarget(url, args.model))
@@ -377,7 +406,13 @@ async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None
         for target in targets:
             await target.close()
     return [
-        Run(name, shapes[index].label(), shapes[index].concurrency, measured.summary(slo))
+        Run(
+            name,
+            shapes[index].label(),
+            shapes[index].concurrency,
+            measured.summary(slo),
+            measured.records,
+        )
         for (index, name), measured in sorted(
             pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])
         )

@@ -6,11 +6,11 @@ import json
 import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import Summary
+from bench.metrics import RequestRecord, Summary
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class Run:
     load: str
     concurrency: int | None
     summary: Summary
+    records: list[RequestRecord] = field(default_factory=list)  # for the plots
 
 
 def write_json(path: Path, command: str, config: dict[str, Any], runs: list[Run]) -> None:

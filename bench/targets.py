@@ -1,10 +1,13 @@
-"""What a benchmark sends requests to: the router (public gRPC API) or Triton directly."""
+"""What a benchmark sends requests to: the router (public gRPC API or its OpenAI-compatible
+HTTP API) or Triton directly."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Protocol
 
+import aiohttp
 import grpc
 
 from bench.metrics import RequestRecord
@@ -56,6 +59,53 @@ class RouterTarget:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class OpenAiTarget:
+    """The router's OpenAI-compatible HTTP API (/v1/completions, server-sent events), as
+    an OpenAI client sends it."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str, api_key: str = "") -> None:
+        self._url = base_url.rstrip("/") + "/completions"
+        self._model = model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0)  # one connection per stream, as clients do
+            self._session = aiohttp.ClientSession(connector=connector)
+        body = {
+            "model": self._model or "llm",
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+        headers = dict(self._headers)
+        if request.session_id:
+            headers["x-session-id"] = request.session_id
+        async with self._session.post(self._url, json=body, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[6:])
+                now = time.perf_counter()
+                if event["choices"] and event["choices"][0]["text"]:
+                    record.first_token_at = record.first_token_at or now
+                    record.chunk_times.append(now)
+                if event.get("usage"):
+                    record.output_tokens = event["usage"]["completion_tokens"]
+        record.finished_at = time.perf_counter()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 class TritonTarget:
