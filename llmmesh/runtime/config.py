@@ -29,6 +29,8 @@ class ServiceConfig(BaseModel):
     # Seconds in-flight streams get to finish on SIGTERM before they are cancelled.
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
+    # OpenTelemetry: send spans to this OTLP/gRPC collector (host:port); empty: off.
+    otlp_endpoint: str = ""
 
 
 C = TypeVar("C", bound=ServiceConfig)

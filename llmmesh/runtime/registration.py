@@ -13,7 +13,9 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor, message, message_factory
+from opentelemetry import trace
 
+from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.grpc_status import abort
 
@@ -41,6 +43,7 @@ def _handler(
     response_cls = message_factory.GetMessageClass(method.output_type)
     deserialize = _lenient(request_cls)
     serialize = response_cls.SerializeToString
+    behaviour = _traced(behaviour, method)
     if method.client_streaming and method.server_streaming:
         return grpc.stream_stream_rpc_method_handler(
             _checked_bidi(behaviour),
@@ -58,6 +61,31 @@ def _handler(
     return grpc.unary_unary_rpc_method_handler(
         _checked_unary(behaviour), request_deserializer=deserialize, response_serializer=serialize
     )
+
+
+def _traced(
+    behaviour: Callable[..., Any], method: descriptor.MethodDescriptor
+) -> Callable[..., Any]:
+    """The handler inside a server span, child of the caller's (traceparent metadata)."""
+    name = f"/{method.containing_service.full_name}/{method.name}"
+    kind = trace.SpanKind.SERVER
+
+    if method.server_streaming:
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            parent = tracing.incoming(context.invocation_metadata() or ())
+            with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
+                async for response in behaviour(request, context):
+                    yield response
+
+        return streaming
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        parent = tracing.incoming(context.invocation_metadata() or ())
+        with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
+            return await behaviour(request, context)
+
+    return unary
 
 
 def _lenient(cls: type[message.Message]) -> Callable[[bytes], object]:

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from llmmesh.runtime import tracing
 from llmmesh.runtime.config import C, ConfigError, ServiceConfig, load_config
 from llmmesh.runtime.logs import configure_logging
 
@@ -103,6 +104,7 @@ async def run_service(service: GrpcService) -> None:
     await stop.wait()
     log.info("draining", extra={"fields": {"grace_s": service.config.shutdown_grace_s}})
     await service.stop()
+    tracing.shutdown()
 
 
 def service_main(
@@ -120,6 +122,7 @@ def service_main(
     except ConfigError as exc:
         raise SystemExit(f"{name}: {exc}") from None
     configure_logging(name, config.log_level)
+    tracing.configure(name, config.otlp_endpoint)
     log.info("config", extra={"fields": {"config": config.model_dump()}})
 
     async def serve() -> None:

@@ -12,8 +12,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
+from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
+from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from llmmesh.runtime.metrics import TTFT
 from llmmesh.types import (
@@ -91,15 +93,28 @@ class StartedStream:
 
     def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
         self._chunks = chunks
-        self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
+        # The pick and the inference call happen under this span (its context is current
+        # when the first chunk is fetched); it ends with the first chunk.
+        self._span = tracing.tracer.start_span("inference.first_token")
+        with trace.use_span(self._span, end_on_exit=False):
+            self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
+
+    def _end_span(self) -> None:
+        if self._span.is_recording():
+            self._span.end()
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        yield await self._first
+        try:
+            first = await self._first
+        finally:
+            self._end_span()
+        yield first
         async for chunk in self._chunks:
             yield chunk
 
     async def abandon(self) -> None:
         """Cancels the generation if it is still running (idempotent)."""
+        self._end_span()
         if not self._first.done():
             self._first.cancel()
             await asyncio.wait({self._first})  # its outcome is moot; ours must propagate
@@ -186,16 +201,18 @@ class RouterCore:
         """
         received_at = time.perf_counter()
         request = self.validate(request)
-        history = await self._load_history(request)
+        with tracing.tracer.start_as_current_span("context.load"):
+            history = await self._load_history(request)
         call, prompt_tokens = self._build_call(request, history, request.prompt)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
-            slot = await self._admission.acquire(
-                request.tenant,
-                self._tenants.spec(request.tenant).tier,
-                prompt_tokens + request.sampling.max_tokens,
-                request.deadline,
-            )
+            with tracing.tracer.start_as_current_span("admission.wait"):
+                slot = await self._admission.acquire(
+                    request.tenant,
+                    self._tenants.spec(request.tenant).tier,
+                    prompt_tokens + request.sampling.max_tokens,
+                    request.deadline,
+                )
         except BaseException:
             lease.release()
             raise
@@ -203,9 +220,7 @@ class RouterCore:
         # The generation's request goes out first: it is the long pole.
         started = StartedStream(self._inference.generate(call, hints))
         rule_set = self._tenants.spec(request.tenant).policy_set
-        pending = asyncio.create_task(
-            self._policy.check_input(request.request_id, request.tenant, request.prompt, rule_set)
-        )
+        pending = asyncio.create_task(self._check_input(request, rule_set))
         try:
             verdict = await self._verdict(pending, request)
             user_text = self._admit(verdict) or request.prompt
@@ -227,6 +242,12 @@ class RouterCore:
         return Prepared(
             request, started, user_text, prompt_tokens, received_at, lease, slot, guard, history
         )
+
+    async def _check_input(self, request: GenerateInput, rule_set: str) -> Verdict:
+        with tracing.tracer.start_as_current_span("policy.check_input"):
+            return await self._policy.check_input(
+                request.request_id, request.tenant, request.prompt, rule_set
+            )
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:

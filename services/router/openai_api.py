@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from aiohttp import web
+from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -190,6 +192,12 @@ class OpenAiApi:
         return await self._serve(request, chat=False)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        parent = tracing.incoming(request.headers)
+        kind = trace.SpanKind.SERVER
+        with tracing.tracer.start_as_current_span(f"POST {request.path}", parent, kind=kind):
+            return await self._serve_traced(request, chat)
+
+    async def _serve_traced(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))

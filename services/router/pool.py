@@ -30,6 +30,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import ResourceExhausted, Unavailable
 from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
 from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
@@ -164,7 +165,13 @@ class InferencePool:
 
     def pick(self, request: PickRequest) -> Decision:
         started = time.perf_counter()
-        decision = self._picker.pick(request, self.candidates(request.model), self._routing.current)
+        with tracing.tracer.start_as_current_span("endpoint.pick") as span:
+            decision = self._picker.pick(
+                request, self.candidates(request.model), self._routing.current
+            )
+            if decision.candidate is not None:
+                span.set_attribute("llm.endpoint", decision.candidate.endpoint.address)
+                span.set_attribute("llm.subset", decision.subset)
         PICK_SECONDS.observe(time.perf_counter() - started)
         for reason in decision.reasons:
             DECISIONS.labels(reason).inc()

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import grpc
 
 from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
+from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
@@ -95,7 +96,8 @@ _ACTION_FROM_PB = {
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((REQUEST_ID, request_id),)
+    """The request id, and the trace (W3C traceparent) when tracing is on."""
+    return ((REQUEST_ID, request_id), *tracing.outgoing())
 
 
 class GrpcPolicyClient:

@@ -1,0 +1,52 @@
+"""OpenTelemetry tracing across the mesh: W3C ``traceparent`` carried in gRPC metadata
+(and HTTP headers), a server span per call, spans for the router's steps, exported over
+OTLP when ``otlp_endpoint`` is set.
+
+Off by default, and then free: the API's no-op tracer makes spans that record nothing,
+and nothing is injected into calls (there is no valid span context to carry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+
+tracer = trace.get_tracer("llm-mesh")
+
+
+def configure(service: str, otlp_endpoint: str) -> None:
+    """Exports this process's spans to ``otlp_endpoint`` (OTLP/gRPC, host:port)."""
+    if not otlp_endpoint:
+        return
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": f"llm-mesh-{service}"}))
+    exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    trace.set_tracer_provider(provider)
+
+
+def shutdown() -> None:
+    """Flushes spans not exported yet (on SIGTERM)."""
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "shutdown"):  # the SDK's, when configured
+        provider.shutdown()
+
+
+def outgoing() -> tuple[tuple[str, str], ...]:
+    """Metadata that carries the current trace to the callee (none without a trace)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
+
+
+def incoming(metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str]) -> Context:
+    """The caller's trace context, from gRPC metadata or HTTP headers."""
+    items = metadata.items() if isinstance(metadata, Mapping) else metadata
+    carrier = {k.lower(): v for k, v in items if isinstance(v, str)}
+    return propagate.extract(carrier)
