@@ -26,6 +26,9 @@ class ServiceConfig(BaseModel):
     host: str = "127.0.0.1"
     grpc_port: int = 0
     metrics_port: int = 0
+    # Where /metrics listens; empty: ``host``. (A service reached only through its
+    # sidecar on loopback still has its metrics scraped from outside.)
+    metrics_host: str = ""
     # Seconds in-flight streams get to finish on SIGTERM before they are cancelled.
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"

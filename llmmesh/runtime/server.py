@@ -75,7 +75,8 @@ class GrpcService:
         await server.start()
         self._server = server
         if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, addr=self.config.host)
+            host = self.config.metrics_host or self.config.host
+            start_http_server(self.config.metrics_port, addr=host)
         for name in ("", *self._names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"fields": {"port": self.port, "services": self._names}})

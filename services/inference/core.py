@@ -78,7 +78,7 @@ class InferenceCore:
         ttft = first - started if first else None
         tpot = (time.perf_counter() - first) / (tokens - 1) if first and tokens > 1 else None
         if ttft is not None:
-            TTFT.labels(model).observe(ttft)
+            TTFT.labels(model, "").observe(ttft)
         if tpot is not None:
-            TPOT.labels(model).observe(tpot)
+            TPOT.labels(model, "").observe(tpot)
         self.latency.add(ttft, tpot)

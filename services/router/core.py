@@ -17,7 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
-from llmmesh.runtime.metrics import TTFT
+from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -68,6 +68,11 @@ CONTEXT_FAIL_OPEN = Counter(
     ["tenant"],
 )
 TRUNCATIONS = ("last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences")
+
+
+def _observe_tpot(model: str, tier: str, first_token_at: float | None, tokens: int) -> None:
+    if first_token_at is not None and tokens > 1:
+        TPOT.labels(model, tier).observe((time.monotonic() - first_token_at) / (tokens - 1))
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,7 @@ class RouterCore:
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:
         """Relays the generation; records the turn in the session before the last chunk."""
         model = prepared.request.model
+        tier = self._tenants.spec(prepared.request.tenant).tier
         parts: list[str] = []
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
         guard, held_tokens = prepared.guard, 0
@@ -281,12 +287,13 @@ class RouterCore:
                 chunk, held_tokens = replace(chunk, num_tokens=chunk.num_tokens + held_tokens), 0
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
-                    TTFT.labels(model).observe(time.perf_counter() - prepared.received_at)
+                    TTFT.labels(model, tier).observe(time.perf_counter() - prepared.received_at)
                 parts.append(chunk.text)
                 completion_tokens += chunk.num_tokens
                 if chunk.finish_reason is not None:
                     await self._record(prepared, "".join(parts), completion_tokens)
                     outcome = chunk.finish_reason.value
+                    _observe_tpot(model, tier, first_token_at, completion_tokens)
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
