@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -188,3 +189,26 @@ def test_a_client_that_disconnects_cancels_its_generation(stack: Stack) -> None:
         10,
         "the router to cancel the generation",
     )
+
+
+def test_policy_unreachable_is_503_for_a_fail_closed_tenant(stack: Stack, tmp_path: Path) -> None:
+    keys = write_tenants(tmp_path / "tenants.json", {"closed": {"id": "closed-http"}})
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp_path,
+        tenants_file=str(tmp_path / "tenants.json"),
+        http_port=str(ports.router_http),
+        policy_address=f"127.0.0.1:{ports.policy}",  # nothing listens there
+        upstream_timeout_s="0.5",
+    )
+    try:
+        base = f"http://127.0.0.1:{ports.router_http}/v1"
+        client = openai.OpenAI(base_url=base, api_key=keys["closed"], max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="llm", prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        router.terminate(5)
