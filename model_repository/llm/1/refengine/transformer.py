@@ -9,7 +9,6 @@ cache, a GELU MLP, residual connections, and a final LayerNorm and projection.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,7 +29,9 @@ _PRIOR_TEXT = (
     "read only once; where it did not, the engine computed the keys and values again.\n"
 )
 _PRINTABLE = [*range(32, 127), 10]
-_BLOCK_ROWS = 64  # rows per matrix product (see _matmul)
+_BLOCK_ROWS = 64  # the tallest block of a matrix product (see _matmul)
+_BLOCK_HEIGHTS = (1, 4, 12, 24, 48, _BLOCK_ROWS)
+_PROBES = 32
 
 
 @dataclass(frozen=True)
@@ -106,14 +107,15 @@ class Transformer:
         self.lnf_b = np.zeros(d, np.float32)
         self.w_out = normal(d, v, std=1.5 / np.sqrt(d))
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
-        for w in (
-            self.layers[0].w_qkv,
-            self.layers[0].w_o,
-            self.layers[0].w_up,
-            self.layers[0].w_down,
-            self.w_out,
-        ):
-            _stable_slots(*w.shape)  # probe BLAS now, not during the first request
+        # BLAS probed now, for these very matrices, not during the first request.
+        self._layouts = {
+            id(w): _probe_layouts(w)
+            for layer in self.layers
+            for w in (layer.w_qkv, layer.w_o, layer.w_up, layer.w_down)
+        } | {id(self.w_out): _probe_layouts(self.w_out)}
+
+    def _matmul(self, a: Array, w: Array) -> Array:
+        return _matmul(a, w, self._layouts[id(w)])
 
     def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
         """One step for a whole batch: prefill segments and decode tokens together.
@@ -136,11 +138,11 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             h = _layer_norm(x, layer.ln1_g, layer.ln1_b)
             attended = self._attention(layer, index, h, segments=segments, writes=writes, pool=pool)
-            x = x + _matmul(attended, layer.w_o)
+            x = x + self._matmul(attended, layer.w_o)
             h = _layer_norm(x, layer.ln2_g, layer.ln2_b)
-            x = x + _matmul(_gelu(_matmul(h, layer.w_up)), layer.w_down)
+            x = x + self._matmul(_gelu(self._matmul(h, layer.w_up)), layer.w_down)
         last = _layer_norm(x[ends - 1], self.lnf_g, self.lnf_b)
-        logits: Array = _matmul(last, self.w_out) + self.out_bias
+        logits: Array = self._matmul(last, self.w_out) + self.out_bias
         return logits
 
     def _attention(
@@ -154,7 +156,7 @@ class Transformer:
         pool: BlockPool,
     ) -> Array:
         shape = self.shape
-        qkv = _matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
+        qkv = self._matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
         kv = pool.kv[index]
         kv[:, :, writes] = qkv[:, 1:].transpose(1, 2, 0, 3)  # [2, heads, tokens, hd]
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
@@ -189,36 +191,55 @@ class Transformer:
         return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
 
-def _matmul(a: Array, b: Array) -> Array:
+Layouts = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def _matmul(a: Array, b: Array, layouts: Layouts) -> Array:
     """``a @ b`` whose rows do not depend on what else is in ``a``.
 
     BLAS computes a row with a summation order that depends on the row's position in the
-    matrix (the register tile it falls in) and on the matrix's height. So the product is
-    always taken in blocks of one fixed height, and rows go only to the positions that
-    compute exactly as position 0 does: a sequence's numbers, and so its sampled text,
-    are the same whatever else is in the batch.
+    matrix (the register tile it falls in), on the matrix's height, and on the memory
+    of ``b``. So the product is taken in blocks of a few heights, and rows go only to the
+    positions that compute exactly as position 0 of the tallest block does (``layouts``,
+    probed for ``b`` itself): a sequence's numbers, and so its sampled text, are the same
+    whatever else is in the batch. A small batch takes the lowest block with room.
     """
-    slots = _stable_slots(a.shape[1], b.shape[1])
     rows = a.shape[0]
+    height, slots = next(((h, s) for h, s in layouts if len(s) >= rows), layouts[-1])
     blocks = -(-rows // len(slots))
-    index = (np.arange(blocks)[:, None] * _BLOCK_ROWS + np.array(slots)[None, :]).ravel()[:rows]
-    padded = np.zeros((blocks * _BLOCK_ROWS, a.shape[1]), dtype=a.dtype)
+    index = (np.arange(blocks)[:, None] * height + np.array(slots)[None, :]).ravel()[:rows]
+    padded = np.zeros((blocks * height, a.shape[1]), dtype=a.dtype)
     padded[index] = a
-    product = padded.reshape(blocks, _BLOCK_ROWS, a.shape[1]) @ b  # one gemm per block
+    product = padded.reshape(blocks, height, a.shape[1]) @ b  # one gemm per block
     result: Array = product.reshape(-1, b.shape[1])[index]
     return result
 
 
-@functools.cache
-def _stable_slots(inner: int, cols: int) -> tuple[int, ...]:
-    """Positions of a block that compute exactly as position 0, probed once per shape on
-    this machine's BLAS (with the BLAS threads set at the first call): a block of
-    identical rows shows them."""
+def _probe_layouts(w: Array) -> Layouts:
+    """For each block height, the positions whose rows ``x @ w`` computes exactly as at
+    position 0 of the tallest block, lowest height first (the BLAS threads must be set
+    already). Many rows of different scales: one row can agree by chance where the
+    kernels differ."""
     rng = np.random.default_rng(0)
-    w = rng.normal(size=(inner, cols)).astype(np.float32)
-    row = rng.normal(size=(1, 1, inner)).astype(np.float32)
-    out = np.repeat(row, _BLOCK_ROWS, axis=1) @ w
-    return tuple(int(p) for p in np.flatnonzero((out[0] == out[0, 0]).all(axis=1)))
+    scales = rng.uniform(0.01, 100.0, size=(_PROBES, 1)).astype(np.float32)
+    rows = rng.normal(size=(_PROBES, w.shape[0])).astype(np.float32) * scales
+
+    def block(row: Array, height: int) -> Array:  # as _matmul multiplies: one block
+        out: Array = (np.repeat(row[None, None], height, axis=1) @ w)[0]
+        return out
+
+    reference = [block(row, _BLOCK_ROWS)[0] for row in rows]
+    layouts: list[tuple[int, tuple[int, ...]]] = []
+    for height in _BLOCK_HEIGHTS:
+        alike = np.ones(height, dtype=bool)
+        for row, ref in zip(rows, reference, strict=True):
+            alike &= (block(row, height) == ref).all(axis=1)
+        slots = tuple(int(p) for p in np.flatnonzero(alike))
+        if slots and (not layouts or len(slots) > len(layouts[-1][1])):
+            layouts.append((height, slots))
+    if not layouts:  # nothing stable: one row per block (a product per row)
+        layouts.append((1, (0,)))
+    return tuple(layouts)
 
 
 def _causal_mask(start: int, count: int) -> Array | None:
