@@ -24,6 +24,7 @@ import consul
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmmesh.runtime.consul import location
 from services.router.routing import InvalidDocument, parse_policy
 
 ROUTING_KEY = "llm-mesh/routing"
@@ -146,8 +147,8 @@ def routing_store(consul_address: str, routing_file: Path | None) -> RoutingStor
     """Consul when an address is given (or CONSUL_HTTP_ADDR is set), else the file."""
     address = consul_address or os.environ.get("CONSUL_HTTP_ADDR", "")
     if address:
-        host, _, port = address.removeprefix("http://").partition(":")
-        return ConsulRouting(consul.Consul(host=host, port=int(port or 8500)))
+        host, port, scheme = location(address)
+        return ConsulRouting(consul.Consul(host=host, port=port, scheme=scheme))
     if routing_file is None:
         raise CanaryError("no Consul address and no routing file (run `llm-mesh up` first?)")
     return FileRouting(routing_file)

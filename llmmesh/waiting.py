@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def poll_until(
@@ -25,3 +26,16 @@ def poll_until(
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval_s)
+
+
+async def poll_until_async(
+    condition: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.01
+) -> bool:
+    """``poll_until`` for a condition that must be awaited (in an event loop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval_s)  # the polling period

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,3 +115,14 @@ def process_group_exists(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports the OS reports free right now."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket())
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+    return ports

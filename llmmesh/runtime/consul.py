@@ -31,18 +31,19 @@ RETRY_DELAY_S = (0.2, 5.0)  # first and longest pause after a failed query
 MIN_QUERY_INTERVAL_S = 0.05  # rate limit: a misbehaving server cannot make us spin
 
 
+def location(address: str) -> tuple[str, int, str]:
+    """(host, port, scheme) of ``host:port`` or ``scheme://host:port``."""
+    parts = urlsplit(address if "//" in address else f"//{address}")
+    return parts.hostname or "127.0.0.1", parts.port or 8500, parts.scheme or "http"
+
+
 def connect(address: str = "", token: str = "") -> consul.aio.Consul:
     """An async client for ``host:port`` or ``scheme://host:port``; empty uses
     ``CONSUL_HTTP_ADDR`` or the local agent."""
     if not address:
         return consul.aio.Consul(token=token or None)
-    parts = urlsplit(address if "//" in address else f"//{address}")
-    return consul.aio.Consul(
-        host=parts.hostname,
-        port=parts.port or 8500,
-        scheme=parts.scheme or "http",
-        token=token or None,
-    )
+    host, port, scheme = location(address)
+    return consul.aio.Consul(host=host, port=port, scheme=scheme, token=token or None)
 
 
 async def blocking_query(

@@ -25,7 +25,7 @@ class AuditLog:
         self._path = path
         self._max_bytes = max_bytes
         self._backups = backups
-        self._include_text = include_text
+        self.include_text = include_text
         self._queue: queue.Queue[Any] = queue.Queue()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._write_loop, name="audit", daemon=True)
@@ -51,7 +51,7 @@ class AuditLog:
             "rule_ids": list(rule_ids),
             "rule_set_version": rule_set_version,
         }
-        if self._include_text:
+        if self.include_text:
             entry["text"] = text
         self._queue.put(json.dumps(entry, ensure_ascii=False) + "\n")
 

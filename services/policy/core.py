@@ -62,6 +62,10 @@ class PolicyCore:
         )
         return verdict
 
+    @property
+    def audits_text(self) -> bool:
+        return self._audit is not None and self._audit.include_text
+
     def has_output_rules(self, rule_set: str) -> bool:
         return bool(self.library.get(rule_set).output)
 
@@ -121,7 +125,8 @@ class OutputCheck:
         self._request_id = request_id
         self.version = version
         self._redacted = False
-        self._text: list[str] = []
+        # The whole output, only for an audit log that records text.
+        self._text: list[str] | None = [] if core.audits_text else None
         self._closed = False
 
     def feed(self, text: str, final: bool = False) -> OutputStep:
@@ -132,7 +137,8 @@ class OutputCheck:
             step = step.then(self._scanner.finish())
         CHECK_SECONDS.labels("output_chunk").observe(time.perf_counter() - started)
         HELD_CHARS.observe(step.held)
-        self._text.append(text)
+        if self._text is not None:
+            self._text.append(text)
         self._redacted = self._redacted or step.redacted
         if final or step.denied_by is not None:
             self.close()
@@ -153,6 +159,6 @@ class OutputCheck:
             tenant=self._tenant,
             action=action,
             rule_ids=self._scanner.matched,
-            text="".join(self._text),
+            text="".join(self._text or ()),
             version=self.version,
         )

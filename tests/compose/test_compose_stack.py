@@ -10,11 +10,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from testcontainers.compose import DockerCompose
 
 from llmmesh.client import authorized_channel
+from llmmesh.waiting import poll_until
 from tests.conftest import collect
 
 pytestmark = pytest.mark.compose
@@ -28,15 +28,12 @@ KEY = "replace-me"  # the example tenant of mesh/consul/kv/llm-mesh/tenants.yaml
 def compose() -> Iterator[DockerCompose]:
     stack = DockerCompose(str(REPO), compose_file_name="docker-compose.yml", build=True)
     with stack:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with authorized_channel(ROUTER, KEY) as channel:
-                    collect(channel, "ready?", max_tokens=1, timeout_s=10)
-                break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "the compose stack never served"
-                time.sleep(2)  # the stack is still starting (images, Triton's model load)
+
+        def serving() -> bool:  # images pulled, Triton's model loaded, sidecars up
+            with authorized_channel(ROUTER, KEY) as channel:
+                return bool(collect(channel, "ready?", max_tokens=1, timeout_s=10))
+
+        assert poll_until(serving, 600, interval_s=2), "the compose stack never served"
         yield stack
 
 

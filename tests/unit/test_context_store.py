@@ -14,6 +14,7 @@ import pytest
 
 from llmmesh.runtime.errors import InvalidArgument, NotFound
 from llmmesh.types import Role, Turn
+from llmmesh.waiting import poll_until_async
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
 from services.context.store import SessionStore, SqliteSessionStore
@@ -157,16 +158,23 @@ def test_list_pages_through_a_tenants_sessions(new_store: StoreFactory) -> None:
     run(new_store, scenario)
 
 
+async def expired(store: SessionStore, session_id: str) -> bool:
+    """Waits (up to 5 s) until the session is gone; a load that finds it must not slide
+    it, hence the 1 ms TTL of the probing load."""
+
+    async def gone() -> bool:
+        return await store.load("t", session_id, 1) is None
+
+    return await poll_until_async(gone, 5.0)
+
+
 def test_sessions_expire_after_their_ttl_and_the_sweep_drops_them(
     new_store: StoreFactory,
 ) -> None:
     async def scenario(store: SessionStore) -> None:
         await store.append("t", "short", "r", TURNS, 1)  # 1 ms to live
         await store.append("t", "long", "r", TURNS, DAY_MS)
-        deadline = asyncio.get_running_loop().time() + 5
-        while await store.load("t", "short", 1) is not None:  # expiry is wall-clock
-            assert asyncio.get_running_loop().time() < deadline, "never expired"
-            await asyncio.sleep(0.01)  # poll interval
+        assert await expired(store, "short"), "never expired"
         assert await store.list("t", "", 10) == ["long"]
         assert await store.sweep() >= 1
         assert await store.load("t", "long", DAY_MS) is not None
@@ -180,7 +188,10 @@ def test_an_access_slides_the_expiry(new_store: StoreFactory) -> None:
     async def scenario(store: SessionStore) -> None:
         await store.append("t", "s", "r", TURNS, 400)
         assert await store.load("t", "s", DAY_MS) is not None  # slides it a day out
-        await asyncio.sleep(0.5)  # wall-clock time past the first expiry
+        # A session written after it with the same 400 ms has expired: so has the first
+        # expiry of "s" (expiry is wall-clock time).
+        await store.append("t", "probe", "r", TURNS, 400)
+        assert await expired(store, "probe"), "never expired"
         assert await store.load("t", "s", DAY_MS) is not None
 
     run(new_store, scenario)
