@@ -20,6 +20,7 @@ from refengine import (
 )
 from refengine.contract import parse_sampling_parameters
 from refengine.kvcache import BlockPool
+from refengine.rowstable import matmul, probe_layout
 from refengine.sampling import Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS, StreamDecoder
@@ -137,7 +138,7 @@ class TestStopMatcher:
 
 
 def _segment(pool: BlockPool, table: list[int], tokens: list[int], start: int) -> Segment:
-    return Segment(tokens, start, pool.slots(table, 0, start + len(tokens)))
+    return Segment(tokens, start, table[: -(-(start + len(tokens)) // pool.block_size)])
 
 
 class TestTransformer:
@@ -191,6 +192,37 @@ class TestTransformer:
         pool = BlockPool(80, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
         with pytest.raises(ValueError, match="context"):
             model.forward([_segment(pool, list(range(70)), [1] * 260, 0)], pool)
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[Any, Any]:
+    """A matrix of the default model's shape, and its probed layout."""
+    w = np.random.default_rng(3).normal(size=(192, 576)).astype(np.float32) / 14
+    return w, probe_layout(w)
+
+
+class TestRowStableMatmul:
+    @pytest.mark.parametrize("rows", [1, 2, 7, 15, 16, 17, 33, 129, 300])
+    def test_every_row_computes_as_it_does_alone(self, weights: Any, rows: int) -> None:
+        w, layout = weights
+        rng = np.random.default_rng(rows)
+        a = (rng.normal(size=(rows, 192)) * rng.uniform(0.01, 100, size=(rows, 1))).astype(
+            np.float32
+        )
+        batched = matmul(a, w, layout)
+        np.testing.assert_allclose(batched, a @ w, rtol=1e-4, atol=1e-3)
+        for i in range(rows):
+            assert np.array_equal(batched[i], matmul(a[i : i + 1], w, layout)[0])
+
+    @pytest.mark.parametrize("rows", [1, 16, 129, 2064])
+    def test_plan_places_each_row_once_at_alike_positions(self, weights: Any, rows: int) -> None:
+        _, layout = weights
+        placed = 0
+        for block, numbers, positions in layout.plan(rows):
+            assert set(positions.tolist()) <= set(block.slots)
+            assert len(set(zip(numbers.tolist(), positions.tolist(), strict=True))) == len(numbers)
+            placed += len(numbers)
+        assert placed == rows
 
 
 @dataclass

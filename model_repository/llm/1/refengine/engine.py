@@ -257,7 +257,7 @@ class Engine:
             Segment(
                 seq.tokens[seq.computed : seq.computed + n],
                 seq.computed,
-                self.pool.slots(seq.table, 0, seq.computed + n),
+                seq.table[: -(-(seq.computed + n) // self.pool.block_size)],
             )
             for seq, n in batch
         ]

@@ -41,10 +41,10 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # kv[layer]: [2 (keys, values), heads, num_blocks * block_size, head_dim]; a token's
-        # slot is block * block_size + offset. Keys and values side by side, heads first:
-        # one gather per layer yields the per-head matrices BLAS uses as they are.
-        shape = (n_layers, 2, n_heads, num_blocks * block_size, head_dim)
+        # kv[layer]: [num_blocks, block_size, 2 (keys, values), heads, head_dim]. A block is
+        # one contiguous run of memory (a gather copies whole blocks), and a token's keys
+        # and values for every head are one row (a write stores whole rows).
+        shape = (n_layers, num_blocks, block_size, 2, n_heads, head_dim)
         self.kv: npt.NDArray[np.float32] = np.zeros(shape, dtype=np.float32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refengine.kvcache import BlockPool
+from refengine.rowstable import matmul, probe_layout
 from refengine.tokenizer import EOS, VOCAB_SIZE
 
 Array = npt.NDArray[np.float32]
@@ -29,9 +30,6 @@ _PRIOR_TEXT = (
     "read only once; where it did not, the engine computed the keys and values again.\n"
 )
 _PRINTABLE = [*range(32, 127), 10]
-_BLOCK_ROWS = 64  # the tallest block of a matrix product (see _matmul)
-_BLOCK_HEIGHTS = (1, 4, 12, 24, 48, _BLOCK_ROWS)
-_PROBES = 32
 
 
 @dataclass(frozen=True)
@@ -70,12 +68,12 @@ class _Layer:
 class Segment:
     """Tokens of one sequence to run this step, after ``start`` tokens already in the cache.
 
-    ``slots`` are the cache slots of positions [0, start + len(tokens)) of the sequence.
+    ``table`` holds the cache blocks of positions [0, start + len(tokens)), in order.
     """
 
     tokens: list[int]
     start: int
-    slots: npt.NDArray[np.intp]
+    table: list[int]
 
 
 class Transformer:
@@ -109,19 +107,19 @@ class Transformer:
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
         # BLAS probed now, for these very matrices, not during the first request.
         self._layouts = {
-            id(w): _probe_layouts(w)
+            id(w): probe_layout(w)
             for layer in self.layers
             for w in (layer.w_qkv, layer.w_o, layer.w_up, layer.w_down)
-        } | {id(self.w_out): _probe_layouts(self.w_out)}
+        } | {id(self.w_out): probe_layout(self.w_out)}
 
     def _matmul(self, a: Array, w: Array) -> Array:
-        return _matmul(a, w, self._layouts[id(w)])
+        return matmul(a, w, self._layouts[id(w)])
 
     def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
         """One step for a whole batch: prefill segments and decode tokens together.
 
         Every projection and MLP is one matrix product over all the batch's tokens;
-        attention reads each sequence's keys and values from its own cache slots. Returns
+        attention reads each sequence's keys and values from its own cache blocks. Returns
         the next-token logits of each segment, [segments, vocab].
         """
         tokens = [t for seg in segments for t in seg.tokens]
@@ -131,7 +129,7 @@ class Transformer:
         if positions.max() >= self.shape.max_context:
             raise ValueError("a sequence exceeds the model's context length")
         writes = np.concatenate(
-            [seg.slots[seg.start : seg.start + len(seg.tokens)] for seg in segments]
+            [pool.slots(seg.table, seg.start, seg.start + len(seg.tokens)) for seg in segments]
         )
         ends = np.cumsum([len(seg.tokens) for seg in segments])
         x = self.tok_emb[tokens] + self.pos_emb[positions]
@@ -157,89 +155,41 @@ class Transformer:
     ) -> Array:
         shape = self.shape
         qkv = self._matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
-        kv = pool.kv[index]
-        kv[:, :, writes] = qkv[:, 1:].transpose(1, 2, 0, 3)  # [2, heads, tokens, hd]
+        blocks = pool.kv[index]  # [blocks, block size, 2, heads, hd]
+        blocks.reshape(-1, 2, shape.n_heads, shape.head_dim)[writes] = qkv[:, 1:]
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
         out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
         # Each sequence attends over exactly its own length, never padded, so its numbers
-        # do not depend on the rest of the batch. Decode tokens of sequences of the same
-        # length run as one batched product: the same per-head matrices, in one call.
+        # do not depend on the rest of the batch. Segments of the same start and length
+        # (decode tokens of same-length sequences, prompts of the same length) run as one
+        # batched product: the same per-head matrices, in one call.
         offsets = np.cumsum([0, *(len(seg.tokens) for seg in segments)])
-        same_length: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, seg in enumerate(segments):
-            if len(seg.tokens) == 1:
-                same_length.setdefault(len(seg.slots), []).append(i)
-        singles = [i for i, seg in enumerate(segments) if len(seg.tokens) > 1]
-        for group in same_length.values():
-            if len(group) == 1:
-                singles += group
-                continue
-            rows = offsets[group]
-            slots = np.stack([segments[i].slots for i in group])  # [group, length]
-            keys, values = np.take(kv, slots, axis=2).transpose(0, 2, 1, 3, 4)
-            q = queries[:, rows].transpose(1, 0, 2)[:, :, None, :]  # [group, heads, 1, hd]
+            groups.setdefault((seg.start, len(seg.tokens)), []).append(i)
+        for (start, count), group in groups.items():
+            rows = offsets[group][:, None] + np.arange(count)  # [group, count]
+            keys, values = _gather(blocks, [segments[i].table for i in group], start + count)
+            if count > 1:
+                keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+            q = queries[:, rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
             scores = q @ keys.transpose(0, 1, 3, 2)
-            out[:, rows] = (_softmax(scores) @ values)[:, :, 0].transpose(1, 0, 2)
-        for i in singles:
-            seg, start, end = segments[i], offsets[i], offsets[i + 1]
-            keys, values = np.take(kv, seg.slots, axis=2)  # each [heads, length, hd]
-            scores = queries[:, start:end] @ keys.transpose(0, 2, 1)
-            mask = _causal_mask(seg.start, end - start)
+            mask = _causal_mask(start, count)
             if mask is not None:
                 scores += mask
-            out[:, start:end] = _softmax(scores) @ values
+            out[:, rows] = (_softmax(scores) @ values).transpose(1, 0, 2, 3)
         return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
 
-Layouts = tuple[tuple[int, tuple[int, ...]], ...]
-
-
-def _matmul(a: Array, b: Array, layouts: Layouts) -> Array:
-    """``a @ b`` whose rows do not depend on what else is in ``a``.
-
-    BLAS computes a row with a summation order that depends on the row's position in the
-    matrix (the register tile it falls in), on the matrix's height, and on the memory
-    of ``b``. So the product is taken in blocks of a few heights, and rows go only to the
-    positions that compute exactly as position 0 of the tallest block does (``layouts``,
-    probed for ``b`` itself): a sequence's numbers, and so its sampled text, are the same
-    whatever else is in the batch. A small batch takes the lowest block with room.
-    """
-    rows = a.shape[0]
-    height, slots = next(((h, s) for h, s in layouts if len(s) >= rows), layouts[-1])
-    blocks = -(-rows // len(slots))
-    index = (np.arange(blocks)[:, None] * height + np.array(slots)[None, :]).ravel()[:rows]
-    padded = np.zeros((blocks * height, a.shape[1]), dtype=a.dtype)
-    padded[index] = a
-    product = padded.reshape(blocks, height, a.shape[1]) @ b  # one gemm per block
-    result: Array = product.reshape(-1, b.shape[1])[index]
-    return result
-
-
-def _probe_layouts(w: Array) -> Layouts:
-    """For each block height, the positions whose rows ``x @ w`` computes exactly as at
-    position 0 of the tallest block, lowest height first (the BLAS threads must be set
-    already). Many rows of different scales: one row can agree by chance where the
-    kernels differ."""
-    rng = np.random.default_rng(0)
-    scales = rng.uniform(0.01, 100.0, size=(_PROBES, 1)).astype(np.float32)
-    rows = rng.normal(size=(_PROBES, w.shape[0])).astype(np.float32) * scales
-
-    def block(row: Array, height: int) -> Array:  # as _matmul multiplies: one block
-        out: Array = (np.repeat(row[None, None], height, axis=1) @ w)[0]
-        return out
-
-    reference = [block(row, _BLOCK_ROWS)[0] for row in rows]
-    layouts: list[tuple[int, tuple[int, ...]]] = []
-    for height in _BLOCK_HEIGHTS:
-        alike = np.ones(height, dtype=bool)
-        for row, ref in zip(rows, reference, strict=True):
-            alike &= (block(row, height) == ref).all(axis=1)
-        slots = tuple(int(p) for p in np.flatnonzero(alike))
-        if slots and (not layouts or len(slots) > len(layouts[-1][1])):
-            layouts.append((height, slots))
-    if not layouts:  # nothing stable: one row per block (a product per row)
-        layouts.append((1, (0,)))
-    return tuple(layouts)
+def _gather(blocks: Array, tables: list[list[int]], length: int) -> tuple[Array, Array]:
+    """Keys and values [group, heads, length, hd] of sequences of one length: whole
+    blocks are copied (one contiguous run each), and the per-head matrices are strided
+    views of them, which BLAS reads as they are."""
+    gathered = np.take(blocks, np.array(tables, dtype=np.intp), axis=0)
+    group, count, size, two, heads, hd = gathered.shape
+    flat = gathered.reshape(group, count * size, two, heads, hd)[:, :length]
+    keys, values = flat.transpose(2, 0, 3, 1, 4)  # each [group, heads, length, hd]
+    return keys, values
 
 
 def _causal_mask(start: int, count: int) -> Array | None:

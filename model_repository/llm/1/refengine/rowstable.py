@@ -1,0 +1,164 @@
+"""Matrix products whose rows do not depend on the rest of the batch.
+
+BLAS computes a row of ``a @ b`` with a summation order that depends on where the row
+falls in the matrix (which register tile, edge or middle), on the matrix's height and on
+the orientation it is passed in. Batched, a sequence's row would then come out a few
+ulps different from the same row computed alone, and a seeded sample could change. So a
+product is taken in blocks of a few fixed heights, and rows are placed only at the
+positions that compute exactly alike: probed once per weight matrix, at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+Array = npt.NDArray[np.float32]
+Index = npt.NDArray[np.intp]
+
+# Block heights the probe tries. 15 and 264: the widest blocks of this machine's
+# OpenBLAS kernels (one small-matrix tile; a large block less its 8-row edges).
+HEIGHTS = (1, 2, 4, 8, 12, 15, 16, 24, 32, 48, 64, 128, 264)
+PROBES = 32  # rows of different scales: one row can agree by chance where kernels differ
+TALL_PROBES = 8  # for blocks taller than 64, whose probe products are the costly ones
+# The cost model: a gemm call's fixed cost, in rows computed, and the batch whose cost
+# picks a matrix's layout (then a single row's).
+CALL_COST_ROWS = 16
+BATCH_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Block:
+    height: int
+    slots: tuple[int, ...]  # positions whose rows compute alike
+
+    @property
+    def cost(self) -> int:
+        return self.height + CALL_COST_ROWS
+
+
+@dataclass
+class Layout:
+    """How one matrix is multiplied: its orientation and the blocks rows may go in."""
+
+    # True: a block enters BLAS transposed, so its rows are the kernel's vector lanes.
+    transposed: bool
+    blocks: tuple[Block, ...]
+    # best[rows] = (cost, calls, block to add): cheapest mix of blocks for that many rows.
+    _best: list[tuple[int, int, int]] = field(default_factory=lambda: [(0, 0, -1)])
+    _plans: dict[int, list[tuple[Block, Index, Index]]] = field(default_factory=dict)
+
+    def cost(self, rows: int) -> int:
+        self._extend(rows)
+        return self._best[rows][0]
+
+    def plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
+        """Per block height used for ``rows`` rows: the block, and for each of its rows
+        (in order) the block number and position it goes to."""
+        if rows not in self._plans:
+            self._plans[rows] = self._make_plan(rows)
+        return self._plans[rows]
+
+    def _extend(self, rows: int) -> None:
+        for total in range(len(self._best), rows + 1):
+            self._best.append(
+                min(
+                    (
+                        self._best[max(0, total - len(block.slots))][0] + block.cost,
+                        self._best[max(0, total - len(block.slots))][1] + 1,
+                        index,
+                    )
+                    for index, block in enumerate(self.blocks)
+                )
+            )
+
+    def _make_plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
+        self._extend(rows)
+        counts = [0] * len(self.blocks)
+        left = rows
+        while left > 0:
+            index = self._best[left][2]
+            counts[index] += 1
+            left -= len(self.blocks[index].slots)
+        plan = []
+        left = rows
+        used = [(block, n) for block, n in zip(self.blocks, counts, strict=True) if n]
+        for block, count in sorted(used, key=lambda p: -p[0].height):
+            if count:
+                placed = min(left, count * len(block.slots))
+                numbers = np.repeat(np.arange(count), len(block.slots))[:placed]
+                positions = np.tile(np.array(block.slots), count)[:placed]
+                plan.append((block, numbers, positions))
+                left -= placed
+        return plan
+
+
+def matmul(a: Array, b: Array, layout: Layout) -> Array:
+    """``a @ b``, each row computed exactly as it would be alone."""
+    parts = []
+    first = 0
+    for block, numbers, positions in layout.plan(a.shape[0]):
+        padded = np.zeros((int(numbers[-1]) + 1, block.height, a.shape[1]), dtype=a.dtype)
+        padded[numbers, positions] = a[first : first + len(numbers)]
+        # One gather of the wanted rows, even from a transposed product.
+        parts.append(block_product(padded, b, layout.transposed)[numbers, positions])
+        first += len(numbers)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts)
+
+
+def block_product(blocks: Array, b: Array, transposed: bool) -> Array:
+    """``blocks @ b``, one gemm per block; transposed, as ``(b.T @ block.T).T``."""
+    if transposed:
+        product: Array = (b.T @ blocks.transpose(0, 2, 1)).transpose(0, 2, 1)
+        return product
+    product = blocks @ b
+    return product
+
+
+def probe_layout(w: Array) -> Layout:
+    """The layout that multiplies a batch by ``w`` with the least work, then a single row
+    (the BLAS threads must be set already: they change how BLAS splits a product).
+
+    Each candidate takes one orientation and one block position as the reference every
+    row must compute exactly like.
+    """
+    rng = np.random.default_rng(0)
+    scales = rng.uniform(0.01, 100.0, size=(PROBES, 1)).astype(np.float32)
+    rows = rng.normal(size=(PROBES, w.shape[0])).astype(np.float32) * scales
+    candidates: list[Layout] = []
+    for transposed in (False, True):
+        # [height] -> [probe, position, out]: each probe row repeated down a whole block.
+        products = {
+            height: block_product(
+                np.repeat(rows[: PROBES if height <= 64 else TALL_PROBES, None], height, axis=1),
+                w,
+                transposed,
+            )
+            for height in HEIGHTS
+        }
+        references = {p[:, 0].tobytes(): p[:, :1] for p in products.values() if len(p) == PROBES}
+        for reference in references.values():
+            blocks = _alike_blocks(products, reference)
+            if blocks:
+                candidates.append(Layout(transposed, blocks))
+    return min(
+        candidates,
+        key=lambda c: (c.cost(BATCH_ROWS), c.cost(1)),
+        default=Layout(False, (Block(1, (0,)),)),  # nothing stable: a product per row
+    )
+
+
+def _alike_blocks(products: dict[int, Array], reference: Array) -> tuple[Block, ...]:
+    """Per block height, the positions computing exactly as ``reference``; a height is
+    kept only if it holds more such positions than every lower one."""
+    blocks: list[Block] = []
+    for height, product in products.items():
+        alike = (product == reference[: len(product)]).all(axis=(0, 2))
+        slots = tuple(int(p) for p in np.flatnonzero(alike))
+        if slots and (not blocks or len(slots) > len(blocks[-1].slots)):
+            blocks.append(Block(height, slots))
+    return tuple(blocks)
