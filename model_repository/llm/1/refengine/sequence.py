@@ -30,7 +30,7 @@ class Sink(Protocol):
         """The request failed; ``message`` is safe to show the client."""
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: the engine's lists find it by identity
 class Sequence:
     request: GenerationRequest
     sink: Sink
