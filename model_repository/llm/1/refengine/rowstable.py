@@ -21,8 +21,8 @@ Index = npt.NDArray[np.intp]
 # Block heights the probe tries. 15 and 264: the widest blocks of this machine's
 # OpenBLAS kernels (one small-matrix tile; a large block less its 8-row edges).
 HEIGHTS = (1, 2, 4, 8, 12, 15, 16, 24, 32, 48, 64, 128, 264)
-PROBES = 32  # rows of different scales: one row can agree by chance where kernels differ
-TALL_PROBES = 8  # for blocks taller than 64, whose probe products are the costly ones
+PROBES = 16  # rows of different scales: one row can agree by chance where kernels differ
+TALL_PROBES = 4  # for blocks taller than 64, whose probe products are the costly ones
 # The cost model: a gemm call's fixed cost, in rows computed, and the batch whose cost
 # picks a matrix's layout (then a single row's).
 CALL_COST_ROWS = 16
