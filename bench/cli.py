@@ -57,10 +57,22 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--scenario",
-        choices=["load", "hol", "prefix", "routing", "admission", "policy", "context", "sidecars"],
+        choices=[
+            "load",
+            "hol",
+            "prefix",
+            "engine",
+            "routing",
+            "admission",
+            "policy",
+            "context",
+            "sidecars",
+        ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
-        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; routing: "
+        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; engine: the "
+        "reference engine alone in this process at each --concurrency, prefill and decode "
+        "steps timed (no Triton, no mesh); routing: "
         "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
         "--num-prompts multi-turn sessions arriving at each of --session-rates; admission: "
         "three tiers at twice the fleet's capacity for --duration seconds, without and with "
@@ -131,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every stack a benchmark started is stopped
     # (Triton's backend stubs outlive a launcher that dies without stopping them).
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.scenario == "engine":
+        return _engine(args)
     if args.scenario == "routing":
         return _routing(args)
     if args.scenario == "admission":
@@ -218,6 +232,22 @@ def _scenario(args: argparse.Namespace) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from bench.engine import engine_table, run_engine
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    runs = run_engine(_workload(args), levels)
+    print(engine_table(runs))
+    _record(
+        args,
+        _section(args, "engine"),
+        f", {args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} "
+        "output tokens each, per concurrency; the engine as config.pbtxt builds it.",
+        engine_table(runs),
+    )
+    return 0
 
 
 def _routing(args: argparse.Namespace) -> int:
@@ -362,8 +392,8 @@ def _targets(args: argparse.Namespace) -> list[Target]:
     return targets
 
 
-async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None) -> list[Run]:
-    spec = WorkloadSpec(
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         input_spread=args.input_spread,
@@ -373,6 +403,10 @@ async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None
         shared_prefix_len=args.shared_prefix_len,
         seed=args.seed,
     )
+
+
+async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None) -> list[Run]:
+    spec = _workload(args)
     slo = Slo(
         ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
         tpot_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,

@@ -41,3 +41,17 @@ def test_workload_is_reproducible_and_shares_prefixes() -> None:
     assert a == b
     assert a[0].prompt[:40] == a[2].prompt[:40] != a[1].prompt[:40]
     assert all(len(r.prompt) == 100 and r.max_tokens == 64 for r in a)
+
+
+def test_engine_scenario_times_prefill_and_decode_steps() -> None:
+    from bench.engine import engine_table, run_engine
+
+    spec = WorkloadSpec(num_prompts=4, input_len=24, output_len=5)
+    one, two = run_engine(spec, [1, 2])
+    assert (one.concurrency, two.concurrency) == (1, 2)
+    assert one.output_tokens == two.output_tokens == 20
+    # One stream prefills each prompt in its own step; two streams start two at once.
+    assert len(one.prefill_steps_s) == 4 and len(two.prefill_steps_s) == 2
+    assert len(one.decode_steps_s) == 4 * 4 and len(two.decode_steps_s) == 2 * 4
+    table = engine_table([one, two])
+    assert "| 1 |" in table and "| 2 |" in table and "1.00x" in table

@@ -1,0 +1,145 @@
+"""The reference engine alone, in this process (no Triton, no mesh): where a batch's time
+goes, to read the batching section's ratio against.
+
+A closed loop of equal requests at each concurrency, the same shape as the batching
+section's (prompts of ``input_len`` tokens, ``output_len`` tokens each, ignore_eos): every
+engine step is timed and classed as prefill (it computed prompt tokens) or decode.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from bench.workload import WorkloadSpec, make_requests, new_salt
+from llmmesh.launcher.stack import REPO_MODELS
+
+MODEL_CODE = REPO_MODELS / "llm" / "1"
+CONFIG = REPO_MODELS / "llm" / "config.pbtxt"
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    prefill_steps_s: list[float]
+    decode_steps_s: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+class _Sink:
+    """Counts a request's output; tells the loop when it finished."""
+
+    def __init__(self, done: list[_Sink]) -> None:
+        self._done = done
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def emit(self, text: str, num_tokens: int) -> None:
+        pass
+
+    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+        self._done.append(self)
+
+    def fail(self, message: str) -> None:
+        raise RuntimeError(f"engine request failed: {message}")
+
+
+def _engine_modules() -> Any:
+    """The engine package as Triton loads it (from the model's directory)."""
+    if str(MODEL_CODE) not in sys.path:
+        sys.path.insert(0, str(MODEL_CODE))
+    import refengine
+
+    return refengine
+
+
+def _model_parameters() -> dict[str, str]:
+    """The model's config.pbtxt parameters (key -> string value)."""
+    pattern = r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
+    return dict(re.findall(pattern, CONFIG.read_text()))
+
+
+def run_engine(spec: WorkloadSpec, levels: list[int]) -> list[EngineRun]:
+    """One closed loop per concurrency level, on one engine built as config.pbtxt says."""
+    from threadpoolctl import threadpool_limits
+
+    params = _model_parameters()
+    with threadpool_limits(limits=int(params.get("blas_threads", "1")), user_api="blas"):
+        engine = _engine_modules()
+        shape = engine.ModelShape(
+            **{
+                k: int(params[k])
+                for k in ("n_layers", "d_model", "n_heads", "d_ff", "max_context")
+                if k in params
+            }
+        )
+        model = engine.Transformer(shape, seed=int(params.get("weight_seed", "0")))
+        config = engine.EngineConfig(
+            kv_blocks=int(params.get("kv_blocks", "2048")),
+            block_size=int(params.get("kv_block_size", "16")),
+            max_running=int(params.get("max_running", "32")),
+            max_batched_tokens=int(params.get("max_batched_tokens", "2048")),
+        )
+        return [_closed_loop(engine, model, config, spec, level) for level in levels]
+
+
+def _closed_loop(engine: Any, model: Any, config: Any, spec: WorkloadSpec, level: int) -> EngineRun:
+    requests = make_requests(replace(spec, salt=new_salt()))
+    core = engine.Engine(model, config=config)
+    done: list[_Sink] = []
+    pending = iter(requests)
+
+    def submit() -> bool:
+        request = next(pending, None)
+        if request is None:
+            return False
+        sampling = engine.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        core.submit(engine.GenerationRequest(prompt=request.prompt, sampling=sampling), _Sink(done))
+        return True
+
+    in_flight = sum(submit() for _ in range(level))
+    prefill: list[float] = []
+    decode: list[float] = []
+    started = time.perf_counter()
+    while in_flight:
+        computed = core.stats.prefill_tokens
+        step_started = time.perf_counter()
+        core.step()
+        (prefill if core.stats.prefill_tokens > computed else decode).append(
+            time.perf_counter() - step_started
+        )
+        for _ in range(len(done)):
+            done.pop()
+            in_flight += submit() - 1
+    seconds = time.perf_counter() - started
+    tokens = sum(r.max_tokens for r in requests)
+    return EngineRun(level, len(requests), tokens, seconds, prefill, decode)
+
+
+def engine_table(runs: list[EngineRun]) -> str:
+    base = runs[0].tokens_per_s
+    rows = [
+        "| streams | output tok/s | relative | prefill (ms per request) | decode steps "
+        "| decode step p50 (ms) | share of time in prefill steps |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        prefill = sum(run.prefill_steps_s)
+        rows.append(
+            f"| {run.concurrency} | {run.tokens_per_s:.0f} | {run.tokens_per_s / base:.2f}x "
+            f"| {prefill / run.requests * 1e3:.1f} | {len(run.decode_steps_s)} "
+            f"| {statistics.median(run.decode_steps_s) * 1e3:.2f} "
+            f"| {prefill / run.seconds:.0%} |"
+        )
+    return "\n".join(rows)
