@@ -27,6 +27,7 @@ TALL_PROBES = 4  # for blocks taller than 64, whose probe products are the costl
 # picks a matrix's layout (then a single row's).
 CALL_COST_ROWS = 16
 BATCH_ROWS = 64
+CACHED_PLAN_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -56,23 +57,24 @@ class Layout:
 
     def plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
         """Per block height used for ``rows`` rows: the block, and for each of its rows
-        (in order) the block number and position it goes to."""
-        if rows not in self._plans:
-            self._plans[rows] = self._make_plan(rows)
-        return self._plans[rows]
+        (in order) the block number and position it goes to. Plans of decode-sized
+        batches are kept (they recur every step); larger ones are cheap next to their
+        product and would make the cache grow with every prefill size."""
+        plan = self._plans.get(rows)
+        if plan is None:
+            plan = self._make_plan(rows)
+            if rows <= CACHED_PLAN_ROWS:
+                self._plans[rows] = plan
+        return plan
 
     def _extend(self, rows: int) -> None:
+        """Fills ``_best`` up to ``rows``: the block to add last, by total cost, then calls."""
         for total in range(len(self._best), rows + 1):
-            self._best.append(
-                min(
-                    (
-                        self._best[max(0, total - len(block.slots))][0] + block.cost,
-                        self._best[max(0, total - len(block.slots))][1] + 1,
-                        index,
-                    )
-                    for index, block in enumerate(self.blocks)
-                )
-            )
+            options = []
+            for index, block in enumerate(self.blocks):
+                cost, calls, _ = self._best[max(0, total - len(block.slots))]
+                options.append((cost + block.cost, calls + 1, index))
+            self._best.append(min(options))
 
     def _make_plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
         self._extend(rows)
@@ -86,12 +88,11 @@ class Layout:
         left = rows
         used = [(block, n) for block, n in zip(self.blocks, counts, strict=True) if n]
         for block, count in sorted(used, key=lambda p: -p[0].height):
-            if count:
-                placed = min(left, count * len(block.slots))
-                numbers = np.repeat(np.arange(count), len(block.slots))[:placed]
-                positions = np.tile(np.array(block.slots), count)[:placed]
-                plan.append((block, numbers, positions))
-                left -= placed
+            placed = min(left, count * len(block.slots))
+            numbers = np.repeat(np.arange(count), len(block.slots))[:placed]
+            positions = np.tile(np.array(block.slots), count)[:placed]
+            plan.append((block, numbers, positions))
+            left -= placed
         return plan
 
 
