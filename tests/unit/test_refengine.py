@@ -20,7 +20,7 @@ from refengine import (
 )
 from refengine.contract import parse_sampling_parameters
 from refengine.kvcache import BlockPool
-from refengine.rowstable import matmul, probe_layout
+from refengine.rowstable import CACHED_PLAN_ROWS, matmul, probe_layout
 from refengine.sampling import Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS, StreamDecoder
@@ -223,6 +223,12 @@ class TestRowStableMatmul:
             assert len(set(zip(numbers.tolist(), positions.tolist(), strict=True))) == len(numbers)
             placed += len(numbers)
         assert placed == rows
+
+    def test_only_decode_sized_plans_are_kept(self, weights: Any) -> None:
+        _, layout = weights
+        small, large = CACHED_PLAN_ROWS, CACHED_PLAN_ROWS + 1
+        assert layout.plan(small) is layout.plan(small)
+        assert layout.plan(large) is not layout.plan(large)
 
 
 @dataclass
