@@ -170,8 +170,6 @@ class Transformer:
         for (start, count), group in groups.items():
             rows = offsets[group][:, None] + np.arange(count)  # [group, count]
             keys, values = _gather(blocks, [segments[i].table for i in group], start + count)
-            if count > 1:
-                keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
             q = queries[:, rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
             scores = q @ keys.transpose(0, 1, 3, 2)
             mask = _causal_mask(start, count)
