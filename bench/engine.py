@@ -64,7 +64,7 @@ def _engine_modules() -> Any:
     return refengine
 
 
-def _model_parameters() -> dict[str, str]:
+def model_parameters() -> dict[str, str]:
     """The model's config.pbtxt parameters (key -> string value)."""
     pattern = r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"'
     return dict(re.findall(pattern, CONFIG.read_text()))
@@ -74,23 +74,13 @@ def run_engine(spec: WorkloadSpec, levels: list[int]) -> list[EngineRun]:
     """One closed loop per concurrency level, on one engine built as config.pbtxt says."""
     from threadpoolctl import threadpool_limits
 
-    params = _model_parameters()
+    params = model_parameters()
     with threadpool_limits(limits=int(params.get("blas_threads", "1")), user_api="blas"):
         engine = _engine_modules()
-        shape = engine.ModelShape(
-            **{
-                k: int(params[k])
-                for k in ("n_layers", "d_model", "n_heads", "d_ff", "max_context")
-                if k in params
-            }
+        model = engine.Transformer(
+            engine.ModelShape.from_parameters(params), seed=int(params.get("weight_seed", "0"))
         )
-        model = engine.Transformer(shape, seed=int(params.get("weight_seed", "0")))
-        config = engine.EngineConfig(
-            kv_blocks=int(params.get("kv_blocks", "2048")),
-            block_size=int(params.get("kv_block_size", "16")),
-            max_running=int(params.get("max_running", "32")),
-            max_batched_tokens=int(params.get("max_batched_tokens", "2048")),
-        )
+        config = engine.EngineConfig.from_parameters(params)
         return [_closed_loop(engine, model, config, spec, level) for level in levels]
 
 

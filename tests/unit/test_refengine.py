@@ -26,6 +26,8 @@ from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS, StreamDecoder
 from refengine.transformer import Segment
 
+from bench.engine import model_parameters
+
 SMALL = ModelShape(n_layers=2, d_model=64, n_heads=4, d_ff=128, max_context=256)
 
 
@@ -229,6 +231,33 @@ class TestRowStableMatmul:
         small, large = CACHED_PLAN_ROWS, CACHED_PLAN_ROWS + 1
         assert layout.plan(small) is layout.plan(small)
         assert layout.plan(large) is not layout.plan(large)
+
+
+class TestParameters:
+    def test_config_pbtxt_parameters_build_the_shape_and_engine(self) -> None:
+        params = model_parameters()
+        shape, config = ModelShape.from_parameters(params), EngineConfig.from_parameters(params)
+        assert (shape.n_layers, shape.d_model, shape.n_heads, shape.d_ff) == (
+            int(params["n_layers"]),
+            int(params["d_model"]),
+            int(params["n_heads"]),
+            int(params["d_ff"]),
+        )
+        assert shape.max_context == int(params["max_context"])
+        assert (config.kv_blocks, config.block_size) == (
+            int(params["kv_blocks"]),
+            int(params["kv_block_size"]),
+        )
+        assert (config.max_running, config.max_batched_tokens, config.stream_interval) == (
+            int(params["max_running"]),
+            int(params["max_batched_tokens"]),
+            int(params["stream_interval"]),
+        )
+
+    def test_absent_parameters_keep_their_defaults(self) -> None:
+        config = EngineConfig.from_parameters({"kv_block_size": "8"})
+        assert config == EngineConfig(block_size=8)
+        assert ModelShape.from_parameters({"d_model": "64"}) == ModelShape(d_model=64)
 
 
 @dataclass

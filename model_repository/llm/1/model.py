@@ -270,26 +270,11 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        defaults = ModelShape()
-        shape = ModelShape(
-            n_layers=int(params.get("n_layers", defaults.n_layers)),
-            d_model=int(params.get("d_model", defaults.d_model)),
-            n_heads=int(params.get("n_heads", defaults.n_heads)),
-            d_ff=int(params.get("d_ff", defaults.d_ff)),
-            max_context=int(params.get("max_context", defaults.max_context)),
-        )
+        shape = ModelShape.from_parameters(params)
         _limit_blas_threads(int(params.get("blas_threads", 1)))
         model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
         self.io = TritonIO(StatsExporter(args["model_name"]))
-        config = EngineConfig(
-            kv_blocks=int(params.get("kv_blocks", EngineConfig.kv_blocks)),
-            block_size=int(params.get("kv_block_size", EngineConfig.block_size)),
-            max_running=int(params.get("max_running", EngineConfig.max_running)),
-            max_batched_tokens=int(
-                params.get("max_batched_tokens", EngineConfig.max_batched_tokens)
-            ),
-            stream_interval=int(params.get("stream_interval", EngineConfig.stream_interval)),
-        )
+        config = EngineConfig.from_parameters(params)
         self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.io.publish)
         self.io.publish(self.engine.stats)
         self.engine.start()

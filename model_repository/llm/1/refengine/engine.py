@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from refengine.contract import GenerationRequest, RequestError
@@ -45,6 +45,18 @@ class EngineConfig:
     # Tokens per streamed response after the first; 0 = one per AUTO_STREAM_DIVISOR
     # running sequences (1 when few run, so a lone stream gets every token at once).
     stream_interval: int = 0
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
+        """From the model's config.pbtxt parameters; an absent one keeps its default."""
+        names = {
+            "kv_blocks": "kv_blocks",
+            "kv_block_size": "block_size",
+            "max_running": "max_running",
+            "max_batched_tokens": "max_batched_tokens",
+            "stream_interval": "stream_interval",
+        }
+        return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
 
 @dataclass

@@ -48,8 +48,12 @@ class Layout:
     transposed: bool
     blocks: tuple[Block, ...]
     # best[rows] = (cost, calls, block to add): cheapest mix of blocks for that many rows.
-    _best: list[tuple[int, int, int]] = field(default_factory=lambda: [(0, 0, -1)])
-    _plans: dict[int, list[tuple[Block, Index, Index]]] = field(default_factory=dict)
+    _best: list[tuple[int, int, int]] = field(
+        default_factory=lambda: [(0, 0, -1)], init=False, repr=False, compare=False
+    )
+    _plans: dict[int, list[tuple[Block, Index, Index]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def cost(self, rows: int) -> int:
         self._extend(rows)

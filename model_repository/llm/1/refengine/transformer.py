@@ -10,6 +10,7 @@ cache, a GELU MLP, residual connections, and a final LayerNorm and projection.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,12 @@ class ModelShape:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> ModelShape:
+        """From the model's config.pbtxt parameters; an absent one keeps its default."""
+        names = ("n_layers", "d_model", "n_heads", "d_ff", "max_context")
+        return cls(**{name: int(params[name]) for name in names if name in params})
 
 
 @dataclass
@@ -132,10 +139,11 @@ class Transformer:
             [pool.slots(seg.table, seg.start, seg.start + len(seg.tokens)) for seg in segments]
         )
         ends = np.cumsum([len(seg.tokens) for seg in segments])
+        groups = _attention_groups(segments)  # the same for every layer
         x = self.tok_emb[tokens] + self.pos_emb[positions]
         for index, layer in enumerate(self.layers):
             h = _layer_norm(x, layer.ln1_g, layer.ln1_b)
-            attended = self._attention(layer, index, h, segments=segments, writes=writes, pool=pool)
+            attended = self._attention(layer, index, h, groups=groups, writes=writes, pool=pool)
             x = x + self._matmul(attended, layer.w_o)
             h = _layer_norm(x, layer.ln2_g, layer.ln2_b)
             x = x + self._matmul(_gelu(self._matmul(h, layer.w_up)), layer.w_down)
@@ -149,7 +157,7 @@ class Transformer:
         index: int,
         h: Array,
         *,
-        segments: list[Segment],
+        groups: list[_Group],
         writes: npt.NDArray[np.intp],
         pool: BlockPool,
     ) -> Array:
@@ -159,31 +167,51 @@ class Transformer:
         blocks.reshape(-1, 2, shape.n_heads, shape.head_dim)[writes] = qkv[:, 1:]
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
         out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
-        # Each sequence attends over exactly its own length, never padded, so its numbers
-        # do not depend on the rest of the batch. Segments of the same start and length
-        # (decode tokens of same-length sequences, prompts of the same length) run as one
-        # batched product: the same per-head matrices, in one call.
-        offsets = np.cumsum([0, *(len(seg.tokens) for seg in segments)])
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, seg in enumerate(segments):
-            groups.setdefault((seg.start, len(seg.tokens)), []).append(i)
-        for (start, count), group in groups.items():
-            rows = offsets[group][:, None] + np.arange(count)  # [group, count]
-            keys, values = _gather(blocks, [segments[i].table for i in group], start + count)
-            q = queries[:, rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
+        for group in groups:
+            keys, values = _gather(blocks, group.tables, group.length)
+            q = queries[:, group.rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
             scores = q @ keys.transpose(0, 1, 3, 2)
-            mask = _causal_mask(start, count)
-            if mask is not None:
-                scores += mask
-            out[:, rows] = (_softmax(scores) @ values).transpose(1, 0, 2, 3)
+            if group.mask is not None:
+                scores += group.mask
+            out[:, group.rows] = (_softmax(scores) @ values).transpose(1, 0, 2, 3)
         return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
 
 
-def _gather(blocks: Array, tables: list[list[int]], length: int) -> tuple[Array, Array]:
+@dataclass(frozen=True)
+class _Group:
+    """Segments of one start and length, whose attention runs as one batched product."""
+
+    rows: npt.NDArray[np.intp]  # [segments, count]: their tokens' rows in the step
+    tables: npt.NDArray[np.intp]  # [segments, blocks]: their cache blocks
+    length: int  # start + count: every segment's attended length
+    mask: Array | None  # causal mask of a prompt chunk; None for one new token
+
+
+def _attention_groups(segments: list[Segment]) -> list[_Group]:
+    """Each sequence attends over exactly its own length, never padded, so its numbers do
+    not depend on the rest of the batch. Segments of the same start and length (decode
+    tokens of same-length sequences, prompts of the same length) run as one batched
+    product: the same per-head matrices, in one call."""
+    offsets = np.cumsum([0, *(len(seg.tokens) for seg in segments)])
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, seg in enumerate(segments):
+        members.setdefault((seg.start, len(seg.tokens)), []).append(i)
+    return [
+        _Group(
+            rows=offsets[group][:, None] + np.arange(count),
+            tables=np.array([segments[i].table for i in group], dtype=np.intp),
+            length=start + count,
+            mask=_causal_mask(start, count),
+        )
+        for (start, count), group in members.items()
+    ]
+
+
+def _gather(blocks: Array, tables: npt.NDArray[np.intp], length: int) -> tuple[Array, Array]:
     """Keys and values [group, heads, length, hd] of sequences of one length: whole
     blocks are copied (one contiguous run each), and the per-head matrices are strided
     views of them, which BLAS reads as they are."""
-    gathered = np.take(blocks, np.array(tables, dtype=np.intp), axis=0)
+    gathered = np.take(blocks, tables, axis=0)
     group, count, size, two, heads, hd = gathered.shape
     flat = gathered.reshape(group, count * size, two, heads, hd)[:, :length]
     keys, values = flat.transpose(2, 0, 3, 1, 4)  # each [group, heads, length, hd]
