@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import random
-import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,11 +20,10 @@ from pathlib import Path
 
 from bench.loadgen import send_one
 from bench.metrics import RequestRecord, percentile
-from bench.targets import RouterTarget
+from bench.targets import NO_ADMISSION_CONTROL, RouterTarget, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
-from services.router.tenants import hash_key
 
 TIERS = ("critical", "standard", "sheddable")
 TTFT_TARGET_S = {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
@@ -105,20 +103,8 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
     twice the unloaded p99 (about 40 ms here, one engine step) shrinks the window below
     what the critical traffic alone needs, and everything queues (measured: critical
     p99 3 s, goodput no better than FIFO)."""
-    keys = {tier: secrets.token_urlsafe(16) for tier in TIERS}
     tenants = workdir / "bench-tenants.json"
-    tenants.write_text(
-        json.dumps(
-            {
-                "tenants": [
-                    {"id": f"{tier}-tenant", "tier": tier, "api_key_hashes": [hash_key(k)]}
-                    for tier, k in keys.items()
-                ]
-            }
-        )
-    )
-    # No admission control: a window too wide to matter, which cannot adapt.
-    unlimited = {f"admission_{bound}_limit": "100000" for bound in ("initial", "min", "max")}
+    keys = write_tenants(tenants, TIERS)
     with Stack(workdir / "stack", StackPorts.free()) as stack:
         unloaded = asyncio.run(_unloaded(stack, shape))
         children: list[Child] = []
@@ -129,7 +115,7 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
                 settings = {
                     "tenants_file": str(tenants),
                     "ttft_target_s": json.dumps(TTFT_TARGET_S),
-                    **(unlimited if name == "fifo" else {}),
+                    **(NO_ADMISSION_CONTROL if name == "fifo" else {}),
                 }
                 children.append(stack.start_service("router", port, workdir, **settings))
                 routers[name] = f"127.0.0.1:{port}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.loadgen import Measurement, send_one
 from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
-from bench.targets import RouterTarget
+from bench.targets import NO_ADMISSION_CONTROL, RouterTarget
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
@@ -152,6 +152,9 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                         workdir,
                         endpoints_file=str(endpoints),
                         routing_file=str(routing),
+                        # Routing alone: admission would queue or refuse turns the same
+                        # way behind either picker, and a refused turn has no TTFT.
+                        **NO_ADMISSION_CONTROL,
                     )
                 )
                 routers[algorithm] = f"127.0.0.1:{port}"

@@ -4,7 +4,10 @@ HTTP API) or Triton directly."""
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -16,6 +19,23 @@ from llmmesh.client import auth_metadata, build_request
 from llmmesh.types import InferenceCall, Sampling
 from llmmesh.v1 import generation_pb2_grpc
 from services.inference.triton import TritonBackend
+from services.router.tenants import hash_key
+
+# Router settings that turn admission control off: a window too wide to matter, which
+# cannot adapt (every request goes straight on to a replica).
+NO_ADMISSION_CONTROL = {f"admission_{bound}_limit": "100000" for bound in ("initial", "min", "max")}
+
+
+def write_tenants(path: Path, tiers: Iterable[str]) -> dict[str, str]:
+    """A router tenants file with one tenant per tier (``<tier>-tenant``, no budgets);
+    returns each tier's fresh API key."""
+    keys = {tier: secrets.token_urlsafe(16) for tier in tiers}
+    tenants = [
+        {"id": f"{tier}-tenant", "tier": tier, "api_key_hashes": [hash_key(key)]}
+        for tier, key in keys.items()
+    ]
+    path.write_text(json.dumps({"tenants": tenants}))
+    return keys
 
 
 class Target(Protocol):

@@ -7,12 +7,13 @@ identically. Errors are OpenAI's error JSON with the matching status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from aiohttp import web
@@ -250,27 +251,32 @@ class OpenAiApi:
     async def _stream(
         self, request: web.Request, prepared: Prepared, reply: _Reply
     ) -> web.StreamResponse:
-        # Headers wait for the first chunk: an error before it is still a proper status.
-        chunks = self._core.stream(prepared)
-        try:
-            first = await anext(chunks)
-        except MeshError as err:
-            return _error(err)
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **reply.headers,
-            }
-        )
-        await response.prepare(request)
-        try:
-            async for event in reply.events(first, chunks, prepared.prompt_tokens):
-                await response.write(event)
-        except MeshError as err:  # after the headers: the error is the last event
-            status, kind = _STATUS.get(type(err), (500, "internal_error"))
-            error = {"error": {"message": err.message, "type": kind, "code": status}}
-            await response.write(_sse(error))
+        # A client that goes away fails a write, out here: closing the generation's
+        # generators at once ends it now (counted as cancelled), not when they are
+        # garbage-collected.
+        async with contextlib.aclosing(self._core.stream(prepared)) as chunks:
+            # Headers wait for the first chunk: an error before it is still a proper status.
+            try:
+                first = await anext(chunks)
+            except MeshError as err:
+                return _error(err)
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    **reply.headers,
+                }
+            )
+            await response.prepare(request)
+            events = reply.events(first, chunks, prepared.prompt_tokens)
+            try:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        await response.write(event)
+            except MeshError as err:  # after the headers: the error is the last event
+                status, kind = _STATUS.get(type(err), (500, "internal_error"))
+                error = {"error": {"message": err.message, "type": kind, "code": status}}
+                await response.write(_sse(error))
         await response.write_eof()
         return response
 
@@ -357,7 +363,7 @@ class _Reply:
 
     async def events(
         self, first: Chunk, rest: AsyncIterator[Chunk], prompt_tokens: int
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         chunk, is_first = first, True
         while True:
             self.add(chunk)

@@ -18,6 +18,10 @@ from llmmesh.launcher.triton import start_triton, wait_until_ready
 from llmmesh.v1 import generation_pb2_grpc
 from tests.conftest import collect, metric_value, start_service, wait_for
 
+# Tokens of the generation that keeps a replica busy: the engine must still be at it
+# (about 2 s here) when the test's later requests have been picked.
+LONG_GENERATION = 2000
+
 
 @pytest.fixture(scope="module")
 def two_replicas(
@@ -53,6 +57,7 @@ def two_replicas(
                 metrics_port=str(ports.router_metrics),
                 endpoints_file="",
                 inference_addresses=f'["{stack.address("inference")}", "{second}"]',
+                max_tokens_limit=str(LONG_GENERATION),
             )
         )
         yield (
@@ -84,7 +89,9 @@ def test_a_busy_replica_is_passed_over(stack: Stack, two_replicas: tuple[str, st
 
     with authorized_channel(router, stack.api_key) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        long_call = stub.Generate(build_request("hold", max_tokens=1000, ignore_eos=True))
+        long_call = stub.Generate(
+            build_request("hold", max_tokens=LONG_GENERATION, ignore_eos=True)
+        )
 
         def first_reply() -> None:
             with contextlib.suppress(grpc.RpcError):  # cancelled below, maybe before a reply

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import REGISTRY
 
 from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from llmmesh.types import (
@@ -21,10 +24,12 @@ from llmmesh.types import (
     Turn,
     Verdict,
 )
+from llmmesh.waiting import poll_until_async
 from services.policy.rules import RuleSet
 from services.policy.streaming import OutputScanner
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
+from services.router.openai_api import OpenAiApi
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 
@@ -110,6 +115,7 @@ class Inference:
     closed: list[str] = field(default_factory=list)
     hints: list[RouteHints] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    token_time_s: float = 0.0  # how long each token takes to generate
 
     async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
         self.calls.append(call)
@@ -117,6 +123,8 @@ class Inference:
         self.started.set()
         try:
             for i in range(call.sampling.max_tokens - 1):
+                if self.token_time_s:
+                    await asyncio.sleep(self.token_time_s)  # the engine at work
                 yield Chunk(str(i % 10), 1)
             yield Chunk("!", 1, FinishReason.LENGTH)
         finally:
@@ -335,3 +343,38 @@ def test_session_store_down_follows_the_tenants_context_fail_mode(mode: str) -> 
             assert chunks[-1].finish_reason is FinishReason.LENGTH
 
     asyncio.run(scenario())
+
+
+def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> None:
+    """The write to a closed connection fails in the HTTP transport, outside the core's
+    generator: the generation ends then, counted as cancelled (garbage collection is off,
+    so nothing but the transport's own handling can end it)."""
+
+    async def scenario() -> None:
+        # 10 s to generate all: it ends at once or the client's leaving went unnoticed.
+        policy, inference = Policy(), Inference(token_time_s=0.01)
+        policy.release.set()
+        api = OpenAiApi(make_core(policy, Context(), inference), Tenants(), ["llm"])
+        body = {"model": "llm", "prompt": "hello", "max_tokens": 1000, "stream": True}
+
+        def cancelled() -> float:
+            labels = {"model": "llm", "outcome": "cancelled"}
+            return REGISTRY.get_sample_value("llm_router_requests_total", labels) or 0.0
+
+        before = cancelled()
+
+        async def generation_ended() -> bool:  # as the core's own accounting tells it
+            return cancelled() > before
+
+        async with TestClient(TestServer(api.app())) as client:
+            response = await client.post("/v1/completions", json=body)
+            await response.content.readline()  # the stream is running; the client leaves
+            response.close()
+            assert await poll_until_async(generation_ended, 5)
+        assert inference.closed == ["hello"]
+
+    gc.disable()  # only an explicit close can end it then
+    try:
+        asyncio.run(scenario())
+    finally:
+        gc.enable()
