@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.loadgen import Measurement, send_one
 from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
-from bench.targets import NO_ADMISSION_CONTROL, RouterTarget
+from bench.targets import RouterTarget, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
@@ -125,8 +125,13 @@ def build_repository(root: Path) -> Path:
 
 @contextlib.contextmanager
 def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
-    """Starts the fleet; yields router address by algorithm, and the demo API key."""
+    """Starts the fleet; yields router address by algorithm, and the API key of the
+    sessions' tenant. The routers run as deployed, admission control included, and the
+    tenant is a ``critical`` one, which admission queues rather than sheds: a refused turn
+    has no TTFT, so refusals would leave the slowest turns out of the percentiles."""
     stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
+    tenants = workdir / "bench-tenants.json"
+    api_key = write_tenants(tenants, ["critical"])["critical"]
     children: list[Child] = []
     with stack:
         try:
@@ -152,13 +157,11 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                         workdir,
                         endpoints_file=str(endpoints),
                         routing_file=str(routing),
-                        # Routing alone: admission would queue or refuse turns the same
-                        # way behind either picker, and a refused turn has no TTFT.
-                        **NO_ADMISSION_CONTROL,
+                        tenants_file=str(tenants),
                     )
                 )
                 routers[algorithm] = f"127.0.0.1:{port}"
-            yield routers, stack.api_key
+            yield routers, api_key
         finally:
             for child in reversed(children):
                 child.terminate(10)

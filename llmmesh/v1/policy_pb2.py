@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"W\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08rule_set\x18\x04 \x01(\t\"\x92\x01\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x15\n\rchecks_output\x18\x05 \x01(\x08\"g\n\x12\x43heckOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08rule_set\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\x87\x01\n\x13\x43heckOutputResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x03 \x03(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x12\n\nheld_chars\x18\x05 \x01(\r*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03\x32\xa9\x01\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponse\x12R\n\x0b\x43heckOutput\x12\x1e.llmmesh.v1.CheckOutputRequest\x1a\x1f.llmmesh.v1.CheckOutputResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"W\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08rule_set\x18\x04 \x01(\t\"\x92\x01\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x15\n\rchecks_output\x18\x05 \x01(\x08\"g\n\x12\x43heckOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08rule_set\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\x87\x01\n\x13\x43heckOutputResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x03 \x03(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x12\n\nheld_chars\x18\x05 \x01(\r\")\n\x15GetOutputRulesRequest\x12\x10\n\x08rule_set\x18\x01 \x01(\t\"e\n\x0bOutputRules\x12\x18\n\x10rule_set_version\x18\x01 \x01(\t\x12\x12\n\nrules_json\x18\x02 \x01(\t\x12\x14\n\x0choldback_cap\x18\x03 \x01(\r\x12\x12\n\naudit_text\x18\x04 \x01(\x08\"\x97\x01\n\x13RecordOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x18\n\x10rule_set_version\x18\x03 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x04 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x05 \x03(\t\x12\x0c\n\x04text\x18\x06 \x01(\t\"\x16\n\x14RecordOutputResponse*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03\x32\xca\x02\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponse\x12R\n\x0b\x43heckOutput\x12\x1e.llmmesh.v1.CheckOutputRequest\x1a\x1f.llmmesh.v1.CheckOutputResponse(\x01\x30\x01\x12L\n\x0eGetOutputRules\x12!.llmmesh.v1.GetOutputRulesRequest\x1a\x17.llmmesh.v1.OutputRules\x12Q\n\x0cRecordOutput\x12\x1f.llmmesh.v1.RecordOutputRequest\x1a .llmmesh.v1.RecordOutputResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTION']._serialized_start=520
-  _globals['_ACTION']._serialized_end=606
+  _globals['_ACTION']._serialized_start=844
+  _globals['_ACTION']._serialized_end=930
   _globals['_CHECKINPUTREQUEST']._serialized_start=39
   _globals['_CHECKINPUTREQUEST']._serialized_end=126
   _globals['_CHECKINPUTRESPONSE']._serialized_start=129
@@ -41,6 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKOUTPUTREQUEST']._serialized_end=380
   _globals['_CHECKOUTPUTRESPONSE']._serialized_start=383
   _globals['_CHECKOUTPUTRESPONSE']._serialized_end=518
-  _globals['_POLICY']._serialized_start=609
-  _globals['_POLICY']._serialized_end=778
+  _globals['_GETOUTPUTRULESREQUEST']._serialized_start=520
+  _globals['_GETOUTPUTRULESREQUEST']._serialized_end=561
+  _globals['_OUTPUTRULES']._serialized_start=563
+  _globals['_OUTPUTRULES']._serialized_end=664
+  _globals['_RECORDOUTPUTREQUEST']._serialized_start=667
+  _globals['_RECORDOUTPUTREQUEST']._serialized_end=818
+  _globals['_RECORDOUTPUTRESPONSE']._serialized_start=820
+  _globals['_RECORDOUTPUTRESPONSE']._serialized_end=842
+  _globals['_POLICY']._serialized_start=933
+  _globals['_POLICY']._serialized_end=1263
 # @@protoc_insertion_point(module_scope)

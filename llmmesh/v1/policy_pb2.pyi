@@ -192,3 +192,113 @@ class CheckOutputResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckOutputResponse: _TypeAlias = CheckOutputResponse  # noqa: Y015
+
+@_typing.final
+class GetOutputRulesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_SET_FIELD_NUMBER: _builtins.int
+    rule_set: _builtins.str
+    """Rule set whose output rules are wanted; empty means "default"."""
+    def __init__(
+        self,
+        *,
+        rule_set: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rule_set", b"rule_set"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetOutputRulesRequest: _TypeAlias = GetOutputRulesRequest  # noqa: Y015
+
+@_typing.final
+class OutputRules(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
+    RULES_JSON_FIELD_NUMBER: _builtins.int
+    HOLDBACK_CAP_FIELD_NUMBER: _builtins.int
+    AUDIT_TEXT_FIELD_NUMBER: _builtins.int
+    rule_set_version: _builtins.str
+    """Version of the rule set (CheckInput names the version in force for each request)."""
+    rules_json: _builtins.str
+    """The set's output-stage rules, inheritance applied: a JSON list of rule documents, in
+    the fields of a rule set file's rules.
+    """
+    holdback_cap: _builtins.int
+    """The streamed check holds back at most this many characters (see CheckOutput)."""
+    audit_text: _builtins.bool
+    """The audit log records checked text: RecordOutput must carry the whole output."""
+    def __init__(
+        self,
+        *,
+        rule_set_version: _builtins.str = ...,
+        rules_json: _builtins.str = ...,
+        holdback_cap: _builtins.int = ...,
+        audit_text: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputRules: _TypeAlias = OutputRules  # noqa: Y015
+
+@_typing.final
+class RecordOutputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    RULE_IDS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Correlation id, recorded in the audit trail."""
+    tenant: _builtins.str
+    rule_set_version: _builtins.str
+    """Version of the rules that checked the output."""
+    action: Global___Action.ValueType
+    """ALLOW, REDACT (something released was replaced) or DENY (the stream was stopped)."""
+    text: _builtins.str
+    """The whole generated text, only when OutputRules.audit_text asked for it."""
+    @_builtins.property
+    def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Rules that matched, first match first; with DENY, the deny rule first."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        rule_set_version: _builtins.str = ...,
+        action: Global___Action.ValueType = ...,
+        rule_ids: _abc.Iterable[_builtins.str] | None = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "request_id", b"request_id", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutputRequest: _TypeAlias = RecordOutputRequest  # noqa: Y015
+
+@_typing.final
+class RecordOutputResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordOutputResponse: _TypeAlias = RecordOutputResponse  # noqa: Y015

@@ -45,6 +45,16 @@ class PolicyStub:
                 request_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.FromString,
                 _registered_method=True)
+        self.GetOutputRules = channel.unary_unary(
+                '/llmmesh.v1.Policy/GetOutputRules',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.OutputRules.FromString,
+                _registered_method=True)
+        self.RecordOutput = channel.unary_unary(
+                '/llmmesh.v1.Policy/RecordOutput',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServicer:
@@ -60,6 +70,23 @@ class PolicyServicer:
 
     def CheckOutput(self, request_iterator, context):
         """Checks generated text as it streams: one response per request message, in order.
+        For callers that do not run the output rules themselves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOutputRules(self, request, context):
+        """The output rules of a rule set, for a caller that checks generated text in process
+        (the router does: a round trip per streamed chunk costs more than the check itself).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordOutput(self, request, context):
+        """Records the decision of an output check the caller made with those rules: audit
+        trail and decision metrics, as for a CheckOutput stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +104,16 @@ def add_PolicyServicer_to_server(servicer, server):
                     servicer.CheckOutput,
                     request_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.SerializeToString,
+            ),
+            'GetOutputRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOutputRules,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.OutputRules.SerializeToString,
+            ),
+            'RecordOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOutput,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +171,60 @@ class Policy:
             '/llmmesh.v1.Policy/CheckOutput',
             llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.SerializeToString,
             llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOutputRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Policy/GetOutputRules',
+            llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.OutputRules.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Policy/RecordOutput',
+            llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,7 +36,17 @@ class PolicyStub:
     CheckInput: _grpc.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]
     """Checks a prompt before it reaches a model."""
     CheckOutput: _grpc.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]
-    """Checks generated text as it streams: one response per request message, in order."""
+    """Checks generated text as it streams: one response per request message, in order.
+    For callers that do not run the output rules themselves.
+    """
+    GetOutputRules: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetOutputRulesRequest, _policy_pb2.OutputRules]
+    """The output rules of a rule set, for a caller that checks generated text in process
+    (the router does: a round trip per streamed chunk costs more than the check itself).
+    """
+    RecordOutput: _grpc.UnaryUnaryMultiCallable[_policy_pb2.RecordOutputRequest, _policy_pb2.RecordOutputResponse]
+    """Records the decision of an output check the caller made with those rules: audit
+    trail and decision metrics, as for a CheckOutput stream.
+    """
 
 @_typing.type_check_only
 class PolicyAsyncStub(PolicyStub):
@@ -46,7 +56,17 @@ class PolicyAsyncStub(PolicyStub):
     CheckInput: _aio.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]  # type: ignore[assignment]
     """Checks a prompt before it reaches a model."""
     CheckOutput: _aio.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]  # type: ignore[assignment]
-    """Checks generated text as it streams: one response per request message, in order."""
+    """Checks generated text as it streams: one response per request message, in order.
+    For callers that do not run the output rules themselves.
+    """
+    GetOutputRules: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetOutputRulesRequest, _policy_pb2.OutputRules]  # type: ignore[assignment]
+    """The output rules of a rule set, for a caller that checks generated text in process
+    (the router does: a round trip per streamed chunk costs more than the check itself).
+    """
+    RecordOutput: _aio.UnaryUnaryMultiCallable[_policy_pb2.RecordOutputRequest, _policy_pb2.RecordOutputResponse]  # type: ignore[assignment]
+    """Records the decision of an output check the caller made with those rules: audit
+    trail and decision metrics, as for a CheckOutput stream.
+    """
 
 class PolicyServicer(metaclass=_abc_1.ABCMeta):
     """Internal: guardrails on prompts and generated text."""
@@ -65,6 +85,28 @@ class PolicyServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_policy_pb2.CheckOutputRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_policy_pb2.CheckOutputResponse], _abc.AsyncIterator[_policy_pb2.CheckOutputResponse]]:
-        """Checks generated text as it streams: one response per request message, in order."""
+        """Checks generated text as it streams: one response per request message, in order.
+        For callers that do not run the output rules themselves.
+        """
+
+    @_abc_1.abstractmethod
+    def GetOutputRules(
+        self,
+        request: _policy_pb2.GetOutputRulesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.OutputRules, _abc.Awaitable[_policy_pb2.OutputRules]]:
+        """The output rules of a rule set, for a caller that checks generated text in process
+        (the router does: a round trip per streamed chunk costs more than the check itself).
+        """
+
+    @_abc_1.abstractmethod
+    def RecordOutput(
+        self,
+        request: _policy_pb2.RecordOutputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.RecordOutputResponse, _abc.Awaitable[_policy_pb2.RecordOutputResponse]]:
+        """Records the decision of an output check the caller made with those rules: audit
+        trail and decision metrics, as for a CheckOutput stream.
+        """
 
 def add_PolicyServicer_to_server(servicer: PolicyServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -13,7 +13,8 @@ from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import PolicyAction, Verdict
 from services.policy.audit import AuditLog
 from services.policy.library import RuleLibrary
-from services.policy.streaming import OutputScanner, OutputStep
+from services.policy.rules import StageRules
+from services.policy.streaming import OutputDecision, OutputStep, StreamCheck
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class PolicyCore:
     def open_output(self, tenant: str, request_id: str, rule_set: str) -> OutputCheck:
         """A streamed check of one generation, with the set in force now to its end."""
         rules = self.library.get(rule_set)
-        return OutputCheck(self, OutputScanner(rules.output), tenant, request_id, rules.version)
+        return OutputCheck(self, rules.output, tenant, request_id, rules.version)
 
     def record_decision(
         self,
@@ -114,51 +115,34 @@ class PolicyCore:
 
 
 class OutputCheck:
-    """One generation's streamed check; ``close`` records the decision once."""
+    """One generation's streamed check, timed; ``close`` records the decision once."""
 
     def __init__(
-        self, core: PolicyCore, scanner: OutputScanner, tenant: str, request_id: str, version: str
+        self, core: PolicyCore, rules: StageRules, tenant: str, request_id: str, version: str
     ) -> None:
-        self._core = core
-        self._scanner = scanner
-        self._tenant = tenant
-        self._request_id = request_id
         self.version = version
-        self._redacted = False
-        # The whole output, only for an audit log that records text.
-        self._text: list[str] | None = [] if core.audits_text else None
-        self._closed = False
+
+        def record(decision: OutputDecision) -> None:
+            core.record_decision(
+                stage="output",
+                request_id=request_id,
+                tenant=tenant,
+                action=decision.action,
+                rule_ids=decision.rule_ids,
+                text=decision.text,
+                version=version,
+            )
+
+        self._check = StreamCheck(rules, record, keep_text=core.audits_text)
 
     def feed(self, text: str, final: bool = False) -> OutputStep:
         check_text("text", text)
         started = time.perf_counter()
-        step = self._scanner.feed(text)
-        if final and step.denied_by is None:
-            step = step.then(self._scanner.finish())
+        step = self._check.feed(text, final)
         CHECK_SECONDS.labels("output_chunk").observe(time.perf_counter() - started)
         HELD_CHARS.observe(step.held)
-        if self._text is not None:
-            self._text.append(text)
-        self._redacted = self._redacted or step.redacted
-        if final or step.denied_by is not None:
-            self.close()
         return step
 
     def close(self) -> None:
         """Records the stream's decision (also when the stream was cut short)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._scanner.denied_by is not None:
-            action = PolicyAction.DENY
-        else:
-            action = PolicyAction.REDACT if self._redacted else PolicyAction.ALLOW
-        self._core.record_decision(
-            stage="output",
-            request_id=self._request_id,
-            tenant=self._tenant,
-            action=action,
-            rule_ids=self._scanner.matched,
-            text="".join(self._text or ()),
-            version=self.version,
-        )
+        self._check.close()

@@ -32,6 +32,10 @@ class RuleLibrary:
         self._specs: dict[str, RuleSetSpec] = {}
         self._sets: dict[str, RuleSet] = {}
 
+    @property
+    def holdback_cap(self) -> int:
+        return self._cap
+
     def names(self) -> list[str]:
         return sorted(self._sets)
 

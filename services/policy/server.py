@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import grpc
 from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulPrefixWatch, connect
+from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
@@ -19,7 +21,7 @@ from llmmesh.types import PolicyAction
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.audit import AuditLog
 from services.policy.config import PolicyConfig
-from services.policy.core import OutputCheck, PolicyCore
+from services.policy.core import OutputCheck, PolicyCore, check_text
 from services.policy.library import DEFAULT_SET, RuleLibrary
 from services.policy.rules import RuleSetError
 from services.policy.streaming import OutputStep
@@ -36,6 +38,11 @@ InputContext = grpc.aio.ServicerContext[policy_pb2.CheckInputRequest, policy_pb2
 OutputContext = grpc.aio.ServicerContext[
     policy_pb2.CheckOutputRequest, policy_pb2.CheckOutputResponse
 ]
+RulesContext = grpc.aio.ServicerContext[policy_pb2.GetOutputRulesRequest, policy_pb2.OutputRules]
+RecordContext = grpc.aio.ServicerContext[
+    policy_pb2.RecordOutputRequest, policy_pb2.RecordOutputResponse
+]
+_ACTIONS_FROM_PB = {pb: action for action, pb in _ACTIONS.items()}
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServicer):
@@ -83,6 +90,45 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         finally:
             if check is not None:
                 check.close()  # a stream cut short is still a decision to record
+
+    async def GetOutputRules(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.GetOutputRulesRequest, context: RulesContext
+    ) -> policy_pb2.OutputRules:
+        try:
+            rules = self._core.library.get(request.rule_set)
+        except MeshError as err:
+            await abort(context, err)
+        specs = [rule.model_dump(mode="json") for rule in rules.output.rules]
+        return policy_pb2.OutputRules(
+            rule_set_version=rules.version,
+            rules_json=json.dumps(specs),
+            holdback_cap=self._core.library.holdback_cap,
+            audit_text=self._core.audits_text,
+        )
+
+    async def RecordOutput(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.RecordOutputRequest, context: RecordContext
+    ) -> policy_pb2.RecordOutputResponse:
+        bind_request_id(context, request.request_id)
+        try:
+            action = _ACTIONS_FROM_PB.get(request.action)
+            if action is None:
+                raise InvalidArgument("action", "must be ALLOW, REDACT or DENY")
+            if not request.rule_set_version:
+                raise InvalidArgument("rule_set_version", "must name the rules that checked")
+            check_text("text", request.text)
+            self._core.record_decision(
+                stage="output",
+                request_id=request.request_id,
+                tenant=request.tenant,
+                action=action,
+                rule_ids=request.rule_ids,
+                text=request.text,
+                version=request.rule_set_version,
+            )
+        except MeshError as err:
+            await abort(context, err)
+        return policy_pb2.RecordOutputResponse()
 
 
 def _output_response(step: OutputStep, version: str) -> policy_pb2.CheckOutputResponse:

@@ -9,8 +9,10 @@ checking the whole text at once gives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmmesh.types import PolicyAction
 from services.policy.matching import Hit
 from services.policy.rules import StageRules
 
@@ -78,3 +80,51 @@ class OutputScanner:
             self._context = scan[settled - 1]
         self._pending = scan[settled:]
         return OutputStep(decision.text, new, None, len(self._pending), decision.redacted)
+
+
+@dataclass(frozen=True)
+class OutputDecision:
+    """What a generation's check decided, for the audit trail."""
+
+    action: PolicyAction
+    rule_ids: tuple[str, ...]  # every rule that matched, first match first
+    text: str  # the whole output, when it is kept; otherwise empty
+
+
+class StreamCheck:
+    """One generation's check: chunks go in (``final`` with the last), and the decision
+    goes to ``on_decision`` once: when the stream ends, is denied, or is cut short."""
+
+    def __init__(
+        self,
+        rules: StageRules,
+        on_decision: Callable[[OutputDecision], None],
+        keep_text: bool = False,
+    ) -> None:
+        self._scanner = OutputScanner(rules)
+        self._on_decision = on_decision
+        self._text: list[str] | None = [] if keep_text else None
+        self._redacted = False
+        self._closed = False
+
+    def feed(self, text: str, final: bool = False) -> OutputStep:
+        step = self._scanner.feed(text)
+        if final and step.denied_by is None:
+            step = step.then(self._scanner.finish())
+        if self._text is not None:
+            self._text.append(text)
+        self._redacted = self._redacted or step.redacted
+        if final or step.denied_by is not None:
+            self.close()
+        return step
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._scanner.denied_by is not None:
+            action = PolicyAction.DENY
+        else:
+            action = PolicyAction.REDACT if self._redacted else PolicyAction.ALLOW
+        text = "".join(self._text or ())
+        self._on_decision(OutputDecision(action, tuple(self._scanner.matched), text))

@@ -240,7 +240,9 @@ class RouterCore:
             slot.release(None)
             raise
         guard = (
-            self._policy.guard_output(request.request_id, request.tenant, rule_set)
+            self._policy.guard_output(
+                request.request_id, request.tenant, rule_set, verdict.rule_set_version
+            )
             if verdict.checks_output
             else None
         )

@@ -195,6 +195,7 @@ class Upstreams:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.inference.close()
+        await self.policy.close()
         for ch in self.channels:
             await ch.close()
         if self.consul is not None:

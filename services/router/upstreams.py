@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
+from prometheus_client import Counter
 
 from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
 from llmmesh.runtime import tracing
@@ -31,6 +34,16 @@ from llmmesh.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
+from services.policy.rules import RuleSpec, StageRules
+from services.policy.streaming import OutputDecision
+from services.router.output_check import (
+    Generation,
+    LocalOutputGuard,
+    OutputRules,
+    OutputRulesCache,
+)
+
+log = logging.getLogger(__name__)
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 * 1024 * 1024)]
 
@@ -48,7 +61,9 @@ class PolicyClient(Protocol):
         self, request_id: str, tenant: str, text: str, rule_set: str
     ) -> Verdict: ...
 
-    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> OutputGuard: ...
+    def guard_output(
+        self, request_id: str, tenant: str, rule_set: str, version: str
+    ) -> OutputGuard: ...
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,11 @@ _ACTION_FROM_PB = {
     policy_pb2.ACTION_DENY: PolicyAction.DENY,
     policy_pb2.ACTION_REDACT: PolicyAction.REDACT,
 }
+_ACTION_TO_PB = {action: pb for pb, action in _ACTION_FROM_PB.items()}
+OUTPUT_RECORDS_LOST = Counter(
+    "llm_router_output_records_lost_total",
+    "Output check decisions the policy service did not record (audit trail gaps)",
+)
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
@@ -101,9 +121,14 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 
 
 class GrpcPolicyClient:
+    """Prompts are checked by the policy service; generated text here, with its rules
+    (services/router/output_check.py)."""
+
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
         self._stub = policy_pb2_grpc.PolicyStub(channel)
         self._timeout = timeout_s
+        self._rules = OutputRulesCache(self._fetch_rules)
+        self._recording: set[asyncio.Task[None]] = set()
 
     async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
         request = policy_pb2.CheckInputRequest(
@@ -123,53 +148,54 @@ class GrpcPolicyClient:
             checks_output=reply.checks_output,
         )
 
-    def guard_output(self, request_id: str, tenant: str, rule_set: str) -> GrpcOutputGuard:
-        return GrpcOutputGuard(self._stub, request_id, tenant, rule_set, self._timeout)
-
-
-class GrpcOutputGuard:
-    """A CheckOutput stream: one request and one reply per chunk of generated text."""
-
-    def __init__(
-        self,
-        stub: policy_pb2_grpc.PolicyStub,
-        request_id: str,
-        tenant: str,
-        rule_set: str,
-        timeout_s: float,
-    ) -> None:
-        self._stub = stub
-        self._first = policy_pb2.CheckOutputRequest(
-            request_id=request_id, tenant=tenant, rule_set=rule_set
-        )
-        self._request_id = request_id
-        self._timeout = timeout_s
-        self._call: Any = None
-
-    async def check(self, text: str, final: bool) -> GuardedText:
-        request = policy_pb2.CheckOutputRequest(text=text, final=final)
-        if self._call is None:
-            # No request iterator: requests go out with write(), one per chunk.
-            self._call = self._stub.CheckOutput(  # type: ignore[call-arg]
-                metadata=_metadata(self._request_id)
-            )
-            request.MergeFrom(self._first)
-        try:
-            await self._call.write(request)
-            reply = await asyncio.wait_for(self._call.read(), self._timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "policy service") from None
-        except TimeoutError:
-            raise Unavailable("policy service did not answer an output check in time") from None
-        if reply is grpc.aio.EOF:
-            raise Unavailable("policy service ended the output check early")
-        if reply.action == policy_pb2.ACTION_DENY:
-            return GuardedText("", reply.rule_ids[0] if reply.rule_ids else "unknown")
-        return GuardedText(reply.text)
+    def guard_output(
+        self, request_id: str, tenant: str, rule_set: str, version: str
+    ) -> LocalOutputGuard:
+        generation = Generation(request_id, tenant, rule_set, version)
+        return LocalOutputGuard(self._rules, self._record, generation)
 
     async def close(self) -> None:
-        if self._call is not None and not self._call.done():
-            self._call.cancel()
+        """Waits for the decisions still being recorded."""
+        await asyncio.gather(*self._recording, return_exceptions=True)
+
+    async def _fetch_rules(self, rule_set: str) -> OutputRules:
+        request = policy_pb2.GetOutputRulesRequest(rule_set=rule_set)
+        try:
+            reply = await self._stub.GetOutputRules(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "policy service") from None
+        try:
+            specs = [RuleSpec.model_validate(r) for r in json.loads(reply.rules_json)]
+            rules = StageRules(specs, reply.holdback_cap)
+        except (ValueError, TypeError) as err:  # JSON, validation and rule errors
+            raise Unavailable(f"policy service sent output rules that do not load: {err}") from None
+        return OutputRules(reply.rule_set_version, rules, reply.audit_text)
+
+    def _record(self, generation: Generation, version: str, decision: OutputDecision) -> None:
+        """Sends the decision in the background: the client's stream does not wait."""
+        request = policy_pb2.RecordOutputRequest(
+            request_id=generation.request_id,
+            tenant=generation.tenant,
+            rule_set_version=version,
+            action=_ACTION_TO_PB[decision.action],
+            rule_ids=decision.rule_ids,
+            text=decision.text,
+        )
+        task = asyncio.create_task(self._send_record(request))
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
+
+    async def _send_record(self, request: policy_pb2.RecordOutputRequest) -> None:
+        try:
+            await self._stub.RecordOutput(
+                request, timeout=self._timeout, metadata=_metadata(request.request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            OUTPUT_RECORDS_LOST.inc()
+            log.warning(
+                "policy did not record an output decision",
+                extra={"fields": {"request_id": request.request_id, "error": exc.details()}},
+            )
 
 
 class GrpcContextClient:

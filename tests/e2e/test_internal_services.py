@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import grpc
@@ -17,6 +18,7 @@ from llmmesh.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
+from services.policy.rules import RuleSpec
 from tests.conftest import bad_request_fields
 
 
@@ -133,6 +135,35 @@ def test_policy_verdict_for_clean_text(stack: Stack) -> None:
     assert reply.action == policy_pb2.ACTION_ALLOW
     assert reply.redacted_text == ""  # unchanged: not sent back
     assert reply.rule_set_version
+
+
+def test_policy_hands_out_output_rules_and_records_decisions(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("policy")) as channel:
+        stub = policy_pb2_grpc.PolicyStub(channel)
+        verdict = stub.CheckInput(policy_pb2.CheckInputRequest(tenant="t", text="x"), timeout=10)
+        rules = stub.GetOutputRules(policy_pb2.GetOutputRulesRequest(), timeout=10)
+        assert rules.rule_set_version == verdict.rule_set_version
+        loaded = [RuleSpec.model_validate(r) for r in json.loads(rules.rules_json)]
+        assert "redact-pii" in [r.id for r in loaded] and rules.holdback_cap > 0
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetOutputRules(policy_pb2.GetOutputRulesRequest(rule_set="nope"), timeout=10)
+        assert bad_request_fields(info.value) == ["rule_set"]
+
+        version = rules.rule_set_version
+        stub.RecordOutput(
+            policy_pb2.RecordOutputRequest(
+                request_id="r", tenant="t", rule_set_version=version, action=policy_pb2.ACTION_ALLOW
+            ),
+            timeout=10,
+        )
+        for bad, field in [
+            (policy_pb2.RecordOutputRequest(request_id="r", rule_set_version=version), "action"),
+            (policy_pb2.RecordOutputRequest(action=policy_pb2.ACTION_DENY), "rule_set_version"),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RecordOutput(bad, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert bad_request_fields(info.value) == [field]
 
 
 def test_policy_output_stream_redacts_and_refuses_bad_chunks(stack: Stack) -> None:

@@ -48,20 +48,40 @@ def test_every_decision_is_audited_without_the_prompt(stack: Stack) -> None:
                 build_request(prompt, max_tokens=2), metadata=(("x-request-id", request_id),)
             )
         )
+    line = wait_for_audit(stack, request_id, "input")
+    assert (line["tenant"], line["action"], line["rule_ids"]) == ("demo", "deny", ["deny-weapons"])
+    assert prompt not in (stack.workdir / "logs" / "audit.log").read_text()
+
+
+def test_the_routers_output_check_is_audited_by_policy(stack: Stack) -> None:
+    """The router checks generated text itself, with policy's rules, and reports each
+    generation's decision back to policy's audit trail."""
+    request_id = f"audit-{uuid.uuid4().hex[:8]}"
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = build_request("Say hello", max_tokens=8, ignore_eos=True)
+        list(stub.Generate(request, metadata=(("x-request-id", request_id),), timeout=30))
+    line = wait_for_audit(stack, request_id, "output")
+    assert (line["tenant"], line["action"]) == ("demo", "allow")
+    assert line["rule_set_version"]
+
+
+def wait_for_audit(stack: Stack, request_id: str, stage: str) -> dict[str, object]:
+    """The audit line of one request's decision at ``stage``, once policy wrote it."""
     audit = stack.workdir / "logs" / "audit.log"
 
     def entry() -> dict[str, object] | None:
         for line in audit.read_text().splitlines() if audit.exists() else ():
             if request_id in line:
                 found: dict[str, object] = json.loads(line)
-                return found
+                if found["stage"] == stage:
+                    return found
         return None
 
-    wait_for(lambda: entry() is not None, 10, "the decision's audit line")
+    wait_for(lambda: entry() is not None, 10, f"the {stage} decision's audit line")
     line = entry()
     assert line is not None
-    assert (line["tenant"], line["action"], line["rule_ids"]) == ("demo", "deny", ["deny-weapons"])
-    assert prompt not in audit.read_text()
+    return line
 
 
 def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:

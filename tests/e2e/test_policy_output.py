@@ -125,11 +125,12 @@ def test_an_output_rule_stops_the_generation_mid_stream(mesh: PolicyMesh) -> Non
     assert phrase.lower() not in stopped.lower()
     assert full.startswith(stopped)  # nothing but the held-back tail was lost
     assert last.usage.completion_tokens < TOKENS
-    assert (
-        metric_value(
-            mesh.policy_metrics, "llm_policy_decisions_total", {"stage": "output", "action": "deny"}
-        )
-        >= 1
+    # The router reports the decision to policy once the stream has ended.
+    labels = {"stage": "output", "action": "deny"}
+    wait_for(
+        lambda: metric_value(mesh.policy_metrics, "llm_policy_decisions_total", labels) >= 1,
+        10,
+        "policy to record the output decision",
     )
     # The plain tenant's default set has no such rule: its stream is whole.
     assert text_of(mesh.generate("plain")) == full

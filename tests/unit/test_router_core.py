@@ -26,29 +26,18 @@ from llmmesh.types import (
 )
 from llmmesh.waiting import poll_until_async
 from services.policy.rules import RuleSet
-from services.policy.streaming import OutputScanner
+from services.policy.streaming import OutputDecision
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
 from services.router.openai_api import OpenAiApi
+from services.router.output_check import (
+    Generation,
+    LocalOutputGuard,
+    OutputRules,
+    OutputRulesCache,
+)
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
-
-
-class ScannerGuard:
-    """The policy service's own streamed check, in process."""
-
-    def __init__(self, scanner: OutputScanner) -> None:
-        self.scanner = scanner
-        self.closed = False
-
-    async def check(self, text: str, final: bool) -> GuardedText:
-        step = self.scanner.feed(text)
-        if final and step.denied_by is None:
-            step = step.then(self.scanner.finish())
-        return GuardedText(step.text, step.denied_by)
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class FailingGuard:
@@ -64,9 +53,21 @@ class Policy:
     verdict: Verdict = field(default_factory=lambda: Verdict(PolicyAction.ALLOW))
     release: asyncio.Event = field(default_factory=asyncio.Event)
     output_rules: RuleSet | None = None
-    guards: list[ScannerGuard] = field(default_factory=list)
     rule_sets: list[str] = field(default_factory=list)
     output_unreachable: bool = False
+    fetched: list[str] = field(default_factory=list)  # rule sets whose output rules came
+    decisions: list[tuple[Generation, OutputDecision]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cache = OutputRulesCache(self._fetch)
+
+    async def _fetch(self, rule_set: str) -> OutputRules:
+        assert self.output_rules is not None
+        self.fetched.append(rule_set)
+        return OutputRules(self.output_rules.version, self.output_rules.output, False)
+
+    def _record(self, generation: Generation, version: str, decision: OutputDecision) -> None:
+        self.decisions.append((generation, decision))
 
     async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
         await self.release.wait()
@@ -75,17 +76,17 @@ class Policy:
             self.verdict.action,
             self.verdict.rule_ids,
             self.verdict.text or text,
+            self.output_rules.version if self.output_rules else "",
             checks_output=self.output_rules is not None,
         )
 
     def guard_output(
-        self, request_id: str, tenant: str, rule_set: str
-    ) -> ScannerGuard | FailingGuard:
+        self, request_id: str, tenant: str, rule_set: str, version: str
+    ) -> LocalOutputGuard | FailingGuard:
         if self.output_unreachable:
             return FailingGuard()
-        assert self.output_rules is not None
-        self.guards.append(ScannerGuard(OutputScanner(self.output_rules.output)))
-        return self.guards[-1]
+        generation = Generation(request_id, tenant, rule_set, version)
+        return LocalOutputGuard(self.cache, self._record, generation)
 
 
 @dataclass
@@ -260,7 +261,8 @@ def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
         assert all(c.text for c in chunks)  # fully held chunks are not sent empty
         assert sum(c.num_tokens for c in chunks) == 12
         assert chunks[-1].finish_reason is FinishReason.LENGTH
-        assert policy.guards[0].closed
+        [(_, decision)] = policy.decisions  # recorded once, at the end
+        assert decision.action is PolicyAction.REDACT and decision.rule_ids == ("digits",)
 
     asyncio.run(scenario())
 
@@ -285,7 +287,7 @@ def test_the_tenants_rule_set_is_asked_for() -> None:
         policy.release.set()
         await run(make_core(policy, Context(), Inference()), request())
         assert policy.rule_sets == ["default"]
-        assert policy.guards == []  # no output rules: no streamed check
+        assert policy.fetched == [] and policy.decisions == []  # no output rules: no check
 
     asyncio.run(scenario())
 
@@ -378,3 +380,40 @@ def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> 
         asyncio.run(scenario())
     finally:
         gc.enable()
+
+
+def test_output_rules_are_fetched_once_per_version() -> None:
+    async def scenario() -> None:
+        rules = output_rules("{id: x, stage: output, action: flag, keywords: [x]}")
+        policy = Policy(output_rules=rules)
+        policy.release.set()
+        core = make_core(policy, Context(), Inference())
+        await asyncio.gather(*(run(core, request()) for _ in range(3)))
+        assert policy.fetched == ["default"]  # the three streams shared one fetch
+        policy.output_rules = RuleSet.from_text(
+            "version: o2\nrules:\n  - {id: y, stage: output, action: flag, keywords: [y]}\n",
+            "test",
+        )
+        await run(core, request())
+        assert policy.fetched == ["default", "default"]  # CheckInput named a new version
+        assert len(policy.decisions) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_generation_cut_short_still_records_its_output_decision() -> None:
+    async def scenario() -> None:
+        rules = output_rules(
+            "{id: x, stage: output, action: flag, keywords: ['0'], whole_word: false}"
+        )
+        policy = Policy(output_rules=rules)
+        policy.release.set()
+        core = make_core(policy, Context(), Inference())
+        stream = core.stream(await core.prepare(request(max_tokens=100)))
+        await anext(stream)
+        await stream.aclose()
+        [(generation, decision)] = policy.decisions
+        assert generation.request_id == "r1" and generation.version == "o1"
+        assert decision.action is PolicyAction.ALLOW and decision.rule_ids == ("x",)
+
+    asyncio.run(scenario())
