@@ -15,7 +15,6 @@ from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailabl
 from llmmesh.types import (
     Chunk,
     FinishReason,
-    GuardedText,
     History,
     InferenceCall,
     PolicyAction,
@@ -40,14 +39,6 @@ from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 
 
-class FailingGuard:
-    async def check(self, text: str, final: bool) -> GuardedText:
-        raise Unavailable("policy service unreachable")
-
-    async def close(self) -> None:
-        pass
-
-
 @dataclass
 class Policy:
     verdict: Verdict = field(default_factory=lambda: Verdict(PolicyAction.ALLOW))
@@ -63,6 +54,8 @@ class Policy:
 
     async def _fetch(self, rule_set: str) -> OutputRules:
         assert self.output_rules is not None
+        if self.output_unreachable:
+            raise Unavailable("policy service unreachable")
         self.fetched.append(rule_set)
         return OutputRules(self.output_rules.version, self.output_rules.output, False)
 
@@ -82,9 +75,7 @@ class Policy:
 
     def guard_output(
         self, request_id: str, tenant: str, rule_set: str, version: str
-    ) -> LocalOutputGuard | FailingGuard:
-        if self.output_unreachable:
-            return FailingGuard()
+    ) -> LocalOutputGuard:
         generation = Generation(request_id, tenant, rule_set, version)
         return LocalOutputGuard(self.cache, self._record, generation)
 
@@ -307,6 +298,11 @@ def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None
         else:
             chunks = await run(core, request())
             assert "".join(c.text for c in chunks) == "012!"  # relayed unchecked
+        assert policy.decisions == []  # no rules, no check: nothing to record
+        # Policy is back: the next stream fetches the rules (a failed fetch is not kept).
+        policy.output_unreachable = False
+        await run(core, request())
+        assert policy.fetched == ["default"] and len(policy.decisions) == 1
 
     asyncio.run(scenario())
 
