@@ -320,9 +320,15 @@ class Engine:
 
     def _due(self, seq: Sequence) -> bool:
         """Whether a sequence's held text goes out now: its first text always does (time to
-        first token); later, every ``stream_interval`` tokens, which by default grows with
-        the batch so that per-response costs do not eat the batching gains."""
-        interval = self.config.stream_interval or -(-len(self._running) // AUTO_STREAM_DIVISOR)
+        first token); later, every ``stream_interval`` tokens. By default the interval grows
+        with the batch, so that per-response costs do not eat the batching gains, but not
+        beyond the largest power of two in the tokens generated so far: responses after
+        tokens 1, 3, 7, 15, then at the batch's interval. A client then sees its first words
+        soon after they end (an output check holds a word until then), at the cost of a
+        response or two per sequence."""
+        interval = self.config.stream_interval or min(
+            -(-len(self._running) // AUTO_STREAM_DIVISOR), 1 << (seq.generated.bit_length() - 1)
+        )
         return len(seq.text) == len(seq.unsent_text) or seq.unsent_tokens >= interval
 
     def _finish(self, seq: Sequence, reason: str) -> None:
