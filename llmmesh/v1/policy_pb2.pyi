@@ -268,7 +268,7 @@ class RecordOutputRequest(_message.Message):
     """The whole generated text, only when OutputRules.audit_text asked for it."""
     @_builtins.property
     def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Rules that matched, first match first; with DENY, the deny rule first."""
+        """Rules that matched, first match first."""
 
     def __init__(
         self,

@@ -107,7 +107,8 @@ class Inference:
     closed: list[str] = field(default_factory=list)
     hints: list[RouteHints] = field(default_factory=list)
     started: asyncio.Event = field(default_factory=asyncio.Event)
-    token_time_s: float = 0.0  # how long each token takes to generate
+    # Set: the generation pauses after its first token until the event is set.
+    paused: asyncio.Event | None = None
 
     async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
         self.calls.append(call)
@@ -115,8 +116,8 @@ class Inference:
         self.started.set()
         try:
             for i in range(call.sampling.max_tokens - 1):
-                if self.token_time_s:
-                    await asyncio.sleep(self.token_time_s)  # the engine at work
+                if i == 1 and self.paused is not None:
+                    await self.paused.wait()
                 yield Chunk(str(i % 10), 1)
             yield Chunk("!", 1, FinishReason.LENGTH)
         finally:
@@ -349,8 +350,8 @@ def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> 
     so nothing but the transport's own handling can end it)."""
 
     async def scenario() -> None:
-        # 10 s to generate all: it ends at once or the client's leaving went unnoticed.
-        policy, inference = Policy(), Inference(token_time_s=0.01)
+        # The generation holds after its first token until the server saw the client go.
+        policy, inference = Policy(), Inference(paused=asyncio.Event())
         policy.release.set()
         api = OpenAiApi(make_core(policy, Context(), inference), Tenants(), ["llm"])
         body = {"model": "llm", "prompt": "hello", "max_tokens": 1000, "stream": True}
@@ -364,10 +365,19 @@ def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> 
         async def generation_ended() -> bool:  # as the core's own accounting tells it
             return cancelled() > before
 
-        async with TestClient(TestServer(api.app())) as client:
+        server = TestServer(api.app())
+
+        async def client_gone() -> bool:
+            assert server.runner is not None and server.runner.server is not None
+            return not server.runner.server.connections
+
+        async with TestClient(server) as client:
             response = await client.post("/v1/completions", json=body)
             await response.content.readline()  # the stream is running; the client leaves
             response.close()
+            assert await poll_until_async(client_gone, 5)
+            assert inference.paused is not None
+            inference.paused.set()  # the next token's write finds the connection closed
             assert await poll_until_async(generation_ended, 5)
         assert inference.closed == ["hello"]
 
