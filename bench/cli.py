@@ -235,10 +235,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from bench.engine import engine_table, run_engine
+    from bench.engine import engine_table, run_engine_as_served
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    runs = run_engine(_workload(args), levels)
+    runs = run_engine_as_served(_workload(args), levels)
     print(engine_table(runs))
     _record(
         args,

@@ -8,14 +8,19 @@ engine step is timed and classed as prefill (it computed prompt tokens) or decod
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from bench.workload import WorkloadSpec, make_requests, new_salt
+from llmmesh.launcher.blas import cpu_flags, openblas_environment
 from llmmesh.launcher.stack import REPO_MODELS
 
 MODEL_CODE = REPO_MODELS / "llm" / "1"
@@ -70,13 +75,31 @@ def model_parameters() -> dict[str, str]:
     return dict(re.findall(pattern, CONFIG.read_text()))
 
 
+def run_engine_as_served(spec: WorkloadSpec, levels: list[int]) -> list[EngineRun]:
+    """``run_engine`` in a fresh interpreter whose OpenBLAS loads with the kernels
+    Triton's engine gets (this process's numpy is loaded already)."""
+    job = json.dumps({"spec": asdict(spec), "levels": levels})
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.engine"],
+        input=job,
+        capture_output=True,
+        text=True,
+        env=openblas_environment(os.environ, cpu_flags()),
+        cwd=Path(__file__).resolve().parent.parent,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the engine run failed:\n{done.stderr}")
+    return [EngineRun(**run) for run in json.loads(done.stdout)]
+
+
 def run_engine(spec: WorkloadSpec, levels: list[int]) -> list[EngineRun]:
     """One closed loop per concurrency level, on one engine built as config.pbtxt says."""
     from threadpoolctl import threadpool_limits
 
     params = model_parameters()
+    engine = _engine_modules()  # loads numpy's BLAS, for the limit to find it
     with threadpool_limits(limits=int(params.get("blas_threads", "1")), user_api="blas"):
-        engine = _engine_modules()
         model = engine.Transformer(
             engine.ModelShape.from_parameters(params), seed=int(params.get("weight_seed", "0"))
         )
@@ -133,3 +156,10 @@ def engine_table(runs: list[EngineRun]) -> str:
             f"| {prefill / run.seconds:.0%} |"
         )
     return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    # run_engine_as_served's child: a job on stdin, the runs as JSON on stdout.
+    job = json.load(sys.stdin)
+    runs = run_engine(WorkloadSpec(**job["spec"]), job["levels"])
+    json.dump([asdict(run) for run in runs], sys.stdout)

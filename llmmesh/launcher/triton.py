@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmmesh.launcher.blas import cpu_flags, openblas_environment
 from llmmesh.launcher.process import Child, StackError
 
 
@@ -61,9 +62,10 @@ class TritonDist:
         return workdir / "backends"
 
     def environment(self) -> dict[str, str]:
-        """Environment for tritonserver: its libraries, and this venv first on PATH so the
-        backend stub's embedded interpreter finds the venv's packages (numpy)."""
-        env = dict(os.environ)
+        """Environment for tritonserver: its libraries, this venv first on PATH so the
+        backend stub's embedded interpreter finds the venv's packages (numpy), and the
+        BLAS kernels for this CPU."""
+        env = openblas_environment(os.environ, cpu_flags())
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(self.libs), env.get("LD_LIBRARY_PATH", "")) if p
         )

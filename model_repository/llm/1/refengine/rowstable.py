@@ -39,6 +39,11 @@ class Block:
     def cost(self) -> int:
         return self.height + CALL_COST_ROWS
 
+    @property
+    def dense(self) -> bool:
+        """Every position computes alike, so rows fill the block in order."""
+        return len(self.slots) == self.height
+
 
 @dataclass
 class Layout:
@@ -105,14 +110,42 @@ def matmul(a: Array, b: Array, layout: Layout) -> Array:
     parts = []
     first = 0
     for block, numbers, positions in layout.plan(a.shape[0]):
-        padded = np.zeros((int(numbers[-1]) + 1, block.height, a.shape[1]), dtype=a.dtype)
-        padded[numbers, positions] = a[first : first + len(numbers)]
-        # One gather of the wanted rows, even from a transposed product.
-        parts.append(block_product(padded, b, layout.transposed)[numbers, positions])
+        rows = a[first : first + len(numbers)]
+        if block.dense:
+            parts.extend(_dense_product(rows, b, block.height, layout.transposed))
+        else:
+            parts.append(_scattered_product(rows, b, block, (numbers, positions), layout))
         first += len(numbers)
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts)
+
+
+def _dense_product(rows: Array, b: Array, height: int, transposed: bool) -> list[Array]:
+    """Every position of the block computes alike: whole blocks are views of ``rows``,
+    and only a last, partial block is padded."""
+    whole = len(rows) - len(rows) % height
+    parts = []
+    if whole:
+        blocks = rows[:whole].reshape(whole // height, height, rows.shape[1])
+        parts.append(block_product(blocks, b, transposed).reshape(whole, b.shape[1]))
+    if whole < len(rows):
+        padded = np.zeros((1, height, rows.shape[1]), dtype=rows.dtype)
+        padded[0, : len(rows) - whole] = rows[whole:]
+        parts.append(block_product(padded, b, transposed)[0, : len(rows) - whole])
+    return parts
+
+
+def _scattered_product(
+    rows: Array, b: Array, block: Block, places: tuple[Index, Index], layout: Layout
+) -> Array:
+    """Rows go only to the block's alike positions; the rest is padding."""
+    numbers, positions = places
+    padded = np.zeros((int(numbers[-1]) + 1, block.height, rows.shape[1]), dtype=rows.dtype)
+    padded[numbers, positions] = rows
+    # One gather of the wanted rows, even from a transposed product.
+    product: Array = block_product(padded, b, layout.transposed)[numbers, positions]
+    return product
 
 
 def block_product(blocks: Array, b: Array, transposed: bool) -> Array:
