@@ -280,14 +280,15 @@ def _admission(args: argparse.Namespace) -> int:
         shape = AdmissionShape()
         with admission_fleet(Path(workdir), shape) as fleet:
             outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
-    plot_admission(outcome.results, args.plot)
+    plot_admission([*outcome.results, outcome.critical_alone], args.plot)
     print(outcome.table())
     print(f"plot: {args.plot}", file=sys.stderr)
     _record(
         args,
         _section(args, "admission"),
         f"; {args.duration:.0f} s per router, "
-        "128-token prompts, 64 output tokens, a third of the requests per tier.",
+        "128-token prompts, 64 output tokens, a third of the requests per tier; then the "
+        "critical requests alone, at their rate in the mix.",
         f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})",
     )
     return 0
