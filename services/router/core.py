@@ -33,7 +33,7 @@ from llmmesh.types import (
 )
 from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
-from services.router.prompt import build_prompt, turn_overhead, user_tail
+from services.router.prompt import build_prompt, summary_overhead, turn_overhead, user_tail
 from services.router.tenants import Lease, Tenants
 from services.router.upstreams import (
     ContextClient,
@@ -369,6 +369,7 @@ class RouterCore:
             - request.sampling.max_tokens
             - BOS_TOKENS
             - self._count(user_tail(request.prompt))
+            - summary_overhead(self._count)
         )
         wanted = HistoryRequest(
             request.tenant,

@@ -22,11 +22,15 @@ def render_turn(turn: Turn) -> str:
 
 
 def turn_overhead(count_tokens: Callable[[str], int]) -> int:
-    """Tokens a rendered turn adds to its text (the longest role tag and separators; a
-    summary's lead-in too)."""
-    return max(count_tokens(render_turn(Turn(role, ""))) for role in Role) + count_tokens(
-        SUMMARY_LEAD
-    )
+    """Tokens a rendered turn adds to its text: the longest role tag and separators."""
+    return max(count_tokens(render_turn(Turn(role, ""))) for role in Role)
+
+
+def summary_overhead(count_tokens: Callable[[str], int]) -> int:
+    """Tokens a summary of older turns adds beyond a turn's: its lead-in, once. Charged
+    per turn, it would cut a history that fits, and a cut history shares no prefix with
+    the previous turn's prompt, so the engine's cache would miss for the whole prompt."""
+    return count_tokens(SUMMARY_LEAD)
 
 
 def user_tail(user_text: str) -> str:

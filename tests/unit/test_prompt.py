@@ -4,7 +4,15 @@ import pytest
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import History, Role, Turn
-from services.router.prompt import SUMMARY_LEAD, build_prompt
+from services.context.store import Session
+from services.context.truncation import Budget, truncate
+from services.router.prompt import (
+    SUMMARY_LEAD,
+    build_prompt,
+    summary_overhead,
+    turn_overhead,
+    user_tail,
+)
 
 
 def count(text: str) -> int:
@@ -49,3 +57,27 @@ def test_prompt_that_cannot_fit_is_invalid() -> None:
 
 def test_without_a_session_the_prompt_is_sent_as_is() -> None:
     assert build_prompt(None, "complete this", 100, count) == ("complete this", 0)
+
+
+@pytest.mark.parametrize("strategy", ["last_turns", "sliding_summary"])
+def test_a_history_whose_prompt_fits_is_not_cut(strategy: str) -> None:
+    """The context service's accounting (text plus turn_overhead per turn, the summary's
+    lead-in once) must not cut what the prompt can hold: a cut history shares no prefix
+    with the previous turn's prompt, so the engine's cache would miss."""
+    turns = [
+        Turn(Role.USER if i % 2 == 0 else Role.ASSISTANT, f"turn {i} " + "x" * 90)
+        for i in range(12)
+    ]
+    full, _ = build_prompt(history(*turns, system="Be kind."), "now", 10_000, count)
+    # A model whose context holds that prompt with 10 tokens to spare per turn, and what
+    # the router asks the context service for within it.
+    context = count(full) + 10 * len(turns)
+    room = context - count(user_tail("now")) - summary_overhead(count)
+    cut = truncate(
+        Session(system_prompt="Be kind.", turns=turns),
+        Budget(room, turn_overhead(count)),
+        strategy,
+        count,
+    )
+    assert cut.dropped == []
+    assert cut.turns == turns

@@ -35,6 +35,7 @@ from services.router.output_check import (
     OutputRules,
     OutputRulesCache,
 )
+from services.router.prompt import SUMMARY_LEAD
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 
@@ -318,8 +319,10 @@ def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy(
         first, second = context.asked
         assert first.truncation == "last_turns"  # the tenant's default
         assert second.truncation == "sliding_summary"
-        room = RouterConfig().model_context_tokens - 4 - 1 - len("<|user|>\nhi\n<|assistant|>\n")
+        tail = len("<|user|>\nhi\n<|assistant|>\n")
+        room = RouterConfig().model_context_tokens - 4 - 1 - tail - len(SUMMARY_LEAD)
         assert first.budget_tokens == room
+        assert first.turn_overhead_tokens == len("<|assistant|>\n\n")
         with pytest.raises(InvalidArgument, match="truncation"):
             await core.prepare(replace(request("hi", session="s"), truncation="newest"))
 
