@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 3 --section batching
 	$(BENCH) --target triton --scenario hol
 	$(BENCH) --target triton --scenario prefix
-	$(BENCH) --scenario routing --rounds 2 --output-len 96
+	$(BENCH) --scenario routing --rounds 4 --output-len 96
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
 	$(BENCH) --scenario context
