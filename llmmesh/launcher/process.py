@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,12 +117,15 @@ def process_group_exists(pgid: int) -> bool:
     return True
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct ports the OS reports free right now."""
+def free_ports(count: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """Distinct ports the OS reports free right now, none of ``exclude`` (ports handed
+    out earlier that nothing listens on yet, which the OS would hand out again)."""
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        while len(ports) < count:
             sock = stack.enter_context(socket.socket())
-            sock.bind((host, 0))
-            ports.append(sock.getsockname()[1])
+            sock.bind((host, 0))  # held until the end: the OS will not hand it out twice
+            port = sock.getsockname()[1]
+            if port not in exclude:
+                ports.append(port)
     return ports

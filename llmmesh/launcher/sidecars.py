@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +52,11 @@ class SidecarPorts:
     router_upstreams: dict[str, int]  # upstream service -> router sidecar listener
 
     @classmethod
-    def free(cls) -> SidecarPorts:
+    def free(cls, exclude: Collection[int] = ()) -> SidecarPorts:
+        """Free ports, none of ``exclude`` (the services' own, chosen but not bound yet)."""
         inbound_names = [p for p in IDENTITIES if p != "router"]
-        ports = iter(free_ports(len(inbound_names) + len(IDENTITIES) + len(ROUTER_UPSTREAMS)))
+        count = len(inbound_names) + len(IDENTITIES) + len(ROUTER_UPSTREAMS)
+        ports = iter(free_ports(count, exclude=exclude))
         return cls(
             inbound={p: next(ports) for p in inbound_names},
             admin={p: next(ports) for p in IDENTITIES},

@@ -8,7 +8,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
@@ -93,7 +93,7 @@ class Stack:
         self._extra_env = env or {}
         self._children: dict[str, Child] = {}
         # With sidecars: a real Envoy beside every service (launcher/sidecars.py).
-        self.sidecar_ports = SidecarPorts.free() if sidecars else None
+        self.sidecar_ports = SidecarPorts.free(exclude=astuple(self.ports)) if sidecars else None
 
     def address(self, name: str) -> str:
         return f"{self.host}:{getattr(self.ports, name)}"
