@@ -37,7 +37,9 @@ REPLICAS = {  # name -> (region, subset)
 }
 CONSUL_SERVICE = f"inference-e2e-{os.getpid()}"
 CONSUL_KEY = f"llm-mesh-e2e-{os.getpid()}/routing"
-LONG_TOKENS = 160
+# Long enough that no stream can finish between the last one starting and the region's
+# loss (160 tokens could, once the engine got faster), within the router's max_tokens.
+LONG_TOKENS = 1000
 
 
 @dataclass
