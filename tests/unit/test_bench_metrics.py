@@ -44,10 +44,11 @@ def test_workload_is_reproducible_and_shares_prefixes() -> None:
 
 
 def test_engine_scenario_times_prefill_and_decode_steps() -> None:
-    from bench.engine import engine_table, run_engine
+    from bench.engine import engine_table, run_engine_as_served
 
     spec = WorkloadSpec(num_prompts=4, input_len=24, output_len=5)
-    one, two = run_engine(spec, [1, 2])
+    # As the CLI runs it: in a child process, the runs coming back as JSON.
+    one, two = run_engine_as_served(spec, [1, 2])
     assert (one.concurrency, two.concurrency) == (1, 2)
     assert one.output_tokens == two.output_tokens == 20
     # One stream prefills each prompt in its own step; two streams start two at once.
@@ -55,3 +56,26 @@ def test_engine_scenario_times_prefill_and_decode_steps() -> None:
     assert len(one.decode_steps_s) == 4 * 4 and len(two.decode_steps_s) == 2 * 4
     table = engine_table([one, two])
     assert "| 1 |" in table and "| 2 |" in table and "1.00x" in table
+
+
+def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
+    from bench.admission import AdmissionComparison, RunResult, TierRecord
+
+    def run(name: str, rate: float, ttfts: dict[str, float]) -> RunResult:
+        records = [TierRecord(t, _record(0.0, ttft, ttft + 1.0, 64)) for t, ttft in ttfts.items()]
+        return RunResult(name, rate, 10.0, records)
+
+    tiers = {"critical": 0.2, "standard": 1.5, "sheddable": 3.0}
+    comparison = AdmissionComparison(
+        capacity_rps=30.0,
+        unloaded_p99_s=0.05,
+        results=[run("fifo", 60.0, tiers), run("admission", 60.0, tiers)],
+        timeout_s=30.0,
+        critical_alone=run("critical alone", 20.0, {"critical": 0.4}),
+    )
+    table = comparison.table()
+    assert "| critical alone | critical | 1 |" in table
+    assert "| critical alone | standard" not in table  # tiers it did not send: no row
+    assert "under admission control: 200 ms = 4.00x unloaded" in table
+    assert "(20.00 req/s, no other tier, same router): 400 ms = 8.00x unloaded" in table
+    assert "admission control is at 0.50x the floor" in table

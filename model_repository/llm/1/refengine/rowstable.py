@@ -110,11 +110,11 @@ def matmul(a: Array, b: Array, layout: Layout) -> Array:
     parts = []
     first = 0
     for block, numbers, positions in layout.plan(a.shape[0]):
-        rows = a[first : first + len(numbers)]
+        rows, transposed = a[first : first + len(numbers)], layout.transposed
         if block.dense:
-            parts.extend(_dense_product(rows, b, block.height, layout.transposed))
+            parts.extend(_dense_product(rows, b, block.height, transposed))
         else:
-            parts.append(_scattered_product(rows, b, block, (numbers, positions), layout))
+            parts.append(_scattered_product(rows, b, block, (numbers, positions), transposed))
         first += len(numbers)
     if len(parts) == 1:
         return parts[0]
@@ -137,14 +137,14 @@ def _dense_product(rows: Array, b: Array, height: int, transposed: bool) -> list
 
 
 def _scattered_product(
-    rows: Array, b: Array, block: Block, places: tuple[Index, Index], layout: Layout
+    rows: Array, b: Array, block: Block, places: tuple[Index, Index], transposed: bool
 ) -> Array:
     """Rows go only to the block's alike positions; the rest is padding."""
     numbers, positions = places
     padded = np.zeros((int(numbers[-1]) + 1, block.height, rows.shape[1]), dtype=rows.dtype)
     padded[numbers, positions] = rows
     # One gather of the wanted rows, even from a transposed product.
-    product: Array = block_product(padded, b, layout.transposed)[numbers, positions]
+    product: Array = block_product(padded, b, transposed)[numbers, positions]
     return product
 
 
