@@ -24,7 +24,7 @@ from refengine.rowstable import CACHED_PLAN_ROWS, matmul, probe_layout
 from refengine.sampling import Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS, StreamDecoder
-from refengine.transformer import Segment
+from refengine.transformer import Segment, _gelu
 
 from bench.engine import model_parameters
 
@@ -188,6 +188,15 @@ class TestTransformer:
         a = Transformer(SMALL, seed=0).forward([_segment(pool, [0], tokens, 0)], pool)
         b = Transformer(SMALL, seed=1).forward([_segment(pool, [0], tokens, 0)], pool)
         assert not np.allclose(a, b)
+
+    def test_gelu_is_the_tanh_approximation_and_quiet_at_the_extremes(self) -> None:
+        x = np.concatenate([np.linspace(-12, 12, 2001), [-1e4, -100.0, 0.0, 100.0, 1e4]])
+        x32 = x.astype(np.float32)
+        with np.errstate(over="raise", invalid="raise", divide="raise"):
+            got = _gelu(x32.copy())
+        want = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert got.dtype == np.float32
 
     def test_context_overflow_is_refused(self) -> None:
         model = Transformer(SMALL, seed=0)

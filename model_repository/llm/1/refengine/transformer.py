@@ -234,15 +234,16 @@ def _layer_norm(x: Array, g: Array, b: Array) -> Array:
 
 
 def _gelu(x: Array) -> Array:
-    # tanh approximation; x*x*x is several times faster than x**3 in numpy.
-    inner = x * x * x
-    inner *= np.float32(0.044715)
-    inner += x
-    inner *= np.float32(0.7978845608)
-    np.tanh(inner, out=inner)
+    """GELU's tanh approximation, as ``x * sigmoid(2z)``: the same function as
+    ``0.5x(1 + tanh(z))``, and numpy's exp runs twice as fast as its tanh."""
+    inner = x * x
+    inner *= np.float32(-2.0 * 0.7978845608 * 0.044715)
+    inner += np.float32(-2.0 * 0.7978845608)
+    inner *= x  # -2z
+    with np.errstate(over="ignore"):  # exp(-2z) overflows for very negative x: GELU is -0
+        np.exp(inner, out=inner)
     inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(0.5)
+    np.divide(x, inner, out=inner)
     return inner
 
 
