@@ -182,6 +182,35 @@ class TestTransformer:
             alone = model.forward([_segment(pool, table, prompt[last:], last)], pool)[0]
             assert np.array_equal(alone, batched[i])
 
+    def test_decode_reading_last_steps_keys_matches_a_fresh_gather(self) -> None:
+        model = Transformer(SMALL, seed=0)
+        pool = BlockPool(16, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        tokens = ByteTokenizer().encode("one token per step, blocks kept")
+        tables = [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+        other = [_segment(pool, tables[1], tokens[:3], 0)]
+        model.forward([_segment(pool, tables[0], tokens[:5], 0)], pool)
+        kept, fresh = [], []
+        for position in range(5, len(tokens)):
+            step = [_segment(pool, tables[0], tokens[position : position + 1], position)]
+            kept.append(model.forward(step, pool)[0])  # reads the last step's copy
+            model.forward(other, pool)  # another step in between: the next read gathers
+            fresh.append(model.forward(step, pool)[0])
+        assert np.array_equal(np.array(kept), np.array(fresh))
+
+    def test_a_block_handed_out_again_is_read_afresh(self) -> None:
+        model = Transformer(SMALL, seed=0)
+        pool = BlockPool(2, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+        table = [pool.allocate(), pool.allocate()]
+        tokens = ByteTokenizer().encode("abcdef")
+        model.forward([_segment(pool, table, tokens[:5], 0)], pool)
+        pool.release(table)
+        table = [pool.allocate(), pool.allocate()][::-1]  # the same blocks, new owners
+        pool.kv[:] = 0.0  # their contents changed with no step in between
+        reread = model.forward([_segment(pool, table, tokens[5:], 5)], pool)[0]
+        pool.kv[:] = 0.0
+        gathered = Transformer(SMALL, seed=0).forward([_segment(pool, table, tokens[5:], 5)], pool)
+        assert np.array_equal(reread, gathered[0])
+
     def test_weights_depend_on_the_seed(self) -> None:
         tokens = ByteTokenizer().encode("hi")
         pool = BlockPool(1, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)

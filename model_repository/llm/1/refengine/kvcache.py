@@ -46,6 +46,9 @@ class BlockPool:
         # and values for every head are one row (a write stores whole rows).
         shape = (n_layers, num_blocks, block_size, 2, n_heads, head_dim)
         self.kv: npt.NDArray[np.float32] = np.zeros(shape, dtype=np.float32)
+        # Bumped each time a block is handed out: a copy of a block's contents is current
+        # while its generation is unchanged (a held block's written tokens never change).
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # block -> content hash (full blocks only)
@@ -69,6 +72,7 @@ class BlockPool:
         else:
             raise MemoryError("KV cache pool exhausted")
         self._refs[block] = 1
+        self.generations[block] += 1
         return block
 
     def cached(self, content_hash: int) -> int | None:

@@ -112,6 +112,7 @@ class Transformer:
         self.lnf_b = np.zeros(d, np.float32)
         self.w_out = normal(d, v, std=1.5 / np.sqrt(d))
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
+        self._reads = _KVReads()
         # BLAS probed now, for these very matrices, not during the first request.
         self._layouts = {
             id(w): probe_layout(w)
@@ -140,6 +141,7 @@ class Transformer:
         )
         ends = np.cumsum([len(seg.tokens) for seg in segments])
         groups = _attention_groups(segments)  # the same for every layer
+        self._reads.next_step()
         x = self.tok_emb[tokens] + self.pos_emb[positions]
         for index, layer in enumerate(self.layers):
             h = _layer_norm(x, layer.ln1_g, layer.ln1_b)
@@ -168,7 +170,7 @@ class Transformer:
         queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
         out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
         for group in groups:
-            keys, values = _gather(blocks, group.tables, group.length)
+            keys, values = self._reads.read(pool, index, group, qkv[group.rows, 1:])
             q = queries[:, group.rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
             scores = q @ keys.transpose(0, 1, 3, 2)
             if group.mask is not None:
@@ -207,15 +209,45 @@ def _attention_groups(segments: list[Segment]) -> list[_Group]:
     ]
 
 
-def _gather(blocks: Array, tables: npt.NDArray[np.intp], length: int) -> tuple[Array, Array]:
-    """Keys and values [group, heads, length, hd] of sequences of one length: whole
-    blocks are copied (one contiguous run each), and the per-head matrices are strided
-    views of them, which BLAS reads as they are."""
+class _KVReads:
+    """The keys and values each attention group read in the last step, per layer.
+
+    A group decoding on the same blocks next step reads them all again plus one token per
+    sequence: it writes those tokens into its copy instead of gathering every block again.
+    Only the last step's copies are kept.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, bytes, bytes], tuple[Array, int]] = {}
+        self._this: dict[tuple[int, bytes, bytes], tuple[Array, int]] = {}
+
+    def next_step(self) -> None:
+        self._last, self._this = self._this, {}
+
+    def read(self, pool: BlockPool, layer: int, group: _Group, new: Array) -> tuple[Array, Array]:
+        """Keys and values [group, heads, length, hd]; ``new`` holds the group's tokens of
+        this step [group, count, 2, heads, hd], already written to the pool."""
+        key = (layer, group.tables.tobytes(), pool.generations[group.tables].tobytes())
+        start = group.length - new.shape[1]
+        kept = self._last.pop(key, None)
+        if kept is not None and kept[1] == start:
+            flat = kept[0]
+            flat[:, start : group.length] = new
+        else:
+            flat = _gather(pool.kv[layer], group.tables)
+        self._this[key] = (flat, group.length)
+        keys, values = flat[:, : group.length].transpose(2, 0, 3, 1, 4)
+        return keys, values  # each [group, heads, length, hd]
+
+
+def _gather(blocks: Array, tables: npt.NDArray[np.intp]) -> Array:
+    """The group's whole blocks, copied (one contiguous run each), as [group, positions,
+    2, heads, hd]: the per-head matrices are strided views of it, which BLAS reads as
+    they are."""
     gathered = np.take(blocks, tables, axis=0)
     group, count, size, two, heads, hd = gathered.shape
-    flat = gathered.reshape(group, count * size, two, heads, hd)[:, :length]
-    keys, values = flat.transpose(2, 0, 3, 1, 4)  # each [group, heads, length, hd]
-    return keys, values
+    flat: Array = gathered.reshape(group, count * size, two, heads, hd)
+    return flat
 
 
 def _causal_mask(start: int, count: int) -> Array | None:
