@@ -32,7 +32,7 @@ protos: $(STAMP)
 BENCH := $(BIN)/llm-mesh bench --start-stack --no-progress --markdown docs/benchmarks.md
 bench: $(STAMP)
 	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 5 --section baseline
-	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 3 --section batching
+	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 5 --section batching
 	$(BENCH) --target triton --scenario hol
 	$(BENCH) --target triton --scenario prefix
 	$(BENCH) --scenario routing --rounds 4 --output-len 96
