@@ -45,6 +45,9 @@ class Block:
         return len(self.slots) == self.height
 
 
+_BEST: dict[tuple[Block, ...], list[tuple[int, int, int]]] = {}
+
+
 @dataclass
 class Layout:
     """How one matrix is multiplied: its orientation and the blocks rows may go in."""
@@ -52,13 +55,16 @@ class Layout:
     # True: a block enters BLAS transposed, so its rows are the kernel's vector lanes.
     transposed: bool
     blocks: tuple[Block, ...]
-    # best[rows] = (cost, calls, block to add): cheapest mix of blocks for that many rows.
-    _best: list[tuple[int, int, int]] = field(
-        default_factory=lambda: [(0, 0, -1)], init=False, repr=False, compare=False
-    )
     _plans: dict[int, list[tuple[Block, Index, Index]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+
+    @property
+    def _best(self) -> list[tuple[int, int, int]]:
+        """best[rows] = (cost, calls, block to add): the cheapest mix of blocks for that
+        many rows. One table per set of blocks, shared by the matrices that probed the same
+        set (most of a model's do), so a model builds it once, not once per matrix."""
+        return _BEST.setdefault(self.blocks, [(0, 0, -1)])
 
     def cost(self, rows: int) -> int:
         self._extend(rows)
