@@ -84,7 +84,9 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
-        "--plot", type=Path, default=Path("docs/img/admission.png"), help="admission: PNG"
+        "--plot",
+        type=Path,
+        help="admission: PNG (default: beside --markdown, which shows it, else beside --out)",
     )
     bench.add_argument(
         "--session-rates",
@@ -280,18 +282,28 @@ def _admission(args: argparse.Namespace) -> int:
         shape = AdmissionShape()
         with admission_fleet(Path(workdir), shape) as fleet:
             outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
-    plot_admission([*outcome.results, outcome.critical_alone], args.plot)
+    plot = _admission_plot(args)
+    plot_admission([*outcome.results, outcome.critical_alone], plot)
     print(outcome.table())
-    print(f"plot: {args.plot}", file=sys.stderr)
+    print(f"plot: {plot}", file=sys.stderr)
     _record(
         args,
         _section(args, "admission"),
         f"; {args.duration:.0f} s per router, "
         "128-token prompts, 64 output tokens, a third of the requests per tier; then the "
         "critical requests alone, at their rate in the mix.",
-        f"{outcome.table()}\n\n![TTFT per tier over time](img/{args.plot.name})",
+        f"{outcome.table()}\n\n![TTFT per tier over time](img/{plot.name})",
     )
     return 0
+
+
+def _admission_plot(args: argparse.Namespace) -> Path:
+    """A run that records nothing leaves the documentation's plot alone."""
+    if args.plot:
+        return Path(args.plot)
+    if args.markdown:
+        return Path(args.markdown).parent / "img" / "admission.png"
+    return Path(args.out).with_name(f"{Path(args.out).stem}-admission.png")
 
 
 def _policy(args: argparse.Namespace) -> int:

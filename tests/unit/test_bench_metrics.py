@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import argparse
 import math
+from pathlib import Path
 
+from bench.cli import _admission_plot
 from bench.metrics import RequestRecord, Slo, percentile, summarize
 from bench.workload import WorkloadSpec, make_requests
 
@@ -79,3 +82,13 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     assert "under admission control: 200 ms = 4.00x unloaded" in table
     assert "(20.00 req/s, no other tier, same router): 400 ms = 8.00x unloaded" in table
     assert "admission control is at 0.50x the floor" in table
+
+
+def test_an_admission_run_that_records_nothing_leaves_the_documented_plot_alone() -> None:
+    def plot(**given: object) -> Path:
+        args = {"plot": None, "markdown": None, "out": Path("bench/results/latest.json")}
+        return _admission_plot(argparse.Namespace(**(args | given)))
+
+    assert plot() == Path("bench/results/latest-admission.png")
+    assert plot(markdown=Path("docs/benchmarks.md")) == Path("docs/img/admission.png")
+    assert plot(plot=Path("/tmp/a.png"), markdown=Path("docs/benchmarks.md")) == Path("/tmp/a.png")
