@@ -214,7 +214,8 @@ class _KVReads:
 
     A group decoding on the same blocks next step reads them all again plus one token per
     sequence: it writes those tokens into its copy instead of gathering every block again.
-    Only the last step's copies are kept.
+    Only the last step's copies are kept: memory for about one more copy of the running
+    sequences' keys and values, which saves copying them all on every step.
     """
 
     def __init__(self) -> None:
