@@ -10,6 +10,7 @@ positions that compute exactly alike: probed once per weight matrix, at start.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,7 @@ class Block:
 
 
 _BEST: dict[tuple[Block, ...], list[tuple[int, int, int]]] = {}
+_BEST_LOCK = threading.Lock()  # engines on other threads may share a table
 
 
 @dataclass
@@ -84,12 +86,16 @@ class Layout:
 
     def _extend(self, rows: int) -> None:
         """Fills ``_best`` up to ``rows``: the block to add last, by total cost, then calls."""
-        for total in range(len(self._best), rows + 1):
-            options = []
-            for index, block in enumerate(self.blocks):
-                cost, calls, _ = self._best[max(0, total - len(block.slots))]
-                options.append((cost + block.cost, calls + 1, index))
-            self._best.append(min(options))
+        best = self._best
+        if len(best) > rows:
+            return
+        with _BEST_LOCK:
+            for total in range(len(best), rows + 1):
+                options = []
+                for index, block in enumerate(self.blocks):
+                    cost, calls, _ = best[max(0, total - len(block.slots))]
+                    options.append((cost + block.cost, calls + 1, index))
+                best.append(min(options))
 
     def _make_plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
         self._extend(rows)
