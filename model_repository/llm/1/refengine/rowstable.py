@@ -60,13 +60,14 @@ class Layout:
     _plans: dict[int, list[tuple[Block, Index, Index]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # best[rows] = (cost, calls, block to add): the cheapest mix of blocks for that many
+    # rows. One table per set of blocks, shared by the matrices that probed the same set
+    # (most of a model's do), so a model builds it once, not once per matrix.
+    _best: list[tuple[int, int, int]] = field(init=False, repr=False, compare=False)
 
-    @property
-    def _best(self) -> list[tuple[int, int, int]]:
-        """best[rows] = (cost, calls, block to add): the cheapest mix of blocks for that
-        many rows. One table per set of blocks, shared by the matrices that probed the same
-        set (most of a model's do), so a model builds it once, not once per matrix."""
-        return _BEST.setdefault(self.blocks, [(0, 0, -1)])
+    def __post_init__(self) -> None:
+        with _BEST_LOCK:
+            self._best = _BEST.setdefault(self.blocks, [(0, 0, -1)])
 
     def cost(self, rows: int) -> int:
         self._extend(rows)
@@ -86,16 +87,15 @@ class Layout:
 
     def _extend(self, rows: int) -> None:
         """Fills ``_best`` up to ``rows``: the block to add last, by total cost, then calls."""
-        best = self._best
-        if len(best) > rows:
+        if len(self._best) > rows:
             return
         with _BEST_LOCK:
-            for total in range(len(best), rows + 1):
+            for total in range(len(self._best), rows + 1):
                 options = []
                 for index, block in enumerate(self.blocks):
-                    cost, calls, _ = best[max(0, total - len(block.slots))]
+                    cost, calls, _ = self._best[max(0, total - len(block.slots))]
                     options.append((cost + block.cost, calls + 1, index))
-                best.append(min(options))
+                self._best.append(min(options))
 
     def _make_plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
         self._extend(rows)
