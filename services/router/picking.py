@@ -41,6 +41,7 @@ class Candidate:
     endpoint: Endpoint
     region: str  # the endpoint's region, or the router's own when it names none
     in_flight: int = 0  # streams this router has open to it
+    ended: int = 0  # streams this router ended since the report, which may still count them
     # Prompt tokens this router sent it that still await their first token (prefill work
     # queued or running there: an uncached long prompt delays everything behind it).
     prefilling: int = 0
@@ -108,11 +109,12 @@ def load_cost(c: Candidate, w: ScorerWeights) -> float:
     queued_prefill = w.prefill * c.prefilling / 1000
     if r is None:  # only the router's own view
         return w.running * c.in_flight + queued_prefill
+    running = max(0, r.running - c.ended)
     # Streams this router opened that the report does not show yet (sent after it).
-    unseen = max(0, c.in_flight - r.running - r.waiting)
+    unseen = max(0, c.in_flight - running - r.waiting)
     return (
         w.waiting * r.waiting
-        + w.running * r.running
+        + w.running * running
         + w.kv_utilization * r.kv_utilization
         + w.pending * unseen
         + queued_prefill

@@ -94,6 +94,8 @@ class Replica:
     reports: dict[str, ReportedLoad] = field(default_factory=dict)
     engine_reachable: bool = True
     in_flight: int = 0
+    # Per model: streams this router ended since the last report, which may still count them.
+    ended: dict[str, int] = field(default_factory=dict)
     metadata: tuple[tuple[str, str], ...] = ()  # on every call: where a sidecar routes it
     prefilling: int = 0  # prompt tokens sent that await their first token
     follower: asyncio.Task[None] | None = None
@@ -140,6 +142,7 @@ class InferencePool:
                     endpoint=r.endpoint,
                     region=r.endpoint.region or s.local_region,
                     in_flight=r.in_flight,
+                    ended=r.ended.get(model, 0),
                     prefilling=r.prefilling,
                     report=r.reports.get(model) if fresh else None,
                     healthy=healthy,
@@ -222,7 +225,7 @@ class InferencePool:
                 )
             finally:
                 await stream.aclose()  # a generation cut short is cancelled at the replica now
-                self._release(replica)
+                self._release(replica, call.model)
 
     async def _start(
         self, call: InferenceCall, request: PickRequest, deadline: float | None
@@ -254,7 +257,7 @@ class InferencePool:
             first = await _next_chunk(stream)
         except BaseException as err:
             await stream.aclose()
-            self._release(replica)
+            self._release(replica, call.model)
             if isinstance(err, Unavailable | ResourceExhausted):
                 self._failed(replica, err)
                 failed.add(replica.endpoint.address)
@@ -274,8 +277,9 @@ class InferencePool:
         PICKS.labels(address, replica.endpoint.version).inc()
         IN_FLIGHT.labels(address).set(replica.in_flight)
 
-    def _release(self, replica: Replica) -> None:
+    def _release(self, replica: Replica, model: str) -> None:
         replica.in_flight -= 1
+        replica.ended[model] = replica.ended.get(model, 0) + 1
         IN_FLIGHT.labels(replica.endpoint.address).set(replica.in_flight)
 
     def _failed(self, replica: Replica, err: Exception) -> None:
@@ -336,6 +340,7 @@ class InferencePool:
                         m.model: ReportedLoad(m.running, m.waiting, m.kv_utilization)
                         for m in report.models
                     }
+                    replica.ended = {}
                     replica.engine_reachable = report.engine_reachable
                     replica.last_report_at = time.monotonic()
                     replica.down = False

@@ -15,6 +15,7 @@ from services.router.picking import (
     Picker,
     PickRequest,
     ReportedLoad,
+    load_cost,
     region_order,
     split_point,
     subset_order,
@@ -137,6 +138,25 @@ def test_load_score_prefers_short_queues_and_free_cache() -> None:
     ]
     decision = picker().pick(PickRequest("llm"), pool, RoutingPolicy())
     assert decision.candidate.address == "fine:1" and decision.reasons[-1] == "load"
+
+
+def test_a_stream_the_router_ended_since_the_report_no_longer_counts() -> None:
+    # Both reports show one running stream; the router has since ended a's and still has
+    # b's open: a is idle, so it wins every time rather than half of the ties.
+    pool = [
+        Candidate(Endpoint(address="a:1"), LOCAL, ended=1, report=ReportedLoad(running=1)),
+        Candidate(Endpoint(address="b:1"), LOCAL, in_flight=1, report=ReportedLoad(running=1)),
+    ]
+    picks = {
+        picker(i).pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address
+        for i in range(20)
+    }
+    assert picks == {"a:1"}
+    # A stream opened after the report on a replica whose old one ended still counts.
+    reopened = Candidate(
+        Endpoint(address="a:1"), LOCAL, in_flight=1, ended=1, report=ReportedLoad(running=1)
+    )
+    assert load_cost(reopened, ScorerWeights()) == load_cost(pool[1], ScorerWeights())
 
 
 def test_without_reports_the_routers_own_in_flight_count_spreads_load() -> None:
