@@ -5,9 +5,11 @@ tenants of a tier, the one served the fewest tokens goes first (a virtual token 
 as in "Fairness in Serving Large Language Models", OSDI '24); within a tenant, the
 earliest deadline first. The window adapts (AIMD): it grows while requests get their
 first token within their tier's target and shrinks when they do not, so the engines stay
-busy without the queue moving into them. When the fleet is saturated, ``sheddable``
-requests are refused at once, ``standard`` ones when their wait would exceed their tier's
-bound, and ``critical`` ones only when their deadline cannot be met.
+busy without the queue moving into them. Lower tiers leave free a share of the window and
+the slots the higher tiers' recent traffic is expected to need. When the fleet is
+saturated, ``sheddable`` requests are refused at once, ``standard`` ones when their wait
+would exceed their tier's bound, and ``critical`` ones only when their deadline cannot be
+met.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
+from services.router.demand import TierDemand
 
 TIERS = ("critical", "standard", "sheddable")  # highest priority first
 RATE_WINDOW_S = 10.0  # the queue's pace: releases over this window
@@ -93,9 +96,11 @@ class AdmissionQueue:
         self,
         settings: AdmissionSettings | None = None,
         saturated: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings or AdmissionSettings()
         self._saturated = saturated
+        self._clock = clock
         self.limit = self.settings.initial_limit
         self.in_flight = 0
         self._in_flight_by_tier: dict[str, int] = dict.fromkeys(TIERS, 0)
@@ -103,12 +108,14 @@ class AdmissionQueue:
         self._served: dict[str, float] = {}  # tenant -> virtual token counter
         self._order = itertools.count()
         self._release_times: deque[float] = deque()  # releases of the last RATE_WINDOW_S
+        self._demand = {tier: TierDemand(RATE_WINDOW_S) for tier in TIERS}
         LIMIT.set(self.limit)
 
     async def acquire(self, tenant: str, tier: str, cost: int, deadline: float | None) -> Slot:
         """Waits for a slot; ResourceExhausted when shed, DeadlineExceeded at the deadline.
         Cancellation (the client went away) gives the place up."""
-        now = time.monotonic()
+        now = self._clock()
+        self._demand[tier].arrived(now)
         bound = now + self.settings.max_wait_s.get(tier, 5.0)
         ticket = Ticket(
             tenant,
@@ -146,29 +153,37 @@ class AdmissionQueue:
     def release(self, ticket: Ticket, first_token_at: float | None) -> None:
         self.in_flight -= 1
         self._in_flight_by_tier[ticket.tier] -= 1
-        now = time.monotonic()
+        now = self._clock()
+        self._demand[ticket.tier].held(now - ticket.granted_at)
         self._release_times.append(now)
         self._forget_releases(now)
         if first_token_at is not None:
             # The window's signal is the fleet's own latency, from the slot to the first
             # token: time spent in this queue is what the window causes, not what it sees.
-            self._adapt(first_token_at - ticket.granted_at <= self._strictest_target(ticket))
+            strictest = self._strictest_tier(ticket)
+            target = self.settings.ttft_target_s.get(strictest, 1.0)
+            self._adapt(first_token_at - ticket.granted_at <= target, strictest)
         self._dispatch()
 
     # -- the window ------------------------------------------------------------------
 
-    def _strictest_target(self, ticket: Ticket) -> float:
-        """The tightest first-token target among the tiers being served or waiting: the
-        window is sized for the most demanding traffic present."""
+    def _strictest_tier(self, ticket: Ticket) -> str:
+        """The tier with the tightest first-token target among those being served or
+        waiting: the window is sized for the most demanding traffic present."""
         present = {ticket.tier} | {
             tier for tier in TIERS if self._in_flight_by_tier[tier] > 0 or self._waiting[tier]
         }
-        return min(self.settings.ttft_target_s.get(tier, 1.0) for tier in present)
+        return min(present, key=lambda tier: self.settings.ttft_target_s.get(tier, 1.0))
 
-    def _adapt(self, met: bool) -> None:
+    def _adapt(self, met: bool, strictest: str) -> None:
         s = self.settings
-        if not met:
-            self.limit = max(s.min_limit, self.limit * s.decrease)
+        held = self._in_flight_by_tier[strictest]
+        displaceable = self.in_flight - held  # slots other tiers hold
+        if not met and displaceable > 0:
+            # Shrinking only helps by keeping other tiers' load off the engines: below
+            # what the strictest tier itself holds, it would only queue that tier
+            # behind its own generations.
+            self.limit = max(s.min_limit, held, self.limit * s.decrease)
         elif not self._saturated() and self.in_flight + 1 >= self.limit:
             self.limit = min(s.max_limit, self.limit + 1 / self.limit)  # +1 per window
         LIMIT.set(self.limit)
@@ -176,19 +191,30 @@ class AdmissionQueue:
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1
         self._in_flight_by_tier[ticket.tier] += 1
-        ticket.granted_at = time.monotonic()
+        ticket.granted_at = self._clock()
         # A tenant that was idle starts level with the busiest waiting ones: it may not
         # bank credit for the time it sent nothing.
         floor = self._floor()
         served = self._served.get(ticket.tenant, floor)
         self._served[ticket.tenant] = max(served, floor) + ticket.cost
-        QUEUE_WAIT.labels(ticket.tier).observe(time.monotonic() - ticket.arrived)
+        QUEUE_WAIT.labels(ticket.tier).observe(ticket.granted_at - ticket.arrived)
         ADMISSION_OUTCOMES.labels(ticket.tenant, ticket.tier, "admitted").inc()
         if not ticket.granted.done():
             ticket.granted.set_result(None)
 
     def _room(self, tier: str) -> bool:
-        return self.in_flight < self.limit * self.settings.window_share.get(tier, 1.0)
+        share = self.settings.window_share.get(tier, 1.0)
+        return self.in_flight + self._reserved_above(tier) < self.limit * share
+
+    def _reserved_above(self, tier: str) -> float:
+        """Slots the higher tiers' recent traffic is expected to need beyond those it
+        holds: a lower tier's slot is held for a whole generation, so it leaves these
+        free rather than make the next higher-tier arrivals wait for one to end."""
+        now = self._clock()
+        return sum(
+            max(0.0, self._demand[higher].slots(now) - self._in_flight_by_tier[higher])
+            for higher in TIERS[: TIERS.index(tier)]
+        )
 
     def _dispatch(self) -> None:
         while self.in_flight < self.limit:
@@ -252,7 +278,7 @@ class AdmissionQueue:
             ahead += sum(len(q) for q in self._waiting[t].values())
             if t == tier:
                 break
-        now = time.monotonic()
+        now = self._clock()
         self._forget_releases(now)
         rate = len(self._release_times) / RATE_WINDOW_S
         return (ahead + 1) / rate if rate else 0.0  # no releases seen yet: no estimate

@@ -137,9 +137,26 @@ def test_the_window_grows_on_met_targets_and_shrinks_on_misses() -> None:
             slot.release(slot.ticket.granted_at + 0.01)  # fast first tokens, window full: grow
         grown = q.limit
         assert grown > 4
+        lower = await q.acquire("s", "sheddable", 1, None)  # load the window could shed
         slot = await q.acquire("t", "standard", 1, None)
         slot.release(slot.ticket.granted_at + 10.0)  # a missed target: shrink
         assert q.limit == pytest.approx(grown * 0.9)
+        lower.release(None)
+
+    asyncio.run(scenario())
+
+
+def test_misses_do_not_shrink_the_window_below_what_the_strictest_tier_holds() -> None:
+    async def scenario() -> None:
+        q = queue(limit=10, decrease=0.5)
+        critical = [await q.acquire("c", "critical", 1, None) for _ in range(8)]
+        critical[0].release(critical[0].ticket.granted_at + 10.0)  # only critical in flight
+        assert q.limit == 10  # shrinking would only queue critical behind itself
+        standard = await q.acquire("s", "standard", 1, None)
+        critical[1].release(critical[1].ticket.granted_at + 10.0)
+        assert q.limit == 6  # halving would give 5, but critical still holds 6
+        for slot in [*critical[2:], standard]:
+            slot.release(None)
 
     asyncio.run(scenario())
 
@@ -156,5 +173,33 @@ def test_lower_tiers_leave_headroom_for_critical() -> None:
         critical.release(None)
         held[0].release(None)
         await asyncio.wait_for(standard, 5)
+
+    asyncio.run(scenario())
+
+
+def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        q = AdmissionQueue(
+            AdmissionSettings(initial_limit=20, min_limit=1, max_limit=64), clock=lambda: now[0]
+        )
+        # Critical traffic at 1 request/s, each holding its slot for 4 s: about 4 at once,
+        # 8 with room for bursts, against a window of 20.
+        for arrival in range(10):
+            now[0] = arrival + 0.5
+            slot = await q.acquire("c", "critical", 1, None)
+            slot.ticket.granted_at = now[0] - 4.0
+            slot.release(None)
+        now[0] = 10.0
+        held = [await q.acquire("s", "standard", 1, None) for _ in range(8)]
+        assert q.in_flight == 8  # 7 + 8 reserved < 16, the standard share: room for one more
+        waiting = asyncio.create_task(q.acquire("s", "standard", 1, None))
+        await run_ready_tasks()
+        assert not waiting.done()  # a ninth would eat into critical's reserve
+        now[0] += 60.0  # critical traffic stopped: nothing is reserved for it any more
+        held.pop().release(None)
+        await asyncio.wait_for(waiting, 5)
+        for slot in held:
+            slot.release(None)
 
     asyncio.run(scenario())
