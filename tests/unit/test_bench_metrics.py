@@ -80,7 +80,7 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     assert "| critical alone | critical | 1 |" in table
     assert "| critical alone | standard" not in table  # tiers it did not send: no row
     assert "under admission control: 200 ms = 4.00x unloaded" in table
-    assert "(20.00 req/s, no other tier, same router): 400 ms = 8.00x unloaded" in table
+    assert "(20.00 req/s, no other tier, no admission control): 400 ms = 8.00x unloaded" in table
     assert "admission control is at 0.50x the floor" in table
 
 
