@@ -4,18 +4,19 @@ Requests beyond the window wait for a slot: strict priority between tiers; betwe
 tenants of a tier, the one served the fewest tokens goes first (a virtual token counter,
 as in "Fairness in Serving Large Language Models", OSDI '24); within a tenant, the
 earliest deadline first. The window adapts (AIMD): it grows while requests get their
-first token within their tier's target and shrinks when they do not, so the engines stay
-busy without the queue moving into them. Lower tiers leave free a share of the window and
-the slots the higher tiers' recent traffic is expected to need. When the fleet is
-saturated, ``sheddable`` requests are refused at once, ``standard`` ones when their wait
-would exceed their tier's bound, and ``critical`` ones only when their deadline cannot be
-met.
+first token within their tier's target and shrinks when they do not (once per round of
+requests), so the engines stay busy without the queue moving into them. Lower tiers
+leave free a share of the window and the slots the higher tiers' recent traffic is
+expected to need. When the fleet is saturated, ``sheddable`` requests are refused at
+once, ``standard`` ones when their wait would exceed their tier's bound, and
+``critical`` ones only when their deadline cannot be met.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -109,6 +110,7 @@ class AdmissionQueue:
         self._order = itertools.count()
         self._release_times: deque[float] = deque()  # releases of the last RATE_WINDOW_S
         self._demand = {tier: TierDemand(RATE_WINDOW_S) for tier in TIERS}
+        self._decreased_at = -math.inf  # when the window last shrank
         LIMIT.set(self.limit)
 
     async def acquire(self, tenant: str, tier: str, cost: int, deadline: float | None) -> Slot:
@@ -162,7 +164,7 @@ class AdmissionQueue:
             # token: time spent in this queue is what the window causes, not what it sees.
             strictest = self._strictest_tier(ticket)
             target = self.settings.ttft_target_s.get(strictest, 1.0)
-            self._adapt(first_token_at - ticket.granted_at <= target, strictest)
+            self._adapt(first_token_at - ticket.granted_at <= target, strictest, ticket)
         self._dispatch()
 
     # -- the window ------------------------------------------------------------------
@@ -175,15 +177,19 @@ class AdmissionQueue:
         }
         return min(present, key=lambda tier: self.settings.ttft_target_s.get(tier, 1.0))
 
-    def _adapt(self, met: bool, strictest: str) -> None:
+    def _adapt(self, met: bool, strictest: str, ticket: Ticket) -> None:
         s = self.settings
         held = self._in_flight_by_tier[strictest]
         displaceable = self.in_flight - held  # slots other tiers hold
-        if not met and displaceable > 0:
-            # Shrinking only helps by keeping other tiers' load off the engines: below
-            # what the strictest tier itself holds, it would only queue that tier
-            # behind its own generations.
-            self.limit = max(s.min_limit, held, self.limit * s.decrease)
+        if not met:
+            # A request let in before the last decrease saw the larger window's load: its
+            # miss is no news (one decrease per round of requests, as in TCP). Shrinking
+            # only helps by keeping other tiers' load off the engines: below what the
+            # strictest tier itself holds, it would only queue that tier behind its own
+            # generations.
+            if displaceable > 0 and ticket.granted_at >= self._decreased_at:
+                self.limit = max(s.min_limit, held, self.limit * s.decrease)
+                self._decreased_at = self._clock()
         elif not self._saturated() and self.in_flight + 1 >= self.limit:
             self.limit = min(s.max_limit, self.limit + 1 / self.limit)  # +1 per window
         LIMIT.set(self.limit)

@@ -146,6 +146,28 @@ def test_the_window_grows_on_met_targets_and_shrinks_on_misses() -> None:
     asyncio.run(scenario())
 
 
+def test_the_window_shrinks_once_for_misses_of_requests_let_in_before_it_shrank() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        q = AdmissionQueue(
+            AdmissionSettings(initial_limit=10, min_limit=1, max_limit=64), clock=lambda: now[0]
+        )
+        lower = await q.acquire("s", "sheddable", 1, None)  # load the window could shed
+        first, second = [await q.acquire("t", "standard", 1, None) for _ in range(2)]
+        now[0] = 1.0
+        first.release(now[0] + 5.0)  # a first token 6 s after the slot: a miss
+        assert q.limit == pytest.approx(9)
+        second.release(now[0] + 5.0)  # let in under the old window: no news
+        assert q.limit == pytest.approx(9)
+        third = await q.acquire("t", "standard", 1, None)
+        now[0] = 2.0
+        third.release(now[0] + 5.0)  # let in after the decrease: shrinks again
+        assert q.limit == pytest.approx(8.1)
+        lower.release(None)
+
+    asyncio.run(scenario())
+
+
 def test_misses_do_not_shrink_the_window_below_what_the_strictest_tier_holds() -> None:
     async def scenario() -> None:
         q = queue(limit=10, decrease=0.5)
