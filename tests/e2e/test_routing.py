@@ -322,9 +322,13 @@ def test_the_breaker_opens_on_a_failing_replica_and_recovers(fleet: Fleet) -> No
 def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet) -> None:
     """Runs last in the module: it kills the eu replicas."""
     prompts = [f"Region failover stream {n}: " for n in range(4)]
-    with authorized_channel(fleet.router, fleet.stack.api_key) as channel:
-        # What each stream says uninterrupted (the same weights serve both regions).
-        reference = [text_of(list(_generate(channel, p))) for p in prompts]
+    with (
+        authorized_channel(fleet.router, fleet.stack.api_key) as channel,
+        ThreadPoolExecutor(len(prompts) + 4) as pool,
+    ):
+        # What each stream says uninterrupted (the same weights serve both regions; a
+        # sequence's tokens do not depend on what it is batched with).
+        reference = list(pool.map(lambda p: text_of(list(_generate(channel, p))), prompts))
         started = [threading.Event() for _ in prompts]
         results: dict[int, list[generation_pb2.GenerateResponse]] = {}
 
@@ -336,17 +340,16 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
                     started[n].set()
             results[n] = stub_responses
 
-        with ThreadPoolExecutor(len(prompts) + 4) as pool:
-            streams = [pool.submit(stream, n) for n in range(len(prompts))]
-            for event in started:
-                assert event.wait(60), "a stream never started"
-            for name in ("eu-stable", "eu-canary"):  # the whole region goes down at once
-                os.killpg(fleet.replicas[name][0].process.pid, signal.SIGKILL)
-            # New requests right after the loss: none of them may fail.
-            fresh = [pool.submit(served, channel, f"after {n}") for n in range(8)]
-            for f in streams:
-                f.result(120)
-            after = [f.result(120)[0] for f in fresh]
+        streams = [pool.submit(stream, n) for n in range(len(prompts))]
+        for event in started:
+            assert event.wait(60), "a stream never started"
+        for name in ("eu-stable", "eu-canary"):  # the whole region goes down at once
+            os.killpg(fleet.replicas[name][0].process.pid, signal.SIGKILL)
+        # New requests right after the loss: none of them may fail.
+        fresh = [pool.submit(served, channel, f"after {n}") for n in range(8)]
+        for f in streams:
+            f.result(120)
+        after = [f.result(120)[0] for f in fresh]
 
     assert {(s.region, s.subset) for s in after} == {("us", "stable")}
     for n, responses in results.items():
