@@ -18,14 +18,13 @@ import asyncio
 import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
-from services.router.demand import TierDemand
+from services.router.demand import RecentEvents, TierDemand
 
 TIERS = ("critical", "standard", "sheddable")  # highest priority first
 RATE_WINDOW_S = 10.0  # the queue's pace: releases over this window
@@ -108,7 +107,7 @@ class AdmissionQueue:
         self._waiting: dict[str, dict[str, list[Ticket]]] = {t: {} for t in TIERS}
         self._served: dict[str, float] = {}  # tenant -> virtual token counter
         self._order = itertools.count()
-        self._release_times: deque[float] = deque()  # releases of the last RATE_WINDOW_S
+        self._releases = RecentEvents(RATE_WINDOW_S)
         self._demand = {tier: TierDemand(RATE_WINDOW_S) for tier in TIERS}
         self._decreased_at = -math.inf  # when the window last shrank
         LIMIT.set(self.limit)
@@ -157,8 +156,7 @@ class AdmissionQueue:
         self._in_flight_by_tier[ticket.tier] -= 1
         now = self._clock()
         self._demand[ticket.tier].held(now - ticket.granted_at)
-        self._release_times.append(now)
-        self._forget_releases(now)
+        self._releases.add(now)
         if first_token_at is not None:
             # The window's signal is the fleet's own latency, from the slot to the first
             # token: time spent in this queue is what the window causes, not what it sees.
@@ -272,10 +270,6 @@ class AdmissionQueue:
         ADMISSION_OUTCOMES.labels(ticket.tenant, ticket.tier, "shed").inc()
         raise ResourceExhausted(reason, retry_after_s=max(wait, 0.1))
 
-    def _forget_releases(self, now: float) -> None:
-        while self._release_times and now - self._release_times[0] >= RATE_WINDOW_S:
-            self._release_times.popleft()
-
     def expected_wait_s(self, tier: str) -> float:
         """How long a new request of ``tier`` would wait: the requests ahead of it over the
         recent rate of releases."""
@@ -284,7 +278,5 @@ class AdmissionQueue:
             ahead += sum(len(q) for q in self._waiting[t].values())
             if t == tier:
                 break
-        now = self._clock()
-        self._forget_releases(now)
-        rate = len(self._release_times) / RATE_WINDOW_S
+        rate = self._releases.rate(self._clock())
         return (ahead + 1) / rate if rate else 0.0  # no releases seen yet: no estimate

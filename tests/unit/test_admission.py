@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -19,9 +20,11 @@ async def run_ready_tasks() -> None:
     await turn
 
 
-def queue(limit: float = 1, **kw: object) -> AdmissionQueue:
+def queue(
+    limit: float = 1, clock: Callable[[], float] = time.monotonic, **kw: object
+) -> AdmissionQueue:
     settings = AdmissionSettings(initial_limit=limit, min_limit=1, max_limit=64, **kw)  # type: ignore[arg-type]
-    return AdmissionQueue(settings)
+    return AdmissionQueue(settings, clock=clock)
 
 
 async def order_of_admission(q: AdmissionQueue, requests: list[tuple[str, str, int]]) -> list[str]:
@@ -149,9 +152,7 @@ def test_the_window_grows_on_met_targets_and_shrinks_on_misses() -> None:
 def test_the_window_shrinks_once_for_misses_of_requests_let_in_before_it_shrank() -> None:
     async def scenario() -> None:
         now = [0.0]
-        q = AdmissionQueue(
-            AdmissionSettings(initial_limit=10, min_limit=1, max_limit=64), clock=lambda: now[0]
-        )
+        q = queue(limit=10, clock=lambda: now[0])
         lower = await q.acquire("s", "sheddable", 1, None)  # load the window could shed
         first, second = [await q.acquire("t", "standard", 1, None) for _ in range(2)]
         now[0] = 1.0
@@ -202,9 +203,7 @@ def test_lower_tiers_leave_headroom_for_critical() -> None:
 def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need() -> None:
     async def scenario() -> None:
         now = [0.0]
-        q = AdmissionQueue(
-            AdmissionSettings(initial_limit=20, min_limit=1, max_limit=64), clock=lambda: now[0]
-        )
+        q = queue(limit=20, clock=lambda: now[0])
         # Critical traffic at 1 request/s, each holding its slot for 4 s: about 4 at once,
         # 8 with room for bursts, against a window of 20.
         for arrival in range(10):
