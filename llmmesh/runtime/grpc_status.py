@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NoReturn
 
 import grpc
@@ -19,6 +20,8 @@ from llmmesh.runtime.errors import (
     Unauthenticated,
     Unavailable,
 )
+
+log = logging.getLogger(__name__)
 
 _CODES: dict[type[MeshError], int] = {
     InvalidArgument: code_pb2.INVALID_ARGUMENT,
@@ -64,21 +67,38 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], err: MeshError) -> 
 _FROM_CODE: dict[grpc.StatusCode, type[MeshError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
 }
 
 
-def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str) -> MeshError:
-    """Turns an upstream's error into a core error, keeping its code where it is meaningful."""
+def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str, where: str = "") -> MeshError:
+    """Turns an upstream's error into a core error, keeping its code where it is
+    meaningful. A caller's own mistake keeps the upstream's message (the mesh's services
+    name the field); for a failure the message says which upstream failed and no more:
+    the transport's details (addresses, ports) and ``where`` (the upstream's address) go
+    to the log only."""
     code, message = err.code(), err.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, reason = message.partition(": ")
         return InvalidArgument(field, reason) if reason else InvalidArgument("request", message)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(message, retry_after_s=1.0)
-    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return Unavailable(f"{upstream} did not answer in time: {message}")
     kind = _FROM_CODE.get(code)
     if kind is not None:
-        return kind(message if code != grpc.StatusCode.UNAVAILABLE else f"{upstream}: {message}")
-    return Unavailable(f"{upstream} failed with {code.name}: {message}")
+        return kind(message)
+    log.warning(
+        "upstream call failed",
+        extra={"fields": {"upstream": upstream, "at": where, "code": code.name, "error": message}},
+    )
+    # The mesh's own services end a call with a rich status, and their messages never
+    # name an address: theirs may go on. gRPC's and a proxy's own messages may.
+    said = f": {message}" if message and _from_the_mesh(err) else ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(f"{upstream} is over capacity{said}", retry_after_s=1.0)
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return Unavailable(f"{upstream} did not answer in time{said}")
+    return Unavailable(f"{upstream} is unavailable{said}")
+
+
+def _from_the_mesh(err: grpc.aio.AioRpcError) -> bool:
+    return any(key == _DETAILS_KEY for key, _ in err.trailing_metadata() or ())
+
+
+_DETAILS_KEY = "grpc-status-details-bin"

@@ -7,6 +7,7 @@ tensors in ``raw_*_contents``: per token this costs a fraction of tritonclient's
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -16,6 +17,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmmesh.runtime.errors import InvalidArgument, MeshError, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall
+
+log = logging.getLogger(__name__)
 
 OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
 _FIELDS = ("text_input", "stream", "sampling_parameters")
@@ -110,15 +113,22 @@ class TritonBackend:
         except grpc.aio.AioRpcError as exc:
             raise _transport_error(exc, self.url) from None
         if reply is grpc.aio.EOF:
-            raise Unavailable(f"Triton at {self.url} ended the stream before the last response")
+            log.warning("Triton ended a stream early", extra={"fields": {"triton": self.url}})
+            raise Unavailable("Triton ended the stream before the last response")
         result: service_pb2.ModelStreamInferResponse = reply
         return result
 
 
 def _transport_error(exc: grpc.aio.AioRpcError, url: str) -> MeshError:
+    """The failure as callers may see it: Triton's address and the transport's details
+    go to the log only."""
+    log.warning(
+        "Triton call failed",
+        extra={"fields": {"triton": url, "code": exc.code().name, "error": exc.details()}},
+    )
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return Unavailable(f"Triton at {url} did not finish the stream in time")
-    return Unavailable(f"Triton at {url} is unavailable: {exc.details()}")
+        return Unavailable("Triton did not finish the stream in time")
+    return Unavailable("Triton is unavailable")
 
 
 def _stream_error(message: str, model: str) -> MeshError:

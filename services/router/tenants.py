@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +34,7 @@ BUDGET_REMAINING = Gauge(
     "llm_router_tenant_tokens_remaining", "Tokens left in the tenant's budget", ["tenant"]
 )
 BEARER = "bearer "
+API_KEY = re.compile(r"[!-~]{1,512}")  # printable ASCII, no spaces
 Tier = Literal["critical", "standard", "sheddable"]
 
 
@@ -210,7 +212,10 @@ class Tenants:
             return self._default.spec.id
         if not authorization or not authorization.lower().startswith(BEARER):
             raise Unauthenticated("missing credentials: send 'authorization: Bearer <api key>'")
-        digest = hash_key(authorization[len(BEARER) :].strip())
+        key = authorization[len(BEARER) :].strip()
+        if not API_KEY.fullmatch(key):  # never echoed: it may be a real key, mistyped
+            raise Unauthenticated("malformed API key: expected 1-512 printable ASCII characters")
+        digest = hash_key(key)
         tenant = self._by_key_hash.get(digest)
         known = self._states[tenant].spec.api_key_hashes if tenant else ()
         if tenant is None or not any(hmac.compare_digest(digest, h) for h in known):

@@ -23,6 +23,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"model": "gpt-17"}, "model"),
     ("hi", {"session_id": "no spaces allowed"}, "session_id"),
     ("hi", {"stop": [""]}, "sampling.stop"),
+    ("hi", {"stop": ["x"] * 17}, "sampling.stop"),
+    ("hi", {"seed": -1}, "sampling.seed"),
+    ("hi", {"temperature": 1e30}, "sampling.temperature"),
 ]
 
 

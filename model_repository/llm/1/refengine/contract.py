@@ -41,6 +41,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
+SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them
 _KNOWN_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
 # vLLM accepts these too; they do not change what this engine computes.
 _ACCEPTED_KEYS = {"n", "best_of", "min_tokens", "skip_special_tokens", "logprobs"}
@@ -123,6 +124,8 @@ def _seed(doc: dict[str, Any]) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError("sampling_parameters.seed: must be an integer")
+    if not 0 <= value < SEED_LIMIT:
+        raise RequestError(f"sampling_parameters.seed: must be in [0, 2^63), got {value}")
     return value
 
 
