@@ -316,8 +316,8 @@ def _policy(args: argparse.Namespace) -> int:
         args,
         _section(args, "policy"),
         f"; {rounds} generations of 16 tokens per tenant, alternating. The router's "
-        "tenants differ only in their rule set: the same 200 rules on input and output, "
-        "or on input only.",
+        "tenants differ only in their rule set: none, the default set's rules on input, "
+        "the 200 rules on input only, or on input and output.",
         result.table(),
     )
     return 0

@@ -1,6 +1,8 @@
 """Policy benchmark: a 200-rule set on 4 KB prompts and on token-sized output chunks,
-in process and through the policy service, and the time to first token through a router
-with and without the streamed output check, in one run.
+the default set and the 200 rules on a 32-message 16 KB conversation, in process and
+through the policy service; and the time to first token through a router whose tenants
+differ only in their rule set (none, the default set's input rules, the 200 rules on input
+or on input and output), in one run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
@@ -26,11 +29,14 @@ from llmmesh.launcher.process import Child
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.config import DEFAULT_RULES
 from services.policy.library import RuleLibrary
+from services.policy.parts import Part, check_input
 from services.policy.rules import RuleSet
 from services.policy.streaming import OutputScanner
 from services.router.tenants import hash_key
 
 PROMPT_CHARS = 4096
+CONVERSATION_MESSAGES = 32
+CONVERSATION_CHARS = 16 * 1024
 CHUNK_CHARS = 4  # about one token of English text
 DETECTORS = ("email", "phone", "credit_card", "iban", "ip_address", "ip_address_v6", "api_key")
 
@@ -96,15 +102,47 @@ def _timed(action: Callable[[], object], repeat: int) -> list[float]:
     return samples
 
 
-def in_process(rules: RuleSet, texts: list[str]) -> list[Latency]:
+def conversations(n: int, seed: int) -> list[list[Part]]:
+    """Conversations of 32 messages, 16 KB in all, cut from the benchmark's prompts (so
+    one message in four or so holds an email address or a phone number)."""
+    rng = random.Random(seed)
+    size = CONVERSATION_CHARS // CONVERSATION_MESSAGES
+    out = []
+    for prompt in prompts(n, seed):
+        long = (prompt * (CONVERSATION_CHARS // len(prompt) + 1))[:CONVERSATION_CHARS]
+        start = rng.randrange(size)
+        text = long[start:] + long[:start]
+        out.append(
+            [
+                Part(f"messages[{i}].content", text[i * size : (i + 1) * size])
+                for i in range(CONVERSATION_MESSAGES)
+            ]
+        )
+    return out
+
+
+def _checking(rules: RuleSet, chats: Iterator[list[Part]]) -> Callable[[], object]:
+    return lambda: check_input(rules, next(chats))
+
+
+def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) -> list[Latency]:
     inputs = iter(texts * 2)
     input_check = _timed(lambda: rules.check_input(next(inputs)), len(texts))
+    chats = conversations(200, seed)
+    by_set = {
+        name: _timed(_checking(rule_set, iter(chats)), len(chats))
+        for name, rule_set in (("default set", default), ("200 rules", rules))
+    }
     scanner = OutputScanner(rules.output)
     output = "".join(texts)
     chunks = iter([output[i : i + CHUNK_CHARS] for i in range(0, len(output), CHUNK_CHARS)])
     chunk_check = _timed(lambda: scanner.feed(next(chunks)), len(output) // CHUNK_CHARS)
     return [
         Latency("input check, 4 KB prompt (in process)", input_check),
+        *(
+            Latency(f"input check, 32-message 16 KB conversation, {name} (in process)", v)
+            for name, v in by_set.items()
+        ),
         Latency(f"output chunk of {CHUNK_CHARS} chars (in process)", chunk_check),
     ]
 
@@ -139,7 +177,20 @@ async def over_grpc(address: str, texts: list[str], rule_set: str) -> list[Laten
 class PolicyFleet:
     policy: str
     router: str
-    keys: dict[str, str]  # "output checked" / "input only" -> API key
+    keys: dict[str, str]  # tenant (TENANT_SETS) -> API key
+
+
+# The router's tenants, and the rule set of each.
+TENANT_SETS = {
+    "no rules": "none",
+    "default set, input rules": "default-input",
+    "200 rules, input only": "bench-input-only",
+    "200 rules, input and output": "bench",
+}
+
+
+def _input_only(doc: dict[str, Any]) -> dict[str, Any]:
+    return {**doc, "rules": [{**r, "stage": "input"} for r in doc["rules"]]}
 
 
 @contextmanager
@@ -149,12 +200,14 @@ def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
     rules = workdir / "rules"
     rules.mkdir(parents=True)
     (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
+    (rules / "none.yaml").write_text(yaml.safe_dump({"version": "none", "rules": []}))
     bench_set = yaml.safe_load(synthetic_rules())
     (rules / "bench.yaml").write_text(yaml.safe_dump(bench_set))
-    input_only = {**bench_set, "rules": [{**r, "stage": "input"} for r in bench_set["rules"]]}
-    (rules / "bench-input-only.yaml").write_text(yaml.safe_dump(input_only))
-    keys = {"output checked": secrets.token_urlsafe(16), "input only": secrets.token_urlsafe(16)}
-    sets = {"output checked": "bench", "input only": "bench-input-only"}
+    (rules / "bench-input-only.yaml").write_text(yaml.safe_dump(_input_only(bench_set)))
+    default_set = yaml.safe_load(DEFAULT_RULES.read_text())
+    (rules / "default-input.yaml").write_text(yaml.safe_dump(_input_only(default_set)))
+    keys = {name: secrets.token_urlsafe(16) for name in TENANT_SETS}
+    sets = TENANT_SETS
     tenants = workdir / "tenants.json"
     tenants.write_text(
         json.dumps(
@@ -193,11 +246,16 @@ def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
 
 
 async def router_ttft(fleet: PolicyFleet, rounds: int, seed: int) -> dict[str, list[float]]:
-    """TTFT of short generations, alternating between the two tenants."""
+    """TTFT of short generations, alternating between the tenants (after one untimed
+    request each, by which the router has its rule set)."""
     rng = random.Random(seed)
     targets = {name: RouterTarget(fleet.router, "", key) for name, key in fleet.keys.items()}
     ttft: dict[str, list[float]] = {name: [] for name in targets}
     try:
+        for target in targets.values():
+            await target.send(
+                BenchRequest("warm up", 2), RequestRecord(sent_at=time.perf_counter())
+            )
         for _ in range(rounds):
             prompt = text_of_length(rng, 64)
             for name, target in targets.items():
@@ -227,14 +285,27 @@ class PolicyResult:
         for name, values in self.ttft_s.items():
             p50, p99 = (percentile(values, q) * 1000 for q in (50, 99))
             rows.append(f"| {name} | {len(values)} | {p50:.1f} | {p99:.1f} |")
+        added = self.added_by_input_check_ms()
+        rows += [
+            "",
+            "TTFT added by the default set's input check (request by request against the "
+            f"no-rules tenant's request of the same round): median {added[1]:+.2f} ms, "
+            f"quartiles {added[0]:+.2f} / {added[2]:+.2f} ms.",
+        ]
         return "\n".join(rows)
+
+    def added_by_input_check_ms(self) -> tuple[float, float, float]:
+        """Quartiles of the paired TTFT differences, default input rules minus none."""
+        pairs = zip(self.ttft_s["default set, input rules"], self.ttft_s["no rules"], strict=True)
+        diffs = [(a - b) * 1000 for a, b in pairs]
+        return percentile(diffs, 25), percentile(diffs, 50), percentile(diffs, 75)
 
 
 def run(workdir: Path, rounds: int, seed: int) -> PolicyResult:
     library = RuleLibrary()
     library.load({"default": synthetic_rules()}, "bench")
     texts = prompts(400, seed)
-    latencies = in_process(library.get(""), texts)
+    latencies = in_process(library.get(""), RuleSet.from_file(DEFAULT_RULES), texts, seed)
     with policy_fleet(workdir) as fleet:
         latencies += asyncio.run(over_grpc(fleet.policy, texts, "bench"))
         ttft = asyncio.run(router_ttft(fleet, rounds, seed))

@@ -99,24 +99,51 @@ def check_session_id(session_id: str) -> None:
         )
 
 
+SEED_LIMIT = 1 << 63  # a seed is an integer in [0, 2^63): what an int64 field holds
+MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform anyway (and a float32 overflows)
+MAX_TOP_K = 1 << 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
 def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
-    """Raises InvalidArgument naming the first bad field of ``sampling``."""
+    """Raises InvalidArgument naming the first bad field of ``sampling``: every field an
+    engine validates is validated here first, so that a client's mistake is the client's
+    error and never a replica's failure."""
     if sampling.max_tokens <= 0:
         raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
     if sampling.max_tokens > max_tokens_limit:
         raise InvalidArgument(
             "sampling.max_tokens", f"must be at most {max_tokens_limit}, got {sampling.max_tokens}"
         )
-    if not sampling.temperature >= 0.0 or sampling.temperature == float("inf"):
+    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
         raise InvalidArgument(
-            "sampling.temperature", f"must be a finite number >= 0, got {sampling.temperature}"
+            "sampling.temperature",
+            f"must be a number in [0, {MAX_TEMPERATURE:g}], got {sampling.temperature}",
         )
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {sampling.top_k}")
-    if any(not stop for stop in sampling.stop):
-        raise InvalidArgument("sampling.stop", "stop strings must not be empty")
+    if not 0 <= sampling.top_k <= MAX_TOP_K:
+        raise InvalidArgument(
+            "sampling.top_k", f"must be in [0, {MAX_TOP_K}], got {sampling.top_k}"
+        )
+    if sampling.seed is not None and not 0 <= sampling.seed < SEED_LIMIT:
+        raise InvalidArgument(
+            "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
+        )
+    _check_stop(sampling.stop)
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidArgument("sampling.stop", f"stop string {index} is empty")
+        if len(text) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                "sampling.stop", f"stop string {index} is longer than {MAX_STOP_CHARS} characters"
+            )
 
 
 class Role(enum.Enum):
@@ -160,13 +187,28 @@ class PolicyAction(enum.Enum):
 
 @dataclass(frozen=True)
 class Verdict:
-    """Policy's decision on a piece of text."""
+    """Policy's decision on what a model will read, checked as one text in parts (each
+    message, each turn of a history, the new prompt)."""
 
     action: PolicyAction
     rule_ids: tuple[str, ...] = ()
-    text: str = ""
+    texts: tuple[str, ...] = ()  # each part's text as it may go on: redacted where ruled
     rule_set_version: str = ""
     checks_output: bool = False  # the rule set also has rules for generated text
+    denied_at: str = ""  # with DENY: the field of the part where the deny rule matched
+    matches: tuple[tuple[str, str], ...] = ()  # (rule id, field) of each match, in order
+
+    @property
+    def text(self) -> str:
+        """The text of a verdict on a single part."""
+        return self.texts[0] if self.texts else ""
+
+    @property
+    def denial(self) -> str:
+        """Why a denied request is refused, for the client: the rule, and where."""
+        rule = self.rule_ids[0] if self.rule_ids else "unknown"
+        where = f" in {self.denied_at}" if self.denied_at else ""
+        return f"prompt denied by policy rule '{rule}'{where}"
 
 
 @dataclass(frozen=True)

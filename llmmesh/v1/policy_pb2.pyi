@@ -45,6 +45,55 @@ ACTION_REDACT: Action.ValueType  # 3
 """Redact rules matched: use `redacted_text` instead of the original."""
 Global___Action: _TypeAlias = Action  # noqa: Y015
 
+class _Stage:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Stage.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STAGE_UNSPECIFIED: _Stage.ValueType  # 0
+    STAGE_INPUT: _Stage.ValueType  # 1
+    """A prompt, before it reached a model."""
+    STAGE_OUTPUT: _Stage.ValueType  # 2
+    """A generation's output, as it streamed."""
+
+class Stage(_Stage, metaclass=_StageEnumTypeWrapper):
+    """The stage a decision was made at."""
+
+STAGE_UNSPECIFIED: Stage.ValueType  # 0
+STAGE_INPUT: Stage.ValueType  # 1
+"""A prompt, before it reached a model."""
+STAGE_OUTPUT: Stage.ValueType  # 2
+"""A generation's output, as it streamed."""
+Global___Stage: _TypeAlias = Stage  # noqa: Y015
+
+@_typing.final
+class InputPart(_message.Message):
+    """One piece of what a model will read."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    """Where it comes from, as the verdict reports it: a request field such as
+    "messages[2].content", or "session.turns[4]".
+    """
+    text: _builtins.str
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InputPart: _TypeAlias = InputPart  # noqa: Y015
+
 @_typing.final
 class CheckInputRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -53,14 +102,22 @@ class CheckInputRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     RULE_SET_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, recorded in the audit trail."""
     tenant: _builtins.str
     """Tenant whose rule set applies."""
     text: _builtins.str
-    """The prompt to check."""
+    """A single prompt to check (the part "text"); or leave it empty and send `parts`."""
     rule_set: _builtins.str
     """Rule set to apply (the tenant's); empty means "default"."""
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___InputPart]:
+        """Everything the model will read, in the order it reads it (each message or turn of
+        a conversation, its system prompt, the new message): checked as one text, so a
+        phrase split across parts matches, and reported and redacted part by part.
+        """
+
     def __init__(
         self,
         *,
@@ -68,14 +125,40 @@ class CheckInputRequest(_message.Message):
         tenant: _builtins.str = ...,
         text: _builtins.str = ...,
         rule_set: _builtins.str = ...,
+        parts: _abc.Iterable[Global___InputPart] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckInputRequest: _TypeAlias = CheckInputRequest  # noqa: Y015
+
+@_typing.final
+class RuleMatch(_message.Message):
+    """Where a rule matched."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_ID_FIELD_NUMBER: _builtins.int
+    FIELD_FIELD_NUMBER: _builtins.int
+    rule_id: _builtins.str
+    field: _builtins.str
+    """The part's field (see InputPart.field) where the match starts."""
+    def __init__(
+        self,
+        *,
+        rule_id: _builtins.str = ...,
+        field: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "rule_id", b"rule_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuleMatch: _TypeAlias = RuleMatch  # noqa: Y015
 
 @_typing.final
 class CheckInputResponse(_message.Message):
@@ -86,6 +169,9 @@ class CheckInputResponse(_message.Message):
     REDACTED_TEXT_FIELD_NUMBER: _builtins.int
     RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
     CHECKS_OUTPUT_FIELD_NUMBER: _builtins.int
+    REDACTED_PARTS_FIELD_NUMBER: _builtins.int
+    DENIED_AT_FIELD_NUMBER: _builtins.int
+    MATCHES_FIELD_NUMBER: _builtins.int
     action: Global___Action.ValueType
     redacted_text: _builtins.str
     """With ACTION_REDACT, the text to send on instead of the input; otherwise empty (the
@@ -95,9 +181,23 @@ class CheckInputResponse(_message.Message):
     """Version of the rule set that decided."""
     checks_output: _builtins.bool
     """The rule set has output rules: stream the generation through CheckOutput."""
+    denied_at: _builtins.str
+    """With ACTION_DENY: the field where the deny rule's match starts."""
     @_builtins.property
     def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Ids of the rules that matched, in rule-set order."""
+        """Ids of the rules that matched: with ACTION_DENY the deny rule first, then the others,
+        in rule-set order.
+        """
+
+    @_builtins.property
+    def redacted_parts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With ACTION_REDACT and `parts`: the text of every part to send on, in order."""
+
+    @_builtins.property
+    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___RuleMatch]:
+        """Each rule that matched, with the field where it matched (one entry per rule and
+        field, first match first).
+        """
 
     def __init__(
         self,
@@ -107,10 +207,13 @@ class CheckInputResponse(_message.Message):
         redacted_text: _builtins.str = ...,
         rule_set_version: _builtins.str = ...,
         checks_output: _builtins.bool = ...,
+        redacted_parts: _abc.Iterable[_builtins.str] | None = ...,
+        denied_at: _builtins.str = ...,
+        matches: _abc.Iterable[Global___RuleMatch] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checks_output", b"checks_output", "redacted_text", b"redacted_text", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "checks_output", b"checks_output", "denied_at", b"denied_at", "matches", b"matches", "redacted_parts", b"redacted_parts", "redacted_text", b"redacted_text", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -194,12 +297,12 @@ class CheckOutputResponse(_message.Message):
 Global___CheckOutputResponse: _TypeAlias = CheckOutputResponse  # noqa: Y015
 
 @_typing.final
-class GetOutputRulesRequest(_message.Message):
+class GetRulesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RULE_SET_FIELD_NUMBER: _builtins.int
     rule_set: _builtins.str
-    """Rule set whose output rules are wanted; empty means "default"."""
+    """Rule set whose rules are wanted; empty means "default"."""
     def __init__(
         self,
         *,
@@ -211,29 +314,32 @@ class GetOutputRulesRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___GetOutputRulesRequest: _TypeAlias = GetOutputRulesRequest  # noqa: Y015
+Global___GetRulesRequest: _TypeAlias = GetRulesRequest  # noqa: Y015
 
 @_typing.final
-class OutputRules(_message.Message):
+class RuleSetRules(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    RULE_SET_FIELD_NUMBER: _builtins.int
     RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
     RULES_JSON_FIELD_NUMBER: _builtins.int
     HOLDBACK_CAP_FIELD_NUMBER: _builtins.int
     AUDIT_TEXT_FIELD_NUMBER: _builtins.int
+    rule_set: _builtins.str
+    """The set's name (as asked) and version."""
     rule_set_version: _builtins.str
-    """Version of the rule set (CheckInput names the version in force for each request)."""
     rules_json: _builtins.str
-    """The set's output-stage rules, inheritance applied: a JSON list of rule documents, in
-    the fields of a rule set file's rules.
+    """The set's rules, inheritance applied: a JSON list of rule documents, in the fields
+    of a rule set file's rules (each says its stage).
     """
     holdback_cap: _builtins.int
     """The streamed check holds back at most this many characters (see CheckOutput)."""
     audit_text: _builtins.bool
-    """The audit log records checked text: RecordOutput must carry the whole output."""
+    """The audit log records checked text: decisions must carry the text they decided on."""
     def __init__(
         self,
         *,
+        rule_set: _builtins.str = ...,
         rule_set_version: _builtins.str = ...,
         rules_json: _builtins.str = ...,
         holdback_cap: _builtins.int = ...,
@@ -241,18 +347,41 @@ class OutputRules(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set", b"rule_set", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___OutputRules: _TypeAlias = OutputRules  # noqa: Y015
+Global___RuleSetRules: _TypeAlias = RuleSetRules  # noqa: Y015
 
 @_typing.final
-class RecordOutputRequest(_message.Message):
+class WatchRulesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rules(self) -> Global___RuleSetRules:
+        """The rules, when they are new to this stream; unset in a heartbeat."""
+
+    def __init__(
+        self,
+        *,
+        rules: Global___RuleSetRules | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rules", b"rules"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rules", b"rules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRulesResponse: _TypeAlias = WatchRulesResponse  # noqa: Y015
+
+@_typing.final
+class Decision(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
     RULE_SET_VERSION_FIELD_NUMBER: _builtins.int
     ACTION_FIELD_NUMBER: _builtins.int
     RULE_IDS_FIELD_NUMBER: _builtins.int
@@ -260,12 +389,13 @@ class RecordOutputRequest(_message.Message):
     request_id: _builtins.str
     """Correlation id, recorded in the audit trail."""
     tenant: _builtins.str
+    stage: Global___Stage.ValueType
     rule_set_version: _builtins.str
-    """Version of the rules that checked the output."""
+    """Version of the rules that decided."""
     action: Global___Action.ValueType
-    """ALLOW, REDACT (something released was replaced) or DENY (the stream was stopped)."""
+    """ALLOW, REDACT (something was replaced) or DENY (refused, or the stream was stopped)."""
     text: _builtins.str
-    """The whole generated text, only when OutputRules.audit_text asked for it."""
+    """The text decided on, only when RuleSetRules.audit_text asked for it."""
     @_builtins.property
     def rule_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Rules that matched, first match first."""
@@ -275,6 +405,7 @@ class RecordOutputRequest(_message.Message):
         *,
         request_id: _builtins.str = ...,
         tenant: _builtins.str = ...,
+        stage: Global___Stage.ValueType = ...,
         rule_set_version: _builtins.str = ...,
         action: Global___Action.ValueType = ...,
         rule_ids: _abc.Iterable[_builtins.str] | None = ...,
@@ -282,14 +413,34 @@ class RecordOutputRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "request_id", b"request_id", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "request_id", b"request_id", "rule_ids", b"rule_ids", "rule_set_version", b"rule_set_version", "stage", b"stage", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RecordOutputRequest: _TypeAlias = RecordOutputRequest  # noqa: Y015
+Global___Decision: _TypeAlias = Decision  # noqa: Y015
 
 @_typing.final
-class RecordOutputResponse(_message.Message):
+class RecordDecisionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECISIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decisions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Decision]: ...
+    def __init__(
+        self,
+        *,
+        decisions: _abc.Iterable[Global___Decision] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decisions", b"decisions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecordDecisionsRequest: _TypeAlias = RecordDecisionsRequest  # noqa: Y015
+
+@_typing.final
+class RecordDecisionsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -301,4 +452,4 @@ class RecordOutputResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RecordOutputResponse: _TypeAlias = RecordOutputResponse  # noqa: Y015
+Global___RecordDecisionsResponse: _TypeAlias = RecordDecisionsResponse  # noqa: Y015

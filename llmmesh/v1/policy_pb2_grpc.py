@@ -27,6 +27,12 @@ if _version_not_supported:
 
 class PolicyStub:
     """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
     """
 
     def __init__(self, channel):
@@ -45,24 +51,35 @@ class PolicyStub:
                 request_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.FromString,
                 _registered_method=True)
-        self.GetOutputRules = channel.unary_unary(
-                '/llmmesh.v1.Policy/GetOutputRules',
-                request_serializer=llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.SerializeToString,
-                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.OutputRules.FromString,
+        self.GetRules = channel.unary_unary(
+                '/llmmesh.v1.Policy/GetRules',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.RuleSetRules.FromString,
                 _registered_method=True)
-        self.RecordOutput = channel.unary_unary(
-                '/llmmesh.v1.Policy/RecordOutput',
-                request_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.SerializeToString,
-                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.FromString,
+        self.WatchRules = channel.unary_stream(
+                '/llmmesh.v1.Policy/WatchRules',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.WatchRulesResponse.FromString,
+                _registered_method=True)
+        self.RecordDecisions = channel.unary_unary(
+                '/llmmesh.v1.Policy/RecordDecisions',
+                request_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsResponse.FromString,
                 _registered_method=True)
 
 
 class PolicyServicer:
     """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
     """
 
     def CheckInput(self, request, context):
-        """Checks a prompt before it reaches a model.
+        """Checks everything a model will read before it reaches the model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,23 +87,29 @@ class PolicyServicer:
 
     def CheckOutput(self, request_iterator, context):
         """Checks generated text as it streams: one response per request message, in order.
-        For callers that do not run the output rules themselves.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetOutputRules(self, request, context):
-        """The output rules of a rule set, for a caller that checks generated text in process
-        (the router does: a round trip per streamed chunk costs more than the check itself).
+    def GetRules(self, request, context):
+        """The rules of a rule set, as in force now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RecordOutput(self, request, context):
-        """Records the decision of an output check the caller made with those rules: audit
-        trail and decision metrics, as for a CheckOutput stream.
+    def WatchRules(self, request, context):
+        """The rules of a rule set now, then again whenever its version changes, with a
+        heartbeat in between (a response without rules) at least every 10 seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordDecisions(self, request, context):
+        """Records decisions a caller made with those rules: audit trail and decision metrics,
+        as for its own checks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,15 +128,20 @@ def add_PolicyServicer_to_server(servicer, server):
                     request_deserializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_policy__pb2.CheckOutputResponse.SerializeToString,
             ),
-            'GetOutputRules': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetOutputRules,
-                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.FromString,
-                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.OutputRules.SerializeToString,
+            'GetRules': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRules,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.RuleSetRules.SerializeToString,
             ),
-            'RecordOutput': grpc.unary_unary_rpc_method_handler(
-                    servicer.RecordOutput,
-                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.FromString,
-                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.SerializeToString,
+            'WatchRules': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRules,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.WatchRulesResponse.SerializeToString,
+            ),
+            'RecordDecisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordDecisions,
+                    request_deserializer=llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -125,6 +153,12 @@ def add_PolicyServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Policy:
     """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
     """
 
     @staticmethod
@@ -182,7 +216,7 @@ class Policy:
             _registered_method=True)
 
     @staticmethod
-    def GetOutputRules(request,
+    def GetRules(request,
             target,
             options=(),
             channel_credentials=None,
@@ -195,9 +229,9 @@ class Policy:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmmesh.v1.Policy/GetOutputRules',
-            llmmesh_dot_v1_dot_policy__pb2.GetOutputRulesRequest.SerializeToString,
-            llmmesh_dot_v1_dot_policy__pb2.OutputRules.FromString,
+            '/llmmesh.v1.Policy/GetRules',
+            llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.RuleSetRules.FromString,
             options,
             channel_credentials,
             insecure,
@@ -209,7 +243,34 @@ class Policy:
             _registered_method=True)
 
     @staticmethod
-    def RecordOutput(request,
+    def WatchRules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmmesh.v1.Policy/WatchRules',
+            llmmesh_dot_v1_dot_policy__pb2.GetRulesRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.WatchRulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordDecisions(request,
             target,
             options=(),
             channel_credentials=None,
@@ -222,9 +283,9 @@ class Policy:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/llmmesh.v1.Policy/RecordOutput',
-            llmmesh_dot_v1_dot_policy__pb2.RecordOutputRequest.SerializeToString,
-            llmmesh_dot_v1_dot_policy__pb2.RecordOutputResponse.FromString,
+            '/llmmesh.v1.Policy/RecordDecisions',
+            llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsRequest.SerializeToString,
+            llmmesh_dot_v1_dot_policy__pb2.RecordDecisionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

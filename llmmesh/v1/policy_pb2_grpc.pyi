@@ -27,49 +27,70 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PolicyStub:
-    """Internal: guardrails on prompts and generated text."""
+    """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PolicyAsyncStub: ...
     CheckInput: _grpc.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]
-    """Checks a prompt before it reaches a model."""
+    """Checks everything a model will read before it reaches the model."""
     CheckOutput: _grpc.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]
-    """Checks generated text as it streams: one response per request message, in order.
-    For callers that do not run the output rules themselves.
+    """Checks generated text as it streams: one response per request message, in order."""
+    GetRules: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetRulesRequest, _policy_pb2.RuleSetRules]
+    """The rules of a rule set, as in force now."""
+    WatchRules: _grpc.UnaryStreamMultiCallable[_policy_pb2.GetRulesRequest, _policy_pb2.WatchRulesResponse]
+    """The rules of a rule set now, then again whenever its version changes, with a
+    heartbeat in between (a response without rules) at least every 10 seconds.
     """
-    GetOutputRules: _grpc.UnaryUnaryMultiCallable[_policy_pb2.GetOutputRulesRequest, _policy_pb2.OutputRules]
-    """The output rules of a rule set, for a caller that checks generated text in process
-    (the router does: a round trip per streamed chunk costs more than the check itself).
-    """
-    RecordOutput: _grpc.UnaryUnaryMultiCallable[_policy_pb2.RecordOutputRequest, _policy_pb2.RecordOutputResponse]
-    """Records the decision of an output check the caller made with those rules: audit
-    trail and decision metrics, as for a CheckOutput stream.
+    RecordDecisions: _grpc.UnaryUnaryMultiCallable[_policy_pb2.RecordDecisionsRequest, _policy_pb2.RecordDecisionsResponse]
+    """Records decisions a caller made with those rules: audit trail and decision metrics,
+    as for its own checks.
     """
 
 @_typing.type_check_only
 class PolicyAsyncStub(PolicyStub):
-    """Internal: guardrails on prompts and generated text."""
+    """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CheckInput: _aio.UnaryUnaryMultiCallable[_policy_pb2.CheckInputRequest, _policy_pb2.CheckInputResponse]  # type: ignore[assignment]
-    """Checks a prompt before it reaches a model."""
+    """Checks everything a model will read before it reaches the model."""
     CheckOutput: _aio.StreamStreamMultiCallable[_policy_pb2.CheckOutputRequest, _policy_pb2.CheckOutputResponse]  # type: ignore[assignment]
-    """Checks generated text as it streams: one response per request message, in order.
-    For callers that do not run the output rules themselves.
+    """Checks generated text as it streams: one response per request message, in order."""
+    GetRules: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetRulesRequest, _policy_pb2.RuleSetRules]  # type: ignore[assignment]
+    """The rules of a rule set, as in force now."""
+    WatchRules: _aio.UnaryStreamMultiCallable[_policy_pb2.GetRulesRequest, _policy_pb2.WatchRulesResponse]  # type: ignore[assignment]
+    """The rules of a rule set now, then again whenever its version changes, with a
+    heartbeat in between (a response without rules) at least every 10 seconds.
     """
-    GetOutputRules: _aio.UnaryUnaryMultiCallable[_policy_pb2.GetOutputRulesRequest, _policy_pb2.OutputRules]  # type: ignore[assignment]
-    """The output rules of a rule set, for a caller that checks generated text in process
-    (the router does: a round trip per streamed chunk costs more than the check itself).
-    """
-    RecordOutput: _aio.UnaryUnaryMultiCallable[_policy_pb2.RecordOutputRequest, _policy_pb2.RecordOutputResponse]  # type: ignore[assignment]
-    """Records the decision of an output check the caller made with those rules: audit
-    trail and decision metrics, as for a CheckOutput stream.
+    RecordDecisions: _aio.UnaryUnaryMultiCallable[_policy_pb2.RecordDecisionsRequest, _policy_pb2.RecordDecisionsResponse]  # type: ignore[assignment]
+    """Records decisions a caller made with those rules: audit trail and decision metrics,
+    as for its own checks.
     """
 
 class PolicyServicer(metaclass=_abc_1.ABCMeta):
-    """Internal: guardrails on prompts and generated text."""
+    """Internal: guardrails on prompts and generated text.
+
+    Policy owns the rule sets and the audit trail. A caller may check text here
+    (CheckInput, CheckOutput), or apply a rule set's rules in its own process, as the router
+    does: it follows the sets with WatchRules and reports each decision with
+    RecordDecisions. A round trip per prompt or per streamed chunk costs more than the
+    check itself.
+    """
 
     @_abc_1.abstractmethod
     def CheckInput(
@@ -77,7 +98,7 @@ class PolicyServicer(metaclass=_abc_1.ABCMeta):
         request: _policy_pb2.CheckInputRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_policy_pb2.CheckInputResponse, _abc.Awaitable[_policy_pb2.CheckInputResponse]]:
-        """Checks a prompt before it reaches a model."""
+        """Checks everything a model will read before it reaches the model."""
 
     @_abc_1.abstractmethod
     def CheckOutput(
@@ -85,28 +106,34 @@ class PolicyServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_policy_pb2.CheckOutputRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_policy_pb2.CheckOutputResponse], _abc.AsyncIterator[_policy_pb2.CheckOutputResponse]]:
-        """Checks generated text as it streams: one response per request message, in order.
-        For callers that do not run the output rules themselves.
+        """Checks generated text as it streams: one response per request message, in order."""
+
+    @_abc_1.abstractmethod
+    def GetRules(
+        self,
+        request: _policy_pb2.GetRulesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_policy_pb2.RuleSetRules, _abc.Awaitable[_policy_pb2.RuleSetRules]]:
+        """The rules of a rule set, as in force now."""
+
+    @_abc_1.abstractmethod
+    def WatchRules(
+        self,
+        request: _policy_pb2.GetRulesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_policy_pb2.WatchRulesResponse], _abc.AsyncIterator[_policy_pb2.WatchRulesResponse]]:
+        """The rules of a rule set now, then again whenever its version changes, with a
+        heartbeat in between (a response without rules) at least every 10 seconds.
         """
 
     @_abc_1.abstractmethod
-    def GetOutputRules(
+    def RecordDecisions(
         self,
-        request: _policy_pb2.GetOutputRulesRequest,
+        request: _policy_pb2.RecordDecisionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_policy_pb2.OutputRules, _abc.Awaitable[_policy_pb2.OutputRules]]:
-        """The output rules of a rule set, for a caller that checks generated text in process
-        (the router does: a round trip per streamed chunk costs more than the check itself).
-        """
-
-    @_abc_1.abstractmethod
-    def RecordOutput(
-        self,
-        request: _policy_pb2.RecordOutputRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_policy_pb2.RecordOutputResponse, _abc.Awaitable[_policy_pb2.RecordOutputResponse]]:
-        """Records the decision of an output check the caller made with those rules: audit
-        trail and decision metrics, as for a CheckOutput stream.
+    ) -> _typing.Union[_policy_pb2.RecordDecisionsResponse, _abc.Awaitable[_policy_pb2.RecordDecisionsResponse]]:
+        """Records decisions a caller made with those rules: audit trail and decision metrics,
+        as for its own checks.
         """
 
 def add_PolicyServicer_to_server(servicer: PolicyServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -13,6 +13,7 @@ from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import PolicyAction, Verdict
 from services.policy.audit import AuditLog
 from services.policy.library import RuleLibrary
+from services.policy.parts import PART_SEPARATOR, Part, check_input
 from services.policy.rules import StageRules
 from services.policy.streaming import OutputDecision, OutputStep, StreamCheck
 
@@ -39,18 +40,24 @@ def check_text(field: str, text: str) -> None:
         raise InvalidArgument(field, f"longer than {MAX_TEXT_CHARS} characters")
 
 
+def check_parts_size(parts: Sequence[Part]) -> None:
+    if sum(len(p.text) for p in parts) > MAX_TEXT_CHARS:
+        raise InvalidArgument("parts", f"longer than {MAX_TEXT_CHARS} characters in all")
+
+
 class PolicyCore:
     def __init__(self, library: RuleLibrary, audit: AuditLog | None = None) -> None:
         self.library = library
         self._audit = audit
 
     def check_input(
-        self, tenant: str, text: str, request_id: str = "", rule_set: str = ""
+        self, tenant: str, parts: Sequence[Part], request_id: str = "", rule_set: str = ""
     ) -> Verdict:
-        check_text("text", text)
+        """Everything a model will read, checked as one text (services/policy/parts.py)."""
+        check_parts_size(parts)
         rules = self.library.get(rule_set)
         started = time.perf_counter()
-        verdict = rules.check_input(text)
+        verdict = check_input(rules, parts).verdict(rules)
         CHECK_SECONDS.labels("input").observe(time.perf_counter() - started)
         self.record_decision(
             stage="input",
@@ -58,7 +65,7 @@ class PolicyCore:
             tenant=tenant,
             action=verdict.action,
             rule_ids=verdict.rule_ids,
-            text=text,
+            text=PART_SEPARATOR.join(p.text for p in parts),
             version=verdict.rule_set_version,
         )
         return verdict

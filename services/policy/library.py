@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter
 
@@ -31,6 +31,7 @@ class RuleLibrary:
         self._cap = holdback_cap
         self._specs: dict[str, RuleSetSpec] = {}
         self._sets: dict[str, RuleSet] = {}
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def holdback_cap(self) -> int:
@@ -70,6 +71,11 @@ class RuleLibrary:
             log.info("rule sets applied", extra={"fields": {"versions": self.versions()}})
         return True
 
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``listener`` after every swap; returns the call that stops it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
     def versions(self) -> dict[str, str]:
         return {name: rules.version for name, rules in sorted(self._sets.items())}
 
@@ -78,6 +84,8 @@ class RuleLibrary:
             raise RuleSetError(f"no '{DEFAULT_SET}' rule set")
         compiled = {name: self._compile(name, specs) for name in specs}
         self._specs, self._sets = specs, compiled  # checks see the old sets or the new
+        for listener in list(self._listeners):
+            listener()
 
     def _compile(self, name: str, specs: Mapping[str, RuleSetSpec]) -> RuleSet:
         rules, version = _resolve(name, specs, ())

@@ -1,14 +1,14 @@
 """Matching a rule set against text in one pass per matcher kind, and knowing how much of
 a growing text could still become a match (for the streamed output check).
 
-Keywords of every rule share one Aho-Corasick automaton (case-folded, whitespace runs
-collapsed, whole-word optional); regular expressions and detectors run on RE2, whose
-matching time is linear in the text whatever the pattern.
+Keywords of every rule share one Aho-Corasick automaton over the keyword view (whole-word
+optional); regular expressions and detectors run on RE2 over the pattern view, whose
+matching time is linear in the text whatever the pattern. Matches are reported in the
+original text's positions.
 """
 
 from __future__ import annotations
 
-import bisect
 import re
 import re._parser as sre_parse  # type: ignore[import-not-found]  # widths of patterns
 from collections.abc import Callable, Sequence
@@ -16,9 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import ahocorasick
+import numpy as np
 import re2
 
 from services.policy.detectors import DETECTORS, Detector
+from services.policy.normalize import (
+    View,
+    is_word,
+    keyword_view,
+    pattern_view,
+    word_after,
+    word_before,
+)
 from services.policy.partial import prefix_pattern
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}|[^\S ]")
@@ -80,90 +89,118 @@ def _width(pattern: str) -> tuple[int, int]:
 
 
 class _Folded:
-    """Text lower-cased with whitespace runs collapsed to one space, and the way back from
-    a folded position to a position in the original."""
+    """The view of rules that opt out of normalization: lower-cased, whitespace runs
+    collapsed to one space."""
 
-    def __init__(self, text: str) -> None:
+    @staticmethod
+    def view(text: str) -> View:
         lowered = text.lower()
         if len(lowered) != len(text):  # a few characters lower-case to two
             lowered = "".join(c if len(c.lower()) != 1 else c.lower() for c in text)
-        self._runs: list[int] = []  # folded index of each collapsed run
-        self._shift: list[int] = []  # characters removed up to and including that run
-        parts, last, removed = [], 0, 0
+        if not _WHITESPACE_RUN.search(lowered):
+            return View(text, lowered, None)
+        parts, origin, last = [], [], 0
         for run in _WHITESPACE_RUN.finditer(lowered):
             parts += [lowered[last : run.start()], " "]
-            self._runs.append(run.start() - removed)
-            removed += run.end() - run.start() - 1
-            self._shift.append(removed)
+            origin += [*range(last, run.start()), run.start()]
             last = run.end()
-        self.text = "".join([*parts, lowered[last:]]) if self._runs else lowered
-
-    def origin(self, index: int) -> int:
-        """The original position of folded character ``index``."""
-        before = bisect.bisect_left(self._runs, index)  # runs strictly before index
-        return index + (self._shift[before - 1] if before else 0)
+        parts.append(lowered[last:])
+        origin += range(last, len(lowered))
+        return View(text, "".join(parts), np.array(origin, dtype=np.int64))
 
 
-def _is_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
+class Views:
+    """The views of one text, each made when a matcher first needs it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._made: dict[str, View] = {}
+
+    def get(self, kind: str) -> View:
+        view = self._made.get(kind)
+        if view is None:
+            view = self._made[kind] = _VIEWS[kind](self.text)
+        return view
+
+
+def _raw_view(text: str) -> View:
+    return View(text, text, None)
+
+
+_VIEWS: dict[str, Callable[[str], View]] = {
+    "keyword": keyword_view,
+    "folded": _Folded.view,
+    "pattern": pattern_view,
+    "raw": _raw_view,
+}
 
 
 class KeywordIndex:
-    """All keywords of a rule set in one Aho-Corasick automaton."""
+    """All keywords of a rule set in one Aho-Corasick automaton over one view: the keyword
+    view (``normalized``), or the folded one for rules that opt out."""
 
-    def __init__(self, rules: Sequence[RuleMatchers]) -> None:
+    def __init__(self, rules: Sequence[tuple[int, RuleMatchers]], normalized: bool) -> None:
+        self._kind = "keyword" if normalized else "folded"
         self._automaton: Any = None
         self._prefixes: set[str] = set()
         self.longest = 0
         entries: dict[str, list[tuple[int, bool]]] = {}
-        for index, rule in enumerate(rules):
+        for index, rule in rules:
             for keyword in rule.keywords:
-                folded = " ".join(keyword.lower().split())
-                entries.setdefault(folded, []).append((index, rule.whole_word))
+                key = _VIEWS[self._kind](keyword.strip()).text
+                if not key:
+                    raise PatternError(f"keyword {keyword!r} has no letter or digit to match")
+                entries.setdefault(key, []).append((index, rule.whole_word))
         if not entries:
             return
         self._automaton = ahocorasick.Automaton()
-        for folded, owners in entries.items():
-            self._automaton.add_word(folded, (len(folded), tuple(owners)))
-            self.longest = max(self.longest, len(folded))
+        for key, owners in entries.items():
+            self._automaton.add_word(key, (len(key), tuple(owners)))
+            self.longest = max(self.longest, len(key))
             # A trailing piece of text that may yet become this keyword; a whole one too,
             # since the next character decides whether it stands as a whole word.
-            self._prefixes.update(folded[:n] for n in range(1, len(folded) + 1))
+            self._prefixes.update(key[:n] for n in range(1, len(key) + 1))
         self._automaton.make_automaton()
 
-    def hits(self, text: str, pos: int) -> list[Hit]:
+    def hits(self, views: Views, pos: int) -> list[Hit]:
+        text = views.text
         if self._automaton is None or pos >= len(text):
             return []
-        # One character of context before ``pos`` decides whole-word matches there.
-        base = max(pos - 1, 0)
-        folded = _Folded(text[base:])
+        view = views.get(self._kind)
         found = []
-        for last, (length, owners) in self._automaton.iter(folded.text):
-            start = base + folded.origin(last - length + 1)
-            end = base + folded.origin(last) + 1
-            if start < pos:
-                continue
+        for last, (length, owners) in self._automaton.iter(view.text, view.position(pos)):
+            first = last - length + 1
+            start, end = view.start(first), view.end(last + 1)
             for rule, whole_word in owners:
-                if not whole_word or _stands_alone(text, start, end):
+                if not whole_word:
                     found.append(Hit(rule, start, end, ""))
+                    continue
+                alone, known = _stands_alone(text, start, view.start(last), end)
+                if alone:
+                    found.append(Hit(rule, start, end, "", certain=known))
         return found
 
-    def pending_start(self, text: str, pos: int) -> int | None:
+    def pending_start(self, views: Views, pos: int) -> int | None:
         """Where the longest tail of ``text[pos:]`` that could still become a keyword
         starts, if any."""
-        if self._automaton is None or pos >= len(text):
+        if self._automaton is None or pos >= len(views.text):
             return None
-        folded = _Folded(text[pos:])
-        for length in range(min(self.longest, len(folded.text)), 0, -1):
-            if folded.text[-length:] in self._prefixes:
-                return pos + folded.origin(len(folded.text) - length)
+        view = views.get(self._kind)
+        size = len(view.text)
+        for length in range(min(self.longest, size - view.position(pos)), 0, -1):
+            if view.text[-length:] in self._prefixes:
+                return view.start(size - length)
         return None
 
 
-def _stands_alone(text: str, start: int, end: int) -> bool:
-    before = start == 0 or not (_is_word(text[start]) and _is_word(text[start - 1]))
-    after = end == len(text) or not (_is_word(text[end - 1]) and _is_word(text[end]))
-    return before and after
+def _stands_alone(text: str, start: int, last: int, end: int) -> tuple[bool, bool]:
+    """Whether a keyword match of ``text[start:end]`` (its last letter at ``last``) stands
+    as a whole word, and whether that is known yet (the text may grow past ``end``)."""
+    before_char = word_before(text, start)
+    before = before_char is None or not (is_word(text[start]) and is_word(before_char))
+    after_char, known = word_after(text, end)
+    after = after_char is None or not (is_word(text[last]) and is_word(after_char))
+    return before and after, known
 
 
 @dataclass(frozen=True)
@@ -175,13 +212,17 @@ class _Pattern:
 
 
 class PatternIndex:
-    """Regular expressions and detectors of a rule set."""
+    """Regular expressions and detectors of a rule set, over one view: the pattern view
+    (``normalized``), or the text itself for rules that opt out."""
 
-    def __init__(self, rules: Sequence[RuleMatchers], cap: int) -> None:
+    def __init__(
+        self, rules: Sequence[tuple[int, RuleMatchers]], cap: int, normalized: bool
+    ) -> None:
+        self._kind = "pattern" if normalized else "raw"
         self._patterns: list[_Pattern] = []
         regex_width = 0
         partials: list[str] = []
-        for index, rule in enumerate(rules):
+        for index, rule in rules:
             for compiled in rule.regex:
                 self._patterns.append(_Pattern(index, compiled, rule.placeholder, None))
                 partial = _checked_prefix(compiled.pattern)
@@ -202,28 +243,36 @@ class PatternIndex:
         unique = sorted(set(partials))
         self._partial = re2.compile("|".join(f"(?:{p})\\z" for p in unique)) if unique else None
 
-    def hits(self, text: str, pos: int) -> list[Hit]:
+    def hits(self, views: Views, pos: int) -> list[Hit]:
+        if not self._patterns:
+            return []
+        view = views.get(self._kind)
+        at = view.position(pos)
         return [
             Hit(
                 p.rule,
-                m.start(),
-                m.end(),
+                view.start(m.start()),
+                view.end(m.end()),
                 p.placeholder,
                 p.valid is None or p.valid(m.group(0)),
                 certain=p.valid is None,
             )
             for p in self._patterns
-            for m in p.compiled.finditer(text, pos)
+            for m in p.compiled.finditer(view.text, at)
         ]
 
-    def pending_start(self, text: str, pos: int) -> int | None:
+    def pending_start(self, views: Views, pos: int) -> int | None:
+        if not self._patterns:
+            return None
+        view = views.get(self._kind)
+        at, size = view.position(pos), len(view.text)
         starts = []
         if self.regex_holdback:
-            starts.append(max(len(text) - self.regex_holdback, pos))
+            starts.append(view.start(max(size - self.regex_holdback, at)))
         if self._partial is not None:
-            tail = self._partial.search(text, pos)
+            tail = self._partial.search(view.text, at)
             if tail is not None:
-                starts.append(tail.start())
+                starts.append(view.start(tail.start()))
         return min(starts) if starts else None
 
 
@@ -239,29 +288,36 @@ def _checked_prefix(pattern: str) -> str | None:
 
 
 class Matcher:
-    """One stage's rules (input or output) compiled for matching."""
+    """One stage's rules (input or output) compiled for matching. Rules match on the
+    normalized views of the text (services/policy/normalize.py) unless they opt out."""
 
-    def __init__(self, rules: Sequence[RuleMatchers], holdback_cap: int) -> None:
-        self._keywords = KeywordIndex(rules)
-        self._patterns = PatternIndex(rules, holdback_cap)
+    def __init__(
+        self, rules: Sequence[RuleMatchers], holdback_cap: int, normalized: Sequence[bool]
+    ) -> None:
+        by_view: dict[bool, list[tuple[int, RuleMatchers]]] = {True: [], False: []}
+        for index, (rule, normalize) in enumerate(zip(rules, normalized, strict=True)):
+            by_view[normalize].append((index, rule))
+        self._indexes: list[KeywordIndex | PatternIndex] = []
+        for normalize, owned in by_view.items():
+            if owned:
+                self._indexes.append(KeywordIndex(owned, normalize))
+                self._indexes.append(PatternIndex(owned, holdback_cap, normalize))
         self.holdback_cap = holdback_cap
 
-    def hits(self, text: str, pos: int = 0) -> list[Hit]:
-        return self._keywords.hits(text, pos) + self._patterns.hits(text, pos)
+    def hits(self, text: str | Views, pos: int = 0) -> list[Hit]:
+        views = text if isinstance(text, Views) else Views(text)
+        return [hit for index in self._indexes for hit in index.hits(views, pos)]
 
-    def settled_until(self, text: str, pos: int, hits: Sequence[Hit]) -> int:
+    def settled_until(self, text: str | Views, pos: int, hits: Sequence[Hit]) -> int:
         """How far ``text`` (of which ``[pos:]`` is new) is settled: no match can start
         before the returned position and reach beyond it, whatever text follows. Never
         holds back more than the cap, unless a complete match spans the cap's edge."""
+        views = text if isinstance(text, Views) else Views(text)
         pending = [
-            s
-            for s in (
-                self._keywords.pending_start(text, pos),
-                self._patterns.pending_start(text, pos),
-            )
-            if s is not None
+            s for s in (index.pending_start(views, pos) for index in self._indexes) if s is not None
         ]
-        settled = max(min(pending, default=len(text)), len(text) - self.holdback_cap, pos)
+        size = len(views.text)
+        settled = max(min(pending, default=size), size - self.holdback_cap, pos)
         # A match straddling the edge is held whole: cutting there would change what the
         # next scan finds.
         moved = True

@@ -50,6 +50,10 @@ class RuleSpec(BaseModel):
     regex: list[str] = Field(default_factory=list)
     detectors: list[str] = Field(default_factory=list)
     placeholder: str = "[REDACTED]"  # for keyword and regex matches of a redact rule
+    # Match on the normalized views of the text (services/policy/normalize.py: Unicode
+    # compatibility forms, invisible characters, combining marks, look-alike letters,
+    # separators between a keyword's letters); false: on the text as it is.
+    normalize: bool = True
 
     @field_validator("keywords", "regex")
     @classmethod
@@ -132,13 +136,14 @@ class Decision:
     redacted: bool
 
     def verdict(self, version: str) -> Verdict:
-        if self.denied_by is not None:
-            action = PolicyAction.DENY
-        elif self.redacted:
-            action = PolicyAction.REDACT
-        else:
-            action = PolicyAction.ALLOW
-        return Verdict(action, self.rule_ids, self.text, version)
+        action = action_of(self.denied_by, self.redacted)
+        return Verdict(action, self.rule_ids, (self.text,), version)
+
+
+def action_of(denied_by: str | None, redacted: bool) -> PolicyAction:
+    if denied_by is not None:
+        return PolicyAction.DENY
+    return PolicyAction.REDACT if redacted else PolicyAction.ALLOW
 
 
 class StageRules:
@@ -146,7 +151,11 @@ class StageRules:
 
     def __init__(self, rules: Sequence[RuleSpec], holdback_cap: int) -> None:
         self.rules = list(rules)
-        self.matcher = Matcher([_matchers(r) for r in self.rules], holdback_cap)
+        matchers = [_matchers(r) for r in self.rules]
+        try:
+            self.matcher = Matcher(matchers, holdback_cap, [r.normalize for r in self.rules])
+        except PatternError as err:
+            raise RuleSetError(str(err)) from None
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -193,6 +202,7 @@ class RuleSet:
         holdback_cap: int = DEFAULT_HOLDBACK_CAP,
     ) -> None:
         self.version = version
+        self.specs = tuple(rules)
         self.input = StageRules([r for r in rules if r.applies_to(Stage.INPUT)], holdback_cap)
         self.output = StageRules([r for r in rules if r.applies_to(Stage.OUTPUT)], holdback_cap)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -14,16 +16,18 @@ from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulPrefixWatch, connect
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.grpc_status import abort
+from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_directory, watch_file
-from llmmesh.types import PolicyAction
+from llmmesh.types import PolicyAction, Verdict
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.audit import AuditLog
 from services.policy.config import PolicyConfig
 from services.policy.core import OutputCheck, PolicyCore, check_text
 from services.policy.library import DEFAULT_SET, RuleLibrary
-from services.policy.rules import RuleSetError
+from services.policy.parts import Part
+from services.policy.rules import RuleSet, RuleSetError
 from services.policy.streaming import OutputStep
 
 SERVICE = policy_pb2.DESCRIPTOR.services_by_name["Policy"]
@@ -33,16 +37,55 @@ _ACTIONS = {
     PolicyAction.DENY: policy_pb2.ACTION_DENY,
     PolicyAction.REDACT: policy_pb2.ACTION_REDACT,
 }
+_ACTIONS_FROM_PB = {pb: action for action, pb in _ACTIONS.items()}
+_STAGES = {policy_pb2.STAGE_INPUT: "input", policy_pb2.STAGE_OUTPUT: "output"}
+# WatchRules sends at least this often, so that a watcher knows the stream is alive.
+HEARTBEAT_S = 10.0
 
 InputContext = grpc.aio.ServicerContext[policy_pb2.CheckInputRequest, policy_pb2.CheckInputResponse]
 OutputContext = grpc.aio.ServicerContext[
     policy_pb2.CheckOutputRequest, policy_pb2.CheckOutputResponse
 ]
-RulesContext = grpc.aio.ServicerContext[policy_pb2.GetOutputRulesRequest, policy_pb2.OutputRules]
+RulesContext = grpc.aio.ServicerContext[policy_pb2.GetRulesRequest, policy_pb2.RuleSetRules]
+WatchContext = grpc.aio.ServicerContext[policy_pb2.GetRulesRequest, policy_pb2.WatchRulesResponse]
 RecordContext = grpc.aio.ServicerContext[
-    policy_pb2.RecordOutputRequest, policy_pb2.RecordOutputResponse
+    policy_pb2.RecordDecisionsRequest, policy_pb2.RecordDecisionsResponse
 ]
-_ACTIONS_FROM_PB = {pb: action for action, pb in _ACTIONS.items()}
+
+
+def _parts(request: policy_pb2.CheckInputRequest) -> list[Part]:
+    if request.parts and request.text:
+        raise InvalidArgument("parts", "send either text or parts, not both")
+    if not request.parts:
+        return [Part("text", request.text)]
+    return [Part(p.field or f"parts[{i}]", p.text) for i, p in enumerate(request.parts)]
+
+
+def verdict_to_pb(verdict: Verdict, with_parts: bool) -> policy_pb2.CheckInputResponse:
+    reply = policy_pb2.CheckInputResponse(
+        action=_ACTIONS[verdict.action],
+        rule_ids=list(verdict.rule_ids),
+        rule_set_version=verdict.rule_set_version,
+        checks_output=verdict.checks_output,
+        denied_at=verdict.denied_at,
+        matches=[policy_pb2.RuleMatch(rule_id=r, field=f) for r, f in verdict.matches],
+    )
+    if verdict.action is PolicyAction.REDACT:
+        if with_parts:
+            reply.redacted_parts.extend(verdict.texts)
+        else:
+            reply.redacted_text = verdict.text
+    return reply
+
+
+def rules_to_pb(name: str, rules: RuleSet, cap: int, audit_text: bool) -> policy_pb2.RuleSetRules:
+    return policy_pb2.RuleSetRules(
+        rule_set=name,
+        rule_set_version=rules.version,
+        rules_json=json.dumps([rule.model_dump(mode="json") for rule in rules.specs]),
+        holdback_cap=cap,
+        audit_text=audit_text,
+    )
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServicer):
@@ -55,18 +98,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         bind_request_id(context, request.request_id)
         try:
             verdict = self._core.check_input(
-                request.tenant, request.text, request.request_id, request.rule_set
+                request.tenant, _parts(request), request.request_id, request.rule_set
             )
-            checks_output = self._core.has_output_rules(request.rule_set)
         except MeshError as err:
             await abort(context, err)
-        return policy_pb2.CheckInputResponse(
-            action=_ACTIONS[verdict.action],
-            rule_ids=list(verdict.rule_ids),
-            redacted_text=verdict.text if verdict.action is PolicyAction.REDACT else "",
-            rule_set_version=verdict.rule_set_version,
-            checks_output=checks_output,
-        )
+        return verdict_to_pb(verdict, with_parts=bool(request.parts))
 
     async def CheckOutput(  # noqa: N802 (gRPC method name)
         self,
@@ -91,44 +127,76 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
             if check is not None:
                 check.close()  # a stream cut short is still a decision to record
 
-    async def GetOutputRules(  # noqa: N802 (gRPC method name)
-        self, request: policy_pb2.GetOutputRulesRequest, context: RulesContext
-    ) -> policy_pb2.OutputRules:
-        try:
-            rules = self._core.library.get(request.rule_set)
-        except MeshError as err:
-            await abort(context, err)
-        specs = [rule.model_dump(mode="json") for rule in rules.output.rules]
-        return policy_pb2.OutputRules(
-            rule_set_version=rules.version,
-            rules_json=json.dumps(specs),
-            holdback_cap=self._core.library.holdback_cap,
-            audit_text=self._core.audits_text,
-        )
+    def _rules(self, name: str) -> policy_pb2.RuleSetRules:
+        library = self._core.library
+        return rules_to_pb(name, library.get(name), library.holdback_cap, self._core.audits_text)
 
-    async def RecordOutput(  # noqa: N802 (gRPC method name)
-        self, request: policy_pb2.RecordOutputRequest, context: RecordContext
-    ) -> policy_pb2.RecordOutputResponse:
-        bind_request_id(context, request.request_id)
+    async def GetRules(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.GetRulesRequest, context: RulesContext
+    ) -> policy_pb2.RuleSetRules:
         try:
-            action = _ACTIONS_FROM_PB.get(request.action)
-            if action is None:
-                raise InvalidArgument("action", "must be ALLOW, REDACT or DENY")
-            if not request.rule_set_version:
-                raise InvalidArgument("rule_set_version", "must name the rules that checked")
-            check_text("text", request.text)
-            self._core.record_decision(
-                stage="output",
-                request_id=request.request_id,
-                tenant=request.tenant,
-                action=action,
-                rule_ids=request.rule_ids,
-                text=request.text,
-                version=request.rule_set_version,
-            )
+            return self._rules(request.rule_set)
         except MeshError as err:
             await abort(context, err)
-        return policy_pb2.RecordOutputResponse()
+
+    async def WatchRules(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.GetRulesRequest, context: WatchContext
+    ) -> AsyncGenerator[policy_pb2.WatchRulesResponse, None]:
+        changed = asyncio.Event()
+        unsubscribe = self._core.library.subscribe(changed.set)
+        try:
+            sent = ""
+            while True:
+                rules = self._rules(request.rule_set)
+                if rules.rule_set_version != sent:
+                    sent = rules.rule_set_version
+                    yield policy_pb2.WatchRulesResponse(rules=rules)
+                else:
+                    yield policy_pb2.WatchRulesResponse()  # a heartbeat
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
+                changed.clear()
+        except MeshError as err:  # the set is unknown, or no longer exists
+            await abort(context, err)
+        finally:
+            unsubscribe()
+
+    async def RecordDecisions(  # noqa: N802 (gRPC method name)
+        self, request: policy_pb2.RecordDecisionsRequest, context: RecordContext
+    ) -> policy_pb2.RecordDecisionsResponse:
+        try:
+            decisions = [_decision(d, f"decisions[{i}]") for i, d in enumerate(request.decisions)]
+        except MeshError as err:
+            await abort(context, err)
+        for decision in decisions:
+            bound = request_id_var.set(decision["request_id"])  # each logs as its request
+            try:
+                self._core.record_decision(**decision)
+            finally:
+                request_id_var.reset(bound)
+        return policy_pb2.RecordDecisionsResponse()
+
+
+def _decision(message: policy_pb2.Decision, field: str) -> dict[str, Any]:
+    """A recorded decision's fields, validated (the whole batch is refused otherwise)."""
+    action = _ACTIONS_FROM_PB.get(message.action)
+    if action is None:
+        raise InvalidArgument(f"{field}.action", "must be ALLOW, REDACT or DENY")
+    stage = _STAGES.get(message.stage)
+    if stage is None:
+        raise InvalidArgument(f"{field}.stage", "must be INPUT or OUTPUT")
+    if not message.rule_set_version:
+        raise InvalidArgument(f"{field}.rule_set_version", "must name the rules that decided")
+    check_text(f"{field}.text", message.text)
+    return {
+        "stage": stage,
+        "request_id": message.request_id,
+        "tenant": message.tenant,
+        "action": action,
+        "rule_ids": tuple(message.rule_ids),
+        "text": message.text,
+        "version": message.rule_set_version,
+    }
 
 
 def _output_response(step: OutputStep, version: str) -> policy_pb2.CheckOutputResponse:

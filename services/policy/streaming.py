@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmmesh.types import PolicyAction
-from services.policy.matching import Hit
+from services.policy.matching import Hit, Views
+from services.policy.normalize import MAX_IGNORED_RUN
 from services.policy.rules import StageRules
 
 
@@ -43,7 +44,9 @@ class OutputStep:
 class OutputScanner:
     def __init__(self, rules: StageRules) -> None:
         self._rules = rules
-        self._context = ""  # the last released character: word boundaries need it
+        # The end of the released text: word boundaries need the character before new
+        # text, and that character may be followed by ignored ones (zero-width, marks).
+        self._context = ""
         self._pending = ""
         self.matched: list[str] = []  # every rule that matched so far, first match first
         self.denied_by: str | None = None
@@ -65,9 +68,9 @@ class OutputScanner:
             self._pending = ""
             return OutputStep(pending)
         scan, pos = self._context + pending, len(self._context)
-        matcher = self._rules.matcher
-        hits = matcher.hits(scan, pos)
-        settled = len(scan) if final else matcher.settled_until(scan, pos, hits)
+        matcher, views = self._rules.matcher, Views(scan)
+        hits = matcher.hits(views, pos)
+        settled = len(scan) if final else matcher.settled_until(views, pos, hits)
         # A deny match that is certain stops the stream at once, even while held back.
         decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
         decision = self._rules.decide(scan[pos:settled], decided, pos)
@@ -77,7 +80,7 @@ class OutputScanner:
             self.denied_by, self._pending = decision.denied_by, ""
             return OutputStep("", new, decision.denied_by)
         if settled > pos:
-            self._context = scan[settled - 1]
+            self._context = scan[max(settled - MAX_IGNORED_RUN - 1, 0) : settled]
         self._pending = scan[settled:]
         return OutputStep(decision.text, new, None, len(self._pending), decision.redacted)
 

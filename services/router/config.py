@@ -80,7 +80,10 @@ class RouterConfig(ServiceConfig):
     max_queue_wait_s: dict[str, float] = Field(
         default_factory=lambda: {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
     )
-    max_prompt_chars: int = 8192
+    # The longest prompt, and the longest message of a conversation sent whole; and the
+    # longest conversation in all (every message of it is checked by policy).
+    max_prompt_chars: int = Field(default=8192, ge=1)
+    max_conversation_chars: int = Field(default=65536, ge=1)
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024
     # Context window of the served models, in tokens (prompt + history + generation).

@@ -33,7 +33,14 @@ from llmmesh.types import (
 )
 from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
-from services.router.prompt import build_prompt, summary_overhead, turn_overhead, user_tail
+from services.router.prompt import (
+    build_prompt,
+    input_parts,
+    summary_overhead,
+    turn_overhead,
+    user_tail,
+    with_texts,
+)
 from services.router.tenants import Lease, Tenants
 from services.router.upstreams import (
     ContextClient,
@@ -175,13 +182,7 @@ class RouterCore:
         model = request.model or config.models[0]
         if model not in config.models:
             raise InvalidArgument("model", f"unknown model '{model}'; served: {config.models}")
-        if not request.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
-        if len(request.prompt) > config.max_prompt_chars:
-            raise InvalidArgument(
-                "prompt",
-                f"{len(request.prompt)} characters; the limit is {config.max_prompt_chars}",
-            )
+        self._check_texts(request)
         if request.session_id:
             check_session_id(request.session_id)
         if request.color and not COLOR_NAME.match(request.color):
@@ -196,19 +197,39 @@ class RouterCore:
         check_sampling(sampling, config.max_tokens_limit)
         return replace(request, model=model, sampling=sampling)
 
-    async def prepare(self, request: GenerateInput) -> Prepared:
-        """Validation, policy and session history; raises before anything is streamed.
+    def _check_texts(self, request: GenerateInput) -> None:
+        """The same limits for every message of a conversation as for a prompt, and one
+        for the whole of it."""
+        limit, history = self._config.max_prompt_chars, request.inline_history
+        turns = history.turns if history is not None else ()
+        prompt_field = "prompt" if history is None else f"messages[{len(turns)}].content"
+        if not request.prompt:
+            raise InvalidArgument(prompt_field, "must not be empty")
+        for field, text in [
+            *((f"messages[{i}].content", t.text) for i, t in enumerate(turns)),
+            (prompt_field, request.prompt),
+        ]:
+            if len(text) > limit:
+                raise InvalidArgument(field, f"{len(text)} characters; the limit is {limit}")
+        total = sum(len(t.text) for t in turns) + len(request.prompt)
+        if total > self._config.max_conversation_chars:
+            raise InvalidArgument(
+                "messages",
+                f"{total} characters in all; the limit is {self._config.max_conversation_chars}",
+            )
 
-        Policy is checked while the generation already starts (speculatively, with the
-        prompt as sent): its latency is hidden from the time to first token. A denial
-        cancels the generation before any of it is released; a redaction restarts it with
-        the redacted prompt.
-        """
+    async def prepare(self, request: GenerateInput) -> Prepared:
+        """Validation, session history, policy and admission; raises before anything is
+        streamed. Nothing of the request reaches a replica before policy's verdict on
+        everything the model will read, and then only as the verdict lets it (redacted)."""
         received_at = time.perf_counter()
         request = self.validate(request)
         with tracing.tracer.start_as_current_span("context.load"):
             history = await self._load_history(request)
-        call, prompt_tokens = self._build_call(request, history, request.prompt)
+        rule_set = self._tenants.spec(request.tenant).policy_set
+        verdict = await self._verdict(request, history, rule_set)
+        history, user_text = with_texts(history, verdict.texts)
+        call, prompt_tokens = self._build_call(request, history, user_text)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
             with tracing.tracer.start_as_current_span("admission.wait"):
@@ -221,24 +242,7 @@ class RouterCore:
         except BaseException:
             lease.release()
             raise
-        hints = self._hints(request)
-        # The generation's request goes out first: it is the long pole.
-        started = StartedStream(self._inference.generate(call, hints))
-        rule_set = self._tenants.spec(request.tenant).policy_set
-        pending = asyncio.create_task(self._check_input(request, rule_set))
-        try:
-            verdict = await self._verdict(pending, request)
-            user_text = self._admit(verdict) or request.prompt
-            if user_text != request.prompt:
-                await started.abandon()
-                call, prompt_tokens = self._build_call(request, history, user_text)
-                started = StartedStream(self._inference.generate(call, hints))
-        except BaseException:
-            pending.cancel()
-            await started.abandon()
-            lease.release()
-            slot.release(None)
-            raise
+        started = StartedStream(self._inference.generate(call, self._hints(request)))
         guard = (
             self._policy.guard_output(
                 request.request_id, request.tenant, rule_set, verdict.rule_set_version
@@ -249,12 +253,6 @@ class RouterCore:
         return Prepared(
             request, started, user_text, prompt_tokens, received_at, lease, slot, guard, history
         )
-
-    async def _check_input(self, request: GenerateInput, rule_set: str) -> Verdict:
-        with tracing.tracer.start_as_current_span("policy.check_input"):
-            return await self._policy.check_input(
-                request.request_id, request.tenant, request.prompt, rule_set
-            )
 
     @staticmethod
     def _hints(request: GenerateInput) -> RouteHints:
@@ -391,11 +389,19 @@ class RouterCore:
             )
             return History()
 
-    async def _verdict(self, pending: asyncio.Task[Verdict], request: GenerateInput) -> Verdict:
-        """The policy's verdict; if policy is unreachable, the tenant's fail mode decides:
-        ``closed`` refuses (UNAVAILABLE), ``open`` lets the prompt through, flagged."""
+    async def _verdict(
+        self, request: GenerateInput, history: History | None, rule_set: str
+    ) -> Verdict:
+        """Policy's verdict on everything the model will read (PERMISSION_DENIED naming
+        the rule and where it matched, if a rule denies it); if policy is unreachable,
+        the tenant's fail mode decides: ``closed`` refuses (UNAVAILABLE), ``open`` lets
+        the prompt through, flagged."""
+        parts = input_parts(history, request.prompt, inline=request.inline_history is not None)
         try:
-            return await pending
+            with tracing.tracer.start_as_current_span("policy.check_input"):
+                verdict = await self._policy.check_input(
+                    request.request_id, request.tenant, parts, rule_set
+                )
         except Unavailable:
             if self._tenants.spec(request.tenant).policy_fail_mode == "closed":
                 raise
@@ -404,13 +410,12 @@ class RouterCore:
                 "policy unreachable; allowed by the tenant's fail-open mode",
                 extra={"fields": {"tenant": request.tenant}},
             )
-            return Verdict(PolicyAction.ALLOW, text=request.prompt)
-
-    def _admit(self, verdict: Verdict) -> str:
+            return Verdict(PolicyAction.ALLOW, texts=tuple(p.text for p in parts))
         if verdict.action is PolicyAction.DENY:
-            rule = verdict.rule_ids[0] if verdict.rule_ids else "unknown"
-            raise PermissionDenied(f"prompt denied by policy rule '{rule}'")
-        return verdict.text
+            raise PermissionDenied(verdict.denial)
+        if len(verdict.texts) != len(parts):
+            raise Unavailable("policy returned a verdict on a different number of parts")
+        return verdict
 
     async def _record(self, prepared: Prepared, answer: str, answer_tokens: int) -> None:
         request = prepared.request

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -22,31 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     MeshError,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
 )
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
 from services.router.core import GenerateInput, Prepared, RouterCore
+from services.router.http_errors import INTERNAL, STATUS, error_response, http_errors
 from services.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
-_STATUS: dict[type[MeshError], tuple[int, str]] = {
-    InvalidArgument: (400, "invalid_request_error"),
-    Unauthenticated: (401, "authentication_error"),
-    PermissionDenied: (403, "permission_error"),
-    NotFound: (404, "not_found_error"),
-    ResourceExhausted: (429, "rate_limit_error"),
-    Unavailable: (503, "service_unavailable"),
-    DeadlineExceeded: (504, "timeout"),
-}
 # The mesh's finish reasons in OpenAI's vocabulary.
 _FINISH = {
     FinishReason.LENGTH: "length",
@@ -111,20 +96,10 @@ class CompletionBody(_Body):
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
 
-def _error(err: MeshError) -> web.Response:
-    status, kind = _STATUS.get(type(err), (500, "internal_error"))
-    param = err.field if isinstance(err, InvalidArgument) else None
-    headers = {}
-    if isinstance(err, ResourceExhausted):
-        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    body = {"error": {"message": err.message, "type": kind, "param": param, "code": None}}
-    return web.json_response(body, status=status, headers=headers)
-
-
 async def _json_body(request: web.Request, model: type[_Body]) -> Any:
     try:
         raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, a number too long, nesting
         raise InvalidArgument("body", "must be a JSON object") from None
     try:
         return model.model_validate(raw)
@@ -149,18 +124,15 @@ def _sampling(body: _Body) -> Sampling:
 
 
 def _inline_history(messages: list[Message]) -> tuple[History, str]:
-    """Earlier messages as history (system ones as the system prompt), and the last one,
-    which must be the user's, as the prompt."""
+    """Earlier messages as history, in order (system and developer ones as system turns),
+    and the last one, which must be the user's, as the prompt."""
     *earlier, last = messages
     if last.role != "user":
-        raise InvalidArgument("messages", "the last message must be the user's")
-    system = "\n".join(m.text() for m in earlier if m.role in ("system", "developer"))
-    turns = tuple(
-        Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text())
-        for m in earlier
-        if m.role not in ("system", "developer")
-    )
-    return History(turns=turns, system_prompt=system, total_turns=len(turns)), last.text()
+        raise InvalidArgument(
+            f"messages[{len(earlier)}].role", "the last message must be the user's"
+        )
+    turns = tuple(Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text()) for m in earlier)
+    return History(turns=turns, total_turns=len(turns)), last.text()
 
 
 class OpenAiApi:
@@ -170,7 +142,7 @@ class OpenAiApi:
         self._models = models
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[_http_errors])
+        app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[http_errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -180,7 +152,7 @@ class OpenAiApi:
         try:
             self._tenants.authenticate(request.headers.get("Authorization"))
         except MeshError as err:
-            return _error(err)
+            return error_response(err)
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "llm-mesh"} for m in self._models
         ]
@@ -206,7 +178,7 @@ class OpenAiApi:
             generate = self._decode(request, request_id, tenant, body, chat)
             prepared = await self._core.prepare(generate)
         except MeshError as err:
-            response = _error(err)
+            response = error_response(err)
             response.headers[REQUEST_ID] = request_id
             return response
         reply = _Reply(request_id, prepared.request.model, chat, body)
@@ -245,7 +217,7 @@ class OpenAiApi:
             async for chunk in self._core.stream(prepared):
                 reply.add(chunk)
         except MeshError as err:
-            return _error(err)
+            return error_response(err)
         return web.json_response(reply.whole(prepared.prompt_tokens), headers=reply.headers)
 
     async def _stream(
@@ -259,7 +231,7 @@ class OpenAiApi:
             try:
                 first = await anext(chunks)
             except MeshError as err:
-                return _error(err)
+                return error_response(err)
             response = web.StreamResponse(
                 headers={
                     "Content-Type": "text/event-stream",
@@ -274,26 +246,11 @@ class OpenAiApi:
                     async for event in events:
                         await response.write(event)
             except MeshError as err:  # after the headers: the error is the last event
-                status, kind = _STATUS.get(type(err), (500, "internal_error"))
+                status, kind = STATUS.get(type(err), INTERNAL)
                 error = {"error": {"message": err.message, "type": kind, "code": status}}
                 await response.write(_sse(error))
         await response.write_eof()
         return response
-
-
-@web.middleware
-async def _http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own refusals (no such route, wrong method, body too large) as OpenAI
-    error JSON too."""
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
-        return web.json_response(body, status=exc.status)
 
 
 def _sse(doc: dict[str, Any] | str) -> bytes:

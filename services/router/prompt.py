@@ -9,9 +9,11 @@ prefix caches and session affinity pay off.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import History, Role, Turn
+from services.policy.parts import Part
 
 _TAGS = {Role.SYSTEM: "<|system|>", Role.USER: "<|user|>", Role.ASSISTANT: "<|assistant|>"}
 SUMMARY_LEAD = "Earlier in this conversation: "
@@ -79,3 +81,35 @@ def build_prompt(
         used += cost
     kept.reverse()
     return "".join(kept) + tail, len(turns) - len(kept)
+
+
+def input_parts(history: History | None, prompt: str, inline: bool) -> list[Part]:
+    """Everything the model will read, in the order it reads it, each part named by the
+    request field it came from: the messages of a conversation sent whole (``inline``),
+    or a stored session's system prompt, summary and turns; then the new message."""
+    parts: list[Part] = []
+    turns = history.turns if history else ()
+    if history is not None:
+        if history.system_prompt:
+            parts.append(Part("session.system_prompt", history.system_prompt))
+        if history.summary:
+            parts.append(Part("session.summary", history.summary))
+    first_stored = (history.total_turns - len(turns)) if history else 0
+    for index, turn in enumerate(turns):
+        field = f"messages[{index}].content" if inline else f"session.turns[{first_stored + index}]"
+        parts.append(Part(field, turn.text))
+    parts.append(Part(f"messages[{len(turns)}].content" if inline else "prompt", prompt))
+    return parts
+
+
+def with_texts(history: History | None, texts: tuple[str, ...]) -> tuple[History | None, str]:
+    """The history and new message of ``input_parts`` with the parts' texts replaced (by
+    their redacted texts), in the same order."""
+    *earlier, prompt = texts
+    if history is None:
+        return None, prompt
+    pieces = iter(earlier)
+    system = next(pieces) if history.system_prompt else ""
+    summary = next(pieces) if history.summary else ""
+    turns = tuple(replace(turn, text=next(pieces)) for turn in history.turns)
+    return replace(history, system_prompt=system, summary=summary, turns=turns), prompt

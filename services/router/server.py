@@ -35,11 +35,13 @@ from services.router.config import RouterConfig
 from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Prepared, RouterCore
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
+from services.router.http_errors import HttpRunner
 from services.router.openai_api import OpenAiApi
+from services.router.policy_gate import PolicyGate
 from services.router.pool import InferencePool, PoolSettings
 from services.router.routing import PolicyHolder
 from services.router.tenants import Tenants, parse_tenants
-from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyClient
+from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyService
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +151,7 @@ class Upstreams:
             for address in (config.policy_address, config.context_address)
         ]
         policy_ch, context_ch = self.channels
-        self.policy = GrpcPolicyClient(policy_ch, config.upstream_timeout_s)
+        self.policy = PolicyGate(GrpcPolicyService(policy_ch, config.upstream_timeout_s))
         self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
         self.consul = _consul_client(config)
         self.routing = PolicyHolder()
@@ -295,7 +297,7 @@ class HttpFront:
     def __init__(self, config: RouterConfig, api: OpenAiApi) -> None:
         self._config = config
         # A client that disconnects cancels its handler, and with it the generation.
-        self._runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        self._runner = HttpRunner(api.app(), handler_cancellation=True, access_log=None)
         self.port = 0
 
     async def start(self) -> None:

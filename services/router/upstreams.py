@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-from prometheus_client import Counter
 
 from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
 from llmmesh.runtime import tracing
@@ -34,14 +32,9 @@ from llmmesh.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from services.policy.rules import RuleSpec, StageRules
-from services.policy.streaming import OutputDecision
-from services.router.output_check import (
-    Generation,
-    LocalOutputGuard,
-    OutputRules,
-    OutputRulesCache,
-)
+from services.policy.parts import Part
+from services.policy.rules import RuleSet, RuleSpec
+from services.router.policy_gate import AuditRecord, FollowedRules
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +51,10 @@ class OutputGuard(Protocol):
 
 class PolicyClient(Protocol):
     async def check_input(
-        self, request_id: str, tenant: str, text: str, rule_set: str
-    ) -> Verdict: ...
+        self, request_id: str, tenant: str, parts: Sequence[Part], rule_set: str
+    ) -> Verdict:
+        """The verdict on everything the model will read, in the order it reads it."""
+        ...
 
     def guard_output(
         self, request_id: str, tenant: str, rule_set: str, version: str
@@ -109,10 +104,7 @@ _ACTION_FROM_PB = {
     policy_pb2.ACTION_REDACT: PolicyAction.REDACT,
 }
 _ACTION_TO_PB = {action: pb for pb, action in _ACTION_FROM_PB.items()}
-OUTPUT_RECORDS_LOST = Counter(
-    "llm_router_output_records_lost_total",
-    "Output check decisions the policy service did not record (audit trail gaps)",
-)
+_STAGE_TO_PB = {"input": policy_pb2.STAGE_INPUT, "output": policy_pb2.STAGE_OUTPUT}
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
@@ -120,19 +112,47 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID, request_id), *tracing.outgoing())
 
 
-class GrpcPolicyClient:
-    """Prompts are checked by the policy service; generated text here, with its rules
-    (services/router/output_check.py)."""
+def _followed(reply: policy_pb2.RuleSetRules) -> FollowedRules:
+    try:
+        specs = [RuleSpec.model_validate(r) for r in json.loads(reply.rules_json)]
+        rules = RuleSet(specs, reply.rule_set_version, reply.holdback_cap)
+    except (ValueError, TypeError) as err:  # JSON, validation and rule errors
+        log.warning("policy rules do not load", extra={"fields": {"error": str(err)}})
+        raise Unavailable("policy service sent rules that do not load") from None
+    return FollowedRules(reply.rule_set, rules, reply.audit_text)
+
+
+class GrpcPolicyService:
+    """The policy service as the router's policy gate uses it (services/router/policy_gate.py)."""
 
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
         self._stub = policy_pb2_grpc.PolicyStub(channel)
         self._timeout = timeout_s
-        self._rules = OutputRulesCache(self._fetch_rules)
-        self._recording: set[asyncio.Task[None]] = set()
 
-    async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
+    async def watch(self, rule_set: str) -> AsyncIterator[FollowedRules | None]:
+        request = policy_pb2.GetRulesRequest(rule_set=rule_set)
+        try:
+            async for reply in self._stub.WatchRules(request):
+                yield _followed(reply.rules) if reply.HasField("rules") else None
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "policy service") from None
+
+    async def fetch(self, rule_set: str) -> FollowedRules:
+        request = policy_pb2.GetRulesRequest(rule_set=rule_set)
+        try:
+            reply = await self._stub.GetRules(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "policy service") from None
+        return _followed(reply)
+
+    async def check_input(
+        self, request_id: str, tenant: str, parts: Sequence[Part], rule_set: str
+    ) -> Verdict:
         request = policy_pb2.CheckInputRequest(
-            request_id=request_id, tenant=tenant, text=text, rule_set=rule_set
+            request_id=request_id,
+            tenant=tenant,
+            rule_set=rule_set,
+            parts=[policy_pb2.InputPart(field=p.field, text=p.text) for p in parts],
         )
         try:
             reply = await self._stub.CheckInput(
@@ -140,62 +160,41 @@ class GrpcPolicyClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
+        action = _ACTION_FROM_PB.get(reply.action, PolicyAction.DENY)
+        texts = tuple(p.text for p in parts)
+        if action is PolicyAction.REDACT:
+            if len(reply.redacted_parts) != len(parts):
+                raise Unavailable("policy service redacted a different number of parts")
+            texts = tuple(reply.redacted_parts)
         return Verdict(
-            action=_ACTION_FROM_PB.get(reply.action, PolicyAction.DENY),
+            action=action,
             rule_ids=tuple(reply.rule_ids),
-            text=reply.redacted_text or text,  # empty: unchanged
+            texts=texts,
             rule_set_version=reply.rule_set_version,
             checks_output=reply.checks_output,
+            denied_at=reply.denied_at,
+            matches=tuple((m.rule_id, m.field) for m in reply.matches),
         )
 
-    def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str
-    ) -> LocalOutputGuard:
-        generation = Generation(request_id, tenant, rule_set, version)
-        return LocalOutputGuard(self._rules, self._record, generation)
-
-    async def close(self) -> None:
-        """Waits for the decisions still being recorded."""
-        await asyncio.gather(*self._recording, return_exceptions=True)
-
-    async def _fetch_rules(self, rule_set: str) -> OutputRules:
-        request = policy_pb2.GetOutputRulesRequest(rule_set=rule_set)
+    async def record(self, records: Sequence[AuditRecord]) -> None:
+        request = policy_pb2.RecordDecisionsRequest(
+            decisions=[
+                policy_pb2.Decision(
+                    request_id=r.request_id,
+                    tenant=r.tenant,
+                    stage=_STAGE_TO_PB[r.stage],
+                    rule_set_version=r.version,
+                    action=_ACTION_TO_PB[r.action],
+                    rule_ids=r.rule_ids,
+                    text=r.text,
+                )
+                for r in records
+            ]
+        )
         try:
-            reply = await self._stub.GetOutputRules(request, timeout=self._timeout)
+            await self._stub.RecordDecisions(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
-        try:
-            specs = [RuleSpec.model_validate(r) for r in json.loads(reply.rules_json)]
-            rules = StageRules(specs, reply.holdback_cap)
-        except (ValueError, TypeError) as err:  # JSON, validation and rule errors
-            raise Unavailable(f"policy service sent output rules that do not load: {err}") from None
-        return OutputRules(reply.rule_set_version, rules, reply.audit_text)
-
-    def _record(self, generation: Generation, version: str, decision: OutputDecision) -> None:
-        """Sends the decision in the background: the client's stream does not wait."""
-        request = policy_pb2.RecordOutputRequest(
-            request_id=generation.request_id,
-            tenant=generation.tenant,
-            rule_set_version=version,
-            action=_ACTION_TO_PB[decision.action],
-            rule_ids=decision.rule_ids,
-            text=decision.text,
-        )
-        task = asyncio.create_task(self._send_record(request))
-        self._recording.add(task)
-        task.add_done_callback(self._recording.discard)
-
-    async def _send_record(self, request: policy_pb2.RecordOutputRequest) -> None:
-        try:
-            await self._stub.RecordOutput(
-                request, timeout=self._timeout, metadata=_metadata(request.request_id)
-            )
-        except grpc.aio.AioRpcError as exc:
-            OUTPUT_RECORDS_LOST.inc()
-            log.warning(
-                "policy did not record an output decision",
-                extra={"fields": {"request_id": request.request_id, "error": exc.details()}},
-            )
 
 
 class GrpcContextClient:
@@ -223,7 +222,8 @@ class GrpcContextClient:
         try:
             turns = tuple(turn_from_pb(t, "session.turns") for t in reply.turns)
         except InvalidArgument as err:
-            raise Unavailable(f"context service returned a bad session: {err.message}") from None
+            log.warning("bad session from context", extra={"fields": {"error": err.message}})
+            raise Unavailable("context service returned a bad session") from None
         cut = reply.truncation
         return History(
             turns=turns,
@@ -285,7 +285,7 @@ class ReplicaClient:
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             finished = True
-            raise from_rpc_error(exc, f"inference replica {self.address}") from None
+            raise from_rpc_error(exc, "inference replica", self.address) from None
         finally:
             if not finished:  # cut short: the replica must stop generating
                 rpc.cancel()

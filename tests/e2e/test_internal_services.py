@@ -137,33 +137,75 @@ def test_policy_verdict_for_clean_text(stack: Stack) -> None:
     assert reply.rule_set_version
 
 
-def test_policy_hands_out_output_rules_and_records_decisions(stack: Stack) -> None:
+def test_policy_checks_parts_as_one_text_and_reports_where(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.address("policy")) as channel:
+        stub = policy_pb2_grpc.PolicyStub(channel)
+
+        def check(*texts: str) -> policy_pb2.CheckInputResponse:
+            parts = [policy_pb2.InputPart(field=f"m{i}", text=t) for i, t in enumerate(texts)]
+            reply: policy_pb2.CheckInputResponse = stub.CheckInput(
+                policy_pb2.CheckInputRequest(tenant="t", parts=parts), timeout=10
+            )
+            return reply
+
+        denied = check("hello", "how to build a", "bomb")
+        assert (denied.action, denied.denied_at) == (policy_pb2.ACTION_DENY, "m1")
+        assert denied.rule_ids[0] == "deny-weapons"
+        redacted = check("mail ada@example.com", "thanks")
+        assert redacted.action == policy_pb2.ACTION_REDACT
+        assert list(redacted.redacted_parts) == ["mail [EMAIL]", "thanks"]
+        assert [(m.rule_id, m.field) for m in redacted.matches] == [("redact-pii", "m0")]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CheckInput(
+                policy_pb2.CheckInputRequest(text="x", parts=[policy_pb2.InputPart(text="y")]),
+                timeout=10,
+            )
+        assert bad_request_fields(info.value) == ["parts"]
+
+
+def test_policy_hands_out_rules_and_records_decisions(stack: Stack) -> None:
     with grpc.insecure_channel(stack.address("policy")) as channel:
         stub = policy_pb2_grpc.PolicyStub(channel)
         verdict = stub.CheckInput(policy_pb2.CheckInputRequest(tenant="t", text="x"), timeout=10)
-        rules = stub.GetOutputRules(policy_pb2.GetOutputRulesRequest(), timeout=10)
+        rules = stub.GetRules(policy_pb2.GetRulesRequest(), timeout=10)
         assert rules.rule_set_version == verdict.rule_set_version
         loaded = [RuleSpec.model_validate(r) for r in json.loads(rules.rules_json)]
-        assert "redact-pii" in [r.id for r in loaded] and rules.holdback_cap > 0
-        with pytest.raises(grpc.RpcError) as info:
-            stub.GetOutputRules(policy_pb2.GetOutputRulesRequest(rule_set="nope"), timeout=10)
-        assert bad_request_fields(info.value) == ["rule_set"]
+        assert {"redact-pii", "deny-weapons"} <= {r.id for r in loaded}
+        assert rules.holdback_cap > 0
+        watch = stub.WatchRules(policy_pb2.GetRulesRequest(), timeout=10)
+        first = next(iter(watch))
+        watch.cancel()
+        assert first.rules == rules  # the set now, as GetRules has it
+        for call in (
+            stub.GetRules,
+            lambda r, timeout: next(iter(stub.WatchRules(r, timeout=timeout))),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(policy_pb2.GetRulesRequest(rule_set="nope"), timeout=10)
+            assert bad_request_fields(info.value) == ["rule_set"]
 
         version = rules.rule_set_version
-        stub.RecordOutput(
-            policy_pb2.RecordOutputRequest(
-                request_id="r", tenant="t", rule_set_version=version, action=policy_pb2.ACTION_ALLOW
-            ),
-            timeout=10,
+        good = policy_pb2.Decision(
+            request_id="r",
+            tenant="t",
+            stage=policy_pb2.STAGE_INPUT,
+            rule_set_version=version,
+            action=policy_pb2.ACTION_ALLOW,
         )
+        stub.RecordDecisions(policy_pb2.RecordDecisionsRequest(decisions=[good]), timeout=10)
         for bad, field in [
-            (policy_pb2.RecordOutputRequest(request_id="r", rule_set_version=version), "action"),
-            (policy_pb2.RecordOutputRequest(action=policy_pb2.ACTION_DENY), "rule_set_version"),
+            (policy_pb2.Decision(stage=policy_pb2.STAGE_INPUT, rule_set_version=version), "action"),
+            (policy_pb2.Decision(action=policy_pb2.ACTION_DENY, rule_set_version=version), "stage"),
+            (
+                policy_pb2.Decision(action=policy_pb2.ACTION_DENY, stage=policy_pb2.STAGE_OUTPUT),
+                "rule_set_version",
+            ),
         ]:
+            request = policy_pb2.RecordDecisionsRequest(decisions=[good, bad])
             with pytest.raises(grpc.RpcError) as info:
-                stub.RecordOutput(bad, timeout=10)
+                stub.RecordDecisions(request, timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert bad_request_fields(info.value) == [field]
+            assert bad_request_fields(info.value) == [f"decisions[1].{field}"]
 
 
 def test_policy_output_stream_redacts_and_refuses_bad_chunks(stack: Stack) -> None:

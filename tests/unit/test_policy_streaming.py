@@ -68,6 +68,9 @@ MATCHING = [
     "the CODE  blue42 now",
     "a forbidden word",
     "nation",
+    "how to bu\u200bild a b-o-m-b? no",
+    "card 4111\u00a01111\u00a01111\u00a0\uff11\uff11\uff11\uff11 ok",
+    "mail \u0430da@example.com now",
 ]
 
 
@@ -81,7 +84,10 @@ def test_every_pair_of_chunk_splits_gives_the_one_shot_result(text: str) -> None
 
 WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "Code", "  "]
 PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
-PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII])
+# Characters the normalized views fold or drop: zero-width space, soft hyphen, a
+# combining mark, no-break space, Cyrillic a and o, fullwidth b and 4.
+EVASIONS = ["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"]
+PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII, *EVASIONS])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -24,61 +24,72 @@ from llmmesh.types import (
     Verdict,
 )
 from llmmesh.waiting import poll_until_async
+from services.policy.parts import Part, check_input
 from services.policy.rules import RuleSet
-from services.policy.streaming import OutputDecision
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
 from services.router.openai_api import OpenAiApi
-from services.router.output_check import (
-    Generation,
-    LocalOutputGuard,
-    OutputRules,
-    OutputRulesCache,
-)
+from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 
+NO_RULES = RuleSet([], "v0")
+
 
 @dataclass
-class Policy:
-    verdict: Verdict = field(default_factory=lambda: Verdict(PolicyAction.ALLOW))
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    output_rules: RuleSet | None = None
-    rule_sets: list[str] = field(default_factory=list)
-    output_unreachable: bool = False
-    fetched: list[str] = field(default_factory=list)  # rule sets whose output rules came
-    decisions: list[tuple[Generation, OutputDecision]] = field(default_factory=list)
+class PolicyService:
+    """The policy service as the router's gate sees it, in memory: its rule set, whether
+    its rule watch is up, whether it answers at all, and what it was asked and told."""
 
-    def __post_init__(self) -> None:
-        self.cache = OutputRulesCache(self._fetch)
+    rules: RuleSet = NO_RULES
+    watch_up: bool = True
+    unreachable: bool = False
+    fetched: list[str] = field(default_factory=list)  # rule sets fetched by GetRules
+    remote_checks: list[tuple[str, ...]] = field(default_factory=list)  # CheckInput parts
+    records: list[AuditRecord] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def _fetch(self, rule_set: str) -> OutputRules:
-        assert self.output_rules is not None
-        if self.output_unreachable:
+    def _followed(self, name: str) -> FollowedRules:
+        return FollowedRules(name, self.rules, audit_text=False)
+
+    async def watch(self, rule_set: str) -> AsyncIterator[FollowedRules | None]:
+        while self.watch_up and not self.unreachable:
+            yield self._followed(rule_set)
+            self.changed.clear()
+            await self.changed.wait()
+        raise Unavailable("policy service: watch refused")
+
+    async def fetch(self, rule_set: str) -> FollowedRules:
+        if self.unreachable:
             raise Unavailable("policy service unreachable")
         self.fetched.append(rule_set)
-        return OutputRules(self.output_rules.version, self.output_rules.output, False)
+        return self._followed(rule_set)
 
-    def _record(self, generation: Generation, version: str, decision: OutputDecision) -> None:
-        self.decisions.append((generation, decision))
+    async def check_input(
+        self, request_id: str, tenant: str, parts: Sequence[Part], rule_set: str
+    ) -> Verdict:
+        if self.unreachable:
+            raise Unavailable("policy service unreachable")
+        self.remote_checks.append(tuple(p.text for p in parts))
+        return check_input(self.rules, parts).verdict(self.rules)
 
-    async def check_input(self, request_id: str, tenant: str, text: str, rule_set: str) -> Verdict:
-        await self.release.wait()
-        self.rule_sets.append(rule_set)
-        return Verdict(
-            self.verdict.action,
-            self.verdict.rule_ids,
-            self.verdict.text or text,
-            self.output_rules.version if self.output_rules else "",
-            checks_output=self.output_rules is not None,
-        )
+    async def record(self, records: Sequence[AuditRecord]) -> None:
+        self.records.extend(records)
 
-    def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str
-    ) -> LocalOutputGuard:
-        generation = Generation(request_id, tenant, rule_set, version)
-        return LocalOutputGuard(self.cache, self._record, generation)
+    def replace_rules(self, rules: RuleSet) -> None:
+        self.rules = rules
+        self.changed.set()
+
+
+async def followed(gate: PolicyGate, rule_set: str = "default", version: str = "") -> None:
+    """Waits until the gate checks prompts itself, with the rule set at ``version``."""
+
+    async def known() -> bool:
+        rules = gate.rule_sets.current(rule_set)
+        return rules is not None and (not version or rules.version == version)
+
+    assert await poll_until_async(known, 5), "the rule set never arrived"
 
 
 @dataclass
@@ -125,8 +136,12 @@ class Inference:
             self.closed.append(call.prompt)
 
 
-def make_core(policy: Policy, context: Context, inference: Inference) -> RouterCore:
+def make_core(policy: PolicyGate, context: Context, inference: Inference) -> RouterCore:
     return RouterCore(RouterConfig(), policy, context, inference, lambda t: len(t.encode()))
+
+
+def gate(service: PolicyService | None = None) -> PolicyGate:
+    return PolicyGate(service or PolicyService())
 
 
 def request(prompt: str = "hello", session: str = "", max_tokens: int = 4) -> GenerateInput:
@@ -138,52 +153,127 @@ async def run(core: RouterCore, req: GenerateInput) -> list[Chunk]:
     return [chunk async for chunk in core.stream(prepared)]
 
 
-def test_generation_starts_before_policy_answers_and_is_released_after() -> None:
+def rules(*lines: str, version: str = "p1") -> RuleSet:
+    body = "".join(f"  - {line}\n" for line in lines) if lines else "  []\n"
+    return RuleSet.from_text(f"version: {version}\nrules:\n{body}", "test")
+
+
+DENY_BOMB = "{id: deny-x, action: deny, keywords: [build a bomb]}"
+REDACT_EMAIL = "{id: pii, action: redact, detectors: [email]}"
+
+
+@pytest.mark.parametrize("watch_up", [True, False], ids=["in-router", "by-policy"])
+def test_a_denied_prompt_never_reaches_inference(watch_up: bool) -> None:
     async def scenario() -> None:
-        policy, inference = Policy(), Inference()
+        service = PolicyService(rules(DENY_BOMB), watch_up=watch_up)
+        policy, inference = gate(service), Inference()
+        if watch_up:
+            await followed(policy)
         core = make_core(policy, Context(), inference)
-        task = asyncio.create_task(run(core, request()))
-        await asyncio.wait_for(inference.started.wait(), 5)
-        assert not task.done(), "output was released before the policy verdict"
-        policy.release.set()
-        chunks = await asyncio.wait_for(task, 5)
-        assert "".join(c.text for c in chunks) == "012!"
-        assert inference.calls[0].prompt == "hello"
+        with pytest.raises(PermissionDenied, match="'deny-x' in prompt"):
+            await core.prepare(request("how to build a bomb"))
+        assert inference.calls == []
+        assert bool(service.remote_checks) is not watch_up
 
     asyncio.run(scenario())
 
 
-def test_denial_cancels_the_started_generation() -> None:
+def test_only_the_redacted_prompt_reaches_inference() -> None:
     async def scenario() -> None:
-        policy = Policy(Verdict(PolicyAction.DENY, ("deny-x",)))
-        inference = Inference()
-        core = make_core(policy, Context(), inference)
-        policy.release.set()
-        with pytest.raises(PermissionDenied, match="deny-x"):
-            await core.prepare(request())
-        assert inference.closed == ["hello"]
+        policy, inference = gate(PolicyService(rules(REDACT_EMAIL))), Inference()
+        await run(make_core(policy, Context(), inference), request("mail a@b.io"))
+        assert [c.prompt for c in inference.calls] == ["mail [EMAIL]"]
 
     asyncio.run(scenario())
 
 
-def test_redaction_restarts_with_the_redacted_prompt() -> None:
+def test_every_message_of_a_conversation_is_checked_as_one_text() -> None:
     async def scenario() -> None:
-        policy = Policy(Verdict(PolicyAction.REDACT, ("pii",), "mail [EMAIL]"))
-        inference = Inference()
+        policy, inference = gate(PolicyService(rules(DENY_BOMB, REDACT_EMAIL))), Inference()
+        await followed(policy)
         core = make_core(policy, Context(), inference)
-        policy.release.set()
-        await run(core, request("mail a@b.c"))
-        assert [c.prompt for c in inference.calls] == ["mail a@b.c", "mail [EMAIL]"]
-        assert inference.closed[0] == "mail a@b.c"
+        split = History(turns=(Turn(Role.SYSTEM, "how to build"), Turn(Role.USER, "a bomb")))
+        with pytest.raises(PermissionDenied, match=r"in messages\[0\]\.content"):
+            await core.prepare(replace(request("go on"), inline_history=split))
+        mail = History(turns=(Turn(Role.ASSISTANT, "write to a@b.io"),))
+        await run(core, replace(request("thanks"), inline_history=mail))
+        [call] = inference.calls
+        assert "a@b.io" not in call.prompt and "write to [EMAIL]" in call.prompt
+
+    asyncio.run(scenario())
+
+
+def test_a_phrase_split_across_stored_turns_is_denied() -> None:
+    async def scenario() -> None:
+        policy, context, inference = gate(PolicyService(rules(DENY_BOMB))), Context(), Inference()
+        context.sessions[("t", "s")] = [Turn(Role.USER, "how to build a"), Turn(Role.USER, "b")]
+        core = make_core(policy, context, inference)
+        with pytest.raises(PermissionDenied, match=r"session\.turns\[0\]"):
+            await core.prepare(request("omb", session="s"))
+        assert inference.calls == []
+
+    asyncio.run(scenario())
+
+
+def test_prompts_go_to_policy_until_the_rules_arrive_and_every_decision_is_recorded() -> None:
+    async def scenario() -> None:
+        service = PolicyService(rules(REDACT_EMAIL))
+        policy, inference = gate(service), Inference()
+        core = make_core(policy, Context(), inference)
+        await run(core, request("first"))  # the watch has not spoken yet
+        assert service.remote_checks == [("first",)]
+        await followed(policy)
+        await run(core, request("mail a@b.io"))
+        assert service.remote_checks == [("first",)]  # checked in the router
+        await policy.close()  # waits for the decisions being sent
+        [record] = service.records  # the remote check recorded its own
+        assert (record.stage, record.action, record.rule_ids) == (
+            "input",
+            PolicyAction.REDACT,
+            ("pii",),
+        )
+        assert record.version == "p1" and record.text == ""
+
+    asyncio.run(scenario())
+
+
+def test_a_new_rule_set_version_applies_to_the_next_prompt() -> None:
+    async def scenario() -> None:
+        service = PolicyService(rules(version="p1"))
+        policy = gate(service)
+        await followed(policy)
+        core = make_core(policy, Context(), Inference())
+        await run(core, request("build a bomb"))
+        service.replace_rules(rules(DENY_BOMB, version="p2"))
+        await followed(policy, version="p2")
+        with pytest.raises(PermissionDenied):
+            await core.prepare(request("build a bomb"))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_policy_unreachable_follows_the_tenants_fail_mode(mode: str) -> None:
+    async def scenario() -> None:
+        service = PolicyService(rules(DENY_BOMB), unreachable=True)
+        inference, tenants = Inference(), Tenants()
+        tenants.apply(parse_tenants(f"tenants: [{{id: t, policy_fail_mode: {mode}}}]"))
+        core = RouterCore(RouterConfig(), gate(service), Context(), inference, len, tenants=tenants)
+        if mode == "closed":
+            with pytest.raises(Unavailable):
+                await core.prepare(request("hello"))
+            assert inference.calls == []
+        else:
+            await run(core, request("hello"))
+            assert [c.prompt for c in inference.calls] == ["hello"]
 
     asyncio.run(scenario())
 
 
 def test_session_turns_are_recorded_and_prepended() -> None:
     async def scenario() -> None:
-        policy, context, inference = Policy(), Context(), Inference()
-        policy.release.set()
-        core = make_core(policy, context, inference)
+        context, inference = Context(), Inference()
+        core = make_core(gate(), context, inference)
         await run(core, request("first", session="s"))
         await run(core, request("second", session="s"))
         turns = context.sessions[("t", "s")]
@@ -202,9 +292,8 @@ def test_session_turns_are_recorded_and_prepended() -> None:
 
 def test_color_and_deadline_reach_the_picker() -> None:
     async def scenario() -> None:
-        policy, inference = Policy(), Inference()
-        policy.release.set()
-        core = make_core(policy, Context(), inference)
+        inference = Inference()
+        core = make_core(gate(), Context(), inference)
         req = replace(request(), color="canary", deadline=123.0)
         await run(core, req)
         assert inference.hints == [RouteHints("", "canary", 123.0)]
@@ -214,9 +303,8 @@ def test_color_and_deadline_reach_the_picker() -> None:
 
 def test_client_leaving_mid_stream_closes_the_upstream() -> None:
     async def scenario() -> None:
-        policy, inference = Policy(), Inference()
-        policy.release.set()
-        core = make_core(policy, Context(), inference)
+        inference = Inference()
+        core = make_core(gate(), Context(), inference)
         stream = core.stream(await core.prepare(request(max_tokens=100)))
         await anext(stream)
         await stream.aclose()
@@ -226,7 +314,7 @@ def test_client_leaving_mid_stream_closes_the_upstream() -> None:
 
 
 def test_validation_fills_defaults_and_names_bad_fields() -> None:
-    core = make_core(Policy(), Context(), Inference())
+    core = make_core(gate(), Context(), Inference())
     valid = core.validate(request(max_tokens=0))
     assert valid.model == "llm" and valid.sampling.max_tokens == 128
     with pytest.raises(InvalidArgument) as info:
@@ -235,6 +323,19 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     with pytest.raises(InvalidArgument) as info:
         core.validate(replace(request(), color="no spaces"))
     assert info.value.field == "x-llm-color"
+
+
+def test_every_message_of_a_conversation_has_the_prompts_limit_and_the_whole_a_limit() -> None:
+    core = make_core(gate(), Context(), Inference())
+    long = "x" * (RouterConfig().max_prompt_chars + 1)
+    history = History(turns=(Turn(Role.USER, "hi"), Turn(Role.ASSISTANT, long)))
+    with pytest.raises(InvalidArgument) as info:
+        core.validate(replace(request(), inline_history=history))
+    assert info.value.field == "messages[1].content"
+    many = History(turns=tuple(Turn(Role.USER, "y" * 8000) for _ in range(9)))
+    with pytest.raises(InvalidArgument) as info:
+        core.validate(replace(request(), inline_history=many))
+    assert info.value.field == "messages"
 
 
 def output_rules(rule: str) -> RuleSet:
@@ -246,15 +347,16 @@ def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
         rules = output_rules(
             "{id: digits, stage: output, action: redact, regex: ['\\d{3}'], placeholder: '#'}"
         )
-        policy, inference = Policy(output_rules=rules), Inference()
-        policy.release.set()
+        service, inference = PolicyService(rules), Inference()
+        policy = gate(service)
         chunks = await run(make_core(policy, Context(), inference), request(max_tokens=12))
         raw = "01234567890!"
         assert "".join(c.text for c in chunks) == rules.check_output(raw).text == "###90!"
         assert all(c.text for c in chunks)  # fully held chunks are not sent empty
         assert sum(c.num_tokens for c in chunks) == 12
         assert chunks[-1].finish_reason is FinishReason.LENGTH
-        [(_, decision)] = policy.decisions  # recorded once, at the end
+        await policy.close()
+        [decision] = [r for r in service.records if r.stage == "output"]  # once, at the end
         assert decision.action is PolicyAction.REDACT and decision.rule_ids == ("digits",)
 
     asyncio.run(scenario())
@@ -263,9 +365,10 @@ def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
 def test_an_output_deny_rule_stops_the_generation() -> None:
     async def scenario() -> None:
         rules = output_rules("{id: no-345, stage: output, action: deny, regex: ['345']}")
-        policy, inference = Policy(output_rules=rules), Inference()
-        policy.release.set()
-        chunks = await run(make_core(policy, Context(), inference), request(max_tokens=40))
+        inference = Inference()
+        chunks = await run(
+            make_core(gate(PolicyService(rules)), Context(), inference), request(max_tokens=40)
+        )
         text = "".join(c.text for c in chunks)
         assert chunks[-1].finish_reason is FinishReason.POLICY
         assert "345" not in text and "012".startswith(text)
@@ -274,13 +377,18 @@ def test_an_output_deny_rule_stops_the_generation() -> None:
     asyncio.run(scenario())
 
 
-def test_the_tenants_rule_set_is_asked_for() -> None:
+def test_the_tenants_rule_set_is_followed() -> None:
     async def scenario() -> None:
-        policy = Policy()
-        policy.release.set()
-        await run(make_core(policy, Context(), Inference()), request())
-        assert policy.rule_sets == ["default"]
-        assert policy.fetched == [] and policy.decisions == []  # no output rules: no check
+        tenants = Tenants()
+        tenants.apply(parse_tenants("tenants: [{id: t, policy_set: acme}]"))
+        service = PolicyService()
+        policy = gate(service)
+        core = RouterCore(RouterConfig(), policy, Context(), Inference(), len, tenants=tenants)
+        await run(core, request())
+        await followed(policy, "acme")
+        await policy.close()
+        assert service.fetched == []  # no output rules: no output check
+        assert [r.stage for r in service.records] == []  # the first went to CheckInput
 
     asyncio.run(scenario())
 
@@ -289,31 +397,32 @@ def test_the_tenants_rule_set_is_asked_for() -> None:
 def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None:
     async def scenario() -> None:
         rules = output_rules("{id: x, stage: output, action: flag, keywords: [x]}")
-        policy = Policy(output_rules=rules, output_unreachable=True)
-        policy.release.set()
+        service = PolicyService(rules, watch_up=False)
+        policy = gate(service)
         tenants = Tenants()
         tenants.apply(parse_tenants(f"tenants: [{{id: t, policy_fail_mode: {mode}}}]"))
         core = RouterCore(RouterConfig(), policy, Context(), Inference(), len, tenants=tenants)
+        prepared = await core.prepare(request())  # CheckInput named the rules' version
+        service.unreachable = True  # then policy went away before the first chunk
         if mode == "closed":
             with pytest.raises(Unavailable):
-                await run(core, request())
+                [c async for c in core.stream(prepared)]
         else:
-            chunks = await run(core, request())
+            chunks = [c async for c in core.stream(prepared)]
             assert "".join(c.text for c in chunks) == "012!"  # relayed unchecked
-        assert policy.decisions == []  # no rules, no check: nothing to record
+        assert service.fetched == []
         # Policy is back: the next stream fetches the rules (a failed fetch is not kept).
-        policy.output_unreachable = False
+        service.unreachable = False
         await run(core, request())
-        assert policy.fetched == ["default"] and len(policy.decisions) == 1
+        assert service.fetched == ["default"]
 
     asyncio.run(scenario())
 
 
 def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy() -> None:
     async def scenario() -> None:
-        policy, context = Policy(), Context()
-        policy.release.set()
-        core = make_core(policy, context, Inference())
+        context = Context()
+        core = make_core(gate(), context, Inference())
         await run(core, request("hi", session="s", max_tokens=4))
         await run(core, replace(request("hi", session="s"), truncation="sliding_summary"))
         first, second = context.asked
@@ -332,11 +441,10 @@ def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy(
 @pytest.mark.parametrize("mode", ["closed", "open"])
 def test_session_store_down_follows_the_tenants_context_fail_mode(mode: str) -> None:
     async def scenario() -> None:
-        policy, context = Policy(), Context(down=True)
-        policy.release.set()
+        context = Context(down=True)
         tenants = Tenants()
         tenants.apply(parse_tenants(f"tenants: [{{id: t, context_fail_mode: {mode}}}]"))
-        core = RouterCore(RouterConfig(), policy, context, Inference(), len, tenants=tenants)
+        core = RouterCore(RouterConfig(), gate(), context, Inference(), len, tenants=tenants)
         if mode == "closed":
             with pytest.raises(Unavailable):
                 await run(core, request(session="s"))
@@ -354,9 +462,8 @@ def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> 
 
     async def scenario() -> None:
         # The generation holds after its first token until the server saw the client go.
-        policy, inference = Policy(), Inference(paused=asyncio.Event())
-        policy.release.set()
-        api = OpenAiApi(make_core(policy, Context(), inference), Tenants(), ["llm"])
+        inference = Inference(paused=asyncio.Event())
+        api = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
         body = {"model": "llm", "prompt": "hello", "max_tokens": 1000, "stream": True}
 
         def cancelled() -> float:
@@ -391,21 +498,26 @@ def test_an_http_client_that_leaves_mid_stream_ends_its_generation_at_once() -> 
         gc.enable()
 
 
-def test_output_rules_are_fetched_once_per_version() -> None:
+def test_output_rules_come_with_the_followed_set_or_are_fetched_once_per_version() -> None:
     async def scenario() -> None:
         rules = output_rules("{id: x, stage: output, action: flag, keywords: [x]}")
-        policy = Policy(output_rules=rules)
-        policy.release.set()
+        service = PolicyService(rules, watch_up=False)
+        policy = gate(service)
         core = make_core(policy, Context(), Inference())
         await asyncio.gather(*(run(core, request()) for _ in range(3)))
-        assert policy.fetched == ["default"]  # the three streams shared one fetch
-        policy.output_rules = RuleSet.from_text(
+        assert service.fetched == ["default"]  # the three streams shared one fetch
+        service.rules = RuleSet.from_text(
             "version: o2\nrules:\n  - {id: y, stage: output, action: flag, keywords: [y]}\n",
             "test",
         )
         await run(core, request())
-        assert policy.fetched == ["default", "default"]  # CheckInput named a new version
-        assert len(policy.decisions) == 4
+        assert service.fetched == ["default", "default"]  # CheckInput named a new version
+        service.watch_up = True
+        await followed(policy, version="o2")
+        await run(core, request())
+        assert service.fetched == ["default", "default"]  # the watch brought them
+        await policy.close()
+        assert len([r for r in service.records if r.stage == "output"]) == 5
 
     asyncio.run(scenario())
 
@@ -415,14 +527,15 @@ def test_a_generation_cut_short_still_records_its_output_decision() -> None:
         rules = output_rules(
             "{id: x, stage: output, action: flag, keywords: ['0'], whole_word: false}"
         )
-        policy = Policy(output_rules=rules)
-        policy.release.set()
+        service = PolicyService(rules)
+        policy = gate(service)
         core = make_core(policy, Context(), Inference())
         stream = core.stream(await core.prepare(request(max_tokens=100)))
         await anext(stream)
         await stream.aclose()
-        [(generation, decision)] = policy.decisions
-        assert generation.request_id == "r1" and generation.version == "o1"
-        assert decision.action is PolicyAction.ALLOW and decision.rule_ids == ("x",)
+        await policy.close()
+        [record] = [r for r in service.records if r.stage == "output"]
+        assert record.request_id == "r1" and record.version == "o1"
+        assert record.action is PolicyAction.ALLOW and record.rule_ids == ("x",)
 
     asyncio.run(scenario())

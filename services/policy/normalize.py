@@ -1,0 +1,184 @@
+"""What matching sees of a text: views that survive the usual evasions, and the way back
+from a position in a view to the original characters.
+
+Each view maps every original character on its own to zero or more characters, so the
+view of a concatenation is the concatenation of the views (the streamed output check
+relies on it), and a match in the view maps back to a span of the original:
+
+- the **pattern view** (regular expressions and detectors): compatibility forms folded
+  (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), format
+  characters (zero-width space and joiners, soft hyphen) and combining marks removed,
+  and every other non-ASCII character replaced by its confusable skeleton (Unicode's
+  UTS #39 data, through ICU), so Cyrillic a (U+0430) reads as Latin a. Case is kept: a pattern
+  says itself whether case matters.
+- the **keyword view**: the pattern view case-folded, with separators (whitespace,
+  dashes, underscores, dots, asterisks) removed, so "b-o-m-b", "b o m b" and "b_o_m_b"
+  all read "bomb". A keyword is compared in its own keyword view.
+
+ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
+"rn", as the skeleton does) would make ordinary text match keywords it does not contain
+and break digit patterns such as card numbers.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Callable
+from typing import Any
+
+import icu
+import numpy as np
+import numpy.typing as npt
+
+_IGNORED_CATEGORIES = frozenset({"Cf", "Mn", "Me"})  # format characters, combining marks
+_SEPARATOR_CATEGORIES = frozenset({"Zs", "Zl", "Zp", "Pd", "Pc"})
+_SEPARATOR_CHARS = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85-_.*·")
+# A whole-word check looks past at most this many ignored characters on either side (and
+# the streamed check keeps as much released text as context), so that checking a stream
+# piece by piece sees what checking it whole sees.
+MAX_IGNORED_RUN = 32
+
+_ASCII_SEPARATOR = np.zeros(128, dtype=bool)
+_ASCII_SEPARATOR[[ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128]] = True
+
+_SPOOF: Any = icu.SpoofChecker()
+
+
+def ignored(char: str) -> bool:
+    """A character no view shows: a format character or a combining mark."""
+    return not char.isascii() and unicodedata.category(char) in _IGNORED_CATEGORIES
+
+
+def _strip_marks(text: str) -> str:
+    decomposed = unicodedata.normalize("NFD", text)
+    kept = "".join(c for c in decomposed if unicodedata.category(c) not in _IGNORED_CATEGORIES)
+    return unicodedata.normalize("NFC", kept)
+
+
+def pattern_char(char: str) -> str:
+    """One character as the pattern view shows it."""
+    if char.isascii():
+        return char
+    if unicodedata.category(char) in _IGNORED_CATEGORIES:
+        return ""
+    folded = _strip_marks(unicodedata.normalize("NFKC", char))
+    if folded.isascii():
+        return folded
+    skeleton = "".join(c if c.isascii() else _SPOOF.getSkeleton(0, c) for c in folded)
+    return _strip_marks(skeleton)
+
+
+def _is_separator(char: str) -> bool:
+    return char in _SEPARATOR_CHARS or unicodedata.category(char) in _SEPARATOR_CATEGORIES
+
+
+def keyword_char(char: str) -> str:
+    """One character as the keyword view shows it."""
+    if char.isascii():
+        return "" if char in _SEPARATOR_CHARS else char.lower()
+    if _is_separator(char):
+        return ""
+    folded = pattern_char(char).casefold()
+    return "".join(c for c in _strip_marks(folded) if not _is_separator(c))
+
+
+class View:
+    """A view of ``original``: its text, and where each of its characters came from."""
+
+    __slots__ = ("_origin", "original", "text")
+
+    def __init__(self, original: str, text: str, origin: npt.NDArray[np.int64] | None) -> None:
+        self.original = original
+        self.text = text
+        self._origin = origin  # original index of each view character; None: the same
+
+    def start(self, index: int) -> int:
+        """The original position of the view character at ``index``."""
+        if self._origin is None:
+            return index
+        return int(self._origin[index]) if index < len(self.text) else len(self.original)
+
+    def end(self, index: int) -> int:
+        """The original end of a match that ends before view position ``index``: past the
+        character that produced the view's character ``index - 1`` and any ignored
+        characters (combining marks) that follow it."""
+        if self._origin is None:
+            return index
+        end = int(self._origin[index - 1]) + 1
+        original = self.original
+        while end < len(original) and ignored(original[end]):
+            end += 1
+        return end
+
+    def position(self, original_index: int) -> int:
+        """The view position of the original position ``original_index``."""
+        if self._origin is None:
+            return original_index
+        return int(np.searchsorted(self._origin, original_index))
+
+
+_TABLE_LIMIT = 1 << 16
+
+
+class _Table(dict[str, str]):
+    """A per-character mapping filled on first use: a lookup, not a call, per character."""
+
+    def __init__(self, mapping: Callable[[str], str]) -> None:
+        super().__init__()
+        self._mapping = mapping
+
+    def __missing__(self, char: str) -> str:
+        if len(self) >= _TABLE_LIMIT:  # bounded, whatever mix of characters arrives
+            self.clear()
+        mapped = self[char] = self._mapping(char)
+        return mapped
+
+
+_PATTERN = _Table(pattern_char)
+_KEYWORD = _Table(keyword_char)
+
+
+def _mapped(text: str, table: _Table) -> View:
+    pieces = list(map(table.__getitem__, text))
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    origin = np.repeat(np.arange(len(text), dtype=np.int64), lengths)
+    return View(text, "".join(pieces), origin)
+
+
+def pattern_view(text: str) -> View:
+    if text.isascii():
+        return View(text, text, None)
+    return _mapped(text, _PATTERN)
+
+
+def keyword_view(text: str) -> View:
+    if text.isascii():
+        codes = np.frombuffer(text.lower().encode("ascii"), dtype=np.uint8)
+        keep = ~_ASCII_SEPARATOR[codes]
+        return View(text, codes[keep].tobytes().decode("ascii"), np.flatnonzero(keep))
+    return _mapped(text, _KEYWORD)
+
+
+def is_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
+
+
+def word_before(text: str, index: int) -> str | None:
+    """The character a whole-word check sees before ``index`` (ignored characters
+    skipped), or None at the start of the text."""
+    stop = max(index - MAX_IGNORED_RUN - 2, -1)
+    for i in range(index - 1, stop, -1):
+        if not ignored(text[i]):
+            return text[i]
+    return None
+
+
+def word_after(text: str, index: int) -> tuple[str | None, bool]:
+    """The character a whole-word check sees at or after ``index`` (ignored characters
+    skipped), or None; and whether that is known (false when the text ends within the
+    run of ignored characters it may skip: more text could still follow)."""
+    limit = index + MAX_IGNORED_RUN + 1
+    for i in range(index, min(limit, len(text))):
+        if not ignored(text[i]):
+            return text[i], True
+    return None, len(text) >= limit
