@@ -78,7 +78,7 @@ def router(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     """A router with two tenants that lets more tokens through than its one replica
     takes (so that some bad requests are refused by the replica, not the router)."""
     tmp = tmp_path_factory.mktemp("security")
-    replica = stack.replica_address("inference")
+    replica = stack.address("inference")  # dialed directly, beside any sidecar
     limits = {"max_tokens_limit": "8192", "model_context_tokens": "16384"}
     with tenant_router(stack, tmp, ["noisy", "steady"], replica, **limits) as running:
         yield running
