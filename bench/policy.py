@@ -214,7 +214,7 @@ def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
             {
                 "tenants": [
                     {
-                        "id": name.replace(" ", "-"),
+                        "id": sets[name],
                         "policy_set": sets[name],
                         "api_key_hashes": [hash_key(key)],
                     }
@@ -246,7 +246,7 @@ def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
 
 
 async def router_ttft(fleet: PolicyFleet, rounds: int, seed: int) -> dict[str, list[float]]:
-    """TTFT of short generations, alternating between the tenants (after one untimed
+    """TTFT of short generations, round by round one per tenant (after one untimed
     request each, by which the router has its rule set)."""
     rng = random.Random(seed)
     targets = {name: RouterTarget(fleet.router, "", key) for name, key in fleet.keys.items()}
@@ -256,11 +256,13 @@ async def router_ttft(fleet: PolicyFleet, rounds: int, seed: int) -> dict[str, l
             await target.send(
                 BenchRequest("warm up", 2), RequestRecord(sent_at=time.perf_counter())
             )
-        for _ in range(rounds):
-            prompt = text_of_length(rng, 64)
-            for name, target in targets.items():
+        names = list(targets)
+        for round_ in range(rounds):
+            # Each request a prompt of its own (no tenant gains from another's prefix
+            # cache), and each tenant first in turn.
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 record = RequestRecord(sent_at=time.perf_counter())
-                await target.send(BenchRequest(prompt, 16), record)
+                await targets[name].send(BenchRequest(text_of_length(rng, 64), 16), record)
                 ttft[name].append(record.ttft)
     finally:
         for target in targets.values():

@@ -242,12 +242,18 @@ class PatternIndex:
         self.regex_holdback = min(regex_width + 1, cap) if regex_width else 0
         unique = sorted(set(partials))
         self._partial = re2.compile("|".join(f"(?:{p})\\z" for p in unique)) if unique else None
+        self._any = _pattern_set([p.compiled.pattern for p in self._patterns])
 
     def hits(self, views: Views, pos: int) -> list[Hit]:
         if not self._patterns:
             return []
         view = views.get(self._kind)
         at = view.position(pos)
+        # One pass over the text says which patterns match at all: only those are run.
+        if self._any is None:
+            found: Sequence[int] = range(len(self._patterns))
+        else:
+            found = sorted(self._any.Match(view.text) or ())  # None when none does
         return [
             Hit(
                 p.rule,
@@ -257,7 +263,7 @@ class PatternIndex:
                 p.valid is None or p.valid(m.group(0)),
                 certain=p.valid is None,
             )
-            for p in self._patterns
+            for p in (self._patterns[i] for i in found)
             for m in p.compiled.finditer(view.text, at)
         ]
 
@@ -274,6 +280,21 @@ class PatternIndex:
             if tail is not None:
                 starts.append(view.start(tail.start()))
         return min(starts) if starts else None
+
+
+def _pattern_set(patterns: Sequence[str]) -> Any:
+    """All of a rule set's patterns in one RE2 set (a single scan of the text says which
+    of them match anywhere), or None when RE2 cannot build it."""
+    if not patterns:
+        return None
+    any_of = re2.Set.SearchSet()
+    try:
+        for pattern in patterns:
+            any_of.Add(pattern)
+        any_of.Compile()
+    except re2.error:
+        return None
+    return any_of
 
 
 def _checked_prefix(pattern: str) -> str | None:
