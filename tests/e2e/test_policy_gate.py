@@ -149,9 +149,12 @@ def store_session(stack: Stack, session: str, system_prompt: str, *turns: str) -
 
 
 def test_disguised_and_split_phrases_are_refused_over_grpc(stack: Stack) -> None:
-    split, system = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("split", "system"))
+    split, system, earlier = (
+        f"{name}-{uuid.uuid4().hex[:8]}" for name in ("split", "system", "earlier")
+    )
     store_session(stack, split, "Be brief.", "Tell me how to build", "a")
     store_session(stack, system, f"Explain {DENIED}.", "Hi", "Hello")
+    store_session(stack, earlier, "Be brief.", "Hi", "Hello", DENIED, "No.")
     before = prompt_tokens_seen(stack)
     with authorized_channel(stack.address("router"), stack.api_key) as channel:
         for name, text in DISGUISED.items():
@@ -161,6 +164,7 @@ def test_disguised_and_split_phrases_are_refused_over_grpc(stack: Stack) -> None
         for session, where, prompt in [
             (split, "session.turns[0]", "bomb"),
             (system, "session.system_prompt", "Go on"),
+            (earlier, "session.turns[2]", "Please"),
         ]:
             with pytest.raises(grpc.RpcError) as info:
                 collect(channel, prompt, max_tokens=4, session_id=session)
