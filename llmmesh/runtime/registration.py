@@ -1,8 +1,11 @@
-"""Registers a servicer from its service descriptor with lenient request decoding.
+"""Registers a servicer from its service descriptor, with what every method shares:
+lenient request decoding, a server span, and core errors mapped to statuses.
 
 Generated ``add_*Servicer_to_server`` functions fail a request that does not parse (for
 example invalid UTF-8 in a string field) with a bare INTERNAL status. Here such a request
-reaches no handler: the client gets INVALID_ARGUMENT naming the offending field.
+reaches no handler: the client gets INVALID_ARGUMENT naming the offending field. A
+``MeshError`` a handler raises ends the call with its status and rich details
+(grpc_status.abort), so servicers translate and never catch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from google.protobuf import descriptor, message, message_factory
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.runtime.errors import InvalidArgument, MeshError
 from llmmesh.runtime.grpc_status import abort
 
 
@@ -102,7 +105,10 @@ def _checked_unary(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     async def handle(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, MalformedRequest):
             await abort(context, request.error)
-        return await behaviour(request, context)
+        try:
+            return await behaviour(request, context)
+        except MeshError as err:
+            await abort(context, err)
 
     return handle
 
@@ -115,8 +121,11 @@ def _checked_stream(
     ) -> AsyncIterator[Any]:
         if isinstance(request, MalformedRequest):
             await abort(context, request.error)
-        async for response in behaviour(request, context):
-            yield response
+        try:
+            async for response in behaviour(request, context):
+                yield response
+        except MeshError as err:
+            await abort(context, err)
 
     return handle
 
@@ -133,8 +142,11 @@ def _checked_bidi(
                     await abort(context, request.error)
                 yield request
 
-        async for response in behaviour(checked(), context):
-            yield response
+        try:
+            async for response in behaviour(checked(), context):
+                yield response
+        except MeshError as err:
+            await abort(context, err)
 
     return handle
 

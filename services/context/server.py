@@ -11,7 +11,6 @@ import grpc
 
 from llmmesh.convert import turn_from_pb, turn_to_pb
 from llmmesh.runtime import GrpcService, MeshError
-from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.config import ContextConfig
@@ -34,63 +33,46 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
     async def LoadSession(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.LoadSessionRequest, context: Context
     ) -> context_pb2.Session:
-        try:
-            loaded = await self._core.load(
-                request.tenant,
-                request.session_id,
-                Budget(request.budget_tokens, request.turn_overhead_tokens),
-                request.truncation,
-                request.ttl_seconds,
-            )
-        except MeshError as err:
-            await abort(context, err)
+        loaded = await self._core.load(
+            request.tenant,
+            request.session_id,
+            Budget(request.budget_tokens, request.turn_overhead_tokens),
+            request.truncation,
+            request.ttl_seconds,
+        )
         return _session(request, loaded)
 
     async def AppendTurns(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.AppendTurnsRequest, context: Context
     ) -> context_pb2.AppendTurnsResponse:
-        try:
-            turns = [turn_from_pb(t, f"turns[{i}]") for i, t in enumerate(request.turns)]
-            count, appended = await self._core.append(
-                request.tenant, request.session_id, request.request_id, turns, request.ttl_seconds
-            )
-        except MeshError as err:
-            await abort(context, err)
+        turns = [turn_from_pb(t, f"turns[{i}]") for i, t in enumerate(request.turns)]
+        count, appended = await self._core.append(
+            request.tenant, request.session_id, request.request_id, turns, request.ttl_seconds
+        )
         return context_pb2.AppendTurnsResponse(turn_count=count, appended=appended)
 
     async def PutSession(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.PutSessionRequest, context: Context
     ) -> context_pb2.PutSessionResponse:
-        try:
-            await self._core.put(
-                request.tenant,
-                request.session_id,
-                request.system_prompt,
-                dict(request.metadata),
-                request.ttl_seconds,
-            )
-        except MeshError as err:
-            await abort(context, err)
+        await self._core.put(
+            request.tenant,
+            request.session_id,
+            request.system_prompt,
+            dict(request.metadata),
+            request.ttl_seconds,
+        )
         return context_pb2.PutSessionResponse()
 
     async def DeleteSession(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.DeleteSessionRequest, context: Context
     ) -> context_pb2.DeleteSessionResponse:
-        try:
-            deleted = await self._core.delete(request.tenant, request.session_id)
-        except MeshError as err:
-            await abort(context, err)
+        deleted = await self._core.delete(request.tenant, request.session_id)
         return context_pb2.DeleteSessionResponse(deleted=deleted)
 
     async def ListSessions(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.ListSessionsRequest, context: Context
     ) -> context_pb2.ListSessionsResponse:
-        try:
-            ids, token = await self._core.list(
-                request.tenant, request.page_size, request.page_token
-            )
-        except MeshError as err:
-            await abort(context, err)
+        ids, token = await self._core.list(request.tenant, request.page_size, request.page_token)
         return context_pb2.ListSessionsResponse(session_ids=ids, next_page_token=token)
 
 

@@ -10,8 +10,7 @@ import aiohttp
 import grpc
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
-from llmmesh.runtime import GrpcService, InvalidArgument, MeshError
-from llmmesh.runtime.grpc_status import abort
+from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import InferenceCall
@@ -39,7 +38,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[inference_pb2.LoadReport]:
         if request.max_interval_ms < 0:
-            await abort(context, InvalidArgument("max_interval_ms", "must be >= 0"))
+            raise InvalidArgument("max_interval_ms", "must be >= 0")
         interval = request.max_interval_ms / 1000 or DEFAULT_REPORT_INTERVAL_S
         async for snapshot in self._monitor.watch(interval):
             named = replace(snapshot, models=self._core.mesh_view(snapshot.models))
@@ -55,16 +54,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling=sampling_from_pb(request.sampling),
         )
         total = 0
-        try:
-            async for chunk in self._core.generate(call):
-                total += chunk.num_tokens
-                yield inference_pb2.InferenceResponse(
-                    text=chunk.text,
-                    num_output_tokens=total,
-                    finish_reason=finish_reason_to_pb(chunk.finish_reason),
-                )
-        except MeshError as err:
-            await abort(context, err)
+        async for chunk in self._core.generate(call):
+            total += chunk.num_tokens
+            yield inference_pb2.InferenceResponse(
+                text=chunk.text,
+                num_output_tokens=total,
+                finish_reason=finish_reason_to_pb(chunk.finish_reason),
+            )
 
 
 def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.LoadReport:

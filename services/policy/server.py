@@ -11,11 +11,10 @@ from typing import Any
 
 import grpc
 
-from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulPrefixWatch, connect
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
@@ -96,12 +95,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         self, request: policy_pb2.CheckInputRequest, context: InputContext
     ) -> policy_pb2.CheckInputResponse:
         bind_request_id(context, request.request_id)
-        try:
-            verdict = self._core.check_input(
-                request.tenant, _parts(request), request.request_id, request.rule_set
-            )
-        except MeshError as err:
-            await abort(context, err)
+        verdict = self._core.check_input(
+            request.tenant, _parts(request), request.request_id, request.rule_set
+        )
         return verdict_to_pb(verdict, with_parts=bool(request.parts))
 
     async def CheckOutput(  # noqa: N802 (gRPC method name)
@@ -121,8 +117,6 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                 yield _output_response(step, check.version)
                 if step.denied_by is not None or request.final:
                     return
-        except MeshError as err:
-            await abort(context, err)
         finally:
             if check is not None:
                 check.close()  # a stream cut short is still a decision to record
@@ -134,10 +128,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
     async def GetRules(  # noqa: N802 (gRPC method name)
         self, request: policy_pb2.GetRulesRequest, context: RulesContext
     ) -> policy_pb2.RuleSetRules:
-        try:
-            return self._rules(request.rule_set)
-        except MeshError as err:
-            await abort(context, err)
+        return self._rules(request.rule_set)
 
     async def WatchRules(  # noqa: N802 (gRPC method name)
         self, request: policy_pb2.GetRulesRequest, context: WatchContext
@@ -156,18 +147,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
                 changed.clear()
-        except MeshError as err:  # the set is unknown, or no longer exists
-            await abort(context, err)
-        finally:
+        finally:  # also when the set is unknown, or no longer exists
             unsubscribe()
 
     async def RecordDecisions(  # noqa: N802 (gRPC method name)
         self, request: policy_pb2.RecordDecisionsRequest, context: RecordContext
     ) -> policy_pb2.RecordDecisionsResponse:
-        try:
-            decisions = [_decision(d, f"decisions[{i}]") for i, d in enumerate(request.decisions)]
-        except MeshError as err:
-            await abort(context, err)
+        decisions = [_decision(d, f"decisions[{i}]") for i, d in enumerate(request.decisions)]
         for decision in decisions:
             bound = request_id_var.set(decision["request_id"])  # each logs as its request
             try:

@@ -33,6 +33,7 @@ from llmmesh.types import (
 )
 from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
+from services.router.fail_modes import fail_open
 from services.router.prompt import (
     build_prompt,
     input_parts,
@@ -64,16 +65,8 @@ BOS_TOKENS = 1
 
 COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
-POLICY_FAIL_OPEN = Counter(
-    "llm_router_policy_fail_open_total", "Prompts let through unchecked (policy down)", ["tenant"]
-)
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
-CONTEXT_FAIL_OPEN = Counter(
-    "llm_router_context_fail_open_total",
-    "Requests answered without their session (store down)",
-    ["tenant"],
-)
 TRUNCATIONS = ("last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences")
 
 
@@ -341,14 +334,9 @@ class RouterCore:
         final = chunk.finish_reason is not None
         try:
             guarded = await guard.check(chunk.text, final)
-        except Unavailable:
-            if self._tenants.spec(tenant).policy_fail_mode == "closed":
-                raise
-            POLICY_FAIL_OPEN.labels(tenant).inc()
-            log.warning(
-                "policy unreachable mid-stream; output unchecked by the tenant's fail-open mode",
-                extra={"fields": {"tenant": tenant}},
-            )
+        except Unavailable as err:
+            mode = self._tenants.spec(tenant).policy_fail_mode
+            fail_open(err, mode, "policy", tenant, "the rest of the output goes unchecked")
             await guard.close()
             return chunk, None
         if guarded.denied_by is not None:
@@ -379,14 +367,8 @@ class RouterCore:
         )
         try:
             return await self._context.load(request.request_id, wanted)
-        except Unavailable:
-            if spec.context_fail_mode == "closed":
-                raise
-            CONTEXT_FAIL_OPEN.labels(request.tenant).inc()
-            log.warning(
-                "session store unreachable; answered without history (fail-open tenant)",
-                extra={"fields": {"tenant": request.tenant}},
-            )
+        except Unavailable as err:
+            fail_open(err, spec.context_fail_mode, "context", request.tenant, "no history")
             return History()
 
     async def _verdict(
@@ -402,14 +384,9 @@ class RouterCore:
                 verdict = await self._policy.check_input(
                     request.request_id, request.tenant, parts, rule_set
                 )
-        except Unavailable:
-            if self._tenants.spec(request.tenant).policy_fail_mode == "closed":
-                raise
-            POLICY_FAIL_OPEN.labels(request.tenant).inc()
-            log.warning(
-                "policy unreachable; allowed by the tenant's fail-open mode",
-                extra={"fields": {"tenant": request.tenant}},
-            )
+        except Unavailable as err:
+            mode = self._tenants.spec(request.tenant).policy_fail_mode
+            fail_open(err, mode, "policy", request.tenant, "the prompt goes unchecked")
             return Verdict(PolicyAction.ALLOW, texts=tuple(p.text for p in parts))
         if verdict.action is PolicyAction.DENY:
             raise PermissionDenied(verdict.denial)
@@ -430,11 +407,5 @@ class RouterCore:
             await self._context.append(
                 request.request_id, request.tenant, request.session_id, turns, spec.session_ttl_s
             )
-        except Unavailable:
-            if spec.context_fail_mode == "closed":
-                raise
-            CONTEXT_FAIL_OPEN.labels(request.tenant).inc()
-            log.warning(
-                "session store unreachable; the turn was not recorded (fail-open tenant)",
-                extra={"fields": {"tenant": request.tenant}},
-            )
+        except Unavailable as err:
+            fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")

@@ -14,10 +14,9 @@ import grpc
 from aiohttp import web
 
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
-from llmmesh.runtime import GrpcService, MeshError
+from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulKeyWatch, connect
-from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import (
     AUTHORIZATION,
     COLOR,
@@ -60,18 +59,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # In the trailers, which go out with the status (errors included) at no extra cost;
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
+        tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
+        prepared = await self._core.prepare(self._decode(request, request_id, tenant, context))
         try:
-            tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
-            prepared = await self._core.prepare(self._decode(request, request_id, tenant, context))
-            try:
-                async for response in _responses(self._core.stream(prepared), prepared):
-                    yield response
-            finally:
-                # Also covers a client gone between prepare and the first read.
-                await prepared.stream.abandon()
-                prepared.release()
-        except MeshError as err:
-            await abort(context, err)
+            async for response in _responses(self._core.stream(prepared), prepared):
+                yield response
+        finally:
+            # Also covers a client gone between prepare and the first read.
+            await prepared.stream.abandon()
+            prepared.release()
 
     def _decode(
         self,
