@@ -32,8 +32,9 @@ from llmmesh.launcher.process import Child
 from llmmesh.launcher.stack import REPO_MODELS
 from services.router.affinity import prefix_hashes
 from services.router.endpoints import Endpoint
-from services.router.picking import Candidate, Picker, PickRequest, ReportedLoad, split_point
 from services.router.routing import RoutingPolicy
+from services.router.scheduling import Candidate, PickRequest, Scheduler, SchedulingState
+from services.router.scheduling.filters import split_point
 
 ALGORITHMS = ("llm_aware", "round_robin")
 REPLICAS = 4
@@ -253,12 +254,16 @@ def picker_decision_time(
             ),
             "eu" if n % 2 else "us",
             in_flight=rng.randrange(8),
-            report=ReportedLoad(rng.randrange(32), rng.randrange(4), rng.random()),
+            load={
+                "running": rng.randrange(32),
+                "waiting": rng.randrange(4),
+                "kv_utilization": rng.random(),
+            },
         )
         for n in range(endpoints)
     ]
     policy = RoutingPolicy(split={"stable": 90, "canary": 10}, regions=["eu", "us"])
-    picker = Picker("eu", rng=rng)
+    picker = Scheduler(SchedulingState("eu", rng=rng))
     preambles = [text_of_length(rng, 1024) for _ in range(16)]
     times = []
     for n in range(decisions):

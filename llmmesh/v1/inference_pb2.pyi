@@ -45,11 +45,32 @@ class ModelLoad(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MODEL_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
     KV_UTILIZATION_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Triton model name."""
     running: _builtins.int
@@ -60,6 +81,13 @@ class ModelLoad(_message.Message):
     """Share of KV cache blocks in use, in [0, 1]."""
     prefix_cache_hit_rate: _builtins.float
     """Share of admitted prompt tokens read from the prefix cache, in [0, 1]."""
+    @_builtins.property
+    def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Every statistic the engine exports for the model (its llm_engine_* metrics, named
+        without the prefix), so that a scheduling plugin can use a signal the fields above
+        do not name.
+        """
+
     def __init__(
         self,
         *,
@@ -68,10 +96,11 @@ class ModelLoad(_message.Message):
         waiting: _builtins.int = ...,
         kv_utilization: _builtins.float = ...,
         prefix_cache_hit_rate: _builtins.float = ...,
+        metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_utilization", b"kv_utilization", "model", b"model", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_utilization", b"kv_utilization", "metrics", b"metrics", "model", b"model", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

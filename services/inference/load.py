@@ -14,7 +14,7 @@ import re
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 _ENGINE_METRICS = {
@@ -33,6 +33,8 @@ class ModelLoad:
     waiting: int = 0
     kv_utilization: float = 0.0
     prefix_cache_hit_rate: float = 0.0
+    # Every gauge the engine exports for the model, named without ``llm_engine_``.
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class LoadSnapshot:
 
 # One sample line of an engine family, e.g. `llm_engine_running_sequences{model="llm"} 3`.
 _SAMPLE = re.compile(r'^(llm_engine_\w+)\{(?:[^}]*,)?model="([^"]+)"[^}]*\} (\S+)', re.M)
+_GAUGE = re.compile(r"^# TYPE (llm_engine_\w+) gauge$", re.M)
+_PREFIX = len("llm_engine_")
 
 
 def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
@@ -59,11 +63,15 @@ def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
     Read at 20 Hz per replica, so only the engine's sample lines are matched, directly:
     a general exposition parser costs a millisecond per read of Triton's whole page.
     """
+    gauges = set(_GAUGE.findall(text))
     values: dict[str, dict[str, float]] = {}
+    exported: dict[str, dict[str, float]] = {}
     for name, model, value in _SAMPLE.findall(text):
         key = _ENGINE_METRICS.get(name)
         if key is not None:
             values.setdefault(model, {})[key] = float(value)
+        if name in gauges:
+            exported.setdefault(model, {})[name[_PREFIX:]] = float(value)
     return tuple(
         ModelLoad(
             model=model,
@@ -71,6 +79,7 @@ def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
             waiting=int(v.get("waiting", 0)),
             kv_utilization=v.get("kv_used", 0.0) / v["kv_total"] if v.get("kv_total") else 0.0,
             prefix_cache_hit_rate=v.get("prefix_hit_rate", 0.0),
+            metrics=exported.get(model, {}),
         )
         for model, v in sorted(values.items())
     )

@@ -78,6 +78,7 @@ def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.Loa
                 waiting=m.waiting,
                 kv_utilization=m.kv_utilization,
                 prefix_cache_hit_rate=m.prefix_cache_hit_rate,
+                metrics=m.metrics,
             )
             for m in snapshot.models
         ],

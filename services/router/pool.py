@@ -38,15 +38,15 @@ from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.affinity import prefix_hashes
 from services.router.breaker import CircuitBreaker
 from services.router.endpoints import Discovery, Endpoint
-from services.router.picking import (
+from services.router.routing import PolicyHolder
+from services.router.scheduling import (
     Candidate,
     Decision,
-    Picker,
     PickRequest,
-    ReportedLoad,
-    split_point,
+    Scheduler,
+    SchedulingState,
 )
-from services.router.routing import PolicyHolder
+from services.router.scheduling.filters import split_point
 from services.router.upstreams import CHANNEL_OPTIONS, ReplicaClient, RouteHints
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Replica:
     breaker: CircuitBreaker
     last_report_at: float | None = None  # monotonic; None until the first report
     down: bool = False  # its report stream broke after reporting: gone until it reports
-    reports: dict[str, ReportedLoad] = field(default_factory=dict)
+    reports: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> metrics
     engine_reachable: bool = True
     in_flight: int = 0
     # Per model: streams this router ended since the last report, which may still count them.
@@ -107,12 +107,12 @@ class InferencePool:
         discovery: Discovery,
         routing: PolicyHolder,
         settings: PoolSettings,
-        picker: Picker | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self._discovery = discovery
         self._routing = routing
         self._settings = settings
-        self._picker = picker or Picker(settings.local_region)
+        self._scheduler = scheduler or Scheduler(SchedulingState(settings.local_region))
         self._replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._rng = random.Random()
@@ -144,7 +144,7 @@ class InferencePool:
                     in_flight=r.in_flight,
                     ended=r.ended.get(model, 0),
                     prefilling=r.prefilling,
-                    report=r.reports.get(model) if fresh else None,
+                    load=r.reports.get(model) if fresh else None,
                     healthy=healthy,
                 )
             )
@@ -156,7 +156,8 @@ class InferencePool:
         reporting = [r for r in self._replicas.values() if self._fresh(r, now)]
         return bool(reporting) and all(
             any(
-                load.waiting >= limits.waiting or load.kv_utilization >= limits.kv_utilization
+                load.get("waiting", 0) >= limits.waiting
+                or load.get("kv_utilization", 0) >= limits.kv_utilization
                 for load in r.reports.values()
             )
             for r in reporting
@@ -169,7 +170,7 @@ class InferencePool:
     def pick(self, request: PickRequest) -> Decision:
         started = time.perf_counter()
         with tracing.tracer.start_as_current_span("endpoint.pick") as span:
-            decision = self._picker.pick(
+            decision = self._scheduler.pick(
                 request, self.candidates(request.model), self._routing.current
             )
             if decision.candidate is not None:
@@ -336,10 +337,7 @@ class InferencePool:
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async for report in stub.WatchLoad(request, metadata=replica.metadata):
-                    replica.reports = {
-                        m.model: ReportedLoad(m.running, m.waiting, m.kv_utilization)
-                        for m in report.models
-                    }
+                    replica.reports = {m.model: load_metrics(m) for m in report.models}
                     replica.ended = {}
                     replica.engine_reachable = report.engine_reachable
                     replica.last_report_at = time.monotonic()
@@ -347,6 +345,18 @@ class InferencePool:
             if replica.last_report_at is not None:  # it was there and went away
                 replica.down, replica.last_report_at = True, None
             await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
+
+
+def load_metrics(model: inference_pb2.ModelLoad) -> dict[str, float]:
+    """A model's load as scheduling reads it: every metric the engine reports, and the
+    report's named fields."""
+    return {
+        **model.metrics,
+        "running": model.running,
+        "waiting": model.waiting,
+        "kv_utilization": model.kv_utilization,
+        "prefix_cache_hit_rate": model.prefix_cache_hit_rate,
+    }
 
 
 def reports_alive(last_report_at: float | None, down: bool, now: float, stale_s: float) -> bool:

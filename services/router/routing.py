@@ -1,4 +1,4 @@
-"""The routing document: canary split, traffic colors, region order, scorer weights.
+"""The routing document: canary split, traffic colors, region order, scheduling profile.
 
 Operators change it at run time (a watched file, or Consul KV key ``llm-mesh/routing``).
 A document is validated whole before it replaces the current one: an invalid one is
@@ -13,7 +13,16 @@ from typing import Literal
 
 import yaml
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from services.router.scheduling.profile import SchedulingSpec, build_profile
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,15 @@ class RoutingPolicy(_Document):
     regions: list[str] = Field(default_factory=list)
     weights: ScorerWeights = ScorerWeights()
     saturation: Saturation = Saturation()
+    # The scheduling plugins by name (services/router/scheduling/); empty: the profile
+    # ``algorithm``, ``weights`` and ``saturation`` describe.
+    scheduling: SchedulingSpec | None = None
+
+    @model_validator(mode="after")
+    def _profile_builds(self) -> RoutingPolicy:
+        if self.scheduling is not None:
+            build_profile(self.scheduling, self)  # unknown plugins and bad params refused
+        return self
 
     @field_validator("split")
     @classmethod

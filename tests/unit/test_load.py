@@ -32,10 +32,22 @@ llm_engine_prefix_cache_hit_rate{model="llm"} 0.25
 
 
 def test_engine_metrics_are_read_per_model() -> None:
-    assert parse_engine_metrics(TRITON_METRICS) == (
-        ModelLoad("llm", running=3, waiting=5, kv_utilization=0.25, prefix_cache_hit_rate=0.25),
-        ModelLoad("llm_canary"),
+    [llm, canary] = parse_engine_metrics(TRITON_METRICS)
+    assert (llm.model, llm.running, llm.waiting) == ("llm", 3, 5)
+    assert (llm.kv_utilization, llm.prefix_cache_hit_rate) == (0.25, 0.25)
+    assert (canary.model, canary.running, canary.kv_utilization) == ("llm_canary", 0, 0.0)
+
+
+def test_every_engine_gauge_is_reported_so_a_new_signal_needs_no_code_here() -> None:
+    page = TRITON_METRICS + (
+        "# TYPE llm_engine_spec_decode_acceptance gauge\n"
+        'llm_engine_spec_decode_acceptance{model="llm"} 0.7\n'
+        "# TYPE llm_engine_prompt_tokens_total counter\n"
+        'llm_engine_prompt_tokens_total{model="llm"} 900\n'
     )
+    [llm, _] = parse_engine_metrics(page)
+    assert llm.metrics["spec_decode_acceptance"] == 0.7
+    assert llm.metrics["running_sequences"] == 3 and "prompt_tokens_total" not in llm.metrics
 
 
 def test_recent_latency_medians() -> None:

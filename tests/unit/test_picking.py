@@ -1,48 +1,69 @@
-"""The picking pipeline, step by step: subset, health, region, score."""
+"""The scheduling pipeline, step by step: subset, health, region, score; plugins by name."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
 from llmmesh.runtime.errors import Unavailable
 from services.router.affinity import PrefixIndex, prefix_hashes
 from services.router.endpoints import Endpoint
-from services.router.picking import (
-    Candidate,
-    Picker,
-    PickRequest,
-    ReportedLoad,
-    load_cost,
-    region_order,
-    split_point,
-    subset_order,
-)
 from services.router.pool import reports_alive
-from services.router.routing import RoutingPolicy, ScorerWeights
+from services.router.routing import InvalidDocument, RoutingPolicy, ScorerWeights, parse_policy
+from services.router.scheduling import (
+    SCORERS,
+    Candidate,
+    PickContext,
+    PickRequest,
+    Scheduler,
+    SchedulingState,
+    Scorer,
+    register,
+)
+from services.router.scheduling.filters import region_order, split_point, subset_order
 
 LOCAL = "eu"
+
+
+def ReportedLoad(  # noqa: N802 (reads like the report it stands for)
+    running: int = 0, waiting: int = 0, kv_utilization: float = 0.0
+) -> dict[str, float]:
+    """A replica's reported engine load for one model, as scheduling reads it."""
+    return {"running": running, "waiting": waiting, "kv_utilization": kv_utilization}
+
+
+def load_cost(c: Candidate, w: ScorerWeights) -> float:
+    """What the default profile charges a candidate for its load (lower is better)."""
+    policy = RoutingPolicy(weights=w)
+    profile = picker().profile(policy)
+    ctx = PickContext(PickRequest("llm"), picker().state, 2, 0.9)
+    return -sum(
+        weight * scorer.score(ctx, [c])[0]
+        for scorer, weight in profile.scorers
+        if scorer.reason != "affinity"
+    )
 
 
 def cand(
     address: str,
     version: str = "stable",
     region: str = LOCAL,
-    report: ReportedLoad | None = None,
+    load: dict[str, float] | None = None,
     healthy: bool = True,
     in_flight: int = 0,
     models: tuple[str, ...] = (),
 ) -> Candidate:
     endpoint = Endpoint(address=address, version=version, region=region, models=models)
     return Candidate(
-        endpoint, region, in_flight=in_flight, report=report or ReportedLoad(), healthy=healthy
+        endpoint, region, in_flight=in_flight, load=load or ReportedLoad(), healthy=healthy
     )
 
 
-def picker(seed: int = 0) -> Picker:
-    return Picker(LOCAL, rng=random.Random(seed))
+def picker(seed: int = 0) -> Scheduler:
+    return Scheduler(SchedulingState(LOCAL, rng=random.Random(seed)))
 
 
 def test_color_pins_its_subset_and_never_leaks() -> None:
@@ -105,7 +126,7 @@ def test_unhealthy_and_other_model_replicas_are_never_picked() -> None:
     pool = [
         cand("down:1", healthy=False),
         cand("other:1", models=("llm_canary",)),
-        cand("ok:1", report=ReportedLoad(waiting=50)),
+        cand("ok:1", load=ReportedLoad(waiting=50)),
     ]
     assert {
         picker(i).pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address
@@ -132,9 +153,9 @@ def test_retries_avoid_replicas_that_failed_unless_nothing_else_is_left() -> Non
 
 def test_load_score_prefers_short_queues_and_free_cache() -> None:
     pool = [
-        cand("queued:1", report=ReportedLoad(running=4, waiting=3)),
-        cand("full:1", report=ReportedLoad(running=4, kv_utilization=0.95)),
-        cand("fine:1", report=ReportedLoad(running=5, kv_utilization=0.2)),
+        cand("queued:1", load=ReportedLoad(running=4, waiting=3)),
+        cand("full:1", load=ReportedLoad(running=4, kv_utilization=0.95)),
+        cand("fine:1", load=ReportedLoad(running=5, kv_utilization=0.2)),
     ]
     decision = picker().pick(PickRequest("llm"), pool, RoutingPolicy())
     assert decision.candidate.address == "fine:1" and decision.reasons[-1] == "load"
@@ -144,8 +165,8 @@ def test_a_stream_the_router_ended_since_the_report_no_longer_counts() -> None:
     # Both reports show one running stream; the router has since ended a's and still has
     # b's open: a is idle, so it wins every time rather than half of the ties.
     pool = [
-        Candidate(Endpoint(address="a:1"), LOCAL, ended=1, report=ReportedLoad(running=1)),
-        Candidate(Endpoint(address="b:1"), LOCAL, in_flight=1, report=ReportedLoad(running=1)),
+        Candidate(Endpoint(address="a:1"), LOCAL, ended=1, load=ReportedLoad(running=1)),
+        Candidate(Endpoint(address="b:1"), LOCAL, in_flight=1, load=ReportedLoad(running=1)),
     ]
     picks = {
         picker(i).pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address
@@ -154,7 +175,7 @@ def test_a_stream_the_router_ended_since_the_report_no_longer_counts() -> None:
     assert picks == {"a:1"}
     # A stream opened after the report on a replica whose old one ended still counts.
     reopened = Candidate(
-        Endpoint(address="a:1"), LOCAL, in_flight=1, ended=1, report=ReportedLoad(running=1)
+        Endpoint(address="a:1"), LOCAL, in_flight=1, ended=1, load=ReportedLoad(running=1)
     )
     assert load_cost(reopened, ScorerWeights()) == load_cost(pool[1], ScorerWeights())
 
@@ -173,8 +194,8 @@ def test_streams_a_report_does_not_show_yet_count_as_load() -> None:
     assert picker().pick(PickRequest("llm"), pool, RoutingPolicy()).candidate.address == "b:1"
     # Once a report shows it, it is counted once, not twice.
     shown = [
-        cand("a:1", in_flight=1, report=ReportedLoad(running=1)),
-        cand("b:1", report=ReportedLoad(running=1)),
+        cand("a:1", in_flight=1, load=ReportedLoad(running=1)),
+        cand("b:1", load=ReportedLoad(running=1)),
     ]
     assert {
         picker(i).pick(PickRequest("llm"), shown, RoutingPolicy()).candidate.address
@@ -204,9 +225,7 @@ def test_prefix_affinity_sends_a_shared_prefix_back_to_its_replica() -> None:
         assert again.reasons[-1] == "prefix"
     # Unless it is much busier than the others: the prefill saved is worth only so much.
     busy = [
-        cand(c.address, report=ReportedLoad(waiting=5))
-        if c.address == first.candidate.address
-        else c
+        cand(c.address, load=ReportedLoad(waiting=5)) if c.address == first.candidate.address else c
         for c in pool
     ]
     moved = p.pick(ask(shared + "Q11"), busy, RoutingPolicy())
@@ -218,7 +237,7 @@ def test_a_longer_cached_prefix_is_worth_more_load() -> None:
     p = picker(5)
     p.prefixes.record(prefix_hashes(short), "a:1")
     p.prefixes.record(prefix_hashes(long), "a:1")
-    a_busier = [cand("a:1", report=ReportedLoad(running=3)), cand("b:1", report=ReportedLoad())]
+    a_busier = [cand("a:1", load=ReportedLoad(running=3)), cand("b:1", load=ReportedLoad())]
     # 2000 tokens of prefill saved outweigh 3 running sequences; 250 tokens do not.
     assert p.pick(ask(long + "?"), a_busier, RoutingPolicy()).candidate.address == "a:1"
     assert p.pick(ask(short + "?"), a_busier, RoutingPolicy()).candidate.address == "b:1"
@@ -229,8 +248,8 @@ def test_session_affinity_sticks_until_the_replica_is_saturated() -> None:
     pool = [cand(f"{n}:1") for n in "abcd"]
     home = p.pick(ask("hi", "t/s"), pool, policy).candidate.address
 
-    def with_home(load: ReportedLoad) -> list[Candidate]:
-        return [cand(home, report=load) if c.address == home else c for c in pool]
+    def with_home(load: dict[str, float]) -> list[Candidate]:
+        return [cand(home, load=load) if c.address == home else c for c in pool]
 
     # Somewhat busier than the others, the session's replica keeps it...
     again = p.pick(ask("hi", "t/s"), with_home(ReportedLoad(running=3)), policy)
@@ -250,7 +269,7 @@ def test_session_affinity_sticks_until_the_replica_is_saturated() -> None:
 
 def test_round_robin_baseline_takes_turns_blind_to_load() -> None:
     policy = RoutingPolicy(algorithm="round_robin")
-    pool = [cand("a:1", report=ReportedLoad(waiting=100)), cand("b:1"), cand("c:1")]
+    pool = [cand("a:1", load=ReportedLoad(waiting=100)), cand("b:1"), cand("c:1")]
     p = picker()
     picks = [p.pick(PickRequest("llm"), pool, policy).candidate.address for _ in range(6)]
     assert picks == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1"]
@@ -258,8 +277,8 @@ def test_round_robin_baseline_takes_turns_blind_to_load() -> None:
 
 def test_scorer_weights_come_from_the_document() -> None:
     pool = [
-        cand("queue:1", report=ReportedLoad(waiting=2)),
-        cand("cache:1", report=ReportedLoad(kv_utilization=0.9)),
+        cand("queue:1", load=ReportedLoad(waiting=2)),
+        cand("cache:1", load=ReportedLoad(kv_utilization=0.9)),
     ]
     queue_averse = RoutingPolicy(weights=ScorerWeights(waiting=10, kv_utilization=1))
     cache_averse = RoutingPolicy(weights=ScorerWeights(waiting=1, kv_utilization=10))
@@ -282,9 +301,9 @@ def test_prefix_index_matches_leading_blocks_only_and_stays_bounded() -> None:
 
 def test_prefill_already_queued_at_a_replica_counts_as_load() -> None:
     queued = Candidate(
-        Endpoint(address="a:1"), LOCAL, in_flight=1, prefilling=2000, report=ReportedLoad(running=1)
+        Endpoint(address="a:1"), LOCAL, in_flight=1, prefilling=2000, load=ReportedLoad(running=1)
     )
-    idle = cand("b:1", report=ReportedLoad(running=2))
+    idle = cand("b:1", load=ReportedLoad(running=2))
     decision = picker().pick(ask("x" * 1000), [queued, idle], RoutingPolicy())
     assert decision.candidate.address == "b:1" and decision.uncached_tokens == 1000
 
@@ -295,3 +314,56 @@ def test_a_replica_is_alive_by_its_reports() -> None:
     assert not reports_alive(None, True, 100.0, stale)  # its stream broke after reports
     assert reports_alive(99.5, False, 100.0, stale)
     assert not reports_alive(98.0, False, 100.0, stale)  # went silent
+
+
+class Cooler(Scorer):
+    """A scorer written here: prefers replicas whose engine reports a low temperature,
+    a signal nothing else in the mesh knows of."""
+
+    def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
+        return [1.0 - min(c.metric("gpu_temperature_c") / 100, 1.0) for c in candidates]
+
+
+def test_a_scorer_registered_by_name_changes_the_pick() -> None:
+    register("cooler")(Cooler)
+    try:
+        hot = cand("hot:1", load={**ReportedLoad(), "gpu_temperature_c": 90})
+        cool = cand("cool:1", load={**ReportedLoad(running=1), "gpu_temperature_c": 40})
+        by_load = picker().pick(PickRequest("llm"), [hot, cool], RoutingPolicy())
+        assert by_load.candidate.address == "hot:1"
+        policy = parse_policy(
+            "scheduling: {scorers: [{type: cooler, weight: 10}, {type: running}]}"
+        )
+        by_heat = picker().pick(PickRequest("llm"), [hot, cool], policy)
+        assert by_heat.candidate.address == "cool:1"
+    finally:
+        del SCORERS["cooler"]
+
+
+@pytest.mark.parametrize(
+    ("document", "problem"),
+    [
+        ("scheduling: {scorers: [{type: nope}]}", "unknown scorer 'nope'"),
+        ("scheduling: {filters: [healthy, sideways]}", "unknown filter 'sideways'"),
+        ("scheduling: {picker: {type: coin}}", "unknown picker 'coin'"),
+        ("scheduling: {scorers: [{type: queue, params: {scale: -1}}]}", "scale"),
+        ("scheduling: {scorers: [{type: queue, params: {depth: 3}}]}", "depth"),
+        ("scheduling: {scorers: [{type: queue, weight: -2}]}", "weight"),
+    ],
+)
+def test_an_invalid_profile_is_rejected_whole(document: str, problem: str) -> None:
+    with pytest.raises(InvalidDocument, match=problem):
+        parse_policy(document)
+
+
+def test_a_profile_in_the_document_replaces_the_default() -> None:
+    pool = [
+        cand("queued:1", load=ReportedLoad(waiting=3)),
+        cand("busy:1", load=ReportedLoad(running=9)),
+    ]
+    default = picker().pick(PickRequest("llm"), pool, RoutingPolicy())
+    assert default.candidate.address == "busy:1"  # a queue costs more than running work
+    only_running = parse_policy("scheduling: {scorers: [{type: running}]}")
+    assert picker().pick(PickRequest("llm"), pool, only_running).candidate.address == "queued:1"
+    rr = parse_policy("scheduling: {picker: {type: round_robin}}")
+    assert [picker().pick(PickRequest("llm"), pool, rr).reasons[-1]] == ["round_robin"]

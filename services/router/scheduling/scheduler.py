@@ -1,0 +1,82 @@
+"""The scheduler: a request through the profile's filters, scorers and picker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from llmmesh.runtime.errors import Unavailable
+from services.router.affinity import PrefixIndex, SessionTable
+from services.router.scheduling.plugins import NoCandidates
+from services.router.scheduling.profile import Profile, build_profile, legacy_spec
+from services.router.scheduling.types import (
+    Candidate,
+    Decision,
+    PickContext,
+    PickRequest,
+    SchedulingState,
+)
+
+if TYPE_CHECKING:
+    from services.router.routing import RoutingPolicy
+
+
+class Scheduler:
+    """Picks a replica per request with the routing document's profile (built once per
+    document), and remembers where sessions and prompt prefixes went."""
+
+    def __init__(self, state: SchedulingState) -> None:
+        self.state = state
+        self._built: tuple[RoutingPolicy, Profile] | None = None
+
+    @property
+    def prefixes(self) -> PrefixIndex:
+        return self.state.prefixes
+
+    @property
+    def sessions(self) -> SessionTable:
+        return self.state.sessions
+
+    def profile(self, policy: RoutingPolicy) -> Profile:
+        if self._built is None or self._built[0] is not policy:
+            spec = policy.scheduling or legacy_spec(policy)
+            self._built = (policy, build_profile(spec, policy))
+        return self._built[1]
+
+    def pick(
+        self, request: PickRequest, candidates: Sequence[Candidate], policy: RoutingPolicy
+    ) -> Decision:
+        profile = self.profile(policy)
+        ctx = PickContext(
+            request, self.state, policy.saturation.waiting, policy.saturation.kv_utilization
+        )
+        if request.prefix:
+            ctx.matched = self.state.prefixes.matched_blocks(list(request.prefix))
+        remaining = self._filtered(profile, ctx, list(candidates))
+        totals = [0.0] * len(remaining)
+        for scorer, weight in profile.scorers:
+            for i, score in enumerate(scorer.score(ctx, remaining)):
+                totals[i] += weight * score
+        chosen = profile.picker.pick(ctx, remaining, totals)
+        why = next(
+            (s.reason for s, _ in profile.scorers if s.reason and s.explains(ctx, chosen)),
+            profile.picker.reason,
+        )
+        if request.session_key:
+            self.state.sessions.set(request.session_key, chosen.address)
+        self.state.prefixes.record(request.prefix, chosen.address)
+        subset = ctx.subset or chosen.endpoint.version
+        return Decision(chosen, ctx.uncached_tokens(chosen), subset, (*ctx.reasons, why))
+
+    @staticmethod
+    def _filtered(
+        profile: Profile, ctx: PickContext, remaining: list[Candidate]
+    ) -> list[Candidate]:
+        try:
+            for plugin in profile.filters:
+                remaining = plugin.filter(ctx, remaining)
+                if not remaining:
+                    raise NoCandidates(f"no healthy replica of model '{ctx.request.model}'")
+        except NoCandidates as err:
+            raise Unavailable(str(err)) from None
+        return remaining

@@ -1,0 +1,148 @@
+"""Scorers: how good each remaining replica is for the request, in [0, 1].
+
+The load scorers are linear: ``1 - x / scale``, clipped at 0, where ``x`` is the signal
+(queued requests, running sequences, KV use, streams not yet reported, prefill tokens),
+so that their weighted sum ranks replicas by a weighted load cost, as far as ``scale``
+reaches: trading 250 tokens of prefill against three running sequences works the same at
+any load. Session affinity keeps a conversation on its replica until that one is
+saturated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pydantic import Field
+
+from services.router.scheduling.plugins import Params, Scorer, register
+from services.router.scheduling.types import Candidate, PickContext
+
+
+class Scale(Params):
+    scale: float = Field(default=1.0, gt=0)  # the signal at which the score reaches 0
+
+
+class LinearScorer(Scorer):
+    """``1 - signal / scale``, clipped to [0, 1]."""
+
+    Settings = Scale
+    signal: Callable[[PickContext, Candidate], float]
+
+    def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
+        assert isinstance(self.params, Scale)
+        scale = self.params.scale
+        return [max(0.0, 1.0 - type(self).signal(ctx, c) / scale) for c in candidates]
+
+
+class QueueScale(Scale):
+    scale: float = Field(default=64, gt=0)
+
+
+@register("queue")
+class Queue(LinearScorer):
+    """Requests queued in the engine: a request sent there waits for a slot."""
+
+    Settings = QueueScale
+
+    @staticmethod
+    def signal(ctx: PickContext, c: Candidate) -> float:
+        return c.metric("waiting")
+
+
+class RunningScale(Scale):
+    scale: float = Field(default=256, gt=0)
+
+
+@register("running")
+class Running(LinearScorer):
+    """Sequences the engine runs (less those this router ended since the report)."""
+
+    Settings = RunningScale
+
+    @staticmethod
+    def signal(ctx: PickContext, c: Candidate) -> float:
+        return c.running
+
+
+@register("kv_utilization")
+class KvUtilization(LinearScorer):
+    """The engine's KV cache in use: a full one means preemption or waiting."""
+
+    @staticmethod
+    def signal(ctx: PickContext, c: Candidate) -> float:
+        return c.metric("kv_utilization")
+
+
+class PendingScale(Scale):
+    scale: float = Field(default=64, gt=0)
+
+
+@register("pending")
+class Pending(LinearScorer):
+    """Streams this router opened that the replica's last report does not show yet."""
+
+    Settings = PendingScale
+
+    @staticmethod
+    def signal(ctx: PickContext, c: Candidate) -> float:
+        return c.unseen
+
+
+class PrefillScale(Scale):
+    scale: float = Field(default=64_000, gt=0)  # prompt tokens
+
+
+@register("prefill")
+class Prefill(LinearScorer):
+    """Prefill the replica has to do: prompt tokens this router sent that await their
+    first token, plus this prompt's tokens its prefix cache likely lacks."""
+
+    Settings = PrefillScale
+    reason = "prefix"
+
+    @staticmethod
+    def signal(ctx: PickContext, c: Candidate) -> float:
+        return c.prefilling + ctx.uncached_tokens(c)
+
+    def explains(self, ctx: PickContext, chosen: Candidate) -> bool:
+        return bool(ctx.matched.get(chosen.address))
+
+
+class AffinityParams(Params):
+    # Saturated, beyond a queue or a full cache: this many more streams (running,
+    # queued, not yet reported) than the least busy candidate.
+    excess_load: float = Field(default=4.0, gt=0)
+
+
+def _busy(c: Candidate) -> float:
+    """Streams on the replica: running, queued, and sent since its report."""
+    return c.running + c.metric("waiting") + c.unseen
+
+
+@register("session_affinity")
+class SessionAffinity(Scorer):
+    """1 for the replica serving the request's conversation, unless it is saturated."""
+
+    Settings = AffinityParams
+    reason = "affinity"
+
+    def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
+        request = ctx.request
+        home = ctx.state.sessions.get(request.session_key) if request.session_key else None
+        if home is None:
+            return [0.0] * len(candidates)
+        assert isinstance(self.params, AffinityParams)
+        least = min(_busy(c) for c in candidates)
+        scores = [
+            1.0
+            if c.address == home
+            and not ctx.saturated(c)
+            and _busy(c) - least <= self.params.excess_load
+            else 0.0
+            for c in candidates
+        ]
+        ctx.notes["affinity"] = home if max(scores) > 0 else None
+        return scores
+
+    def explains(self, ctx: PickContext, chosen: Candidate) -> bool:
+        return ctx.notes.get("affinity") == chosen.address
