@@ -31,14 +31,17 @@ from llmmesh.types import Chunk, History, count_tokens
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
+from services.router.connector import GrpcConnector
 from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Prepared, RouterCore
+from services.router.dispatch import Dispatcher, DispatchSettings
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
-from services.router.pool import InferencePool, PoolSettings
+from services.router.replicas import ReplicaSet, ReplicaSettings
 from services.router.routing import PolicyHolder
+from services.router.scheduling import Scheduler, SchedulingState
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyService
 
@@ -173,8 +176,17 @@ class Upstreams:
                 self.tenants.apply(parse_tenants(Path(config.tenants_file).read_text()))
             except (OSError, ValueError) as err:
                 raise ConfigError(f"tenants_file: {err}") from None
-        self.inference = InferencePool(
-            _discovery(config, self.consul), self.routing, _pool_settings(config)
+        self.replicas = ReplicaSet(
+            _discovery(config, self.consul),
+            GrpcConnector(config.inference_via),
+            _replica_settings(config),
+            config.region,
+        )
+        self.inference = Dispatcher(
+            self.replicas,
+            self.routing,
+            DispatchSettings(config.region, config.retry_attempts, config.max_resumes),
+            Scheduler(SchedulingState(config.region)),
         )
         self._documents = [
             (offer, source)
@@ -184,7 +196,7 @@ class Upstreams:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        await self.inference.start()
+        await self.replicas.start()
         for offer, (name, documents) in self._documents:
             self._tasks.append(asyncio.create_task(_follow(offer, name, documents)))
 
@@ -192,7 +204,7 @@ class Upstreams:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.inference.close()
+        await self.replicas.close()
         await self.policy.close()
         for ch in self.channels:
             await ch.close()
@@ -245,16 +257,12 @@ def _admission_settings(config: RouterConfig) -> AdmissionSettings:
     )
 
 
-def _pool_settings(config: RouterConfig) -> PoolSettings:
-    return PoolSettings(
-        local_region=config.region,
+def _replica_settings(config: RouterConfig) -> ReplicaSettings:
+    return ReplicaSettings(
         report_interval_s=config.load_report_interval_s,
         stale_after_s=config.load_report_stale_s,
         breaker_failures=config.breaker_failures,
         breaker_open_s=config.breaker_open_s,
-        attempts=config.retry_attempts,
-        max_resumes=config.max_resumes,
-        via=config.inference_via,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from llmmesh.runtime.errors import Unavailable
 from services.router.affinity import PrefixIndex, prefix_hashes
 from services.router.endpoints import Endpoint
-from services.router.pool import reports_alive
+from services.router.replicas import reports_alive
 from services.router.routing import InvalidDocument, RoutingPolicy, ScorerWeights, parse_policy
 from services.router.scheduling import (
     SCORERS,

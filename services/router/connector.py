@@ -1,0 +1,97 @@
+"""How the router reaches one inference replica: the transport seam under the replica set.
+
+A ``Connector`` opens a ``ReplicaLink`` per discovered endpoint; the link streams
+generations and load reports. ``GrpcConnector`` speaks the mesh's Inference API over
+grpc.aio (directly, or through the local sidecar, which forwards each call to the
+endpoint named in ``x-gateway-destination-endpoint``); tests use an in-memory one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from llmmesh.runtime.grpc_status import from_rpc_error
+from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
+from llmmesh.types import Chunk, InferenceCall
+from llmmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.router.endpoints import Endpoint
+from services.router.upstreams import CHANNEL_OPTIONS, ReplicaClient
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One load report of a replica: each model's engine load (metric name -> value),
+    and whether its engine could be read at all."""
+
+    models: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    engine_reachable: bool = True
+
+
+class ReplicaLink(Protocol):
+    def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
+        """Chunks with per-chunk token counts; closing it early cancels the generation.
+        Raises Unavailable (the replica failed) or the replica's own refusal."""
+        ...
+
+    def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
+        """Reports on every change, at least every ``max_interval_s``; ends (or raises
+        Unavailable) when the stream breaks."""
+        ...
+
+    async def close(self, grace_s: float | None = None) -> None: ...
+
+
+class Connector(Protocol):
+    def connect(self, endpoint: Endpoint) -> ReplicaLink: ...
+
+
+def load_metrics(model: inference_pb2.ModelLoad) -> dict[str, float]:
+    """A model's load as scheduling reads it: every metric the engine reports, and the
+    report's named fields."""
+    return {
+        **model.metrics,
+        "running": model.running,
+        "waiting": model.waiting,
+        "kv_utilization": model.kv_utilization,
+        "prefix_cache_hit_rate": model.prefix_cache_hit_rate,
+    }
+
+
+class GrpcLink:
+    """One replica over one grpc.aio channel."""
+
+    def __init__(self, endpoint: Endpoint, via: str) -> None:
+        self._channel = grpc.aio.insecure_channel(via or endpoint.address, options=CHANNEL_OPTIONS)
+        self._metadata = ((DESTINATION_ENDPOINT, endpoint.address),) if via else ()
+        self._client = ReplicaClient(self._channel, endpoint.address, self._metadata)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._address = endpoint.address
+
+    def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
+        return self._client.generate(call)
+
+    async def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
+        request = inference_pb2.WatchLoadRequest(max_interval_ms=int(max_interval_s * 1000))
+        try:
+            async for report in self._stub.WatchLoad(request, metadata=self._metadata):
+                models = {m.model: load_metrics(m) for m in report.models}
+                yield LoadReport(models, report.engine_reachable)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "inference replica", self._address) from None
+
+    async def close(self, grace_s: float | None = None) -> None:
+        await self._channel.close(grace_s)
+
+
+@dataclass(frozen=True)
+class GrpcConnector:
+    """Replicas dialed directly, or through ``via``: the local sidecar's listener."""
+
+    via: str = ""
+
+    def connect(self, endpoint: Endpoint) -> GrpcLink:
+        return GrpcLink(endpoint, self.via)

@@ -1,0 +1,207 @@
+"""The dispatcher: a generation onto a replica, and kept going when replicas fail.
+
+A request is scheduled onto a replica (scheduling/); if it fails before its first chunk
+it is retried elsewhere (tenacity: bounded attempts, jittered backoff, within the
+deadline). If a stream breaks after text was sent, it resumes on another replica from
+the prompt plus the text already sent, so the client's text continues without a gap or a
+repeat. A replica that refuses the request itself (INVALID_ARGUMENT, ...) has not
+failed: the refusal goes to the client, with no retry and no mark on the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter, Histogram
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+from llmmesh.runtime import tracing
+from llmmesh.runtime.errors import ResourceExhausted, Unavailable
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
+from services.router.affinity import prefix_hashes
+from services.router.replicas import Replica, ReplicaSet
+from services.router.routing import PolicyHolder
+from services.router.scheduling import Decision, PickRequest, Scheduler
+from services.router.scheduling.filters import split_point
+from services.router.upstreams import RouteHints
+
+log = logging.getLogger(__name__)
+
+PICKS = Counter(
+    "llm_router_picks_total", "Requests sent, by replica and its subset", ["endpoint", "subset"]
+)
+DECISIONS = Counter("llm_router_decisions_total", "Picking decisions, by reason", ["reason"])
+PICK_SECONDS = Histogram(
+    "llm_router_pick_seconds",
+    "Time to pick a replica",
+    buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2),
+)
+RETRIES = Counter("llm_router_retries_total", "Attempts retried before the first chunk")
+RESUMED = Counter("llm_router_resumed_streams_total", "Streams moved to another replica")
+
+# What a replica failing looks like; anything else it raises is the request's own.
+REPLICA_FAILURES = (Unavailable, ResourceExhausted)
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    local_region: str = "local"
+    attempts: int = 3  # per stream start, first try included
+    max_resumes: int = 2  # times one stream may move after text was sent
+
+
+class Dispatcher:
+    """The router's InferenceClient."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        routing: PolicyHolder,
+        settings: DispatchSettings,
+        scheduler: Scheduler,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._replicas = replicas
+        self._routing = routing
+        self._settings = settings
+        self._scheduler = scheduler
+        self._rng = rng or random.Random()
+
+    def saturated(self) -> bool:
+        return self._replicas.saturated(self._routing.current.saturation)
+
+    def pick(self, request: PickRequest) -> Decision:
+        started = time.perf_counter()
+        with tracing.tracer.start_as_current_span("endpoint.pick") as span:
+            decision = self._scheduler.pick(
+                request, self._replicas.candidates(request.model), self._routing.current
+            )
+            span.set_attribute("llm.endpoint", decision.candidate.address)
+            span.set_attribute("llm.subset", decision.subset)
+        PICK_SECONDS.observe(time.perf_counter() - started)
+        for reason in decision.reasons:
+            DECISIONS.labels(reason).inc()
+        return decision
+
+    async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
+        request = PickRequest(
+            model=call.model,
+            prefix=prefix_hashes(call.prompt),
+            prompt_chars=len(call.prompt),
+            session_key=hints.session_key,
+            color=hints.color,
+            split_point=split_point(hints.session_key, self._rng),
+        )
+        sent: list[str] = []
+        tokens, resumed, attempt_call = 0, 0, call
+        while True:
+            replica, stream, chunk = await self._start(attempt_call, request, hints.deadline)
+            try:
+                while chunk.finish_reason is None:
+                    yield chunk
+                    sent.append(chunk.text)
+                    tokens += chunk.num_tokens
+                    chunk = await _next_chunk(stream)
+                yield replace(chunk, route=self._route(replica), resumed=resumed)
+                return
+            except Unavailable as err:
+                self._replicas.failed(replica, err)
+                if resumed >= self._settings.max_resumes or _past(hints.deadline):
+                    raise
+                resumed += 1
+                RESUMED.inc()
+                request = replace(request, avoid=request.avoid | {replica.address})
+                attempt_call = _continuation(call, "".join(sent), tokens)
+                if attempt_call.sampling.max_tokens <= 0:  # broke just before its last chunk
+                    yield Chunk("", 0, FinishReason.LENGTH, resumed=resumed)
+                    return
+                log.warning(
+                    "stream resumes on another replica",
+                    extra={"fields": {"failed": replica.address, "sent_tokens": tokens}},
+                )
+            finally:
+                await stream.aclose()  # a generation cut short is cancelled at the replica now
+                self._replicas.release(replica, call.model)
+
+    def _route(self, replica: Replica) -> Route:
+        endpoint = replica.endpoint
+        return Route(
+            endpoint.address, endpoint.version, endpoint.region or self._settings.local_region
+        )
+
+    async def _start(
+        self, call: InferenceCall, request: PickRequest, deadline: float | None
+    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
+        """Picks a replica and waits for its first chunk, retrying elsewhere on failure."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(deadline),
+            wait=wait_random_exponential(multiplier=0.02, max=0.5),
+            retry=retry_if_exception_type(REPLICA_FAILURES),
+            before_sleep=lambda _: RETRIES.inc(),
+            reraise=True,
+        )
+        failed = set(request.avoid)
+        async for attempt in retrying:
+            with attempt:
+                return await self._attempt(call, replace(request, avoid=frozenset(failed)), failed)
+        raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
+
+    async def _attempt(
+        self, call: InferenceCall, request: PickRequest, failed: set[str]
+    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
+        """One try: pick, send, wait for the first chunk. A failed replica joins ``failed``."""
+        decision = self.pick(request)
+        replica = self._replicas[decision.candidate.address]
+        self._replicas.acquire(replica, decision.uncached_tokens)
+        PICKS.labels(replica.address, replica.endpoint.version).inc()
+        stream = replica.link.generate(call)
+        try:
+            first = await _next_chunk(stream)
+        except BaseException as err:
+            self._replicas.first_chunk(replica, decision.uncached_tokens, ok=False)
+            await stream.aclose()
+            self._replicas.release(replica, call.model)
+            if isinstance(err, REPLICA_FAILURES):
+                self._replicas.failed(replica, err)
+                failed.add(replica.address)
+            else:  # the client went away, or the replica refused the request itself
+                self._replicas.abandoned(replica)
+            raise
+        self._replicas.first_chunk(replica, decision.uncached_tokens, ok=True)
+        return replica, stream, first
+
+
+async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        raise Unavailable("inference replica ended the stream without a finish reason") from None
+
+
+def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> InferenceCall:
+    """The call that continues a broken stream: the text already sent becomes prompt."""
+    sampling = replace(call.sampling, max_tokens=call.sampling.max_tokens - sent_tokens)
+    return replace(call, prompt=call.prompt + sent_text, sampling=sampling)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+class _deadline_reached(stop_base):  # noqa: N801 (named like tenacity's own stops)
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return _past(self._deadline)

@@ -1,0 +1,223 @@
+"""The inference replicas behind the router: discovery, a link to each, their load and
+health.
+
+Every discovered endpoint gets a link (connector.py), a circuit breaker and the load it
+last pushed (``Inference.WatchLoad``); the router's own view adds the streams it has open
+there, the ones it ended since the last report, and the prefill it sent that awaits its
+first token. Scheduling reads all of it as candidates (scheduling/types.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import Gauge
+
+from llmmesh.runtime.errors import MeshError
+from services.router.breaker import CircuitBreaker
+from services.router.connector import Connector, LoadReport, ReplicaLink
+from services.router.endpoints import Discovery, Endpoint
+from services.router.routing import Saturation
+from services.router.scheduling import Candidate
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT = Gauge("llm_router_endpoint_in_flight", "Streams in flight, by replica", ["endpoint"])
+BREAKER_OPEN = Gauge("llm_router_breaker_open", "1 while a replica's breaker is open", ["endpoint"])
+
+RECONNECT_BACKOFF_S = (0.05, 0.5)
+CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    report_interval_s: float = 0.25
+    stale_after_s: float = 1.0
+    breaker_failures: int = 3
+    breaker_open_s: float = 2.0
+
+
+@dataclass
+class Replica:
+    endpoint: Endpoint
+    link: ReplicaLink
+    breaker: CircuitBreaker
+    last_report_at: float | None = None  # monotonic; None until the first report
+    down: bool = False  # its report stream broke after reporting: gone until it reports
+    reports: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # model -> load
+    engine_reachable: bool = True
+    in_flight: int = 0
+    # Per model: streams this router ended since the last report, which may still count them.
+    ended: dict[str, int] = field(default_factory=dict)
+    prefilling: int = 0  # prompt tokens sent that await their first token
+    follower: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        discovery: Discovery,
+        connector: Connector,
+        settings: ReplicaSettings,
+        local_region: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._discovery = discovery
+        self._connector = connector
+        self._settings = settings
+        self._region = local_region
+        self._clock = clock
+        self._replicas: dict[str, Replica] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._follow_discovery()))
+
+    async def close(self) -> None:
+        tasks = self._tasks + [r.follower for r in self._replicas.values() if r.follower]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for replica in self._replicas.values():
+            await replica.link.close()
+
+    def __getitem__(self, address: str) -> Replica:
+        return self._replicas[address]
+
+    def candidates(self, model: str) -> list[Candidate]:
+        now, s = self._clock(), self._settings
+        out = []
+        for r in self._replicas.values():
+            alive = reports_alive(r.last_report_at, r.down, now, s.stale_after_s)
+            out.append(
+                Candidate(
+                    endpoint=r.endpoint,
+                    region=r.endpoint.region or self._region,
+                    in_flight=r.in_flight,
+                    ended=r.ended.get(model, 0),
+                    prefilling=r.prefilling,
+                    load=r.reports.get(model) if self._fresh(r, now) else None,
+                    healthy=alive and r.engine_reachable and r.breaker.available(now),
+                )
+            )
+        return out
+
+    def saturated(self, limits: Saturation) -> bool:
+        """Every replica that reports has an engine with a queue or a nearly full cache."""
+        now = self._clock()
+        reporting = [r for r in self._replicas.values() if self._fresh(r, now)]
+        return bool(reporting) and all(
+            any(
+                load.get("waiting", 0) >= limits.waiting
+                or load.get("kv_utilization", 0) >= limits.kv_utilization
+                for load in r.reports.values()
+            )
+            for r in reporting
+        )
+
+    def _fresh(self, replica: Replica, now: float) -> bool:
+        last = replica.last_report_at
+        return last is not None and now - last <= self._settings.stale_after_s
+
+    # -- a stream's life on a replica --------------------------------------------------
+
+    def acquire(self, replica: Replica, prefill_tokens: int) -> None:
+        replica.breaker.on_pick(self._clock())
+        replica.in_flight += 1
+        replica.prefilling += prefill_tokens
+        IN_FLIGHT.labels(replica.address).set(replica.in_flight)
+
+    def first_chunk(self, replica: Replica, prefill_tokens: int, ok: bool) -> None:
+        """The stream started (``ok``) or did not: its prefill is no longer pending."""
+        replica.prefilling -= prefill_tokens
+        if ok:
+            replica.breaker.on_success()
+            BREAKER_OPEN.labels(replica.address).set(0)
+
+    def release(self, replica: Replica, model: str) -> None:
+        replica.in_flight -= 1
+        replica.ended[model] = replica.ended.get(model, 0) + 1
+        IN_FLIGHT.labels(replica.address).set(replica.in_flight)
+
+    def failed(self, replica: Replica, err: MeshError) -> None:
+        """The replica failed a request (not the request's own fault)."""
+        now = self._clock()
+        replica.breaker.on_failure(now)
+        BREAKER_OPEN.labels(replica.address).set(0 if replica.breaker.available(now) else 1)
+        log.warning(
+            "replica failed a request",
+            extra={"fields": {"endpoint": replica.address, "error": err.message}},
+        )
+
+    @staticmethod
+    def abandoned(replica: Replica) -> None:
+        """The request ended with no verdict on the replica (the client went away, or the
+        request itself was refused)."""
+        replica.breaker.on_abandon()
+
+    # -- discovery and load ------------------------------------------------------------
+
+    async def _follow_discovery(self) -> None:
+        async for endpoints in self._discovery.watch():
+            self.apply(endpoints)
+
+    def apply(self, endpoints: list[Endpoint]) -> None:
+        wanted = {e.address: e for e in endpoints}
+        for address in set(self._replicas) - set(wanted):
+            gone = self._replicas.pop(address)
+            if gone.follower:
+                gone.follower.cancel()
+            self._tasks.append(asyncio.create_task(gone.link.close(CLOSE_GRACE_S)))
+        for address, endpoint in wanted.items():
+            replica = self._replicas.get(address)
+            if replica is None:
+                self._replicas[address] = self._new_replica(endpoint)
+            else:
+                replica.endpoint = endpoint  # metadata (version, region) may change
+        log.info("endpoints", extra={"fields": {"endpoints": sorted(wanted)}})
+
+    def _new_replica(self, endpoint: Endpoint) -> Replica:
+        s = self._settings
+        replica = Replica(
+            endpoint,
+            self._connector.connect(endpoint),
+            CircuitBreaker(s.breaker_failures, s.breaker_open_s),
+        )
+        replica.follower = asyncio.create_task(self._follow_load(replica))
+        return replica
+
+    async def _follow_load(self, replica: Replica) -> None:
+        """Keeps the replica's latest per-model load, reconnecting when the stream breaks."""
+        while True:
+            with contextlib.suppress(MeshError):
+                async for report in replica.link.watch_load(self._settings.report_interval_s):
+                    self._reported(replica, report)
+            if replica.last_report_at is not None:  # it was there and went away
+                replica.down, replica.last_report_at = True, None
+            await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
+
+    def _reported(self, replica: Replica, report: LoadReport) -> None:
+        replica.reports = report.models
+        replica.ended = {}
+        replica.engine_reachable = report.engine_reachable
+        replica.last_report_at = self._clock()
+        replica.down = False
+
+
+def reports_alive(last_report_at: float | None, down: bool, now: float, stale_s: float) -> bool:
+    """Whether a replica's load reports say it is there: a recent report, or none yet and
+    its stream not known broken (just discovered, or still connecting: the breaker catches
+    a replica that is not there)."""
+    if last_report_at is None:
+        return not down
+    return now - last_report_at <= stale_s

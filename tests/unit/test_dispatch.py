@@ -1,0 +1,179 @@
+"""The dispatcher over in-memory replicas (tests/replicas_double.py): retry before the
+first token elsewhere, resume after a break with no text lost or repeated, deadlines,
+the breaker, and a replica's refusal, which is the request's and not the replica's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from llmmesh.runtime.errors import InvalidArgument, Unavailable
+from llmmesh.types import Chunk, InferenceCall, Sampling
+from services.router.dispatch import Dispatcher, DispatchSettings
+from services.router.endpoints import Endpoint, FixedDiscovery
+from services.router.replicas import ReplicaSet, ReplicaSettings
+from services.router.routing import PolicyHolder, RoutingPolicy
+from services.router.scheduling import Scheduler, SchedulingState
+from services.router.upstreams import RouteHints
+from tests.replicas_double import MemoryConnector, MemoryReplica, expected_text
+
+PROMPT = "Once upon a time"
+
+
+@dataclass
+class Fleet:
+    dispatcher: Dispatcher
+    replicas: ReplicaSet
+    by_address: dict[str, MemoryReplica]
+    clock: list[float]  # the replica set's time: [now]
+
+    def __getitem__(self, address: str) -> MemoryReplica:
+        return self.by_address[address]
+
+
+def fleet(addresses: tuple[str, ...] = ("a:1", "b:1"), **settings: int) -> Fleet:
+    """Replicas in memory behind a dispatcher that picks round robin in address order, so
+    the first attempt goes to the first replica."""
+    connector, clock = MemoryConnector(), [1000.0]
+    replicas = ReplicaSet(
+        FixedDiscovery(addresses),
+        connector,
+        ReplicaSettings(breaker_failures=settings.get("breaker_failures", 3), breaker_open_s=2.0),
+        "local",
+        clock=lambda: clock[0],
+    )
+    replicas.apply([Endpoint(address=a) for a in addresses])
+    dispatcher = Dispatcher(
+        replicas,
+        PolicyHolder(RoutingPolicy(algorithm="round_robin")),
+        DispatchSettings(
+            attempts=settings.get("attempts", 3), max_resumes=settings.get("max_resumes", 2)
+        ),
+        Scheduler(SchedulingState("local", rng=random.Random(0))),
+    )
+    return Fleet(dispatcher, replicas, connector.replicas, clock)
+
+
+def call(max_tokens: int = 20) -> InferenceCall:
+    return InferenceCall("r1", "llm", PROMPT, Sampling(max_tokens=max_tokens))
+
+
+async def collect(f: Fleet, c: InferenceCall, deadline: float | None = None) -> list[Chunk]:
+    return [chunk async for chunk in f.dispatcher.generate(c, RouteHints(deadline=deadline))]
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+def test_a_failure_before_the_first_token_is_retried_on_another_replica() -> None:
+    async def scenario() -> None:
+        f = fleet()
+        f["a:1"].fail_next(0)
+        chunks = await collect(f, call())
+        assert "".join(c.text for c in chunks) == expected_text(PROMPT, 20)
+        assert len(f["a:1"].calls) == 1 and len(f["b:1"].calls) == 1
+        assert chunks[-1].route is not None and chunks[-1].route.endpoint == "b:1"
+        assert chunks[-1].resumed == 0
+
+    run(scenario)
+
+
+def test_a_stream_broken_mid_way_resumes_elsewhere_with_nothing_lost_or_repeated() -> None:
+    async def scenario() -> None:
+        f = fleet()
+        f["a:1"].fail_next(7)
+        chunks = await collect(f, call(20))
+        assert "".join(c.text for c in chunks) == expected_text(PROMPT, 20)
+        assert sum(c.num_tokens for c in chunks) == 20
+        [resumed_call] = f["b:1"].calls
+        assert resumed_call.prompt == PROMPT + expected_text(PROMPT, 7)
+        assert resumed_call.sampling.max_tokens == 13
+        assert chunks[-1].resumed == 1 and chunks[-1].route is not None
+        assert chunks[-1].route.endpoint == "b:1"
+
+    run(scenario)
+
+
+def test_a_stream_that_keeps_breaking_gives_up_after_its_resumes() -> None:
+    async def scenario() -> None:
+        f = fleet(("a:1", "b:1", "c:1"), max_resumes=1)
+        for replica in ("a:1", "b:1", "c:1"):
+            f[replica].fail_next(3)
+        with pytest.raises(Unavailable):
+            await collect(f, call(20))
+        tried = [len(f[r].calls) for r in ("a:1", "b:1", "c:1")]
+        assert tried[0] == 1 and sorted(tried) == [0, 1, 1]  # the first, then one resume
+
+    run(scenario)
+
+
+def test_no_retry_past_the_deadline() -> None:
+    async def scenario() -> None:
+        f = fleet()
+        f["a:1"].fail_next(0)
+        with pytest.raises(Unavailable):
+            await collect(f, call(), deadline=time.monotonic())  # already due
+        assert len(f["a:1"].calls) == 1 and f["b:1"].calls == []
+
+    run(scenario)
+
+
+def test_a_replica_that_refuses_the_request_has_not_failed() -> None:
+    async def scenario() -> None:
+        f = fleet(breaker_failures=1)
+        f["a:1"].fail_next(InvalidArgument("sampling.max_tokens", "too many"))
+        with pytest.raises(InvalidArgument, match=r"sampling\.max_tokens"):
+            await collect(f, call())
+        assert f["b:1"].calls == []  # not retried
+        # Its breaker (one failure would open it) stays closed: it serves the next one.
+        chunks = await collect(f, call())
+        assert chunks[-1].route is not None and chunks[-1].route.endpoint in ("a:1", "b:1")
+        assert all(c.healthy for c in f.replicas.candidates("llm"))
+
+    run(scenario)
+
+
+def test_the_breaker_takes_a_failing_replica_out_and_probes_it_after_its_pause() -> None:
+    async def scenario() -> None:
+        f = fleet(breaker_failures=2, attempts=1)
+        f["a:1"].fail_next(0, 0)
+        for _ in range(4):  # round robin: a, b, a, b; a fails both times it is tried
+            with_a = [c.address for c in f.replicas.candidates("llm") if c.healthy]
+            try:
+                await collect(f, call(3))
+            except Unavailable:
+                assert "a:1" in with_a
+        healthy = {c.address: c.healthy for c in f.replicas.candidates("llm")}
+        assert healthy == {"a:1": False, "b:1": True}
+        for _ in range(3):  # all go to b while a's breaker is open
+            await collect(f, call(3))
+        assert len(f["a:1"].calls) == 2
+        f.clock[0] += 2.5  # past its pause: one probe may go to a, and it succeeds
+        healthy = {c.address: c.healthy for c in f.replicas.candidates("llm")}
+        assert healthy == {"a:1": True, "b:1": True}
+        for _ in range(2):
+            await collect(f, call(3))
+        assert len(f["a:1"].calls) == 3
+        assert all(c.healthy for c in f.replicas.candidates("llm"))
+
+    run(scenario)
+
+
+def test_streams_in_flight_are_counted_and_released() -> None:
+    async def scenario() -> None:
+        f = fleet(("a:1",))
+        stream = f.dispatcher.generate(call(50), RouteHints())
+        await anext(stream)
+        [candidate] = f.replicas.candidates("llm")
+        assert candidate.in_flight == 1
+        await stream.aclose()  # the client left
+        [candidate] = f.replicas.candidates("llm")
+        assert (candidate.in_flight, candidate.ended) == (0, 1)
+
+    run(scenario)
