@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -67,7 +68,7 @@ async def collect(f: Fleet, c: InferenceCall, deadline: float | None = None) -> 
     return [chunk async for chunk in f.dispatcher.generate(c, RouteHints(deadline=deadline))]
 
 
-def run(scenario: Callable[[], Awaitable[None]]) -> None:
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
