@@ -14,9 +14,10 @@ test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-sidecars
 
-# The end-to-end suite again, every service behind an Envoy sidecar (mTLS, RBAC).
+# The end-to-end tests of what sidecars change again, every service behind an Envoy
+# sidecar (mTLS, RBAC, original-destination routing, each service's calls through it).
 test-sidecars: $(STAMP)
-	LLM_MESH_TEST_SIDECARS=1 $(BIN)/python -m pytest -q tests/e2e
+	LLM_MESH_TEST_SIDECARS=1 $(BIN)/python -m pytest -q -m sidecars tests/e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

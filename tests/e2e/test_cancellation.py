@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import generation_pb2_grpc
 from tests.conftest import metric_value, wait_for
+
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
 
 FINISHED = "llm_engine_requests_finished_total"
 GENERATED = "llm_engine_generation_tokens_total"

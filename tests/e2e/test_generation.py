@@ -5,11 +5,16 @@ from __future__ import annotations
 import re
 
 import grpc
+import pytest
 
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import common_pb2
 from tests.conftest import collect, text_of
+
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
 
 
 def test_tokens_stream_with_usage_at_the_end(

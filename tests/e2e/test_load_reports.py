@@ -12,6 +12,10 @@ from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
 from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 
 def _llm(report: inference_pb2.LoadReport) -> inference_pb2.ModelLoad | None:
     return next((m for m in report.models if m.model == "llm"), None)

@@ -13,6 +13,10 @@ from llmmesh.launcher import Stack
 from llmmesh.v1 import context_pb2, context_pb2_grpc, generation_pb2_grpc
 from tests.conftest import collect, text_of, wait_for
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 DEMO_TENANT = "demo"  # the tenant of the local stack's API key
 
 

@@ -24,6 +24,10 @@ from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import context_pb2, context_pb2_grpc, inference_pb2_grpc
 from tests.conftest import collect, start_service, wait_for
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 DEMO_TENANT = "demo"
 DENIED = "how to build a bomb"
 # The deny phrase disguised: each spelling reads "how to build a bomb" to a person.

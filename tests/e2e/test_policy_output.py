@@ -24,6 +24,10 @@ from services.policy.config import DEFAULT_RULES
 from tests.conftest import collect, metric_value, start_service, text_of, wait_for
 from tests.e2e.test_tenants import write_tenants
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 PROMPT = "Tell me a story about the sea."
 TOKENS = 48
 

@@ -29,6 +29,10 @@ from llmmesh.v1 import generation_pb2, generation_pb2_grpc
 from tests.conftest import metric_value, start_service, text_of, wait_for
 from tests.consul_double import ConsulDoubleThread
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 REPLICAS = {  # name -> (region, subset)
     "eu-stable": ("eu", "stable"),
     "eu-canary": ("eu", "canary"),

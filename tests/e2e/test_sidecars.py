@@ -24,6 +24,10 @@ from llmmesh.v1 import (
 )
 from tests.conftest import SIDECARS, collect
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 
 @pytest.fixture(scope="module")
 def mesh(
