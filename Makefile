@@ -14,6 +14,10 @@ test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-sidecars
 
+# The fast tier: everything that needs no server (under a minute).
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
 # The end-to-end tests of what sidecars change again, every service behind an Envoy
 # sidecar (mTLS, RBAC, original-destination routing, each service's calls through it).
 test-sidecars: $(STAMP)

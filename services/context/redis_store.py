@@ -1,9 +1,11 @@
 """Redis session store, for several context replicas sharing sessions.
 
 Per session: a hash (system prompt, metadata, summary), a list of turns (JSON) and a set
-of the request ids already appended, all expiring together (PEXPIRE, slid on every
-access). Per tenant, a sorted set of session ids pages ``list``; one sorted set of expiry
-times lets ``sweep`` drop the ids of sessions Redis has expired. An append is one Lua
+of the request ids already appended. Per tenant, a sorted set of session ids pages
+``list``; one sorted set holds every session's expiry time, by the store's clock, slid on
+every access: a session past it is gone for every operation, and ``sweep`` deletes it.
+Redis expires the keys too (PEXPIRE, slid alike), so that nothing outlives a store that
+stops sweeping. An append is one Lua
 script, so concurrent appends to a session land whole, one after the other. Durability is
 the server's: run it with ``appendonly yes`` and ``appendfsync always`` so that a reply
 means the append is on disk.
@@ -12,16 +14,20 @@ means the append is on disk.
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import redis.asyncio as redis
 
 from llmmesh.types import Role, Turn
-from services.context.store import Session
+from services.context.store import Session, now_ms
 
 _APPEND = """
+local expires = redis.call('ZSCORE', KEYS[5], ARGV[4])
+if expires and tonumber(expires) <= tonumber(ARGV[3]) then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])  -- expired, not swept yet: starts over
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'system_prompt', '', 'metadata', '{}', 'summary', '',
              'summarized_turns', '0')
@@ -38,6 +44,8 @@ return {count, added}
 """
 # Reads a session and slides its expiry (never shortening it), if it exists.
 _LOAD = """
+local expires = redis.call('ZSCORE', KEYS[4], ARGV[3])
+if expires and tonumber(expires) <= tonumber(ARGV[2]) then return false end
 local meta = redis.call('HGETALL', KEYS[1])
 if #meta == 0 then return false end
 local turns = redis.call('LRANGE', KEYS[2], 0, -1)
@@ -55,13 +63,14 @@ return 0
 _SWEEP_BATCH = 1000
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class RedisSessionStore:
-    def __init__(self, url: str, prefix: str = "llm-mesh:ctx:") -> None:
+    def __init__(
+        self, url: str, prefix: str = "llm-mesh:ctx:", clock: Callable[[], int] = now_ms
+    ) -> None:
         self._client = redis.Redis.from_url(url, decode_responses=True)
+        self._now = clock  # wall-clock milliseconds, as every replica of the store sees it
         self._prefix = prefix
         self._append = self._client.register_script(_APPEND)
         self._load = self._client.register_script(_LOAD)
@@ -91,7 +100,7 @@ class RedisSessionStore:
 
     async def load(self, tenant: str, session_id: str, ttl_ms: int) -> Session | None:
         keys = [*self._keys(tenant, session_id), self._expiry]
-        args: list[str | int] = [ttl_ms, _now_ms(), self._member(tenant, session_id)]
+        args: list[str | int] = [ttl_ms, self._now(), self._member(tenant, session_id)]
         found = await self._load(keys=keys, args=args)
         if not found:
             return None
@@ -108,7 +117,7 @@ class RedisSessionStore:
     async def append(
         self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
     ) -> tuple[int, bool]:
-        now = _now_ms()
+        now = self._now()
         keys = [*self._keys(tenant, session_id), self._index(tenant), self._expiry]
         args: list[str | int] = [
             request_id,
@@ -140,7 +149,7 @@ class RedisSessionStore:
             for key in (meta_key, turns_key, requests_key):
                 pipe.pexpire(key, ttl_ms)
             pipe.zadd(self._index(tenant), {session_id: 0})
-            pipe.zadd(self._expiry, {self._member(tenant, session_id): _now_ms() + ttl_ms})
+            pipe.zadd(self._expiry, {self._member(tenant, session_id): self._now() + ttl_ms})
             await pipe.execute()
 
     async def save_summary(
@@ -167,24 +176,25 @@ class RedisSessionStore:
             expiries = await self._client.zmscore(
                 self._expiry, [self._member(tenant, i) for i in ids]
             )
-            now = _now_ms()
+            now = self._now()
             found += [i for i, e in zip(ids, expiries, strict=True) if e and e > now]
             start = f"({ids[-1]}"
         return found[:limit]
 
     async def sweep(self) -> int:
-        """Redis expires the sessions themselves; this drops their ids from the indexes."""
+        """Deletes the sessions past their expiry, and their ids from the indexes."""
         swept = 0
         while True:
             members = await self._client.zrangebyscore(
-                self._expiry, "-inf", _now_ms(), 0, _SWEEP_BATCH
+                self._expiry, "-inf", self._now(), 0, _SWEEP_BATCH
             )
             if not members:
                 return swept
             async with self._client.pipeline(transaction=False) as pipe:
                 for member in members:
-                    tenant, session_id = member.split("\n", 1)
-                    pipe.zrem(f"{self._prefix}idx:{tenant}", session_id)
+                    quoted, session_id = member.split("\n", 1)
+                    pipe.zrem(f"{self._prefix}idx:{quoted}", session_id)
+                    pipe.delete(*self._keys(unquote(quoted), session_id))
                 pipe.zrem(self._expiry, *members)
                 await pipe.execute()
             swept += len(members)

@@ -122,8 +122,9 @@ CHECKPOINT_EVERY_COMMITS = 200
 
 
 class SqliteSessionStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], int] = now_ms) -> None:
         self._path = Path(path)
+        self._now = clock  # wall-clock milliseconds: expiry outlives the process
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-read")
         self._write_conn: sqlite3.Connection | None = None
@@ -152,7 +153,7 @@ class SqliteSessionStore:
         if writer:
             conn.execute("PRAGMA wal_autocheckpoint=0")  # see _maybe_checkpoint
             conn.executescript(_SCHEMA)
-            conn.execute(_MIGRATE, (now_ms() + 7 * 86_400_000,))
+            conn.execute(_MIGRATE, (self._now() + 7 * 86_400_000,))
         return conn
 
     async def close(self) -> None:
@@ -244,21 +245,22 @@ class SqliteSessionStore:
     # The operations.
 
     async def load(self, tenant: str, session_id: str, ttl_ms: int) -> Session | None:
-        found = await self._read(lambda db: _load(db, tenant, session_id))
+        now = self._now()
+        found = await self._read(lambda db: _load(db, tenant, session_id, now))
         if found is None:
             return None
         session, expires_at_ms = found
         # Sliding expiry. A conversation's appends slide it already: a load writes only
         # when the expiry lags by more than a tenth of the TTL.
-        if expires_at_ms - now_ms() < ttl_ms * 0.9:
-            await self._write(_touch(tenant, session_id, ttl_ms))
+        if expires_at_ms - now < ttl_ms * 0.9:
+            await self._write(_touch(tenant, session_id, now + ttl_ms))
         return session
 
     async def append(
         self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
     ) -> tuple[int, bool]:
         result: tuple[int, bool] = await self._write(
-            _append(tenant, session_id, request_id, turns, ttl_ms)
+            _append(tenant, session_id, request_id, turns, ttl_ms, now=self._now())
         )
         return result
 
@@ -270,13 +272,15 @@ class SqliteSessionStore:
         metadata: dict[str, str],
         ttl_ms: int,
     ) -> None:
+        expires_at_ms = self._now() + ttl_ms
+
         def action(db: sqlite3.Connection) -> None:
             db.execute(
                 "INSERT INTO sessions (tenant, session_id, system_prompt, metadata,"
                 " expires_at_ms) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET"
                 " system_prompt = excluded.system_prompt, metadata = excluded.metadata,"
                 " expires_at_ms = excluded.expires_at_ms",
-                (tenant, session_id, system_prompt, json.dumps(metadata), now_ms() + ttl_ms),
+                (tenant, session_id, system_prompt, json.dumps(metadata), expires_at_ms),
             )
 
         await self._write(action)
@@ -301,29 +305,35 @@ class SqliteSessionStore:
         return deleted
 
     async def list(self, tenant: str, after: str, limit: int) -> list[str]:
+        now = self._now()
+
         def action(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(
                 "SELECT session_id FROM sessions WHERE tenant = ? AND session_id > ?"
                 " AND expires_at_ms > ? ORDER BY session_id LIMIT ?",
-                (tenant, after, now_ms(), limit),
+                (tenant, after, now, limit),
             )
             return [r[0] for r in rows]
 
         return await self._read(action)
 
     async def sweep(self) -> int:
+        now = self._now()
+
         def action(db: sqlite3.Connection) -> int:
-            return _delete(db, "expires_at_ms <= ?", (now_ms(),))
+            return _delete(db, "expires_at_ms <= ?", (now,))
 
         swept: int = await self._write(action)
         return swept
 
 
-def _load(db: sqlite3.Connection, tenant: str, session_id: str) -> tuple[Session, int] | None:
+def _load(
+    db: sqlite3.Connection, tenant: str, session_id: str, now: int
+) -> tuple[Session, int] | None:
     row = db.execute(
         "SELECT system_prompt, metadata, summary, summarized_turns, expires_at_ms FROM sessions"
         " WHERE tenant = ? AND session_id = ? AND expires_at_ms > ?",
-        (tenant, session_id, now_ms()),
+        (tenant, session_id, now),
     ).fetchone()
     if row is None:
         return None
@@ -342,20 +352,21 @@ def _load(db: sqlite3.Connection, tenant: str, session_id: str) -> tuple[Session
     return session, row[4]
 
 
-def _touch(tenant: str, session_id: str, ttl_ms: int) -> Write:
+def _touch(tenant: str, session_id: str, expires_at_ms: int) -> Write:
     def action(db: sqlite3.Connection) -> None:
         db.execute(
             "UPDATE sessions SET expires_at_ms = MAX(expires_at_ms, ?)"
             " WHERE tenant = ? AND session_id = ?",
-            (now_ms() + ttl_ms, tenant, session_id),
+            (expires_at_ms, tenant, session_id),
         )
 
     return action
 
 
-def _append(tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int) -> Write:
+def _append(
+    tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int, *, now: int
+) -> Write:
     def action(db: sqlite3.Connection) -> tuple[int, bool]:
-        now = now_ms()
         # A session that expired but is not swept yet starts over.
         expired = db.execute(
             "SELECT 1 FROM sessions WHERE tenant = ? AND session_id = ? AND expires_at_ms <= ?",

@@ -1,5 +1,5 @@
 """The session stores, one suite for both: SQLite on a real database file and Redis on a
-real redis-server (tests/conftest.py)."""
+real redis-server (tests/conftest.py). Expiry runs on a clock the test sets."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 
 from llmmesh.runtime.errors import InvalidArgument, NotFound
 from llmmesh.types import Role, Turn
-from llmmesh.waiting import poll_until_async
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
 from services.context.store import SessionStore, SqliteSessionStore
@@ -28,14 +27,29 @@ DAY_MS = 86_400_000
 StoreFactory = Callable[[], SessionStore]
 
 
+class Clock:
+    """Wall-clock milliseconds as the stores see them, moved on by the test."""
+
+    def __init__(self) -> None:
+        self.now_ms = 1_800_000_000_000
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
 @pytest.fixture(params=["sqlite", "redis"])
-def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
+def new_store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> StoreFactory:
     """Makes store objects over one database (a file, or a key prefix on the server)."""
     if request.param == "sqlite":
-        return lambda: SqliteSessionStore(tmp_path / "ctx.sqlite3")
+        return lambda: SqliteSessionStore(tmp_path / "ctx.sqlite3", clock)
     server: RedisServer = request.getfixturevalue("redis_server")
     prefix = f"test-{uuid.uuid4().hex}:"
-    return lambda: RedisSessionStore(server.url, prefix)
+    return lambda: RedisSessionStore(server.url, prefix, clock)
 
 
 @asynccontextmanager
@@ -158,23 +172,16 @@ def test_list_pages_through_a_tenants_sessions(new_store: StoreFactory) -> None:
     run(new_store, scenario)
 
 
-async def expired(store: SessionStore, session_id: str) -> bool:
-    """Waits (up to 5 s) until the session is gone; a load that finds it must not slide
-    it, hence the 1 ms TTL of the probing load."""
-
-    async def gone() -> bool:
-        return await store.load("t", session_id, 1) is None
-
-    return await poll_until_async(gone, 5.0)
-
-
 def test_sessions_expire_after_their_ttl_and_the_sweep_drops_them(
-    new_store: StoreFactory,
+    new_store: StoreFactory, clock: Clock
 ) -> None:
     async def scenario(store: SessionStore) -> None:
-        await store.append("t", "short", "r", TURNS, 1)  # 1 ms to live
+        await store.append("t", "short", "r", TURNS, 1000)
         await store.append("t", "long", "r", TURNS, DAY_MS)
-        assert await expired(store, "short"), "never expired"
+        clock.now_ms += 999
+        assert await store.load("t", "short", 1000) is not None
+        clock.now_ms += 1001  # past the slid expiry too
+        assert await store.load("t", "short", 1) is None
         assert await store.list("t", "", 10) == ["long"]
         assert await store.sweep() >= 1
         assert await store.load("t", "long", DAY_MS) is not None
@@ -184,14 +191,13 @@ def test_sessions_expire_after_their_ttl_and_the_sweep_drops_them(
     run(new_store, scenario)
 
 
-def test_an_access_slides_the_expiry(new_store: StoreFactory) -> None:
+def test_an_access_slides_the_expiry(new_store: StoreFactory, clock: Clock) -> None:
     async def scenario(store: SessionStore) -> None:
         await store.append("t", "s", "r", TURNS, 400)
-        assert await store.load("t", "s", DAY_MS) is not None  # slides it a day out
-        # A session written after it with the same 400 ms has expired: so has the first
-        # expiry of "s" (expiry is wall-clock time).
         await store.append("t", "probe", "r", TURNS, 400)
-        assert await expired(store, "probe"), "never expired"
+        assert await store.load("t", "s", DAY_MS) is not None  # slides it a day out
+        clock.now_ms += 401  # past the first expiry of both
+        assert await store.load("t", "probe", 1) is None
         assert await store.load("t", "s", DAY_MS) is not None
 
     run(new_store, scenario)
