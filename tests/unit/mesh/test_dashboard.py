@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "mesh" / "grafana" / "dashboards" / "llm-mesh.json"
 DEFINED = re.compile(r'(?:Counter|Gauge|Histogram)\(\s*"([a-z_]+)"', re.S)
 ENGINE = re.compile(r'^\s*"(llm_engine_[a-z_]+)": \(', re.M)
