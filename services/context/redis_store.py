@@ -63,8 +63,6 @@ return 0
 _SWEEP_BATCH = 1000
 
 
-
-
 class RedisSessionStore:
     def __init__(
         self, url: str, prefix: str = "llm-mesh:ctx:", clock: Callable[[], int] = now_ms

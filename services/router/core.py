@@ -6,6 +6,7 @@ No gRPC here: upstreams are reached through the small client interfaces in upstr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -149,7 +150,33 @@ class Prepared:
         self.slot.release(first_token_at)
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One admitted request, as its transport relays it: the chunks, and what the
+    responses say besides (model, prompt tokens, the session's history)."""
+
+    prepared: Prepared
+    chunks: AsyncGenerator[Chunk, None]
+
+    @property
+    def request(self) -> GenerateInput:
+        return self.prepared.request
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prepared.prompt_tokens
+
+    @property
+    def history(self) -> History | None:
+        return self.prepared.history
+
+
 class RouterCore:
+    """One request's life, the same for every transport: ``generation`` validates,
+    checks policy, restores the session, admits and starts the stream, and on leaving
+    ends it (a client gone at any point ends the generation) and gives back what it
+    held."""
+
     def __init__(
         self,
         config: RouterConfig,
@@ -168,6 +195,20 @@ class RouterCore:
         self._count = count_tokens
         self._tenants = tenants or Tenants(config.default_tenant)
         self._admission = admission or AdmissionQueue()
+
+    @contextlib.asynccontextmanager
+    async def generation(self, request: GenerateInput) -> AsyncIterator[Generation]:
+        """The request admitted and its generation started; raises before anything is
+        streamed (bad input, policy, budget, admission)."""
+        prepared = await self.prepare(request)
+        chunks = self.stream(prepared)
+        try:
+            yield Generation(prepared, chunks)
+        finally:
+            await chunks.aclose()
+            # Also covers a client gone between the start and the first read.
+            await prepared.stream.abandon()
+            prepared.release()
 
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""

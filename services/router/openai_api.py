@@ -26,7 +26,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
-from services.router.core import GenerateInput, Prepared, RouterCore
+from services.router.core import GenerateInput, Generation, RouterCore
 from services.router.http_errors import INTERNAL, STATUS, error_response, http_errors
 from services.router.tenants import Tenants
 
@@ -176,19 +176,15 @@ class OpenAiApi:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await _json_body(request, ChatBody if chat else CompletionBody)
             generate = self._decode(request, request_id, tenant, body, chat)
-            prepared = await self._core.prepare(generate)
-        except MeshError as err:
+            async with self._core.generation(generate) as generation:
+                reply = _Reply(request_id, generation.request.model, chat, body)
+                if body.stream:
+                    return await self._stream(request, generation, reply)
+                return await self._whole(generation, reply)
+        except MeshError as err:  # before the generation started (later ones are replies)
             response = error_response(err)
             response.headers[REQUEST_ID] = request_id
             return response
-        reply = _Reply(request_id, prepared.request.model, chat, body)
-        try:
-            if body.stream:
-                return await self._stream(request, prepared, reply)
-            return await self._whole(prepared, reply)
-        finally:
-            await prepared.stream.abandon()
-            prepared.release()
 
     def _decode(
         self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
@@ -212,21 +208,21 @@ class OpenAiApi:
             inline_history=inline,
         )
 
-    async def _whole(self, prepared: Prepared, reply: _Reply) -> web.Response:
+    async def _whole(self, generation: Generation, reply: _Reply) -> web.Response:
         try:
-            async for chunk in self._core.stream(prepared):
+            async for chunk in generation.chunks:
                 reply.add(chunk)
         except MeshError as err:
             return error_response(err)
-        return web.json_response(reply.whole(prepared.prompt_tokens), headers=reply.headers)
+        return web.json_response(reply.whole(generation.prompt_tokens), headers=reply.headers)
 
     async def _stream(
-        self, request: web.Request, prepared: Prepared, reply: _Reply
+        self, request: web.Request, generation: Generation, reply: _Reply
     ) -> web.StreamResponse:
         # A client that goes away fails a write, out here: closing the generation's
         # generators at once ends it now (counted as cancelled), not when they are
         # garbage-collected.
-        async with contextlib.aclosing(self._core.stream(prepared)) as chunks:
+        async with contextlib.aclosing(generation.chunks) as chunks:
             # Headers wait for the first chunk: an error before it is still a proper status.
             try:
                 first = await anext(chunks)
@@ -240,7 +236,7 @@ class OpenAiApi:
                 }
             )
             await response.prepare(request)
-            events = reply.events(first, chunks, prepared.prompt_tokens)
+            events = reply.events(first, chunks, generation.prompt_tokens)
             try:
                 async with contextlib.aclosing(events):
                     async for event in events:

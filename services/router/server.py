@@ -27,13 +27,13 @@ from llmmesh.runtime.metadata import (
 )
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_file
-from llmmesh.types import Chunk, History, count_tokens
+from llmmesh.types import History, count_tokens
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.config import RouterConfig
 from services.router.connector import GrpcConnector
 from services.router.consul import ConsulDiscovery
-from services.router.core import GenerateInput, Prepared, RouterCore
+from services.router.core import GenerateInput, Generation, RouterCore
 from services.router.dispatch import Dispatcher, DispatchSettings
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
@@ -63,14 +63,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
         tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
-        prepared = await self._core.prepare(self._decode(request, request_id, tenant, context))
-        try:
-            async for response in _responses(self._core.stream(prepared), prepared):
+        decoded = self._decode(request, request_id, tenant, context)
+        async with self._core.generation(decoded) as generation:
+            async for response in _responses(generation):
                 yield response
-        finally:
-            # Also covers a client gone between prepare and the first read.
-            await prepared.stream.abandon()
-            prepared.release()
 
     def _decode(
         self,
@@ -97,25 +93,23 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def _responses(
-    chunks: AsyncIterator[Chunk], prepared: Prepared
-) -> AsyncIterator[generation_pb2.GenerateResponse]:
+async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Chunks as public responses: ids on the first, finish reason and usage on the last."""
     first, completion_tokens = True, 0
-    async for chunk in chunks:
+    async for chunk in generation.chunks:
         completion_tokens += chunk.num_tokens
         response = generation_pb2.GenerateResponse(text=chunk.text)
         if first:
-            response.request_id = prepared.request.request_id
-            response.model = prepared.request.model
-            if prepared.history is not None:
-                response.context.CopyFrom(_session_context(prepared.history))
+            response.request_id = generation.request.request_id
+            response.model = generation.request.model
+            if generation.history is not None:
+                response.context.CopyFrom(_session_context(generation.history))
             first = False
         if chunk.finish_reason is not None:
             response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
             response.usage.CopyFrom(
                 common_pb2.Usage(
-                    prompt_tokens=prepared.prompt_tokens, completion_tokens=completion_tokens
+                    prompt_tokens=generation.prompt_tokens, completion_tokens=completion_tokens
                 )
             )
             if chunk.route is not None:
