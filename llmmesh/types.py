@@ -146,6 +146,25 @@ def _check_stop(stop: tuple[str, ...]) -> None:
             )
 
 
+class Truncation(enum.StrEnum):
+    """How a history too long for the model's context is cut (services/context/
+    truncation.py): the one list of strategies the router, tenants and context share."""
+
+    LAST_TURNS = "last_turns"
+    KEEP_SYSTEM_AND_RECENT = "keep_system_and_recent"
+    SLIDING_SUMMARY = "sliding_summary"
+    KEY_SENTENCES = "key_sentences"
+
+
+def check_truncation(strategy: str, field: str = "truncation") -> Truncation:
+    """The strategy named (empty: last_turns); InvalidArgument naming ``field`` if none."""
+    try:
+        return Truncation(strategy or Truncation.LAST_TURNS)
+    except ValueError:
+        known = [t.value for t in Truncation]
+        raise InvalidArgument(field, f"unknown strategy '{strategy}'; one of {known}") from None
+
+
 class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"

@@ -12,17 +12,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Turn
+from llmmesh.types import Truncation, Turn, check_truncation
 from services.context.store import Session
 from services.context.summary import score, score_by_later_turns, select, sentences
 
 Count = Callable[[str], int]
 
-LAST_TURNS = "last_turns"
-KEEP_SYSTEM_AND_RECENT = "keep_system_and_recent"
-SLIDING_SUMMARY = "sliding_summary"
-KEY_SENTENCES = "key_sentences"
-STRATEGIES = (LAST_TURNS, KEEP_SYSTEM_AND_RECENT, SLIDING_SUMMARY, KEY_SENTENCES)
+LAST_TURNS = Truncation.LAST_TURNS
+KEEP_SYSTEM_AND_RECENT = Truncation.KEEP_SYSTEM_AND_RECENT
+SLIDING_SUMMARY = Truncation.SLIDING_SUMMARY
+KEY_SENTENCES = Truncation.KEY_SENTENCES
+STRATEGIES = tuple(Truncation)
 
 SUMMARY_SHARE = 0.25  # of the budget, at most, for a summary or key sentences
 # When sliding_summary must fold, it folds until the kept turns use this share of their
@@ -55,11 +55,8 @@ class Truncated:
     stored_summary: tuple[str, int] | None = None  # sliding_summary: a new summary to keep
 
 
-def check_strategy(strategy: str) -> str:
-    strategy = strategy or LAST_TURNS
-    if strategy not in STRATEGIES:
-        raise InvalidArgument("truncation", f"unknown strategy '{strategy}'; one of {STRATEGIES}")
-    return strategy
+def check_strategy(strategy: str) -> Truncation:
+    return check_truncation(strategy)
 
 
 def truncate(session: Session, budget: Budget, strategy: str, count: Count) -> Truncated:

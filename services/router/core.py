@@ -31,6 +31,7 @@ from llmmesh.types import (
     Verdict,
     check_sampling,
     check_session_id,
+    check_truncation,
 )
 from services.router.admission import AdmissionQueue, Slot
 from services.router.config import RouterConfig
@@ -68,7 +69,6 @@ COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
-TRUNCATIONS = ("last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences")
 
 
 def _observe_tpot(model: str, tier: str, first_token_at: float | None, tokens: int) -> None:
@@ -221,10 +221,8 @@ class RouterCore:
             check_session_id(request.session_id)
         if request.color and not COLOR_NAME.match(request.color):
             raise InvalidArgument("x-llm-color", "1-64 letters, digits, '-', '_', '.'")
-        if request.truncation and request.truncation not in TRUNCATIONS:
-            raise InvalidArgument(
-                "truncation", f"unknown strategy '{request.truncation}'; one of {TRUNCATIONS}"
-            )
+        if request.truncation:
+            check_truncation(request.truncation)
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)

@@ -26,6 +26,7 @@ from llmmesh.runtime.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from llmmesh.types import Truncation
 from services.router.admission import ADMISSION_OUTCOMES
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ class TenantSpec(BaseModel):
     # another), how long an idle session lives (0: the context service's default), and
     # whether a request is answered without its history when the session store is
     # unreachable ("open") or refused with UNAVAILABLE ("closed").
-    truncation: Literal[
-        "last_turns", "keep_system_and_recent", "sliding_summary", "key_sentences"
-    ] = "last_turns"
+    truncation: Truncation = Truncation.LAST_TURNS
     session_ttl_s: int = Field(default=0, ge=0, le=366 * 86_400)
     context_fail_mode: Literal["closed", "open"] = "closed"
 
