@@ -114,7 +114,7 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
                 port = StackPorts.free().router
                 settings = {
                     "tenants_file": str(tenants),
-                    "ttft_target_s": json.dumps(TTFT_TARGET_S),
+                    "admission__ttft_target_s": json.dumps(TTFT_TARGET_S),
                     **(NO_ADMISSION_CONTROL if name == "fifo" else {}),
                 }
                 children.append(stack.start_service("router", port, workdir, **settings))

@@ -6,6 +6,7 @@ context service; and the cost of each truncation strategy on a 200-turn session.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -227,9 +228,11 @@ def run(workdir: Path, seed: int) -> ContextResult:
         runs[SATURATED] = asyncio.run(
             in_process(SqliteSessionStore(workdir / "saturated.sqlite3"), seed, paced=False)
         )
-        with context_service(workdir, db_path=str(workdir / "service.sqlite3")) as address:
+        sqlite = {"kind": "sqlite", "path": str(workdir / "service.sqlite3")}
+        with context_service(workdir, store=json.dumps(sqlite)) as address:
             runs["SQLite, gRPC"] = asyncio.run(over_grpc(address, seed))
-        with context_service(workdir, store="redis", redis_url=redis_url) as address:
+        redis_store = {"kind": "redis", "url": redis_url}
+        with context_service(workdir, store=json.dumps(redis_store)) as address:
             runs["Redis, gRPC"] = asyncio.run(over_grpc(address, seed))
     finally:
         redis.terminate(10)

@@ -23,7 +23,9 @@ from services.router.tenants import hash_key
 
 # Router settings that turn admission control off: a window too wide to matter, which
 # cannot adapt (every request goes straight on to a replica).
-NO_ADMISSION_CONTROL = {f"admission_{bound}_limit": "100000" for bound in ("initial", "min", "max")}
+NO_ADMISSION_CONTROL = {
+    f"admission__{bound}_limit": "100000" for bound in ("initial", "min", "max")
+}
 
 
 def write_tenants(path: Path, tiers: Iterable[str]) -> dict[str, str]:

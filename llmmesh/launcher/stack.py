@@ -172,9 +172,9 @@ class Stack:
         if service == "router":
             env[f"{prefix}HTTP_PORT"] = "0"  # the stack's router has the HTTP port
         own_replicas = {"endpoints_file", "inference_addresses", "discovery"} & set(settings)
-        if service == "router" and own_replicas and "inference_via" not in settings:
+        if service == "router" and own_replicas and "pool__via" not in settings:
             # Replicas of its own have no sidecars: dial them directly.
-            env[f"{prefix}INFERENCE_VIA"] = ""
+            env[f"{prefix}POOL__VIA"] = ""
         env |= {prefix + key.upper(): value for key, value in settings.items()}
         name = f"{service}-{port}"
         child = Child.service(name, env, workdir / f"{name}.log", workdir, service)
@@ -273,13 +273,14 @@ class Stack:
         elif name == "policy":
             env.setdefault(f"{prefix}AUDIT_PATH", str(self.workdir / "logs" / "audit.log"))
         elif name == "context":
-            env.setdefault(f"{prefix}DB_PATH", str(self.workdir / "context.sqlite3"))
+            store = {"kind": "sqlite", "path": str(self.workdir / "context.sqlite3")}
+            env.setdefault(f"{prefix}STORE", json.dumps(store))
         elif name == "router":
             env[f"{prefix}HTTP_PORT"] = str(self.ports.router_http)
             env[f"{prefix}POLICY_ADDRESS"] = self._upstream("policy")
             env[f"{prefix}CONTEXT_ADDRESS"] = self._upstream("context")
             if self.sidecar_ports is not None:
-                env[f"{prefix}INFERENCE_VIA"] = self._upstream("inference")
+                env[f"{prefix}POOL__VIA"] = self._upstream("inference")
             env[f"{prefix}ENDPOINTS_FILE"] = str(self.endpoints_file)
             env[f"{prefix}ROUTING_FILE"] = str(self.routing_file)
             env[f"{prefix}TENANTS_FILE"] = str(self.tenants_file)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from llmmesh.runtime.config import ServiceConfig
+from services.context.stores import SqliteSettings, StoreSettings, store_settings
 
 SERVICE = "context"
 
@@ -12,13 +13,14 @@ SERVICE = "context"
 class ContextConfig(ServiceConfig):
     grpc_port: int = 50081
     metrics_port: int = 9103
-    # "sqlite": an embedded file (db_path, created with its directory); "redis": a Redis
-    # server shared by several context replicas (redis_url), which should run with
-    # appendonly yes / appendfsync always for appends to be durable when acknowledged.
-    store: Literal["sqlite", "redis"] = "sqlite"
-    db_path: str = ".llm-mesh/context.sqlite3"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "llm-mesh:ctx:"
+    # Where sessions live, by kind (services/context/stores.py): sqlite (path) or redis
+    # (url, prefix), for context replicas that share sessions.
+    store: StoreSettings = SqliteSettings()
     # Sessions expire this long after their last access, unless a request sets its own.
     default_ttl_s: int = Field(default=7 * 86_400, ge=1)
     sweep_interval_s: float = Field(default=60.0, gt=0)
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _registered_store(cls, value: Any) -> StoreSettings:
+        return store_settings(value)

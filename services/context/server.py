@@ -15,8 +15,6 @@ from llmmesh.runtime.registration import add_servicer
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.config import ContextConfig
 from services.context.core import ContextCore, Loaded
-from services.context.redis_store import RedisSessionStore
-from services.context.store import SessionStore, SqliteSessionStore
 from services.context.truncation import Budget
 
 log = logging.getLogger(__name__)
@@ -98,14 +96,8 @@ def _session(request: context_pb2.LoadSessionRequest, loaded: Loaded) -> context
     )
 
 
-def build_store(config: ContextConfig) -> SessionStore:
-    if config.store == "redis":
-        return RedisSessionStore(config.redis_url, config.redis_prefix)
-    return SqliteSessionStore(config.db_path)
-
-
 def build_service(config: ContextConfig) -> GrpcService:
-    store = build_store(config)
+    store = config.store.build()
     core = ContextCore(store, config.default_ttl_s)
     servicer = ContextServicer(core)
     sweeper: list[asyncio.Task[None]] = []

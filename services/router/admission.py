@@ -19,9 +19,11 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field
 
 from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
 from services.router.demand import RecentEvents, TierDemand
@@ -44,24 +46,28 @@ QUEUE_WAIT = Histogram(
 LIMIT = Gauge("llm_router_concurrency_limit", "The adaptive concurrency window")
 
 
-@dataclass(frozen=True)
-class AdmissionSettings:
-    initial_limit: float = 32
-    min_limit: float = 4
-    max_limit: float = 256
-    decrease: float = 0.9  # multiplicative decrease on a missed target
-    # Per tier: first-token target, and the longest a request may wait in the queue.
-    ttft_target_s: dict[str, float] = field(
-        default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
+def _per_tier(critical: float, standard: float, sheddable: float) -> Any:
+    return Field(
+        default_factory=lambda: {"critical": critical, "standard": standard, "sheddable": sheddable}
     )
-    max_wait_s: dict[str, float] = field(
-        default_factory=lambda: {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
-    )
+
+
+class AdmissionSettings(BaseModel):
+    """The concurrency window's bounds and the tiers' targets (RouterConfig.admission)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The window over the fleet adapts between these bounds.
+    initial_limit: float = Field(default=32, ge=1)
+    min_limit: float = Field(default=4, ge=1)
+    max_limit: float = Field(default=256, ge=1)
+    decrease: float = Field(default=0.9, gt=0, lt=1)  # multiplicative, on a missed target
+    # Per tier: the first-token target, and the longest a request may wait in the queue.
+    ttft_target_s: dict[str, float] = _per_tier(0.5, 1.0, 2.0)
+    max_queue_wait_s: dict[str, float] = _per_tier(30.0, 2.0, 1.0)
     # Share of the window a tier may fill: what the lower tiers leave free is headroom for
     # higher ones (a slot, once given, is held for a whole generation).
-    window_share: dict[str, float] = field(
-        default_factory=lambda: {"critical": 1.0, "standard": 0.8, "sheddable": 0.5}
-    )
+    window_share: dict[str, float] = _per_tier(1.0, 0.8, 0.5)
 
 
 @dataclass(eq=False)
@@ -117,7 +123,7 @@ class AdmissionQueue:
         Cancellation (the client went away) gives the place up."""
         now = self._clock()
         self._demand[tier].arrived(now)
-        bound = now + self.settings.max_wait_s.get(tier, 5.0)
+        bound = now + self.settings.max_queue_wait_s.get(tier, 5.0)
         ticket = Ticket(
             tenant,
             tier,

@@ -2,11 +2,35 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmmesh.runtime.config import ServiceConfig
+from services.router.admission import AdmissionSettings
+from services.router.scheduling import SchedulingSpec
 
 SERVICE = "router"
+
+
+class PoolSettings(BaseModel):
+    """How the router keeps its replicas and streams on them (RouterConfig.pool)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Replicas push a load report on every change (they read their engine every 50 ms)
+    # and at least this often; a replica with no report for stale_after_s is not picked.
+    report_interval_s: float = Field(default=0.25, gt=0)
+    stale_after_s: float = Field(default=1.0, gt=0)
+    # Circuit breaker: consecutive failures that open it, and seconds before a probe.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_open_s: float = Field(default=2.0, gt=0)
+    # Attempts to start a stream (first try included), on different replicas when possible.
+    attempts: int = Field(default=3, ge=1)
+    # Times one stream may move to another replica after text was sent.
+    max_resumes: int = Field(default=2, ge=0)
+    # Behind a sidecar: its listener (host:port) that forwards each inference call to the
+    # endpoint the picker chose, named in x-gateway-destination-endpoint, over mTLS (an
+    # original-destination cluster). Empty: replicas are dialed directly.
+    via: str = ""
 
 
 class RouterConfig(ServiceConfig):
@@ -31,10 +55,6 @@ class RouterConfig(ServiceConfig):
     dns_interval_s: float = Field(default=2.0, gt=0)
     # YAML/JSON file listing endpoints with their version, region and models; watched.
     endpoints_file: str = ""
-    # Behind a sidecar: its listener (host:port) that forwards each inference call to the
-    # endpoint the picker chose, named in x-gateway-destination-endpoint, over mTLS (an
-    # original-destination cluster). Empty: replicas are dialed directly.
-    inference_via: str = ""
     # Where the routing document comes from: "file" (routing_file; empty: defaults) or
     # "consul" (KV key consul_routing_key). See services/router/routing.py.
     routing_source: Literal["file", "consul"] = "file"
@@ -48,17 +68,11 @@ class RouterConfig(ServiceConfig):
     consul_routing_key: str = "llm-mesh/routing"
     # This router's region: its replicas are preferred; others take over when none is left.
     region: str = "local"
-    # Replicas push a load report on every change (they read their engine every 50 ms) and
-    # at least this often; a replica with no report for load_report_stale_s is not picked.
-    load_report_interval_s: float = Field(default=0.25, gt=0)
-    load_report_stale_s: float = Field(default=1.0, gt=0)
-    # Circuit breaker: consecutive failures that open it, and seconds before a probe.
-    breaker_failures: int = Field(default=3, ge=1)
-    breaker_open_s: float = Field(default=2.0, gt=0)
-    # Attempts to start a stream (first try included), on different replicas when possible.
-    retry_attempts: int = Field(default=3, ge=1)
-    # Times one stream may move to another replica after text was sent.
-    max_resumes: int = Field(default=2, ge=0)
+    # Replicas: load reports, breakers, retries and resumes, the sidecar (see PoolSettings).
+    pool: PoolSettings = PoolSettings()
+    # The scheduling profile of a routing document that names none (RoutingPolicy); unset:
+    # the profile the document's weights describe.
+    scheduling: SchedulingSpec | None = None
     # Models the mesh serves; the first is the default.
     models: list[str] = Field(default_factory=lambda: ["llm", "llm_canary"], min_length=1)
     # Tenants, their API key hashes, tiers and budgets (services/router/tenants.py): a
@@ -69,17 +83,9 @@ class RouterConfig(ServiceConfig):
     consul_tenants_key: str = "llm-mesh/tenants"
     default_tenant: str = "default"
     # Admission (services/router/admission.py): the concurrency window over the fleet
-    # adapts between these bounds from each request's time to first token against its
+    # adapts between its bounds from each request's time to first token against its
     # tier's target; requests beyond it queue, at most max_queue_wait_s by tier.
-    admission_initial_limit: float = Field(default=32, ge=1)
-    admission_min_limit: float = Field(default=4, ge=1)
-    admission_max_limit: float = Field(default=256, ge=1)
-    ttft_target_s: dict[str, float] = Field(
-        default_factory=lambda: {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
-    )
-    max_queue_wait_s: dict[str, float] = Field(
-        default_factory=lambda: {"critical": 30.0, "standard": 2.0, "sheddable": 1.0}
-    )
+    admission: AdmissionSettings = AdmissionSettings()
     # The longest prompt, and the longest message of a conversation sent whole; and the
     # longest conversation in all (every message of it is checked by policy).
     max_prompt_chars: int = Field(default=8192, ge=1)

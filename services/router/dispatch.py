@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
 from tenacity import (
@@ -30,6 +30,7 @@ from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import ResourceExhausted, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
 from services.router.affinity import prefix_hashes
+from services.router.config import PoolSettings
 from services.router.replicas import Replica, ReplicaSet
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Decision, PickRequest, Scheduler
@@ -54,13 +55,6 @@ RESUMED = Counter("llm_router_resumed_streams_total", "Streams moved to another 
 REPLICA_FAILURES = (Unavailable, ResourceExhausted)
 
 
-@dataclass(frozen=True)
-class DispatchSettings:
-    local_region: str = "local"
-    attempts: int = 3  # per stream start, first try included
-    max_resumes: int = 2  # times one stream may move after text was sent
-
-
 class Dispatcher:
     """The router's InferenceClient."""
 
@@ -68,7 +62,7 @@ class Dispatcher:
         self,
         replicas: ReplicaSet,
         routing: PolicyHolder,
-        settings: DispatchSettings,
+        settings: PoolSettings,
         scheduler: Scheduler,
         rng: random.Random | None = None,
     ) -> None:
@@ -137,7 +131,9 @@ class Dispatcher:
     def _route(self, replica: Replica) -> Route:
         endpoint = replica.endpoint
         return Route(
-            endpoint.address, endpoint.version, endpoint.region or self._settings.local_region
+            endpoint.address,
+            endpoint.version,
+            endpoint.region or self._scheduler.state.local_region,
         )
 
     async def _start(

@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 
 from llmmesh.runtime.errors import MeshError
 from services.router.breaker import CircuitBreaker
+from services.router.config import PoolSettings
 from services.router.connector import Connector, LoadReport, ReplicaLink
 from services.router.endpoints import Discovery, Endpoint
 from services.router.routing import Saturation
@@ -33,14 +34,6 @@ BREAKER_OPEN = Gauge("llm_router_breaker_open", "1 while a replica's breaker is 
 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
-
-
-@dataclass(frozen=True)
-class ReplicaSettings:
-    report_interval_s: float = 0.25
-    stale_after_s: float = 1.0
-    breaker_failures: int = 3
-    breaker_open_s: float = 2.0
 
 
 @dataclass
@@ -68,7 +61,7 @@ class ReplicaSet:
         self,
         discovery: Discovery,
         connector: Connector,
-        settings: ReplicaSettings,
+        settings: PoolSettings,
         local_region: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -29,17 +29,17 @@ from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_file
 from llmmesh.types import History, count_tokens
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.router.admission import AdmissionQueue, AdmissionSettings
+from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.connector import GrpcConnector
 from services.router.consul import ConsulDiscovery
 from services.router.core import GenerateInput, Generation, RouterCore
-from services.router.dispatch import Dispatcher, DispatchSettings
+from services.router.dispatch import Dispatcher
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
-from services.router.replicas import ReplicaSet, ReplicaSettings
+from services.router.replicas import ReplicaSet
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.tenants import Tenants, parse_tenants
@@ -172,16 +172,12 @@ class Upstreams:
                 raise ConfigError(f"tenants_file: {err}") from None
         self.replicas = ReplicaSet(
             _discovery(config, self.consul),
-            GrpcConnector(config.inference_via),
-            _replica_settings(config),
+            GrpcConnector(config.pool.via),
+            config.pool,
             config.region,
         )
-        self.inference = Dispatcher(
-            self.replicas,
-            self.routing,
-            DispatchSettings(config.region, config.retry_attempts, config.max_resumes),
-            Scheduler(SchedulingState(config.region)),
-        )
+        scheduler = Scheduler(SchedulingState(config.region), default=config.scheduling)
+        self.inference = Dispatcher(self.replicas, self.routing, config.pool, scheduler)
         self._documents = [
             (offer, source)
             for offer, source in ((self.routing.offer, routing), (self.tenants.offer, tenants))
@@ -241,25 +237,6 @@ def _document_source(
     return None
 
 
-def _admission_settings(config: RouterConfig) -> AdmissionSettings:
-    return AdmissionSettings(
-        initial_limit=config.admission_initial_limit,
-        min_limit=config.admission_min_limit,
-        max_limit=config.admission_max_limit,
-        ttft_target_s=dict(config.ttft_target_s),
-        max_wait_s=dict(config.max_queue_wait_s),
-    )
-
-
-def _replica_settings(config: RouterConfig) -> ReplicaSettings:
-    return ReplicaSettings(
-        report_interval_s=config.load_report_interval_s,
-        stale_after_s=config.load_report_stale_s,
-        breaker_failures=config.breaker_failures,
-        breaker_open_s=config.breaker_open_s,
-    )
-
-
 def build_service(config: RouterConfig) -> GrpcService:
     upstreams = Upstreams(config)
     core = RouterCore(
@@ -269,7 +246,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         upstreams.inference,
         count_tokens,
         tenants=upstreams.tenants,
-        admission=AdmissionQueue(_admission_settings(config), upstreams.inference.saturated),
+        admission=AdmissionQueue(config.admission, upstreams.inference.saturated),
     )
     servicer = GenerationServicer(core, upstreams.tenants)
     http = HttpFront(config, OpenAiApi(core, upstreams.tenants, config.models))

@@ -78,7 +78,7 @@ def assert_all_acknowledged_turns_survived(address: str, acked: dict[str, list[s
 
 def test_kill_9_loses_no_acknowledged_turn_with_sqlite(stack: Stack, tmp_path: Path) -> None:
     port = StackPorts.free().context
-    settings = {"db_path": str(tmp_path / "durable.sqlite3")}
+    settings = {"store": json.dumps({"kind": "sqlite", "path": str(tmp_path / "durable.sqlite3")})}
     context = start_service(stack, "context", port, tmp_path, **settings)
     acked = asyncio.run(append_until_killed(f"127.0.0.1:{port}", lambda: kill_hard(context)))
     restarted = start_service(stack, "context", port, tmp_path, **settings)
@@ -93,7 +93,8 @@ def test_kill_9_of_service_and_redis_loses_no_acknowledged_turn(
 ) -> None:
     ports = StackPorts.free()
     redis = start_redis(tmp_path / "redis", ports.triton_http)
-    settings = {"store": "redis", "redis_url": f"redis://127.0.0.1:{ports.triton_http}/0"}
+    redis_store = {"kind": "redis", "url": f"redis://127.0.0.1:{ports.triton_http}/0"}
+    settings = {"store": json.dumps(redis_store)}
     context = start_service(stack, "context", ports.context, tmp_path, **settings)
 
     def kill_both() -> None:

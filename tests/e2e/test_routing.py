@@ -117,7 +117,7 @@ def fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fl
             )
         agent_client.kv.put(CONSUL_KEY, json.dumps({"split": {"stable": 100}}))
 
-        common = {"region": "eu", "breaker_open_s": "1.0"}
+        common = {"region": "eu", "pool__breaker_open_s": "1.0"}
         ports = StackPorts.free()
         children.append(
             start_service(
@@ -286,8 +286,8 @@ def test_the_breaker_opens_on_a_failing_replica_and_recovers(fleet: Fleet) -> No
             inference_addresses=json.dumps([good, bad]),
             routing_file="",
             metrics_port=str(ports.router_metrics),
-            breaker_failures="2",
-            breaker_open_s="1.0",
+            pool__breaker_failures="2",
+            pool__breaker_open_s="1.0",
         )
         metrics = f"http://127.0.0.1:{ports.router_metrics}/metrics"
 

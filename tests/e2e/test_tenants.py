@@ -202,10 +202,10 @@ def one_slot_router(
         tmp,
         tenants_file=str(tenants_file),
         metrics_port=str(ports.router_metrics),
-        admission_initial_limit="1",
-        admission_min_limit="1",
-        admission_max_limit="1",
-        max_queue_wait_s='{"critical": 60, "standard": 60, "sheddable": 0.5}',
+        admission__initial_limit="1",
+        admission__min_limit="1",
+        admission__max_limit="1",
+        admission__max_queue_wait_s='{"critical": 60, "standard": 60, "sheddable": 0.5}',
     )
     try:
         yield OneSlotRouter(

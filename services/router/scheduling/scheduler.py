@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 from llmmesh.runtime.errors import Unavailable
 from services.router.affinity import PrefixIndex, SessionTable
 from services.router.scheduling.plugins import NoCandidates
-from services.router.scheduling.profile import Profile, build_profile, legacy_spec
+from services.router.scheduling.profile import (
+    Profile,
+    SchedulingSpec,
+    build_profile,
+    legacy_spec,
+)
 from services.router.scheduling.types import (
     Candidate,
     Decision,
@@ -25,8 +30,9 @@ class Scheduler:
     """Picks a replica per request with the routing document's profile (built once per
     document), and remembers where sessions and prompt prefixes went."""
 
-    def __init__(self, state: SchedulingState) -> None:
+    def __init__(self, state: SchedulingState, default: SchedulingSpec | None = None) -> None:
         self.state = state
+        self._default = default  # for documents that name no profile (RouterConfig)
         self._built: tuple[RoutingPolicy, Profile] | None = None
 
     @property
@@ -39,7 +45,7 @@ class Scheduler:
 
     def profile(self, policy: RoutingPolicy) -> Profile:
         if self._built is None or self._built[0] is not policy:
-            spec = policy.scheduling or legacy_spec(policy)
+            spec = policy.scheduling or self._default or legacy_spec(policy)
             self._built = (policy, build_profile(spec, policy))
         return self._built[1]
 

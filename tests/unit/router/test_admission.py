@@ -107,7 +107,7 @@ def test_a_cancelled_waiter_gives_its_place_up() -> None:
 
 def test_a_request_not_served_by_its_deadline_is_told_so() -> None:
     async def scenario() -> None:
-        q = queue(max_wait_s={"critical": 0.05, "standard": 5.0, "sheddable": 1.0})
+        q = queue(max_queue_wait_s={"critical": 0.05, "standard": 5.0, "sheddable": 1.0})
         await q.acquire("t", "standard", 1, None)
         with pytest.raises(DeadlineExceeded):
             await q.acquire("c", "critical", 1, None)

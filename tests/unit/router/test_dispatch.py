@@ -15,9 +15,10 @@ import pytest
 
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import Chunk, InferenceCall, Sampling
-from services.router.dispatch import Dispatcher, DispatchSettings
+from services.router.config import PoolSettings
+from services.router.dispatch import Dispatcher
 from services.router.endpoints import Endpoint, FixedDiscovery
-from services.router.replicas import ReplicaSet, ReplicaSettings
+from services.router.replicas import ReplicaSet
 from services.router.routing import PolicyHolder, RoutingPolicy
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.upstreams import RouteHints
@@ -37,24 +38,19 @@ class Fleet:
         return self.by_address[address]
 
 
-def fleet(addresses: tuple[str, ...] = ("a:1", "b:1"), **settings: int) -> Fleet:
+def fleet(addresses: tuple[str, ...] = ("a:1", "b:1"), **settings: Any) -> Fleet:
     """Replicas in memory behind a dispatcher that picks round robin in address order, so
     the first attempt goes to the first replica."""
     connector, clock = MemoryConnector(), [1000.0]
+    pool = PoolSettings(breaker_open_s=2.0, **settings)
     replicas = ReplicaSet(
-        FixedDiscovery(addresses),
-        connector,
-        ReplicaSettings(breaker_failures=settings.get("breaker_failures", 3), breaker_open_s=2.0),
-        "local",
-        clock=lambda: clock[0],
+        FixedDiscovery(addresses), connector, pool, "local", clock=lambda: clock[0]
     )
     replicas.apply([Endpoint(address=a) for a in addresses])
     dispatcher = Dispatcher(
         replicas,
         PolicyHolder(RoutingPolicy(algorithm="round_robin")),
-        DispatchSettings(
-            attempts=settings.get("attempts", 3), max_resumes=settings.get("max_resumes", 2)
-        ),
+        pool,
         Scheduler(SchedulingState("local", rng=random.Random(0))),
     )
     return Fleet(dispatcher, replicas, connector.replicas, clock)
