@@ -26,12 +26,9 @@ from bench.targets import RouterTarget
 from bench.workload import BenchRequest, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
+from llmmesh.policy import OutputScanner, Part, RuleLibrary, RuleSet, check_input
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.config import DEFAULT_RULES
-from services.policy.library import RuleLibrary
-from services.policy.parts import Part, check_input
-from services.policy.rules import RuleSet
-from services.policy.streaming import OutputScanner
 from services.router.tenants import hash_key
 
 PROMPT_CHARS = 4096

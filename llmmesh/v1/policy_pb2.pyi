@@ -325,6 +325,7 @@ class RuleSetRules(_message.Message):
     RULES_JSON_FIELD_NUMBER: _builtins.int
     HOLDBACK_CAP_FIELD_NUMBER: _builtins.int
     AUDIT_TEXT_FIELD_NUMBER: _builtins.int
+    SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     rule_set: _builtins.str
     """The set's name (as asked) and version."""
     rule_set_version: _builtins.str
@@ -336,6 +337,10 @@ class RuleSetRules(_message.Message):
     """The streamed check holds back at most this many characters (see CheckOutput)."""
     audit_text: _builtins.bool
     """The audit log records checked text: decisions must carry the text they decided on."""
+    schema_version: _builtins.int
+    """The rule documents' schema (llmmesh/policy/schema.py). A reader that knows an older
+    one loads the rules without the fields it does not know, and logs them.
+    """
     def __init__(
         self,
         *,
@@ -344,10 +349,11 @@ class RuleSetRules(_message.Message):
         rules_json: _builtins.str = ...,
         holdback_cap: _builtins.int = ...,
         audit_text: _builtins.bool = ...,
+        schema_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set", b"rule_set", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set", b"rule_set", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json", "schema_version", b"schema_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

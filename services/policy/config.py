@@ -5,8 +5,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from llmmesh.policy import DEFAULT_HOLDBACK_CAP
 from llmmesh.runtime.config import ServiceConfig
-from services.policy.rules import DEFAULT_HOLDBACK_CAP
 
 SERVICE = "policy"
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")

@@ -9,13 +9,19 @@ from collections.abc import Sequence
 
 from prometheus_client import Counter, Histogram
 
+from llmmesh.policy import (
+    PART_SEPARATOR,
+    OutputDecision,
+    OutputStep,
+    Part,
+    RuleLibrary,
+    StageRules,
+    StreamCheck,
+    check_input,
+)
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import PolicyAction, Verdict
 from services.policy.audit import AuditLog
-from services.policy.library import RuleLibrary
-from services.policy.parts import PART_SEPARATOR, Part, check_input
-from services.policy.rules import StageRules
-from services.policy.streaming import OutputDecision, OutputStep, StreamCheck
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ class PolicyCore:
     def check_input(
         self, tenant: str, parts: Sequence[Part], request_id: str = "", rule_set: str = ""
     ) -> Verdict:
-        """Everything a model will read, checked as one text (services/policy/parts.py)."""
+        """Everything a model will read, checked as one text (llmmesh/policy/parts.py)."""
         check_parts_size(parts)
         rules = self.library.get(rule_set)
         started = time.perf_counter()

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from llmmesh.policy import (
+    DEFAULT_SET,
+    SCHEMA_VERSION,
+    OutputStep,
+    Part,
+    RuleLibrary,
+    RuleSet,
+    RuleSetError,
+    dump_rules,
+)
 from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulPrefixWatch, connect
@@ -24,10 +33,6 @@ from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.audit import AuditLog
 from services.policy.config import PolicyConfig
 from services.policy.core import OutputCheck, PolicyCore, check_text
-from services.policy.library import DEFAULT_SET, RuleLibrary
-from services.policy.parts import Part
-from services.policy.rules import RuleSet, RuleSetError
-from services.policy.streaming import OutputStep
 
 SERVICE = policy_pb2.DESCRIPTOR.services_by_name["Policy"]
 
@@ -81,9 +86,10 @@ def rules_to_pb(name: str, rules: RuleSet, cap: int, audit_text: bool) -> policy
     return policy_pb2.RuleSetRules(
         rule_set=name,
         rule_set_version=rules.version,
-        rules_json=json.dumps([rule.model_dump(mode="json") for rule in rules.specs]),
+        rules_json=dump_rules(rules),
         holdback_cap=cap,
         audit_text=audit_text,
+        schema_version=SCHEMA_VERSION,
     )
 
 

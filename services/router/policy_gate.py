@@ -23,11 +23,9 @@ from typing import Protocol
 
 from prometheus_client import Counter, Histogram
 
+from llmmesh.policy import PART_SEPARATOR, OutputDecision, Part, RuleSet, StreamCheck, check_input
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import GuardedText, PolicyAction, Verdict
-from services.policy.parts import PART_SEPARATOR, Part, check_input
-from services.policy.rules import RuleSet
-from services.policy.streaming import OutputDecision, StreamCheck
 
 log = logging.getLogger(__name__)
 

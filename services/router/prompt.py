@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from llmmesh.policy import Part
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import History, Role, Turn
-from services.policy.parts import Part
 
 _TAGS = {Role.SYSTEM: "<|system|>", Role.USER: "<|user|>", Role.ASSISTANT: "<|assistant|>"}
 SUMMARY_LEAD = "Earlier in this conversation: "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Protocol
 import grpc
 
 from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
+from llmmesh.policy import Part, RuleSetError, load_rules
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
@@ -32,8 +32,6 @@ from llmmesh.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from services.policy.parts import Part
-from services.policy.rules import RuleSet, RuleSpec
 from services.router.policy_gate import AuditRecord, FollowedRules
 
 log = logging.getLogger(__name__)
@@ -114,9 +112,10 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 
 def _followed(reply: policy_pb2.RuleSetRules) -> FollowedRules:
     try:
-        specs = [RuleSpec.model_validate(r) for r in json.loads(reply.rules_json)]
-        rules = RuleSet(specs, reply.rule_set_version, reply.holdback_cap)
-    except (ValueError, TypeError) as err:  # JSON, validation and rule errors
+        rules = load_rules(
+            reply.rules_json, reply.rule_set_version, reply.holdback_cap, reply.schema_version
+        )
+    except RuleSetError as err:
         log.warning("policy rules do not load", extra={"fields": {"error": str(err)}})
         raise Unavailable("policy service sent rules that do not load") from None
     return FollowedRules(reply.rule_set, rules, reply.audit_text)

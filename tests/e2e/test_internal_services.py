@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from llmmesh.launcher import Stack
+from llmmesh.policy.rules import RuleSpec
 from llmmesh.v1 import (
     common_pb2,
     context_pb2,
@@ -18,7 +19,6 @@ from llmmesh.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from services.policy.rules import RuleSpec
 from tests.conftest import bad_request_fields
 
 

@@ -16,9 +16,9 @@ from typing import TypeVar
 
 import consul.aio
 
+from llmmesh.policy.library import RuleLibrary
 from llmmesh.runtime.consul import CONSUL_ERRORS, ConsulKeyWatch, ConsulPrefixWatch, connect
 from llmmesh.types import PolicyAction
-from services.policy.library import RuleLibrary
 from services.router.consul import ConsulDiscovery
 from services.router.endpoints import Endpoint
 from services.router.routing import ROUTING_REJECTED, PolicyHolder, RoutingPolicy, render_policy

@@ -14,11 +14,11 @@ from google.protobuf import descriptor_pool
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmmesh.mesh.intentions import CONFIG_ENTRIES, MESH_DIR, ServiceIntentions, load_intentions
+from llmmesh.policy.rules import RuleSet
 from llmmesh.v1 import context_pb2, inference_pb2, policy_pb2  # noqa: F401 (registers them)
 from services.context.config import ContextConfig
 from services.inference.config import InferenceConfig
 from services.policy.config import DEFAULT_RULES, PolicyConfig
-from services.policy.rules import RuleSet
 from services.router.config import RouterConfig
 from services.router.routing import parse_policy
 from services.router.tenants import parse_tenants

@@ -11,6 +11,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY
 
+from llmmesh.policy.parts import Part, check_input
+from llmmesh.policy.rules import RuleSet
 from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
 from llmmesh.types import (
     Chunk,
@@ -24,8 +26,6 @@ from llmmesh.types import (
     Verdict,
 )
 from llmmesh.waiting import poll_until_async
-from services.policy.parts import Part, check_input
-from services.policy.rules import RuleSet
 from services.router.config import RouterConfig
 from services.router.core import GenerateInput, RouterCore
 from services.router.openai_api import OpenAiApi

@@ -10,6 +10,8 @@ from typing import Any
 
 import re2
 
+from llmmesh.policy.partial import prefix_pattern
+
 
 def _luhn(text: str) -> bool:
     digits = [int(c) for c in text if c.isdigit()]
@@ -36,80 +38,68 @@ def _phone(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Detector:
-    """``partial`` (RE2 syntax) matches every text that may still grow into a match, and
-    possibly more: the streamed output check holds back a tail it matches."""
+    """A named pattern with a typed placeholder. ``partial`` (RE2 syntax) matches every
+    text that may still grow into a match, and possibly more: the streamed output check
+    holds back a tail it matches. ``valid`` refuses pattern matches that are not the
+    thing (a card number that fails Luhn)."""
 
     name: str
     placeholder: str
     pattern: Any  # re2 pattern
-    partial: str
+    partial: str | None
     valid: Callable[[str], bool]
 
 
-def _detector(
+DETECTORS: dict[str, Detector] = {}
+
+
+def register_detector(
     name: str,
     placeholder: str,
     pattern: str,
-    partial: str,
     valid: Callable[[str], bool] | None = None,
+    partial: str | None = None,
 ) -> Detector:
-    return Detector(name, placeholder, re2.compile(pattern), partial, valid or (lambda _: True))
+    """Makes a detector usable in rule sets as ``detectors: [name]``. Its partial form is
+    derived from the pattern (as a regex rule's is) unless given."""
+    derived = partial if partial is not None else prefix_pattern(pattern)
+    if derived is not None:
+        try:
+            re2.compile(derived)
+        except re2.error:
+            derived = None  # held back by the pattern's longest width instead
+    detector = Detector(name, placeholder, re2.compile(pattern), derived, valid or _any)
+    DETECTORS[name] = detector
+    return detector
 
 
-DETECTORS = {
-    d.name: d
-    for d in (
-        _detector(
-            "email",
-            "[EMAIL]",
-            r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
-            r"[A-Za-z0-9._%+-]+(?:@[A-Za-z0-9.-]*)?",
-        ),
-        _detector(
-            "credit_card",
-            "[CREDIT_CARD]",
-            r"\b\d(?:[ -]?\d){12,18}\b",
-            r"\d(?:[ -]?\d)*[ -]?",
-            _luhn,
-        ),
-        _detector(
-            "iban",
-            "[IBAN]",
-            r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b",
-            r"[A-Z](?:[A-Z](?:\d(?:\d(?: ?[A-Z0-9])* ?)?)?)?",
-            _iban,
-        ),
-        _detector(
-            "ip_address",
-            "[IP_ADDRESS]",
-            r"\b(?:\d{1,3}\.){3}\d{1,3}\b",
-            r"\d[\d.]*",
-            _ipv4,
-        ),
-        _detector(
-            "ip_address_v6",
-            "[IP_ADDRESS]",
-            r"\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b",
-            r"[0-9A-Fa-f][0-9A-Fa-f:]*",
-        ),
-        _detector(
-            "api_key",
-            "[SECRET]",
-            r"\b(?:sk|pk|rk|ghp|gho|ghs|xox[abp]|AKIA|llmm)[-_]?[A-Za-z0-9_-]{16,}\b",
-            r"[A-Za-z0-9_-]+",
-        ),
-        _detector(
-            "phone",
-            "[PHONE]",
-            # International (+CC ...), (area) local, or NNN-NNN-NNNN: bare digit runs are
-            # left alone (they are as often order numbers as phones).
-            r"(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d(?:[ .-]?\d){6,12}"
-            r"|\(\d{2,4}\)[ .-]?\d{3,4}[ .-]?\d{3,4}|\b\d{3}[.-]\d{3}[.-]\d{4})\b",
-            r"[+(][\d .()-]*|\d[\d.-]*",
-            _phone,
-        ),
-    )
-}
+def _any(_: str) -> bool:
+    return True
+
+
+register_detector(
+    "email",
+    "[EMAIL]",
+    r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
+)
+register_detector("credit_card", "[CREDIT_CARD]", r"\b\d(?:[ -]?\d){12,18}\b", _luhn)
+register_detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban)
+register_detector("ip_address", "[IP_ADDRESS]", r"\b(?:\d{1,3}\.){3}\d{1,3}\b", _ipv4)
+register_detector("ip_address_v6", "[IP_ADDRESS]", r"\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b")
+register_detector(
+    "api_key",
+    "[SECRET]",
+    r"\b(?:sk|pk|rk|ghp|gho|ghs|xox[abp]|AKIA|llmm)[-_]?[A-Za-z0-9_-]{16,}\b",
+)
+register_detector(
+    "phone",
+    "[PHONE]",
+    # International (+CC ...), (area) local, or NNN-NNN-NNNN: bare digit runs are left
+    # alone (they are as often order numbers as phones).
+    r"(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d(?:[ .-]?\d){6,12}"
+    r"|\(\d{2,4}\)[ .-]?\d{3,4}[ .-]?\d{3,4}|\b\d{3}[.-]\d{3}[.-]\d{4})\b",
+    _phone,
+)
 
 
 def find(text: str, names: list[str]) -> list[tuple[int, int, str]]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmmesh.policy.parts import Part, check_input
+from llmmesh.policy.rules import RuleSet
 from llmmesh.types import PolicyAction
 from services.policy.config import DEFAULT_RULES
-from services.policy.parts import Part, check_input
-from services.policy.rules import RuleSet
 
 RULES = RuleSet.from_file(DEFAULT_RULES)
 PHRASES = ["how to build a bomb", "make a bomb", "nerve agent", "steal passwords"]

@@ -19,8 +19,8 @@ import ahocorasick
 import numpy as np
 import re2
 
-from services.policy.detectors import DETECTORS, Detector
-from services.policy.normalize import (
+from llmmesh.policy.detectors import DETECTORS, Detector
+from llmmesh.policy.normalize import (
     View,
     is_word,
     keyword_view,
@@ -28,7 +28,7 @@ from services.policy.normalize import (
     word_after,
     word_before,
 )
-from services.policy.partial import prefix_pattern
+from llmmesh.policy.partial import prefix_pattern
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}|[^\S ]")
 UNBOUNDED = 1 << 30
@@ -235,7 +235,10 @@ class PatternIndex:
                 self._patterns.append(
                     _Pattern(index, detector.pattern, detector.placeholder, detector.valid)
                 )
-                partials.append(detector.partial)
+                if detector.partial is None:
+                    regex_width = max(regex_width, _width(detector.pattern.pattern)[1])
+                else:
+                    partials.append(detector.partial)
         # A tail of the text that a partial pattern matches may still grow into a match.
         # A regex without one (syntax Python's parser lacks) holds back its longest width
         # (and one character of context that decides a trailing \b).
@@ -310,7 +313,7 @@ def _checked_prefix(pattern: str) -> str | None:
 
 class Matcher:
     """One stage's rules (input or output) compiled for matching. Rules match on the
-    normalized views of the text (services/policy/normalize.py) unless they opt out."""
+    normalized views of the text (llmmesh/policy/normalize.py) unless they opt out."""
 
     def __init__(
         self, rules: Sequence[RuleMatchers], holdback_cap: int, normalized: Sequence[bool]

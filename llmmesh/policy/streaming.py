@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmmesh.policy.matching import Hit, Views
+from llmmesh.policy.normalize import MAX_IGNORED_RUN
+from llmmesh.policy.rules import StageRules
 from llmmesh.types import PolicyAction
-from services.policy.matching import Hit, Views
-from services.policy.normalize import MAX_IGNORED_RUN
-from services.policy.rules import StageRules
 
 
 @dataclass(frozen=True)

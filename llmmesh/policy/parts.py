@@ -10,9 +10,9 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmmesh.policy.detectors import disjoint, redact
+from llmmesh.policy.rules import RuleAction, RuleSet, StageRules, action_of
 from llmmesh.types import Verdict
-from services.policy.detectors import disjoint, redact
-from services.policy.rules import RuleAction, RuleSet, StageRules, action_of
 
 # Between parts in the joined text: a line break, which the keyword view skips like any
 # separator and a pattern sees as whitespace.

@@ -18,9 +18,9 @@ from pydantic import (
     model_validator,
 )
 
+from llmmesh.policy.detectors import DETECTORS, disjoint, redact
+from llmmesh.policy.matching import Hit, Matcher, PatternError, RuleMatchers, compile_regex
 from llmmesh.types import PolicyAction, Verdict
-from services.policy.detectors import DETECTORS, disjoint, redact
-from services.policy.matching import Hit, Matcher, PatternError, RuleMatchers, compile_regex
 
 
 class Stage(enum.Enum):
@@ -44,13 +44,13 @@ class RuleSpec(BaseModel):
     action: RuleAction
     # Matchers (at least one kind): keywords, case-insensitive, any whitespace run
     # matching a space, whole words unless whole_word is false; RE2 regular expressions;
-    # built-in detectors (services/policy/detectors.py).
+    # built-in detectors (llmmesh/policy/detectors.py).
     keywords: list[str] = Field(default_factory=list)
     whole_word: bool = True
     regex: list[str] = Field(default_factory=list)
     detectors: list[str] = Field(default_factory=list)
     placeholder: str = "[REDACTED]"  # for keyword and regex matches of a redact rule
-    # Match on the normalized views of the text (services/policy/normalize.py: Unicode
+    # Match on the normalized views of the text (llmmesh/policy/normalize.py: Unicode
     # compatibility forms, invisible characters, combining marks, look-alike letters,
     # separators between a keyword's letters); false: on the text as it is.
     normalize: bool = True

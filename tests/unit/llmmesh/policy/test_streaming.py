@@ -8,10 +8,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
+from llmmesh.policy.streaming import OutputScanner
 from llmmesh.types import PolicyAction
 from services.policy.config import DEFAULT_RULES
-from services.policy.rules import RuleSet, RuleSetError, RuleSetSpec
-from services.policy.streaming import OutputScanner
 
 
 def output_rules() -> RuleSet:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from llmmesh.policy.detectors import DETECTORS, find, redact
+from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 from llmmesh.types import PolicyAction
-from services.policy.detectors import DETECTORS, find, redact
-from services.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 
-DEFAULT_RULES = Path(__file__).resolve().parents[3] / "services" / "policy" / "default_rules.yaml"
+DEFAULT_RULES = Path(__file__).resolve().parents[4] / "services" / "policy" / "default_rules.yaml"
 
 
 def scrub(text: str) -> str:

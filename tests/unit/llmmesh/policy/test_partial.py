@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import re2
 
-from services.policy.partial import prefix_pattern
+from llmmesh.policy.partial import prefix_pattern
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from llmmesh.policy.normalize import keyword_view, pattern_view
+from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 from llmmesh.types import PolicyAction
 from services.policy.config import DEFAULT_RULES
-from services.policy.normalize import keyword_view, pattern_view
-from services.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 
 RULES = RuleSet.from_file(DEFAULT_RULES)
 

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from llmmesh.policy.library import RuleLibrary
+from llmmesh.policy.rules import RuleSet, RuleSetError
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import PolicyAction
 from services.policy.config import DEFAULT_RULES
-from services.policy.library import RuleLibrary
-from services.policy.rules import RuleSet, RuleSetError
 
 
 @pytest.fixture

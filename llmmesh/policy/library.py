@@ -7,8 +7,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter
 
-from llmmesh.runtime.errors import InvalidArgument
-from services.policy.rules import (
+from llmmesh.policy.rules import (
     DEFAULT_HOLDBACK_CAP,
     RuleSet,
     RuleSetError,
@@ -16,6 +15,7 @@ from services.policy.rules import (
     RuleSpec,
     parse_rule_set,
 )
+from llmmesh.runtime.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
