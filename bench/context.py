@@ -27,7 +27,8 @@ from llmmesh.types import Role, Turn, count_tokens
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
-from services.context.store import Session, SessionStore, SqliteSessionStore
+from services.context.sqlite_store import SqliteSessionStore
+from services.context.store import Session, SessionStore
 from services.context.truncation import STRATEGIES, Budget, truncate
 
 SESSIONS = 32

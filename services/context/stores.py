@@ -13,7 +13,8 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 from services.context.redis_store import RedisSessionStore
-from services.context.store import SessionStore, SqliteSessionStore
+from services.context.sqlite_store import SqliteSessionStore
+from services.context.store import SessionStore
 
 STORES: dict[str, type[StoreSettings]] = {}
 S = TypeVar("S", bound="StoreSettings")

@@ -1,19 +1,19 @@
 """Router core: validate, check policy, restore the session, stream from a replica, record.
 
+The request's types (GenerateInput, Prepared, Generation) are in request.py.
+
 No gRPC here: upstreams are reached through the small client interfaces in upstreams.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime import tracing
@@ -26,14 +26,13 @@ from llmmesh.types import (
     InferenceCall,
     PolicyAction,
     Role,
-    Sampling,
     Turn,
     Verdict,
     check_sampling,
     check_session_id,
     check_truncation,
 )
-from services.router.admission import AdmissionQueue, Slot
+from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.fail_modes import fail_open
 from services.router.prompt import (
@@ -44,6 +43,7 @@ from services.router.prompt import (
     user_tail,
     with_texts,
 )
+from services.router.request import GenerateInput, Generation, Prepared, StartedStream
 from services.router.tenants import Lease, Tenants
 from services.router.upstreams import (
     ContextClient,
@@ -71,104 +71,26 @@ REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model",
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
 
 
+def _account(model: str, outcome: str, prompt_tokens: int, completion_tokens: int) -> None:
+    log.info(
+        "generation ended",
+        extra={
+            "fields": {
+                "model": model,
+                "outcome": outcome,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+            }
+        },
+    )
+    REQUESTS.labels(model, outcome).inc()
+    TOKEN_USAGE.labels(model, "input").observe(prompt_tokens)
+    TOKEN_USAGE.labels(model, "output").observe(completion_tokens)
+
+
 def _observe_tpot(model: str, tier: str, first_token_at: float | None, tokens: int) -> None:
     if first_token_at is not None and tokens > 1:
         TPOT.labels(model, tier).observe((time.monotonic() - first_token_at) / (tokens - 1))
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """A public Generate request as the transport decoded it."""
-
-    request_id: str
-    tenant: str
-    model: str
-    prompt: str
-    sampling: Sampling
-    session_id: str = ""
-    color: str = ""  # x-llm-color: pins a traffic color / subset
-    deadline: float | None = None  # time.monotonic() by which the client wants an answer
-    truncation: str = ""  # how to cut a long history; empty: the tenant's choice
-    # A conversation sent whole with the request (OpenAI's messages) instead of a session.
-    inline_history: History | None = None
-
-
-class StartedStream:
-    """An inference stream whose first chunk is already being fetched (the request is on
-    its way to the model), consumed later by whoever relays it."""
-
-    def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
-        self._chunks = chunks
-        # The pick and the inference call happen under this span (its context is current
-        # when the first chunk is fetched); it ends with the first chunk.
-        self._span = tracing.tracer.start_span("inference.first_token")
-        with trace.use_span(self._span, end_on_exit=False):
-            self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
-
-    def _end_span(self) -> None:
-        if self._span.is_recording():
-            self._span.end()
-
-    async def chunks(self) -> AsyncIterator[Chunk]:
-        try:
-            first = await self._first
-        finally:
-            self._end_span()
-        yield first
-        async for chunk in self._chunks:
-            yield chunk
-
-    async def abandon(self) -> None:
-        """Cancels the generation if it is still running (idempotent)."""
-        self._end_span()
-        if not self._first.done():
-            self._first.cancel()
-            await asyncio.wait({self._first})  # its outcome is moot; ours must propagate
-        if not self._first.cancelled():
-            self._first.exception()  # mark a failure of the abandoned start as seen
-        await self._chunks.aclose()
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request that passed admission: its started generation, and what to record after."""
-
-    request: GenerateInput
-    stream: StartedStream
-    user_text: str
-    prompt_tokens: int
-    received_at: float
-    lease: Lease
-    slot: Slot
-    guard: OutputGuard | None = None  # the streamed output check, when the rules have one
-    history: History | None = None  # the session's history as it went into the prompt
-
-    def release(self, first_token_at: float | None = None) -> None:
-        """Gives back the tenant's stream and the admission slot (idempotent);
-        ``first_token_at`` is the time.monotonic() of the first token, if any."""
-        self.lease.release()
-        self.slot.release(first_token_at)
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One admitted request, as its transport relays it: the chunks, and what the
-    responses say besides (model, prompt tokens, the session's history)."""
-
-    prepared: Prepared
-    chunks: AsyncGenerator[Chunk, None]
-
-    @property
-    def request(self) -> GenerateInput:
-        return self.prepared.request
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prepared.prompt_tokens
-
-    @property
-    def history(self) -> History | None:
-        return self.prepared.history
 
 
 class RouterCore:
@@ -339,20 +261,7 @@ class RouterCore:
             if guard is not None:
                 await guard.close()
             prepared.release(first_token_at)
-            log.info(
-                "generation ended",
-                extra={
-                    "fields": {
-                        "model": model,
-                        "outcome": outcome,
-                        "prompt_tokens": prepared.prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                    }
-                },
-            )
-            REQUESTS.labels(model, outcome).inc()
-            TOKEN_USAGE.labels(model, "input").observe(prepared.prompt_tokens)
-            TOKEN_USAGE.labels(model, "output").observe(completion_tokens)
+            _account(model, outcome, prepared.prompt_tokens, completion_tokens)
 
     @staticmethod
     def _charge(lease: Lease, chunk: Chunk) -> Chunk:

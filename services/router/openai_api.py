@@ -26,8 +26,9 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
-from services.router.core import GenerateInput, Generation, RouterCore
+from services.router.core import RouterCore
 from services.router.http_errors import INTERNAL, STATUS, error_response, http_errors
+from services.router.request import GenerateInput, Generation
 from services.router.tenants import Tenants
 
 log = logging.getLogger(__name__)

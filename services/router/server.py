@@ -33,13 +33,14 @@ from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.connector import GrpcConnector
 from services.router.consul import ConsulDiscovery
-from services.router.core import GenerateInput, Generation, RouterCore
+from services.router.core import RouterCore
 from services.router.dispatch import Dispatcher
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
 from services.router.replicas import ReplicaSet
+from services.router.request import GenerateInput, Generation
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.tenants import Tenants, parse_tenants

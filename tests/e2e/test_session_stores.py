@@ -16,7 +16,8 @@ from llmmesh.runtime.errors import InvalidArgument, NotFound
 from llmmesh.types import Role, Turn
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
-from services.context.store import SessionStore, SqliteSessionStore
+from services.context.sqlite_store import SqliteSessionStore
+from services.context.store import SessionStore
 from services.context.truncation import Budget
 from tests.conftest import RedisServer
 

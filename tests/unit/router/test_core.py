@@ -27,10 +27,11 @@ from llmmesh.types import (
 )
 from llmmesh.waiting import poll_until_async
 from services.router.config import RouterConfig
-from services.router.core import GenerateInput, RouterCore
+from services.router.core import RouterCore
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
+from services.router.request import GenerateInput
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 

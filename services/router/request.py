@@ -1,0 +1,111 @@
+"""What the router core passes around for one request: the request as decoded, its
+generation once started, and what the transport relays."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from llmmesh.runtime import tracing
+from llmmesh.types import Chunk, History, Sampling
+from services.router.admission import Slot
+from services.router.tenants import Lease
+from services.router.upstreams import OutputGuard
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A public Generate request as the transport decoded it."""
+
+    request_id: str
+    tenant: str
+    model: str
+    prompt: str
+    sampling: Sampling
+    session_id: str = ""
+    color: str = ""  # x-llm-color: pins a traffic color / subset
+    deadline: float | None = None  # time.monotonic() by which the client wants an answer
+    truncation: str = ""  # how to cut a long history; empty: the tenant's choice
+    # A conversation sent whole with the request (OpenAI's messages) instead of a session.
+    inline_history: History | None = None
+
+
+class StartedStream:
+    """An inference stream whose first chunk is already being fetched (the request is on
+    its way to the model), consumed later by whoever relays it."""
+
+    def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
+        self._chunks = chunks
+        # The pick and the inference call happen under this span (its context is current
+        # when the first chunk is fetched); it ends with the first chunk.
+        self._span = tracing.tracer.start_span("inference.first_token")
+        with trace.use_span(self._span, end_on_exit=False):
+            self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
+
+    def _end_span(self) -> None:
+        if self._span.is_recording():
+            self._span.end()
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        try:
+            first = await self._first
+        finally:
+            self._end_span()
+        yield first
+        async for chunk in self._chunks:
+            yield chunk
+
+    async def abandon(self) -> None:
+        """Cancels the generation if it is still running (idempotent)."""
+        self._end_span()
+        if not self._first.done():
+            self._first.cancel()
+            await asyncio.wait({self._first})  # its outcome is moot; ours must propagate
+        if not self._first.cancelled():
+            self._first.exception()  # mark a failure of the abandoned start as seen
+        await self._chunks.aclose()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed admission: its started generation, and what to record after."""
+
+    request: GenerateInput
+    stream: StartedStream
+    user_text: str
+    prompt_tokens: int
+    received_at: float
+    lease: Lease
+    slot: Slot
+    guard: OutputGuard | None = None  # the streamed output check, when the rules have one
+    history: History | None = None  # the session's history as it went into the prompt
+
+    def release(self, first_token_at: float | None = None) -> None:
+        """Gives back the tenant's stream and the admission slot (idempotent);
+        ``first_token_at`` is the time.monotonic() of the first token, if any."""
+        self.lease.release()
+        self.slot.release(first_token_at)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One admitted request, as its transport relays it: the chunks, and what the
+    responses say besides (model, prompt tokens, the session's history)."""
+
+    prepared: Prepared
+    chunks: AsyncGenerator[Chunk, None]
+
+    @property
+    def request(self) -> GenerateInput:
+        return self.prepared.request
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prepared.prompt_tokens
+
+    @property
+    def history(self) -> History | None:
+        return self.prepared.history
