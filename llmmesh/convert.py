@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import FinishReason, Role, Sampling, Turn
-from llmmesh.v1 import common_pb2, context_pb2
+from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, Turn
+from llmmesh.v1 import common_pb2, context_pb2, policy_pb2
 
 _TO_PB = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -75,3 +75,13 @@ def turn_from_pb(message: context_pb2.Turn, field: str = "turn") -> Turn:
     if role is None:
         raise InvalidArgument(f"{field}.role", "must be SYSTEM, USER or ASSISTANT")
     return Turn(role, message.text, message.token_count, message.request_id, message.created_at_ms)
+
+
+ACTION_TO_PB = {
+    PolicyAction.ALLOW: policy_pb2.ACTION_ALLOW,
+    PolicyAction.DENY: policy_pb2.ACTION_DENY,
+    PolicyAction.REDACT: policy_pb2.ACTION_REDACT,
+}
+ACTION_FROM_PB = {pb: action for action, pb in ACTION_TO_PB.items()}
+STAGE_TO_PB = {"input": policy_pb2.STAGE_INPUT, "output": policy_pb2.STAGE_OUTPUT}
+STAGE_FROM_PB = {pb: stage for stage, pb in STAGE_TO_PB.items()}

@@ -15,6 +15,7 @@ from llmmesh.policy.rules import (
     RuleSpec,
     parse_rule_set,
 )
+from llmmesh.runtime.documents import offer
 from llmmesh.runtime.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -54,22 +55,19 @@ class RuleLibrary:
 
     def offer(self, texts: Mapping[str, str], source: str) -> bool:
         """Applies changed sets if all sets stay valid; otherwise keeps those in force."""
-        try:
-            specs = dict(self._specs)
-            for name, text in texts.items():
-                specs[name] = parse_rule_set(text, f"{source}/{name}")
-            changed = {n for n in texts if self._specs.get(n) != specs[n]}
-            self._swap(specs)
-        except RuleSetError as err:
+        applied = offer("rule sets", source, lambda: self._offered(texts, source))
+        if not applied:
             RULES_REJECTED.inc()
-            log.warning(
-                "rule set rejected; the previous one stays",
-                extra={"fields": {"reason": str(err), "versions": self.versions()}},
-            )
-            return False
+        return applied
+
+    def _offered(self, texts: Mapping[str, str], source: str) -> None:
+        specs = dict(self._specs)
+        for name, text in texts.items():
+            specs[name] = parse_rule_set(text, f"{source}/{name}")
+        changed = {n for n in texts if self._specs.get(n) != specs[n]}
+        self._swap(specs)
         if changed:
             log.info("rule sets applied", extra={"fields": {"versions": self.versions()}})
-        return True
 
     def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Calls ``listener`` after every swap; returns the call that stops it."""

@@ -1,10 +1,19 @@
-"""Errors raised by service cores. They carry no gRPC types; transports map them."""
+"""Errors raised by service cores. They carry no transport types: each names its status
+(the google.rpc code, and the HTTP status and error type of OpenAI's error JSON), which
+the transports turn into their own (llmmesh/runtime/grpc_status.py,
+services/router/http_errors.py)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class MeshError(Exception):
     """Base class: a failure the client should see, with a message safe to show it."""
+
+    code: ClassVar[str] = "INTERNAL"  # google.rpc.Code name
+    http_status: ClassVar[int] = 500
+    http_type: ClassVar[str] = "internal_error"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -13,6 +22,8 @@ class MeshError(Exception):
 
 class InvalidArgument(MeshError):
     """A request field is invalid. ``field`` is the field's path, e.g. ``sampling.top_p``."""
+
+    code, http_status, http_type = "INVALID_ARGUMENT", 400, "invalid_request_error"
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -23,17 +34,25 @@ class InvalidArgument(MeshError):
 class Unauthenticated(MeshError):
     """No credentials, or credentials that name no one."""
 
+    code, http_status, http_type = "UNAUTHENTICATED", 401, "authentication_error"
+
 
 class PermissionDenied(MeshError):
     """The caller may not do this (e.g. a policy rule denied the prompt)."""
+
+    code, http_status, http_type = "PERMISSION_DENIED", 403, "permission_error"
 
 
 class NotFound(MeshError):
     """The named thing does not exist (or is not visible to this caller)."""
 
+    code, http_status, http_type = "NOT_FOUND", 404, "not_found_error"
+
 
 class ResourceExhausted(MeshError):
     """Shed or over budget; the client may retry after ``retry_after_s``."""
+
+    code, http_status, http_type = "RESOURCE_EXHAUSTED", 429, "rate_limit_error"
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
@@ -43,6 +62,10 @@ class ResourceExhausted(MeshError):
 class DeadlineExceeded(MeshError):
     """The request's deadline passed before it could be served."""
 
+    code, http_status, http_type = "DEADLINE_EXCEEDED", 504, "timeout"
+
 
 class Unavailable(MeshError):
     """A dependency (Triton, a replica, a service) cannot be reached right now."""
+
+    code, http_status, http_type = "UNAVAILABLE", 503, "service_unavailable"

@@ -11,32 +11,20 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmmesh.runtime.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     MeshError,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    Unauthenticated,
     Unavailable,
 )
 
 log = logging.getLogger(__name__)
 
-_CODES: dict[type[MeshError], int] = {
-    InvalidArgument: code_pb2.INVALID_ARGUMENT,
-    Unauthenticated: code_pb2.UNAUTHENTICATED,
-    PermissionDenied: code_pb2.PERMISSION_DENIED,
-    NotFound: code_pb2.NOT_FOUND,
-    ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
-    Unavailable: code_pb2.UNAVAILABLE,
-    DeadlineExceeded: code_pb2.DEADLINE_EXCEEDED,
-}
-
 
 def to_status(err: MeshError) -> status_pb2.Status:
     """The google.rpc.Status for a core error, with machine-readable details."""
-    status = status_pb2.Status(code=_CODES.get(type(err), code_pb2.INTERNAL), message=err.message)
+    status = status_pb2.Status(code=code_pb2.Code.Value(err.code), message=err.message)
     detail = _detail(err)
     if detail is not None:
         packed = any_pb2.Any()

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from llmmesh.convert import ACTION_FROM_PB, ACTION_TO_PB, STAGE_FROM_PB
 from llmmesh.policy import (
     DEFAULT_SET,
     SCHEMA_VERSION,
@@ -36,13 +37,6 @@ from services.policy.core import OutputCheck, PolicyCore, check_text
 
 SERVICE = policy_pb2.DESCRIPTOR.services_by_name["Policy"]
 
-_ACTIONS = {
-    PolicyAction.ALLOW: policy_pb2.ACTION_ALLOW,
-    PolicyAction.DENY: policy_pb2.ACTION_DENY,
-    PolicyAction.REDACT: policy_pb2.ACTION_REDACT,
-}
-_ACTIONS_FROM_PB = {pb: action for action, pb in _ACTIONS.items()}
-_STAGES = {policy_pb2.STAGE_INPUT: "input", policy_pb2.STAGE_OUTPUT: "output"}
 # WatchRules sends at least this often, so that a watcher knows the stream is alive.
 HEARTBEAT_S = 10.0
 
@@ -67,7 +61,7 @@ def _parts(request: policy_pb2.CheckInputRequest) -> list[Part]:
 
 def verdict_to_pb(verdict: Verdict, with_parts: bool) -> policy_pb2.CheckInputResponse:
     reply = policy_pb2.CheckInputResponse(
-        action=_ACTIONS[verdict.action],
+        action=ACTION_TO_PB[verdict.action],
         rule_ids=list(verdict.rule_ids),
         rule_set_version=verdict.rule_set_version,
         checks_output=verdict.checks_output,
@@ -171,10 +165,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
 
 def _decision(message: policy_pb2.Decision, field: str) -> dict[str, Any]:
     """A recorded decision's fields, validated (the whole batch is refused otherwise)."""
-    action = _ACTIONS_FROM_PB.get(message.action)
+    action = ACTION_FROM_PB.get(message.action)
     if action is None:
         raise InvalidArgument(f"{field}.action", "must be ALLOW, REDACT or DENY")
-    stage = _STAGES.get(message.stage)
+    stage = STAGE_FROM_PB.get(message.stage)
     if stage is None:
         raise InvalidArgument(f"{field}.stage", "must be INPUT or OUTPUT")
     if not message.rule_set_version:

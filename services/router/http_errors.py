@@ -19,28 +19,19 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from llmmesh.runtime.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     MeshError,
-    NotFound,
-    PermissionDenied,
     ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
 )
 
 log = logging.getLogger(__name__)
 
-STATUS: dict[type[MeshError], tuple[int, str]] = {
-    InvalidArgument: (400, "invalid_request_error"),
-    Unauthenticated: (401, "authentication_error"),
-    PermissionDenied: (403, "permission_error"),
-    NotFound: (404, "not_found_error"),
-    ResourceExhausted: (429, "rate_limit_error"),
-    Unavailable: (503, "service_unavailable"),
-    DeadlineExceeded: (504, "timeout"),
-}
 INTERNAL = (500, "internal_error")
+
+
+def status_of(err: MeshError) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of a core error."""
+    return err.http_status, err.http_type
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -48,7 +39,7 @@ def error_body(message: str, kind: str, param: str | None = None) -> dict[str, A
 
 
 def error_response(err: MeshError) -> web.Response:
-    status, kind = STATUS.get(type(err), INTERNAL)
+    status, kind = status_of(err)
     param = err.field if isinstance(err, InvalidArgument) else None
     headers = {}
     if isinstance(err, ResourceExhausted):

@@ -27,7 +27,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
 from services.router.core import RouterCore
-from services.router.http_errors import INTERNAL, STATUS, error_response, http_errors
+from services.router.http_errors import error_response, http_errors, status_of
 from services.router.request import GenerateInput, Generation
 from services.router.tenants import Tenants
 
@@ -243,7 +243,7 @@ class OpenAiApi:
                     async for event in events:
                         await response.write(event)
             except MeshError as err:  # after the headers: the error is the last event
-                status, kind = STATUS.get(type(err), INTERNAL)
+                status, kind = status_of(err)
                 error = {"error": {"message": err.message, "type": kind, "code": status}}
                 await response.write(_sse(error))
         await response.write_eof()

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from llmmesh.runtime.documents import offer
 from services.router.scheduling.profile import SchedulingSpec, build_profile
 
 log = logging.getLogger(__name__)
@@ -134,15 +135,12 @@ class PolicyHolder:
         self._publish()
 
     def offer(self, text: str | bytes, source: str) -> bool:
-        try:
-            policy = parse_policy(text)
-        except InvalidDocument as err:
+        applied = offer("routing", source, lambda: self._apply(parse_policy(text), source))
+        if not applied:
             ROUTING_REJECTED.labels(source).inc()
-            log.warning(
-                "routing document rejected; the previous one stays in force",
-                extra={"fields": {"source": source, "reason": str(err)}},
-            )
-            return False
+        return applied
+
+    def _apply(self, policy: RoutingPolicy, source: str) -> None:
         if policy != self.current:
             self.current = policy
             ROUTING_APPLIED.labels(source).inc()
@@ -151,7 +149,6 @@ class PolicyHolder:
                 "routing document applied",
                 extra={"fields": {"source": source, "revision": policy.revision}},
             )
-        return True
 
     def _publish(self) -> None:
         SPLIT_WEIGHT.clear()

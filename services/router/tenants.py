@@ -20,6 +20,7 @@ import yaml
 from prometheus_client import Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmmesh.runtime.documents import offer
 from llmmesh.runtime.errors import (
     InvalidArgument,
     PermissionDenied,
@@ -194,16 +195,9 @@ class Tenants:
         log.info("tenants applied", extra={"fields": {"tenants": sorted(states)}})
 
     def offer(self, text: str | bytes, source: str) -> bool:
-        """Applies a document if it is valid; otherwise logs and keeps the current one."""
-        try:
-            self.apply(parse_tenants(text))
-        except ValueError as err:
-            log.warning(
-                "tenants document rejected; the previous one stays",
-                extra={"fields": {"source": source, "reason": str(err)}},
-            )
-            return False
-        return True
+        """Applies a document if it is valid; otherwise logs, counts and keeps the current
+        one."""
+        return offer("tenants", source, lambda: self.apply(parse_tenants(text)))
 
     def authenticate(self, authorization: str | None) -> str:
         """The tenant id behind an ``authorization: Bearer <key>`` value."""

@@ -9,7 +9,15 @@ from typing import Protocol
 
 import grpc
 
-from llmmesh.convert import finish_reason_from_pb, sampling_to_pb, turn_from_pb, turn_to_pb
+from llmmesh.convert import (
+    ACTION_FROM_PB,
+    ACTION_TO_PB,
+    STAGE_TO_PB,
+    finish_reason_from_pb,
+    sampling_to_pb,
+    turn_from_pb,
+    turn_to_pb,
+)
 from llmmesh.policy import Part, RuleSetError, load_rules
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
@@ -96,15 +104,6 @@ class InferenceClient(Protocol):
     def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]: ...
 
 
-_ACTION_FROM_PB = {
-    policy_pb2.ACTION_ALLOW: PolicyAction.ALLOW,
-    policy_pb2.ACTION_DENY: PolicyAction.DENY,
-    policy_pb2.ACTION_REDACT: PolicyAction.REDACT,
-}
-_ACTION_TO_PB = {action: pb for pb, action in _ACTION_FROM_PB.items()}
-_STAGE_TO_PB = {"input": policy_pb2.STAGE_INPUT, "output": policy_pb2.STAGE_OUTPUT}
-
-
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
     """The request id, and the trace (W3C traceparent) when tracing is on."""
     return ((REQUEST_ID, request_id), *tracing.outgoing())
@@ -159,7 +158,7 @@ class GrpcPolicyService:
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
-        action = _ACTION_FROM_PB.get(reply.action, PolicyAction.DENY)
+        action = ACTION_FROM_PB.get(reply.action, PolicyAction.DENY)
         texts = tuple(p.text for p in parts)
         if action is PolicyAction.REDACT:
             if len(reply.redacted_parts) != len(parts):
@@ -181,9 +180,9 @@ class GrpcPolicyService:
                 policy_pb2.Decision(
                     request_id=r.request_id,
                     tenant=r.tenant,
-                    stage=_STAGE_TO_PB[r.stage],
+                    stage=STAGE_TO_PB[r.stage],
                     rule_set_version=r.version,
-                    action=_ACTION_TO_PB[r.action],
+                    action=ACTION_TO_PB[r.action],
                     rule_ids=r.rule_ids,
                     text=r.text,
                 )

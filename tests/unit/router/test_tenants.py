@@ -125,3 +125,19 @@ def test_invalid_documents_are_refused_whole() -> None:
     assert not tenants.offer("tenants: [{id: a}, {id: a}]", "file")
     assert not tenants.offer("tenants: [{id: a, tier: gold}]", "file")
     assert tenants.authenticate(f"Bearer {KEY}") == "t"
+
+
+def test_an_invalid_tenants_document_is_refused_and_counted() -> None:
+    from prometheus_client import REGISTRY
+
+    from services.router.tenants import Tenants as Directory
+
+    def rejected() -> float:
+        labels = {"document": "tenants", "source": "test"}
+        return REGISTRY.get_sample_value("llm_documents_rejected_total", labels) or 0.0
+
+    directory, before = Directory(), rejected()
+    assert directory.offer("tenants: [{id: ok}]", "test")
+    assert not directory.offer("tenants: [{id: 'no spaces'}]", "test")
+    assert rejected() == before + 1
+    assert directory.spec("ok").id == "ok"  # the valid one stays in force
