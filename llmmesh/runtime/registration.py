@@ -21,6 +21,7 @@ from opentelemetry import trace
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, MeshError
 from llmmesh.runtime.grpc_status import abort
+from llmmesh.runtime.metadata import REQUEST_ID, bind_request_id, metadata_value
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,16 @@ def _handler(
 def _traced(
     behaviour: Callable[..., Any], method: descriptor.MethodDescriptor
 ) -> Callable[..., Any]:
-    """The handler inside a server span, child of the caller's (traceparent metadata)."""
+    """The handler inside a server span, child of the caller's (traceparent metadata),
+    with the caller's x-request-id bound for its log lines (a handler may bind the id its
+    request message carries instead)."""
     name = f"/{method.containing_service.full_name}/{method.name}"
     kind = trace.SpanKind.SERVER
 
     if method.server_streaming:
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            _bind_callers_request_id(context)
             parent = tracing.incoming(context.invocation_metadata() or ())
             with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
                 async for response in behaviour(request, context):
@@ -84,11 +88,18 @@ def _traced(
         return streaming
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        _bind_callers_request_id(context)
         parent = tracing.incoming(context.invocation_metadata() or ())
         with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
             return await behaviour(request, context)
 
     return unary
+
+
+def _bind_callers_request_id(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    given = metadata_value(context, REQUEST_ID)
+    if given:
+        bind_request_id(context, given)
 
 
 def _lenient(cls: type[message.Message]) -> Callable[[bytes], object]:

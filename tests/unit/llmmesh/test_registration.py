@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llmmesh.runtime.registration import MalformedRequest, _lenient
 from llmmesh.v1 import generation_pb2
 
@@ -34,3 +36,47 @@ def test_garbage_is_reported_as_unparseable() -> None:
     parsed = _lenient(generation_pb2.GenerateRequest)(b"\xff\xff\xff")
     assert isinstance(parsed, MalformedRequest)
     assert parsed.error.field == "request"
+
+
+def test_a_core_error_becomes_its_status_and_the_callers_request_id_is_bound() -> None:
+    """Through a real grpc.aio server: a handler only raises, the wrapper answers."""
+    import asyncio
+
+    import grpc
+
+    from llmmesh.runtime.errors import NotFound
+    from llmmesh.runtime.logs import request_id_var
+    from llmmesh.runtime.registration import add_servicer
+    from llmmesh.v1 import context_pb2, context_pb2_grpc
+
+    seen: list[str] = []
+
+    class Sessions(context_pb2_grpc.ContextServicer):  # the other methods: unimplemented
+        async def LoadSession(  # noqa: N802
+            self, request: context_pb2.LoadSessionRequest, context: object
+        ) -> context_pb2.Session:
+            seen.append(request_id_var.get())
+            raise NotFound("no session 's1'")
+
+    servicer: Any = Sessions  # abstract for mypy: the test calls one method only
+
+    async def scenario() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server()
+        add_servicer(server, servicer(), context_pb2.DESCRIPTOR.services_by_name["Context"])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = context_pb2_grpc.ContextStub(channel)
+                request = context_pb2.LoadSessionRequest(tenant="t", session_id="s1")
+                try:
+                    await stub.LoadSession(request, metadata=(("x-request-id", "req-7"),))
+                except grpc.aio.AioRpcError as err:
+                    return err
+                raise AssertionError("the call succeeded")
+        finally:
+            await server.stop(0)
+
+    err = asyncio.run(scenario())
+    assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND, "no session 's1'")
+    assert seen == ["req-7"]
