@@ -8,8 +8,10 @@ llm_canary weights, so the text itself tells the versions apart.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -26,6 +28,7 @@ from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.v1 import generation_pb2, generation_pb2_grpc
+from services.router.scheduling.filters import split_point
 from tests.conftest import metric_value, start_service, text_of, wait_for
 from tests.consul_double import ConsulDoubleThread
 
@@ -245,6 +248,22 @@ def test_a_color_always_reaches_its_subset(fleet: Fleet) -> None:
             assert text != stable_text  # other weights, other words
 
 
+def sessions_on_both_sides(tenant: str, count: int) -> list[str]:
+    """Session ids, half of whose split points fall below 0.5 and half above, so a
+    50/50 split must send some to each subset (random ids all land on one side 1 time
+    in 128 for 8 sessions)."""
+    below: list[str] = []
+    above: list[str] = []
+    for n in itertools.count():
+        session = f"sticky-{os.getpid()}-{n}"
+        side = below if split_point(f"{tenant}/{session}", random.Random()) < 0.5 else above
+        if len(side) < count // 2:
+            side.append(session)
+        if len(below) + len(above) == count:
+            return below + above
+    raise AssertionError("unreachable")
+
+
 def test_a_session_sticks_to_one_version(fleet: Fleet) -> None:
     fleet.write_routing({"split": {"stable": 50, "canary": 50}, "regions": ["eu", "us"]})
     try:
@@ -258,7 +277,7 @@ def test_a_session_sticks_to_one_version(fleet: Fleet) -> None:
                     served(channel, f"turn {turn}", session_id=session)[0].subset
                     for turn in range(3)
                 }
-                for session in (f"sticky-{os.getpid()}-{n}" for n in range(8))
+                for session in sessions_on_both_sides("demo", count=8)
             }
     finally:
         fleet.write_routing({"split": {"stable": 100}, "regions": ["eu", "us"]})
