@@ -30,8 +30,8 @@ class LinearScorer(Scorer):
 
     def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
         assert isinstance(self.params, Scale)
-        scale = self.params.scale
-        return [max(0.0, 1.0 - type(self).signal(ctx, c) / scale) for c in candidates]
+        scale, signal = self.params.scale, type(self).signal
+        return [max(0.0, 1.0 - signal(ctx, c) / scale) for c in candidates]
 
 
 class QueueScale(Scale):
@@ -46,7 +46,7 @@ class Queue(LinearScorer):
 
     @staticmethod
     def signal(ctx: PickContext, c: Candidate) -> float:
-        return c.metric("waiting")
+        return c.waiting
 
 
 class RunningScale(Scale):
@@ -70,7 +70,7 @@ class KvUtilization(LinearScorer):
 
     @staticmethod
     def signal(ctx: PickContext, c: Candidate) -> float:
-        return c.metric("kv_utilization")
+        return c.kv_utilization
 
 
 class PendingScale(Scale):
@@ -116,7 +116,7 @@ class AffinityParams(Params):
 
 def _busy(c: Candidate) -> float:
     """Streams on the replica: running, queued, and sent since its report."""
-    return c.running + c.metric("waiting") + c.unseen
+    return c.running + c.waiting + c.unseen
 
 
 @register("session_affinity")

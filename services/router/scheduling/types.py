@@ -27,24 +27,35 @@ class Candidate:
     load: Mapping[str, float] | None = None
     healthy: bool = True  # breaker closed (or probing) and reports fresh
 
-    @property
-    def address(self) -> str:
-        return self.endpoint.address
+    # Derived once from the fields above, since every scorer reads them for every
+    # candidate: its address, running (sequences it runs that this router has not ended since the
+    # report), waiting (queued in its engine), kv_utilization, and unseen (streams this
+    # router opened that the last report does not show yet).
+    address: str = field(init=False)
+    running: int = field(init=False)
+    waiting: float = field(init=False)
+    kv_utilization: float = field(init=False)
+    unseen: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        load = self.load or {}
+        waiting = load.get("waiting", 0.0)
+        running = max(0, int(load.get("running", 0.0)) - self.ended)
+        if self.load is None:
+            unseen = self.in_flight
+        else:
+            unseen = max(0, self.in_flight - running - int(waiting))
+        for name, value in (
+            ("address", self.endpoint.address),
+            ("running", running),
+            ("waiting", waiting),
+            ("kv_utilization", load.get("kv_utilization", 0.0)),
+            ("unseen", unseen),
+        ):
+            object.__setattr__(self, name, value)
 
     def metric(self, name: str) -> float:
         return self.load.get(name, 0.0) if self.load is not None else 0.0
-
-    @property
-    def running(self) -> int:
-        """Sequences it runs that this router has not ended since the report."""
-        return max(0, int(self.metric("running")) - self.ended)
-
-    @property
-    def unseen(self) -> int:
-        """Streams this router opened that the last report does not show yet."""
-        if self.load is None:
-            return self.in_flight
-        return max(0, self.in_flight - self.running - int(self.metric("waiting")))
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,6 @@ class PickContext:
     def saturated(self, candidate: Candidate) -> bool:
         """Its engine queues requests or its cache is nearly full."""
         return (
-            candidate.metric("waiting") >= self.saturation_waiting
-            or candidate.metric("kv_utilization") >= self.saturation_kv
+            candidate.waiting >= self.saturation_waiting
+            or candidate.kv_utilization >= self.saturation_kv
         )
