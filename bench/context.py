@@ -23,6 +23,7 @@ from llmmesh.launcher import StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.launcher.redis import start_redis
 from llmmesh.runtime.errors import NotFound
+from llmmesh.runtime.internal_auth import new_token_file, token_metadata
 from llmmesh.types import Role, Turn, count_tokens
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.core import ContextCore
@@ -113,14 +114,15 @@ async def in_process(store: SessionStore, seed: int, paced: bool = True) -> Samp
         await store.close()
 
 
-async def over_grpc(address: str, seed: int) -> Samples:
+async def over_grpc(address: str, token: str, seed: int) -> Samples:
+    auth = token_metadata(token)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = context_pb2_grpc.ContextStub(channel)
 
         async def load(session_id: str) -> object:
             request = context_pb2.LoadSessionRequest(tenant="bench", session_id=session_id)
             try:
-                return await stub.LoadSession(request)
+                return await stub.LoadSession(request, metadata=auth)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -140,24 +142,29 @@ async def over_grpc(address: str, seed: int) -> Samples:
             request = context_pb2.AppendTurnsRequest(
                 tenant="bench", session_id=session_id, request_id=request_id, turns=pb_turns
             )
-            return await stub.AppendTurns(request)
+            return await stub.AppendTurns(request, metadata=auth)
 
         return await conversations(load, append, seed)
 
 
 @contextmanager
-def context_service(workdir: Path, **settings: str) -> Iterator[str]:
+def context_service(workdir: Path, **settings: str) -> Iterator[tuple[str, str]]:
+    """A context service as the stack runs it (the mesh's token required): its address
+    and the token."""
     port = StackPorts.free().context
+    token_file = workdir / f"internal_token-{port}"
+    token = new_token_file(token_file)
     env = dict(os.environ) | {
         "LLM_MESH_CONTEXT_GRPC_PORT": str(port),
         "LLM_MESH_CONTEXT_METRICS_PORT": "0",
+        "LLM_MESH_CONTEXT_INTERNAL_TOKEN_FILE": str(token_file),
         **{f"LLM_MESH_CONTEXT_{k.upper()}": v for k, v in settings.items()},
     }
     name = f"context-{port}"
     child = Child.service(name, env, workdir / f"{name}.log", workdir, "context")
     try:
         child.wait_serving(f"127.0.0.1:{port}", time.monotonic() + 60)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", token
     finally:
         child.terminate(10)
 
@@ -230,11 +237,11 @@ def run(workdir: Path, seed: int) -> ContextResult:
             in_process(SqliteSessionStore(workdir / "saturated.sqlite3"), seed, paced=False)
         )
         sqlite = {"kind": "sqlite", "path": str(workdir / "service.sqlite3")}
-        with context_service(workdir, store=json.dumps(sqlite)) as address:
-            runs["SQLite, gRPC"] = asyncio.run(over_grpc(address, seed))
+        with context_service(workdir, store=json.dumps(sqlite)) as (address, token):
+            runs["SQLite, gRPC"] = asyncio.run(over_grpc(address, token, seed))
         redis_store = {"kind": "redis", "url": redis_url}
-        with context_service(workdir, store=json.dumps(redis_store)) as address:
-            runs["Redis, gRPC"] = asyncio.run(over_grpc(address, seed))
+        with context_service(workdir, store=json.dumps(redis_store)) as (address, token):
+            runs["Redis, gRPC"] = asyncio.run(over_grpc(address, token, seed))
     finally:
         redis.terminate(10)
     return ContextResult(runs, truncation_cost(seed))

@@ -27,6 +27,7 @@ from bench.workload import BenchRequest, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.policy import OutputScanner, Part, RuleLibrary, RuleSet, check_input
+from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from services.policy.config import DEFAULT_RULES
 from services.router.tenants import hash_key
@@ -144,16 +145,17 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
     ]
 
 
-async def over_grpc(address: str, texts: list[str], rule_set: str) -> list[Latency]:
+async def over_grpc(address: str, token: str, texts: list[str], rule_set: str) -> list[Latency]:
+    auth = token_metadata(token)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = policy_pb2_grpc.PolicyStub(channel)
         input_check = []
         for text in texts:
             started = time.perf_counter()
             request = policy_pb2.CheckInputRequest(tenant="bench", text=text, rule_set=rule_set)
-            await stub.CheckInput(request)
+            await stub.CheckInput(request, metadata=auth)
             input_check.append(time.perf_counter() - started)
-        call = stub.CheckOutput()
+        call = stub.CheckOutput(metadata=auth)
         await call.write(policy_pb2.CheckOutputRequest(tenant="bench", rule_set=rule_set))
         await call.read()
         output = "".join(texts)[: 64 * 1024]
@@ -175,6 +177,7 @@ class PolicyFleet:
     policy: str
     router: str
     keys: dict[str, str]  # tenant (TENANT_SETS) -> API key
+    token: str  # the mesh's credential, for calling the policy service directly
 
 
 # The router's tenants, and the rule set of each.
@@ -236,7 +239,9 @@ def policy_fleet(workdir: Path) -> Iterator[PolicyFleet]:
                     policy_address=f"127.0.0.1:{ports.policy}",
                 )
             )
-            yield PolicyFleet(f"127.0.0.1:{ports.policy}", f"127.0.0.1:{ports.router}", keys)
+            yield PolicyFleet(
+                f"127.0.0.1:{ports.policy}", f"127.0.0.1:{ports.router}", keys, stack.internal_token
+            )
         finally:
             for child in reversed(children):
                 child.terminate(10)
@@ -306,6 +311,6 @@ def run(workdir: Path, rounds: int, seed: int) -> PolicyResult:
     texts = prompts(400, seed)
     latencies = in_process(library.get(""), RuleSet.from_file(DEFAULT_RULES), texts, seed)
     with policy_fleet(workdir) as fleet:
-        latencies += asyncio.run(over_grpc(fleet.policy, texts, "bench"))
+        latencies += asyncio.run(over_grpc(fleet.policy, fleet.token, texts, "bench"))
         ttft = asyncio.run(router_ttft(fleet, rounds, seed))
     return PolicyResult(latencies, ttft)

@@ -17,6 +17,7 @@ import grpc
 from bench.metrics import percentile
 from bench.targets import RouterTarget
 from llmmesh.launcher import Stack, StackPorts
+from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 
 
@@ -27,6 +28,7 @@ class Routers:
     api_key: str
     policy_direct: str  # the policy service itself
     policy_via_sidecars: str  # the router's sidecar listener for policy
+    token: str  # the mesh's credential, which the policy service wants
 
     def targets(self) -> list[RouterTarget]:
         """Clients of both (make them inside the event loop that uses them)."""
@@ -67,6 +69,7 @@ def sidecar_fleet(workdir: Path) -> Iterator[Routers]:
                 stack.api_key,
                 stack.address("policy"),
                 stack.sidecar_ports.router_address("policy"),
+                stack.internal_token,
             )
         finally:
             direct.terminate(10)
@@ -85,15 +88,16 @@ async def hop_latency(routers: Routers, calls: int = 1000) -> dict[str, list[flo
     samples: dict[str, list[float]] = {"direct": [], "sidecar pair": []}
     addresses = {"direct": routers.policy_direct, "sidecar pair": routers.policy_via_sidecars}
     channels = {name: grpc.aio.insecure_channel(a) for name, a in addresses.items()}
+    auth = token_metadata(routers.token)
     try:
         stubs = {name: policy_pb2_grpc.PolicyStub(c) for name, c in channels.items()}
         for stub in stubs.values():  # warm-up: connections, TLS sessions
             for _ in range(50):
-                await stub.CheckInput(request)
+                await stub.CheckInput(request, metadata=auth)
         for _ in range(calls):
             for name, stub in stubs.items():
                 started = time.perf_counter()
-                await stub.CheckInput(request)
+                await stub.CheckInput(request, metadata=auth)
                 samples[name].append(time.perf_counter() - started)
     finally:
         for channel in channels.values():

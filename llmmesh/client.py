@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 DEFAULT_STATE_FILE = Path(".llm-mesh/state.json")
@@ -60,7 +61,12 @@ class _CallDetails(
     pass
 
 
-class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _Metadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed metadata to every call of a channel."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -78,10 +84,22 @@ class _Metadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
 
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
 
 def authorized_channel(address: str, key: str) -> grpc.Channel:
     """A channel to a router whose every call presents ``key``."""
     return grpc.intercept_channel(grpc.insecure_channel(address), _Metadata(auth_metadata(key)))
+
+
+def internal_channel(address: str, token: str) -> grpc.Channel:
+    """A channel to an internal service (context, policy, inference) whose every call
+    presents the mesh's token (an operator's tools, the tests)."""
+    return grpc.intercept_channel(grpc.insecure_channel(address), _Metadata(token_metadata(token)))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from types import TracebackType
 from llmmesh.launcher.process import Child, StackError, free_ports
 from llmmesh.launcher.sidecars import SidecarPorts, start_sidecar, wait_ready, write_configs
 from llmmesh.launcher.triton import start_triton, wait_until_ready
+from llmmesh.runtime.internal_auth import new_token_file, read_token
 
 __all__ = ["Stack", "StackError", "StackPorts"]
 
@@ -32,6 +33,7 @@ CANARY_ALIASES = {"llm": "llm_canary"}
 # Shutdown order: the front door first, so it drains while its upstreams still answer.
 STOP_ORDER = ("router", "inference", "inference_canary", "policy", "context", "triton")
 DEMO_KEY_FILE = "demo_api_key"
+INTERNAL_TOKEN_FILE = "internal_token"
 # Tenants of the local stack (see services/router/tenants.py): only key hashes are stored.
 DEFAULT_TENANTS = """\
 # Tenants: edit while the stack runs (a valid change applies within a second).
@@ -124,6 +126,7 @@ class Stack:
         try:
             self._write_routing_files()
             self._write_tenants()
+            new_token_file(self.internal_token_file)
             self._start_triton()
             self._start_sidecars(time.monotonic() + timeout_s)
             for name, service in PROCESSES.items():
@@ -225,6 +228,15 @@ class Stack:
         return self.workdir / "tenants.yaml"
 
     @property
+    def internal_token_file(self) -> Path:
+        """The mesh's own credential, which internal services require of their callers."""
+        return self.workdir / INTERNAL_TOKEN_FILE
+
+    @property
+    def internal_token(self) -> str:
+        return read_token(self.internal_token_file)
+
+    @property
     def api_key(self) -> str:
         """The demo tenant's API key (kept in the work directory, readable by its owner)."""
         return (self.workdir / DEMO_KEY_FILE).read_text().strip()
@@ -264,6 +276,7 @@ class Stack:
             f"{prefix}HOST": self.host,
             f"{prefix}GRPC_PORT": str(getattr(self.ports, name)),
             f"{prefix}METRICS_PORT": str(getattr(self.ports, f"{name}_metrics")),
+            f"{prefix}INTERNAL_TOKEN_FILE": str(self.internal_token_file),
         }
         if name.startswith("inference"):
             env[f"{prefix}TRITON_URL"] = self.address("triton_grpc")

@@ -34,6 +34,10 @@ class ServiceConfig(BaseModel):
     log_level: str = "INFO"
     # OpenTelemetry: send spans to this OTLP/gRPC collector (host:port); empty: off.
     otlp_endpoint: str = ""
+    # The mesh's own credential (llmmesh/runtime/internal_auth.py): internal services
+    # refuse callers without it, clients present it. Empty: none (a mesh whose sidecars
+    # authenticate every caller, e.g. Istio with mTLS and authorization policies).
+    internal_token_file: str = ""
 
 
 C = TypeVar("C", bound=ServiceConfig)

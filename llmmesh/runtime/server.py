@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 
 from llmmesh.runtime import tracing
 from llmmesh.runtime.config import C, ConfigError, ServiceConfig, load_config
+from llmmesh.runtime.internal_auth import RequireToken, read_token
 from llmmesh.runtime.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,10 @@ class GrpcService:
     """One gRPC server with health checking, reflection and a Prometheus endpoint.
 
     ``service_names`` are the fully qualified gRPC services ``register`` adds; each is
-    reported SERVING once started and NOT_SERVING as soon as shutdown begins.
+    reported SERVING once started and NOT_SERVING as soon as shutdown begins. An internal
+    service (``internal``, the default) answers only callers that present the mesh's
+    token when the config names one; the router's callers are tenants, authenticated
+    per request instead.
     """
 
     def __init__(
@@ -41,8 +45,10 @@ class GrpcService:
         service_names: Sequence[str],
         register: Registrar,
         cleanup: Hook | None = None,
+        internal: bool = True,
     ) -> None:
         self.config = config
+        self._interceptors = _guards(config) if internal else []
         self._names = list(service_names)
         self._register = register
         self._cleanup = cleanup
@@ -59,10 +65,11 @@ class GrpcService:
         for hook in self._startup:
             await hook()
         server = grpc.aio.server(
+            interceptors=self._interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self._register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -93,6 +100,12 @@ class GrpcService:
         if self._cleanup is not None:
             await self._cleanup()
         log.info("stopped")
+
+
+def _guards(config: ServiceConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The check of the mesh's token, when the config names one."""
+    token = read_token(config.internal_token_file)
+    return [RequireToken(token)] if token else []
 
 
 async def run_service(service: GrpcService) -> None:

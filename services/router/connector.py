@@ -19,7 +19,7 @@ from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
 from llmmesh.types import Chunk, InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.endpoints import Endpoint
-from services.router.upstreams import CHANNEL_OPTIONS, ReplicaClient
+from services.router.upstreams import CHANNEL_OPTIONS, Metadata, ReplicaClient
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,10 @@ def load_metrics(model: inference_pb2.ModelLoad) -> dict[str, float]:
 class GrpcLink:
     """One replica over one grpc.aio channel."""
 
-    def __init__(self, endpoint: Endpoint, via: str) -> None:
+    def __init__(self, endpoint: Endpoint, via: str, auth: Metadata = ()) -> None:
         self._channel = grpc.aio.insecure_channel(via or endpoint.address, options=CHANNEL_OPTIONS)
-        self._metadata = ((DESTINATION_ENDPOINT, endpoint.address),) if via else ()
+        destination = ((DESTINATION_ENDPOINT, endpoint.address),) if via else ()
+        self._metadata = auth + destination
         self._client = ReplicaClient(self._channel, endpoint.address, self._metadata)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._address = endpoint.address
@@ -89,9 +90,11 @@ class GrpcLink:
 
 @dataclass(frozen=True)
 class GrpcConnector:
-    """Replicas dialed directly, or through ``via``: the local sidecar's listener."""
+    """Replicas dialed directly, or through ``via``: the local sidecar's listener; every
+    call presents ``auth``, the mesh's credential."""
 
     via: str = ""
+    auth: Metadata = ()
 
     def connect(self, endpoint: Endpoint) -> GrpcLink:
-        return GrpcLink(endpoint, self.via)
+        return GrpcLink(endpoint, self.via, self.auth)

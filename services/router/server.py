@@ -17,6 +17,7 @@ from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulKeyWatch, connect
+from llmmesh.runtime.internal_auth import read_token, token_metadata
 from llmmesh.runtime.metadata import (
     AUTHORIZATION,
     COLOR,
@@ -145,8 +146,10 @@ class Upstreams:
             for address in (config.policy_address, config.context_address)
         ]
         policy_ch, context_ch = self.channels
-        self.policy = PolicyGate(GrpcPolicyService(policy_ch, config.upstream_timeout_s))
-        self.context = GrpcContextClient(context_ch, config.upstream_timeout_s)
+        auth = token_metadata(read_token(config.internal_token_file))
+        timeout = config.upstream_timeout_s
+        self.policy = PolicyGate(GrpcPolicyService(policy_ch, timeout, auth))
+        self.context = GrpcContextClient(context_ch, timeout, auth)
         self.consul = _consul_client(config)
         self.routing = PolicyHolder()
         routing = _document_source(
@@ -173,7 +176,7 @@ class Upstreams:
                 raise ConfigError(f"tenants_file: {err}") from None
         self.replicas = ReplicaSet(
             _discovery(config, self.consul),
-            GrpcConnector(config.pool.via),
+            GrpcConnector(config.pool.via, auth),
             config.pool,
             config.region,
         )
@@ -261,6 +264,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
         cleanup=stop,
+        internal=False,
     )
     service.on_start(upstreams.start)
     service.on_start(http.start)

@@ -120,17 +120,22 @@ def _followed(reply: policy_pb2.RuleSetRules) -> FollowedRules:
     return FollowedRules(reply.rule_set, rules, reply.audit_text)
 
 
-class GrpcPolicyService:
-    """The policy service as the router's policy gate uses it (services/router/policy_gate.py)."""
+Metadata = tuple[tuple[str, str], ...]
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+
+class GrpcPolicyService:
+    """The policy service as the router's policy gate uses it (services/router/policy_gate.py).
+    ``auth``: the mesh's credential, on every call."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, auth: Metadata = ()) -> None:
         self._stub = policy_pb2_grpc.PolicyStub(channel)
         self._timeout = timeout_s
+        self._auth = auth
 
     async def watch(self, rule_set: str) -> AsyncIterator[FollowedRules | None]:
         request = policy_pb2.GetRulesRequest(rule_set=rule_set)
         try:
-            async for reply in self._stub.WatchRules(request):
+            async for reply in self._stub.WatchRules(request, metadata=self._auth):
                 yield _followed(reply.rules) if reply.HasField("rules") else None
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
@@ -138,7 +143,7 @@ class GrpcPolicyService:
     async def fetch(self, rule_set: str) -> FollowedRules:
         request = policy_pb2.GetRulesRequest(rule_set=rule_set)
         try:
-            reply = await self._stub.GetRules(request, timeout=self._timeout)
+            reply = await self._stub.GetRules(request, timeout=self._timeout, metadata=self._auth)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
         return _followed(reply)
@@ -154,7 +159,7 @@ class GrpcPolicyService:
         )
         try:
             reply = await self._stub.CheckInput(
-                request, timeout=self._timeout, metadata=_metadata(request_id)
+                request, timeout=self._timeout, metadata=_metadata(request_id) + self._auth
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
@@ -190,15 +195,16 @@ class GrpcPolicyService:
             ]
         )
         try:
-            await self._stub.RecordDecisions(request, timeout=self._timeout)
+            await self._stub.RecordDecisions(request, timeout=self._timeout, metadata=self._auth)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "policy service") from None
 
 
 class GrpcContextClient:
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, auth: Metadata = ()) -> None:
         self._stub = context_pb2_grpc.ContextStub(channel)
         self._timeout = timeout_s
+        self._auth = auth
 
     async def load(self, request_id: str, wanted: HistoryRequest) -> History:
         request = context_pb2.LoadSessionRequest(
@@ -211,7 +217,7 @@ class GrpcContextClient:
         )
         try:
             reply = await self._stub.LoadSession(
-                request, timeout=self._timeout, metadata=_metadata(request_id)
+                request, timeout=self._timeout, metadata=_metadata(request_id) + self._auth
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -246,7 +252,7 @@ class GrpcContextClient:
         )
         try:
             await self._stub.AppendTurns(
-                request, timeout=self._timeout, metadata=_metadata(request_id)
+                request, timeout=self._timeout, metadata=_metadata(request_id) + self._auth
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "context service") from None
@@ -255,12 +261,10 @@ class GrpcContextClient:
 class ReplicaClient:
     """One inference replica's Generate."""
 
-    def __init__(
-        self, channel: grpc.aio.Channel, address: str, extra: tuple[tuple[str, str], ...] = ()
-    ) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str, extra: Metadata = ()) -> None:
         self._stub = inference_pb2_grpc.InferenceStub(channel)
         self.address = address
-        self._extra = extra  # metadata on every call (the sidecar's destination)
+        self._extra = extra  # metadata on every call (the credential, the sidecar's destination)
 
     async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""

@@ -13,10 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel
+from llmmesh.client import authorized_channel, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.launcher.redis import start_redis
+from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from tests.conftest import bad_request_fields, collect, start_service
 from tests.e2e.test_tenants import write_tenants
@@ -30,7 +31,9 @@ def kill_hard(child: Child) -> None:
     child.process.wait()
 
 
-async def append_until_killed(address: str, kill: Callable[[], None]) -> dict[str, list[str]]:
+async def append_until_killed(
+    address: str, token: str, kill: Callable[[], None]
+) -> dict[str, list[str]]:
     """Appends from WORKERS concurrent clients, each to its own session, and kills the
     service once ACKS_BEFORE_KILL appends were acknowledged; returns the acknowledged
     request ids per session."""
@@ -48,7 +51,7 @@ async def append_until_killed(address: str, kill: Callable[[], None]) -> dict[st
                     turns=[context_pb2.Turn(role=context_pb2.ROLE_USER, text=f"turn {n}")],
                 )
                 try:
-                    await stub.AppendTurns(request, timeout=5)
+                    await stub.AppendTurns(request, timeout=5, metadata=token_metadata(token))
                 except grpc.aio.AioRpcError:
                     return  # the service is gone: this append was not acknowledged
                 acked[session_id].append(request.request_id)
@@ -61,8 +64,10 @@ async def append_until_killed(address: str, kill: Callable[[], None]) -> dict[st
     return acked
 
 
-def assert_all_acknowledged_turns_survived(address: str, acked: dict[str, list[str]]) -> None:
-    with grpc.insecure_channel(address) as channel:
+def assert_all_acknowledged_turns_survived(
+    address: str, token: str, acked: dict[str, list[str]]
+) -> None:
+    with internal_channel(address, token) as channel:
         stub = context_pb2_grpc.ContextStub(channel)
         for session_id, request_ids in acked.items():
             session = stub.LoadSession(
@@ -80,10 +85,12 @@ def test_kill_9_loses_no_acknowledged_turn_with_sqlite(stack: Stack, tmp_path: P
     port = StackPorts.free().context
     settings = {"store": json.dumps({"kind": "sqlite", "path": str(tmp_path / "durable.sqlite3")})}
     context = start_service(stack, "context", port, tmp_path, **settings)
-    acked = asyncio.run(append_until_killed(f"127.0.0.1:{port}", lambda: kill_hard(context)))
+    acked = asyncio.run(
+        append_until_killed(f"127.0.0.1:{port}", stack.internal_token, lambda: kill_hard(context))
+    )
     restarted = start_service(stack, "context", port, tmp_path, **settings)
     try:
-        assert_all_acknowledged_turns_survived(f"127.0.0.1:{port}", acked)
+        assert_all_acknowledged_turns_survived(f"127.0.0.1:{port}", stack.internal_token, acked)
     finally:
         restarted.terminate(5)
 
@@ -101,11 +108,15 @@ def test_kill_9_of_service_and_redis_loses_no_acknowledged_turn(
         kill_hard(context)
         kill_hard(redis)
 
-    acked = asyncio.run(append_until_killed(f"127.0.0.1:{ports.context}", kill_both))
+    acked = asyncio.run(
+        append_until_killed(f"127.0.0.1:{ports.context}", stack.internal_token, kill_both)
+    )
     redis = start_redis(tmp_path / "redis", ports.triton_http)  # recovers from its AOF
     restarted = start_service(stack, "context", ports.context, tmp_path, **settings)
     try:
-        assert_all_acknowledged_turns_survived(f"127.0.0.1:{ports.context}", acked)
+        assert_all_acknowledged_turns_survived(
+            f"127.0.0.1:{ports.context}", stack.internal_token, acked
+        )
     finally:
         restarted.terminate(5)
         redis.terminate(5)
@@ -113,7 +124,7 @@ def test_kill_9_of_service_and_redis_loses_no_acknowledged_turn(
 
 @pytest.fixture
 def context_stub(stack: Stack) -> Iterator[context_pb2_grpc.ContextStub]:
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         yield context_pb2_grpc.ContextStub(channel)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack
 from llmmesh.policy.rules import RuleSpec
 from llmmesh.v1 import (
@@ -23,7 +24,7 @@ from tests.conftest import bad_request_fields
 
 
 def _raw_call(stack: Stack, service: str, path: str, payload: bytes) -> grpc.RpcError:
-    with grpc.insecure_channel(stack.address(service)) as channel:
+    with internal_channel(stack.address(service), stack.internal_token) as channel:
         call = channel.unary_unary(
             path, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
@@ -66,7 +67,9 @@ def test_policy_rejects_invalid_utf8(stack: Stack) -> None:
 def test_context_rejects_bad_appends(
     stack: Stack, request_: context_pb2.AppendTurnsRequest, field: str
 ) -> None:
-    stub = context_pb2_grpc.ContextStub(grpc.insecure_channel(stack.address("context")))
+    stub = context_pb2_grpc.ContextStub(
+        internal_channel(stack.address("context"), stack.internal_token)
+    )
     with pytest.raises(grpc.RpcError) as info:
         stub.AppendTurns(request_, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -78,7 +81,7 @@ def test_context_append_is_idempotent_per_request_id(stack: Stack) -> None:
     request = context_pb2.AppendTurnsRequest(
         tenant="t", session_id="idem", request_id="r-1", turns=[turn]
     )
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stub = context_pb2_grpc.ContextStub(channel)
         first = stub.AppendTurns(request, timeout=10)
         again = stub.AppendTurns(request, timeout=10)
@@ -119,7 +122,7 @@ def test_context_append_is_idempotent_per_request_id(stack: Stack) -> None:
 def test_inference_rejects_bad_requests(
     stack: Stack, request_: inference_pb2.InferenceRequest, field: str
 ) -> None:
-    with grpc.insecure_channel(stack.address("inference")) as channel:
+    with internal_channel(stack.address("inference"), stack.internal_token) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request_, timeout=10))
@@ -128,7 +131,7 @@ def test_inference_rejects_bad_requests(
 
 
 def test_policy_verdict_for_clean_text(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("policy")) as channel:
+    with internal_channel(stack.address("policy"), stack.internal_token) as channel:
         reply = policy_pb2_grpc.PolicyStub(channel).CheckInput(
             policy_pb2.CheckInputRequest(tenant="t", text="Once upon a time"), timeout=10
         )
@@ -138,7 +141,7 @@ def test_policy_verdict_for_clean_text(stack: Stack) -> None:
 
 
 def test_policy_checks_parts_as_one_text_and_reports_where(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("policy")) as channel:
+    with internal_channel(stack.address("policy"), stack.internal_token) as channel:
         stub = policy_pb2_grpc.PolicyStub(channel)
 
         def check(*texts: str) -> policy_pb2.CheckInputResponse:
@@ -164,7 +167,7 @@ def test_policy_checks_parts_as_one_text_and_reports_where(stack: Stack) -> None
 
 
 def test_policy_hands_out_rules_and_records_decisions(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("policy")) as channel:
+    with internal_channel(stack.address("policy"), stack.internal_token) as channel:
         stub = policy_pb2_grpc.PolicyStub(channel)
         verdict = stub.CheckInput(policy_pb2.CheckInputRequest(tenant="t", text="x"), timeout=10)
         rules = stub.GetRules(policy_pb2.GetRulesRequest(), timeout=10)
@@ -209,7 +212,7 @@ def test_policy_hands_out_rules_and_records_decisions(stack: Stack) -> None:
 
 
 def test_policy_output_stream_redacts_and_refuses_bad_chunks(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("policy")) as channel:
+    with internal_channel(stack.address("policy"), stack.internal_token) as channel:
         check_output = output_checker(channel)
         replies = check_output(
             [
@@ -247,3 +250,41 @@ def output_checker(
         return list(stub.CheckOutput(iter(requests), timeout=10))
 
     return call
+
+
+def test_an_internal_service_refuses_a_local_caller_without_the_mesh_token(stack: Stack) -> None:
+    """Without sidecars, any process on the host reaches these ports: none of them answers
+    a caller that lacks the launcher's token, not even to list one tenant's sessions."""
+    calls: list[tuple[str, Callable[[grpc.Channel], object]]] = [
+        (
+            "context",
+            lambda ch: context_pb2_grpc.ContextStub(ch).ListSessions(
+                context_pb2.ListSessionsRequest(tenant="demo"), timeout=10
+            ),
+        ),
+        (
+            "policy",
+            lambda ch: policy_pb2_grpc.PolicyStub(ch).CheckInput(
+                policy_pb2.CheckInputRequest(tenant="demo", text="hi"), timeout=10
+            ),
+        ),
+        (
+            "inference",
+            lambda ch: next(
+                inference_pb2_grpc.InferenceStub(ch).Generate(
+                    inference_pb2.InferenceRequest(
+                        model="llm", prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=1)
+                    ),
+                    timeout=10,
+                )
+            ),
+        ),
+    ]
+    for service, call in calls:
+        with grpc.insecure_channel(stack.address(service)) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(channel)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, service
+            assert "x-mesh-token" in (refused.value.details() or "")
+        with internal_channel(stack.address(service), stack.internal_token) as channel:
+            call(channel)  # the same call with the token is answered

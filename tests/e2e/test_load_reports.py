@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel, build_request
+from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack
 from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 
@@ -22,7 +22,7 @@ def _llm(report: inference_pb2.LoadReport) -> inference_pb2.ModelLoad | None:
 
 
 def test_load_reports_follow_a_generation(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("inference")) as channel:
+    with internal_channel(stack.address("inference"), stack.internal_token) as channel:
         stub: Any = inference_pb2_grpc.InferenceStub(channel)
         reports = stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=50), timeout=60)
         first = next(reports)
@@ -55,7 +55,7 @@ def _read_until_cancelled(call: Any) -> None:
 
 
 def test_negative_interval_is_invalid(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.address("inference")) as channel:
+    with internal_channel(stack.address("inference"), stack.internal_token) as channel:
         stub: Any = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             next(stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=-1), timeout=10))

@@ -8,7 +8,7 @@ import uuid
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel, build_request
+from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack
 from llmmesh.v1 import context_pb2, context_pb2_grpc, generation_pb2_grpc
 from tests.conftest import collect, text_of, wait_for
@@ -33,7 +33,7 @@ def test_pii_is_redacted_before_the_model_and_the_session_see_it(stack: Stack) -
     with authorized_channel(stack.address("router"), stack.api_key) as channel:
         responses = collect(channel, prompt, max_tokens=4, ignore_eos=True, session_id=session)
     assert responses[-1].usage.completion_tokens == 4
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
             context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
@@ -95,7 +95,7 @@ def test_session_history_is_persisted_and_prepended(stack: Stack) -> None:
         second = collect(channel, "What is my name?", max_tokens=10, session_id=session)
     answer = text_of(first)
 
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
             context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
@@ -122,7 +122,7 @@ def test_session_id_from_metadata(stack: Stack) -> None:
                 timeout=30,
             )
         )
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
             context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )
@@ -131,7 +131,7 @@ def test_session_id_from_metadata(stack: Stack) -> None:
 
 def test_request_without_session_records_nothing(stack: Stack) -> None:
     with (
-        grpc.insecure_channel(stack.address("context")) as channel,
+        internal_channel(stack.address("context"), stack.internal_token) as channel,
         pytest.raises(grpc.RpcError) as info,
     ):
         context_pb2_grpc.ContextStub(channel).LoadSession(

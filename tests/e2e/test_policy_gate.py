@@ -19,7 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmmesh.client import authorized_channel
+from llmmesh.client import authorized_channel, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import context_pb2, context_pb2_grpc, inference_pb2_grpc
 from tests.conftest import collect, start_service, wait_for
@@ -131,7 +131,7 @@ def store_session(stack: Stack, session: str, system_prompt: str, *turns: str) -
     """A session as another writer of the session store left it: a system prompt and
     turns, alternately the user's and the assistant's."""
     roles = (context_pb2.ROLE_USER, context_pb2.ROLE_ASSISTANT)
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stub = context_pb2_grpc.ContextStub(channel)
         stub.PutSession(
             context_pb2.PutSessionRequest(
@@ -185,9 +185,9 @@ class RecordingReplica:
     """An inference replica's gRPC API in front of the stack's own inference service:
     it records every prompt a router sends, and forwards the call."""
 
-    def __init__(self, upstream: str, port: int) -> None:
+    def __init__(self, upstream: str, token: str, port: int) -> None:
         self.prompts: list[str] = []
-        self._channel = grpc.insecure_channel(upstream)
+        self._channel = internal_channel(upstream, token)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         inference_pb2_grpc.add_InferenceServicer_to_server(self._Servicer(self), self._server)
@@ -222,7 +222,9 @@ def recorded(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """A router whose only replica records what it is sent; the router's HTTP base URL."""
     tmp: Path = tmp_path_factory.mktemp("recorded")
     ports = StackPorts.free()
-    with RecordingReplica(stack.address("inference"), ports.inference) as replica:
+    with RecordingReplica(
+        stack.address("inference"), stack.internal_token, ports.inference
+    ) as replica:
         router = start_service(
             stack,
             "router",
@@ -261,7 +263,7 @@ def test_personal_data_never_reaches_the_session_store(stack: Stack, recorded: A
     with authorized_channel(router, stack.api_key) as channel:
         collect(channel, f"My card: {CARD_FULLWIDTH}", max_tokens=2, session_id=session)
         collect(channel, f"Mail {EMAIL_CYRILLIC}", max_tokens=2, session_id=session)
-    with grpc.insecure_channel(stack.address("context")) as channel:
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
         stored = context_pb2_grpc.ContextStub(channel).LoadSession(
             context_pb2.LoadSessionRequest(tenant=DEMO_TENANT, session_id=session), timeout=5
         )

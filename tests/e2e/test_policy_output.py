@@ -8,10 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
-from llmmesh.client import authorized_channel, build_request
+from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import (
     common_pb2,
@@ -54,6 +53,7 @@ def strict_rules(version: str, phrase: str) -> str:
 class PolicyMesh:
     router: str
     policy: str
+    token: str
     policy_metrics: str
     rules: Path
     keys: dict[str, str]
@@ -65,7 +65,7 @@ class PolicyMesh:
             return collect(channel, PROMPT, max_tokens=max_tokens, seed=7, ignore_eos=True)
 
     def version(self, rule_set: str) -> str:
-        with grpc.insecure_channel(self.policy) as channel:
+        with internal_channel(self.policy, self.token) as channel:
             stub = policy_pb2_grpc.PolicyStub(channel)
             request = policy_pb2.CheckInputRequest(text="x", rule_set=rule_set)
             reply: policy_pb2.CheckInputResponse = stub.CheckInput(request, timeout=5)
@@ -107,6 +107,7 @@ def mesh(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pol
         yield PolicyMesh(
             f"127.0.0.1:{ports.router}",
             f"127.0.0.1:{ports.policy}",
+            stack.internal_token,
             f"http://127.0.0.1:{ports.policy_metrics}/metrics",
             rules,
             keys,

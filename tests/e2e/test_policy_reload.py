@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
-
+from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
 from tests.conftest import start_service, wait_for
@@ -30,7 +29,7 @@ def test_rules_reload_on_change_and_an_invalid_file_is_refused(
         stack, "policy", port, tmp_path, rules_path=str(rules), watch_interval_s="0.05"
     )
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with internal_channel(f"127.0.0.1:{port}", stack.internal_token) as channel:
             stub = policy_pb2_grpc.PolicyStub(channel)
 
             def check(text: str) -> policy_pb2.CheckInputResponse:

@@ -15,6 +15,7 @@ from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.sidecars import validate
 from llmmesh.mesh.pki import Identity, LocalCA
+from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import (
     context_pb2,
     context_pb2_grpc,
@@ -56,9 +57,10 @@ def mtls_channel(address: str, who: Identity, trusted: Path | None = None) -> gr
     return grpc.secure_channel(address, credentials, options=options)
 
 
-def watch_load(channel: grpc.Channel) -> grpc.StatusCode:
+def watch_load(channel: grpc.Channel, token: str = "") -> grpc.StatusCode:
     stub = inference_pb2_grpc.InferenceStub(channel)
-    call = stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=50), timeout=5)
+    request = inference_pb2.WatchLoadRequest(max_interval_ms=50)
+    call = stub.WatchLoad(request, timeout=5, metadata=token_metadata(token))
     try:
         next(call)
     except grpc.RpcError as err:
@@ -96,10 +98,13 @@ def test_generation_and_sessions_go_through_the_sidecars(mesh: Stack) -> None:
 def test_only_the_router_identity_may_call_inference(mesh: Stack) -> None:
     assert mesh.sidecar_ports is not None
     inference = mesh.sidecar_ports.inbound_address("inference")
+    token = mesh.internal_token
     with mtls_channel(inference, identity(mesh, "router")) as channel:
-        assert watch_load(channel) == grpc.StatusCode.OK
+        assert watch_load(channel, token) == grpc.StatusCode.OK
+        # Behind its sidecar too, the service wants the mesh's token.
+        assert watch_load(channel) == grpc.StatusCode.UNAUTHENTICATED
     with mtls_channel(inference, identity(mesh, "policy")) as channel:
-        assert watch_load(channel) == grpc.StatusCode.PERMISSION_DENIED
+        assert watch_load(channel, token) == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_a_caller_gets_only_the_methods_its_intention_lists(mesh: Stack) -> None:
@@ -108,11 +113,17 @@ def test_a_caller_gets_only_the_methods_its_intention_lists(mesh: Stack) -> None
     with mtls_channel(context, identity(mesh, "router")) as channel:
         stub = context_pb2_grpc.ContextStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            stub.ListSessions(context_pb2.ListSessionsRequest(tenant="demo"), timeout=5)
+            stub.ListSessions(
+                context_pb2.ListSessionsRequest(tenant="demo"),
+                timeout=5,
+                metadata=token_metadata(mesh.internal_token),
+            )
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.RpcError) as missing:  # allowed: reaches the service
             stub.LoadSession(
-                context_pb2.LoadSessionRequest(tenant="demo", session_id="nobody"), timeout=5
+                context_pb2.LoadSessionRequest(tenant="demo", session_id="nobody"),
+                timeout=5,
+                metadata=token_metadata(mesh.internal_token),
             )
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
