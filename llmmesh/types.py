@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
@@ -182,6 +184,18 @@ class Turn:
     created_at_ms: int = 0
 
 
+def request_text(turns: Sequence[Turn]) -> str | None:
+    """What identifies the request that produced ``turns`` when its id comes back: its
+    first user turn's text (its first turn's, if it has none; None for no turns)."""
+    first = next((t for t in turns if t.role is Role.USER), turns[0] if turns else None)
+    return None if first is None else first.text
+
+
+def fingerprint(text: str) -> str:
+    """SHA-256 (hex) of a request's text, as the context service reports a stored one."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class History:
     """A session's history as it goes into a prompt, cut to a token budget: the system
@@ -196,6 +210,9 @@ class History:
     dropped_turns: int = 0
     summarized_turns: int = 0
     system_prompt_dropped: bool = False
+    # fingerprint() of the text the loading request's id stored already: a retry's
+    # (the load leaves that request's own turns out) or a reused id's.
+    request_fingerprint: str = ""
 
 
 class PolicyAction(enum.Enum):

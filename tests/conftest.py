@@ -105,6 +105,28 @@ def metric_value(url: str, name: str, labels: dict[str, str]) -> float:
     return 0.0
 
 
+def prompt_tokens_seen(stack: Stack) -> float:
+    """Prompt tokens every engine admitted so far (Triton's llm_engine_* counters)."""
+    url = f"http://{stack.address('triton_metrics')}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "llm_engine_prompt_tokens_total"
+    )
+
+
+def assert_engines_saw_only(stack: Stack, before: float, allowed: Callable[[], int]) -> None:
+    """After refused requests, one allowed request (``allowed`` returns its prompt tokens)
+    moves the engines' prompt-token counter by exactly its own prompt: none of the
+    refused ones reached an engine."""
+    expected = before + allowed()
+    wait_for(lambda: prompt_tokens_seen(stack) == expected, 10, "the allowed prompt's tokens")
+    assert prompt_tokens_seen(stack) == expected
+
+
 def start_service(stack: Stack, name: str, port: int, tmp_path: Path, **overrides: str) -> Child:
     """Another instance of a stack service on ``port``, its settings overridden."""
     return stack.start_service(name, port, tmp_path, **overrides)

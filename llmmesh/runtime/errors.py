@@ -20,15 +20,26 @@ class MeshError(Exception):
         self.message = message
 
 
-class InvalidArgument(MeshError):
-    """A request field is invalid. ``field`` is the field's path, e.g. ``sampling.top_p``."""
-
-    code, http_status, http_type = "INVALID_ARGUMENT", 400, "invalid_request_error"
+class FieldError(MeshError):
+    """A failure that one request field explains. ``field`` is the field's path, e.g.
+    ``sampling.top_p``; the message is ``field: reason``."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class InvalidArgument(FieldError):
+    """A request field is invalid."""
+
+    code, http_status, http_type = "INVALID_ARGUMENT", 400, "invalid_request_error"
+
+
+class AlreadyExists(FieldError):
+    """The field names something another request already made (a reused request id)."""
+
+    code, http_status, http_type = "ALREADY_EXISTS", 409, "invalid_request_error"
 
 
 class Unauthenticated(MeshError):

@@ -11,6 +11,8 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from llmmesh.runtime.errors import (
+    AlreadyExists,
+    FieldError,
     InvalidArgument,
     MeshError,
     NotFound,
@@ -34,7 +36,7 @@ def to_status(err: MeshError) -> status_pb2.Status:
 
 
 def _detail(err: MeshError) -> error_details_pb2.BadRequest | error_details_pb2.RetryInfo | None:
-    if isinstance(err, InvalidArgument):
+    if isinstance(err, FieldError):
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=err.field, description=err.reason
         )
@@ -52,6 +54,10 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], err: MeshError) -> 
     raise AssertionError("abort_with_status returned")  # pragma: no cover
 
 
+_FIELD_ERRORS: dict[grpc.StatusCode, type[FieldError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+}
 _FROM_CODE: dict[grpc.StatusCode, type[MeshError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -65,9 +71,10 @@ def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str, where: str = "") ->
     the transport's details (addresses, ports) and ``where`` (the upstream's address) go
     to the log only."""
     code, message = err.code(), err.details() or ""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    named = _FIELD_ERRORS.get(code)
+    if named is not None:
         field, _, reason = message.partition(": ")
-        return InvalidArgument(field, reason) if reason else InvalidArgument("request", message)
+        return named(field, reason) if reason else named("request", message)
     kind = _FROM_CODE.get(code)
     if kind is not None:
         return kind(message)

@@ -68,6 +68,7 @@ def _presented(metadata: Iterable[tuple[str, Any]] | None) -> bytes:
 
 def _refuse(handler: Any) -> Any:
     """A handler of the same shape as ``handler`` that refuses the call."""
+
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
 

@@ -84,6 +84,7 @@ class LoadSessionRequest(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     TURN_OVERHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
     budget_tokens: _builtins.int
@@ -95,6 +96,8 @@ class LoadSessionRequest(_message.Message):
     turn_overhead_tokens: _builtins.int
     """Tokens each rendered turn adds to its text (role tags and separators)."""
     ttl_seconds: _builtins.int
+    request_id: _builtins.str
+    """The request about to add turns: the reply says what that id already stored."""
     def __init__(
         self,
         *,
@@ -104,10 +107,11 @@ class LoadSessionRequest(_message.Message):
         truncation: _builtins.str = ...,
         turn_overhead_tokens: _builtins.int = ...,
         ttl_seconds: _builtins.int = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_tokens", b"budget_tokens", "session_id", b"session_id", "tenant", b"tenant", "truncation", b"truncation", "ttl_seconds", b"ttl_seconds", "turn_overhead_tokens", b"turn_overhead_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_tokens", b"budget_tokens", "request_id", b"request_id", "session_id", b"session_id", "tenant", b"tenant", "truncation", b"truncation", "ttl_seconds", b"ttl_seconds", "turn_overhead_tokens", b"turn_overhead_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -187,6 +191,7 @@ class Session(_message.Message):
     SUMMARY_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
     TOTAL_TURNS_FIELD_NUMBER: _builtins.int
+    REQUEST_FINGERPRINT_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
     system_prompt: _builtins.str
@@ -195,6 +200,10 @@ class Session(_message.Message):
     """Stands for older turns (sliding_summary, key_sentences); goes before `turns`."""
     total_turns: _builtins.int
     """Turns the session holds in all."""
+    request_fingerprint: _builtins.str
+    """The SHA-256 (hex) of the user turn the load's request_id stored, empty if it stored
+    none: a different request reusing the id is refused before it generates anything.
+    """
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
         """The turns kept whole, in the order they were appended."""
@@ -214,10 +223,11 @@ class Session(_message.Message):
         summary: _builtins.str = ...,
         truncation: Global___Truncation | None = ...,
         total_turns: _builtins.int = ...,
+        request_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["truncation", b"truncation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "request_fingerprint", b"request_fingerprint", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -235,7 +245,10 @@ class AppendTurnsRequest(_message.Message):
     tenant: _builtins.str
     session_id: _builtins.str
     request_id: _builtins.str
-    """Correlation id of the request that produced these turns; the idempotency key."""
+    """Correlation id of the request that produced these turns; the idempotency key. The
+    same id again with the same user turn is a retry (nothing appended); with another
+    user turn, another request: refused ALREADY_EXISTS (field request_id).
+    """
     ttl_seconds: _builtins.int
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import redis.exceptions
 from prometheus_client import Counter, Histogram
 
-from llmmesh.runtime.errors import InvalidArgument, NotFound, Unavailable
-from llmmesh.types import Turn, check_session_id, count_tokens
-from services.context.store import SessionStore
+from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from llmmesh.types import Turn, check_session_id, count_tokens, fingerprint, request_text
+from services.context.store import Appended, Session, SessionStore
 from services.context.truncation import Budget, Truncated, check_strategy, truncate
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ MAX_METADATA_ENTRIES = 64
 MAX_METADATA_CHARS = 4096
 MAX_PAGE_SIZE = 1000
 MAX_TTL_S = 366 * 86_400
+REUSED_ID = "already used by another request in this session (a retry sends the same one)"
 
 APPENDS = Counter("llm_context_appends_total", "Append calls", ["outcome"])
 LOAD_SECONDS = Histogram(
@@ -44,6 +45,18 @@ SWEPT = Counter("llm_context_sessions_expired_total", "Sessions removed by the e
 STORE_FAILURES = (sqlite3.Error, redis.exceptions.RedisError, OSError)
 
 
+def _without_request(session: Session, request_id: str) -> tuple[Session, str | None]:
+    """The session as it was before ``request_id`` (a retry sees the history its first
+    attempt saw), and the text that request stored, if it did."""
+    if not request_id:
+        return session, None
+    own = [t for t in session.turns if t.request_id == request_id]
+    if not own:
+        return session, None
+    kept = [t for t in session.turns if t.request_id != request_id]
+    return replace(session, turns=kept), request_text(own)
+
+
 def check_session_key(tenant: str, session_id: str) -> None:
     if not tenant:
         raise InvalidArgument("tenant", "required")
@@ -55,6 +68,7 @@ class Loaded:
     total_turns: int
     metadata: dict[str, str]
     truncated: Truncated
+    request_fingerprint: str = ""  # of the text the load's request id stored, if any
 
 
 class ContextCore:
@@ -82,9 +96,12 @@ class ContextCore:
         budget: Budget,
         strategy: str = "",
         ttl_s: int = 0,
+        *,
+        request_id: str = "",
     ) -> Loaded:
         """The session cut to ``budget``; NOT_FOUND (the same for every tenant) if this
-        tenant has no such session."""
+        tenant has no such session. With ``request_id``: the fingerprint of the request
+        text that id stored, so that the caller can tell a retry from a reused id."""
         check_session_key(tenant, session_id)
         strategy = check_strategy(strategy)
         ttl_ms = self._ttl_ms(ttl_s)
@@ -92,6 +109,7 @@ class ContextCore:
             session = await self._store("load", lambda: self.store.load(tenant, session_id, ttl_ms))
             if session is None:
                 raise NotFound(f"no session '{session_id}'")
+            session, stored = _without_request(session, request_id)
             cut = truncate(session, budget, strategy, count_tokens)
         if cut.dropped:
             TRUNCATIONS.labels(strategy).inc()
@@ -101,7 +119,8 @@ class ContextCore:
                 "save_summary",
                 lambda: self.store.save_summary(tenant, session_id, summary, covered),
             )
-        return Loaded(len(session.turns), session.metadata, cut)
+        found = fingerprint(stored) if stored is not None else ""
+        return Loaded(len(session.turns), session.metadata, cut, found)
 
     async def append(
         self,
@@ -111,6 +130,8 @@ class ContextCore:
         turns: list[Turn],
         ttl_s: int = 0,
     ) -> tuple[int, bool]:
+        """Appends ``turns``; (turn count, False) for a retry of a stored request, and
+        ALREADY_EXISTS for another request that reuses a stored id."""
         check_session_key(tenant, session_id)
         if not request_id:
             raise InvalidArgument("request_id", "required (it makes appends idempotent)")
@@ -126,8 +147,10 @@ class ContextCore:
         count, appended = await self._store(
             "append", lambda: self.store.append(tenant, session_id, request_id, turns, ttl_ms)
         )
-        APPENDS.labels("appended" if appended else "duplicate").inc()
-        return count, appended
+        APPENDS.labels(appended.value).inc()
+        if appended is Appended.CONFLICT:
+            raise AlreadyExists("request_id", REUSED_ID)
+        return count, appended is Appended.APPENDED
 
     async def put(
         self,

@@ -20,8 +20,8 @@ from urllib.parse import quote, unquote
 
 import redis.asyncio as redis
 
-from llmmesh.types import Role, Turn
-from services.context.store import Session, now_ms
+from llmmesh.types import Role, Turn, request_text
+from services.context.store import Appended, Session, now_ms
 
 _APPEND = """
 local expires = redis.call('ZSCORE', KEYS[5], ARGV[4])
@@ -34,7 +34,17 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local added = redis.call('SADD', KEYS[3], ARGV[1])
 if added == 1 then
-  for i = 6, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+  for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+else  -- a stored id again: the same request text (ARGV[6]) is a retry, another a conflict
+  local before = nil
+  for _, doc in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+    local turn = cjson.decode(doc)
+    if turn.request_id == ARGV[1] then
+      if turn.role == 'user' then before = turn.text break end
+      if before == nil then before = turn.text end
+    end
+  end
+  if before ~= nil and before ~= ARGV[6] then added = -1 end
 end
 local count = redis.call('LLEN', KEYS[2])
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
@@ -61,6 +71,7 @@ end
 return 0
 """
 _SWEEP_BATCH = 1000
+_APPENDED = {1: Appended.APPENDED, 0: Appended.DUPLICATE, -1: Appended.CONFLICT}
 
 
 class RedisSessionStore:
@@ -114,7 +125,7 @@ class RedisSessionStore:
 
     async def append(
         self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, Appended]:
         now = self._now()
         keys = [*self._keys(tenant, session_id), self._index(tenant), self._expiry]
         args: list[str | int] = [
@@ -123,10 +134,12 @@ class RedisSessionStore:
             now,
             self._member(tenant, session_id),
             session_id,
+            request_text(turns) or "",
         ]
-        args += [json.dumps(_turn_doc(t, request_id, now)) for t in turns]
+        # Unescaped: the script compares texts as Lua's cjson decodes them.
+        args += [json.dumps(_turn_doc(t, request_id, now), ensure_ascii=False) for t in turns]
         count, added = await self._append(keys=keys, args=args)
-        return int(count), bool(added)
+        return int(count), _APPENDED[int(added)]
 
     async def put(
         self,

@@ -37,6 +37,7 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
             Budget(request.budget_tokens, request.turn_overhead_tokens),
             request.truncation,
             request.ttl_seconds,
+            request_id=request.request_id,
         )
         return _session(request, loaded)
 
@@ -93,6 +94,7 @@ def _session(request: context_pb2.LoadSessionRequest, loaded: Loaded) -> context
             dropped_request_ids=dropped_ids,
         ),
         total_turns=loaded.total_turns,
+        request_fingerprint=loaded.request_fingerprint,
     )
 
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmmesh.types import Role, Turn
-from services.context.store import Session, now_ms
+from llmmesh.types import Role, Turn, request_text
+from services.context.store import Appended, Session, now_ms
 
 T = TypeVar("T")
 
@@ -198,8 +198,8 @@ class SqliteSessionStore:
 
     async def append(
         self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
-    ) -> tuple[int, bool]:
-        result: tuple[int, bool] = await self._write(
+    ) -> tuple[int, Appended]:
+        result: tuple[int, Appended] = await self._write(
             _append(tenant, session_id, request_id, turns, ttl_ms, now=self._now())
         )
         return result
@@ -306,7 +306,7 @@ def _touch(tenant: str, session_id: str, expires_at_ms: int) -> Write:
 def _append(
     tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int, *, now: int
 ) -> Write:
-    def action(db: sqlite3.Connection) -> tuple[int, bool]:
+    def action(db: sqlite3.Connection) -> tuple[int, Appended]:
         # A session that expired but is not swept yet starts over.
         expired = db.execute(
             "SELECT 1 FROM sessions WHERE tenant = ? AND session_id = ? AND expires_at_ms <= ?",
@@ -328,7 +328,7 @@ def _append(
             (tenant, session_id),
         ).fetchone()
         if not inserted:
-            return count, False
+            return count, _repeated(db, tenant, session_id, request_id, turns)
         db.executemany(
             "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             [
@@ -349,9 +349,23 @@ def _append(
             "UPDATE sessions SET turn_count = ? WHERE tenant = ? AND session_id = ?",
             (count + len(turns), tenant, session_id),
         )
-        return count + len(turns), True
+        return count + len(turns), Appended.APPENDED
 
     return action
+
+
+def _repeated(
+    db: sqlite3.Connection, tenant: str, session_id: str, request_id: str, turns: list[Turn]
+) -> Appended:
+    """A stored id again: a retry if it brings the same request text, else a conflict."""
+    stored = db.execute(
+        "SELECT role, text FROM turns WHERE tenant = ? AND session_id = ? AND request_id = ?"
+        " ORDER BY seq",
+        (tenant, session_id, request_id),
+    ).fetchall()
+    before = request_text([Turn(Role(role), text) for role, text in stored])
+    same = before is None or before == request_text(turns)
+    return Appended.DUPLICATE if same else Appended.CONFLICT
 
 
 def _delete(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:

@@ -7,6 +7,7 @@ can never reach another's sessions. An append is acknowledged only once durable.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +24,14 @@ class Session:
     summarized_turns: int = 0  # how many of the oldest turns the summary covers
 
 
+class Appended(enum.Enum):
+    """What an append did with its request id."""
+
+    APPENDED = "appended"  # a new id: its turns are stored
+    DUPLICATE = "duplicate"  # the id with the same user turn: a retry, nothing stored
+    CONFLICT = "conflict"  # the id with another user turn: another request, refused
+
+
 class SessionStore(Protocol):
     """``ttl_ms`` slides a session's expiry on every access; an expired session is gone,
     whether or not a sweep has removed it yet."""
@@ -35,9 +44,11 @@ class SessionStore(Protocol):
 
     async def append(
         self, tenant: str, session_id: str, request_id: str, turns: list[Turn], ttl_ms: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, Appended]:
         """Appends (creating the session) unless ``request_id`` was stored already;
-        returns (turn count, appended)."""
+        returns the turn count and whether the id was new, a retry (the same
+        ``request_text``) or a conflict (another). Atomic: two appends of one id never
+        both store."""
         ...
 
     async def put(

@@ -17,7 +17,8 @@ from dataclasses import replace
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import (
     Chunk,
@@ -31,6 +32,7 @@ from llmmesh.types import (
     check_sampling,
     check_session_id,
     check_truncation,
+    fingerprint,
 )
 from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
@@ -65,6 +67,9 @@ TOKEN_USAGE = Histogram(
 # The model prepends a beginning-of-sequence token to every prompt.
 BOS_TOKENS = 1
 
+REUSED_REQUEST_ID = (
+    "already used by another request in this session; a retry sends the same request"
+)
 COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
@@ -183,6 +188,7 @@ class RouterCore:
         rule_set = self._tenants.spec(request.tenant).policy_set
         verdict = await self._verdict(request, history, rule_set)
         history, user_text = with_texts(history, verdict.texts)
+        _check_not_reused(history, user_text)
         call, prompt_tokens = self._build_call(request, history, user_text)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
@@ -357,3 +363,11 @@ class RouterCore:
             )
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")
+
+
+def _check_not_reused(history: History | None, user_text: str) -> None:
+    """A request id that stored another request's turn in this session is refused before
+    anything is generated: taken for a retry, the new turn would be dropped."""
+    stored = history.request_fingerprint if history is not None else ""
+    if stored and stored != fingerprint(user_text):
+        raise AlreadyExists(REQUEST_ID, REUSED_REQUEST_ID)

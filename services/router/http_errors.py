@@ -19,7 +19,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from llmmesh.runtime.errors import (
-    InvalidArgument,
+    FieldError,
     MeshError,
     ResourceExhausted,
 )
@@ -40,7 +40,7 @@ def error_body(message: str, kind: str, param: str | None = None) -> dict[str, A
 
 def error_response(err: MeshError) -> web.Response:
     status, kind = status_of(err)
-    param = err.field if isinstance(err, InvalidArgument) else None
+    param = err.field if isinstance(err, FieldError) else None
     headers = {}
     if isinstance(err, ResourceExhausted):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))

@@ -214,6 +214,7 @@ class GrpcContextClient:
             truncation=wanted.truncation,
             turn_overhead_tokens=wanted.turn_overhead_tokens,
             ttl_seconds=wanted.ttl_s,
+            request_id=request_id,
         )
         try:
             reply = await self._stub.LoadSession(
@@ -238,6 +239,7 @@ class GrpcContextClient:
             dropped_turns=cut.dropped_turns,
             summarized_turns=cut.summarized_turns,
             system_prompt_dropped=cut.system_prompt_dropped,
+            request_fingerprint=reply.request_fingerprint,
         )
 
     async def append(

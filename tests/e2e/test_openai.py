@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +14,16 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack, StackPorts
-from tests.conftest import metric_value, start_service, wait_for
+from llmmesh.v1 import context_pb2, context_pb2_grpc
+from tests.conftest import (
+    assert_engines_saw_only,
+    metric_value,
+    prompt_tokens_seen,
+    start_service,
+    wait_for,
+)
 from tests.e2e.test_tenants import write_tenants
 
 CHAT: list[ChatCompletionMessageParam] = [
@@ -102,6 +111,42 @@ def test_a_session_keeps_the_conversation(client: openai.OpenAI) -> None:
     )
     assert first.usage is not None and second.usage is not None
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_reused_request_id_is_409_and_the_first_turn_stays(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """A client that sends one x-request-id with two different questions: the second is
+    refused before it is generated (the id keys the stored turn, so it would be lost);
+    the first question retried is answered again and stored once."""
+    session = f"reuse-{uuid.uuid4().hex[:8]}"
+    headers = {"x-session-id": session, "x-request-id": f"id-{session}"}
+
+    answered: list[int] = []  # prompt tokens of each answered request
+
+    def ask(messages: list[ChatCompletionMessageParam]) -> int:
+        reply = client.chat.completions.create(
+            model="llm", messages=messages, max_tokens=4, extra_headers=headers
+        )
+        assert reply.usage is not None
+        answered.append(reply.usage.prompt_tokens)
+        return reply.usage.prompt_tokens
+
+    assert_engines_saw_only(stack, prompt_tokens_seen(stack), lambda: ask(HI))
+    before = prompt_tokens_seen(stack)
+    other: list[ChatCompletionMessageParam] = [{"role": "user", "content": "another question"}]
+    with pytest.raises(openai.ConflictError) as refused:
+        ask(other)
+    assert refused.value.status_code == 409
+    assert refused.value.body["param"] == "x-request-id"  # type: ignore[index]
+    # The refused request reached no engine; the retry has the first attempt's history.
+    assert_engines_saw_only(stack, before, lambda: ask(HI))
+    assert answered[0] == answered[1]
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="demo", session_id=session), timeout=5
+        )
+    assert [t.text for t in stored.turns][::2] == ["hi"]
 
 
 def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai.OpenAI) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -17,12 +17,16 @@ import grpc
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmmesh.client import authorized_channel, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import context_pb2, context_pb2_grpc, inference_pb2_grpc
-from tests.conftest import collect, start_service, wait_for
+from tests.conftest import (
+    assert_engines_saw_only,
+    collect,
+    prompt_tokens_seen,
+    start_service,
+)
 
 # What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
 # through its sidecar): run again behind them (make test-sidecars).
@@ -44,30 +48,6 @@ DISGUISED = {
 CARD_NBSP = "4111\u00a01111\u00a01111\u00a01111"
 CARD_FULLWIDTH = "\uff14\uff11\uff11\uff11 1111 1111 1111"
 EMAIL_CYRILLIC = "\u0430da@example.com"
-
-
-def prompt_tokens_seen(stack: Stack) -> float:
-    """Prompt tokens every engine admitted so far (Triton's llm_engine_* counters)."""
-    import urllib.request
-
-    url = f"http://{stack.address('triton_metrics')}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "llm_engine_prompt_tokens_total"
-    )
-
-
-def assert_engines_saw_only(stack: Stack, before: float, allowed: Callable[[], int]) -> None:
-    """After refused requests, one allowed request (``allowed`` returns its prompt tokens)
-    moves the engines' prompt-token counter by exactly its own prompt: none of the
-    refused ones reached an engine."""
-    expected = before + allowed()
-    wait_for(lambda: prompt_tokens_seen(stack) == expected, 10, "the allowed prompt's tokens")
-    assert prompt_tokens_seen(stack) == expected
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from llmmesh.types import Role, Turn
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
 from services.context.sqlite_store import SqliteSessionStore
-from services.context.store import SessionStore
+from services.context.store import Appended, SessionStore
 from services.context.truncation import Budget
 from tests.conftest import RedisServer
 
@@ -74,7 +74,7 @@ def run(new_store: StoreFactory, scenario: Callable[[SessionStore], Awaitable[T]
 def test_append_then_load_survives_reopening(new_store: StoreFactory) -> None:
     async def scenario() -> None:
         async with opened(new_store) as store:
-            assert await store.append("t1", "s1", "r1", TURNS, DAY_MS) == (2, True)
+            assert await store.append("t1", "s1", "r1", TURNS, DAY_MS) == (2, Appended.APPENDED)
         async with opened(new_store) as reopened:
             session = await reopened.load("t1", "s1", DAY_MS)
         assert session is not None
@@ -89,10 +89,32 @@ def test_append_then_load_survives_reopening(new_store: StoreFactory) -> None:
 
 def test_retried_request_id_is_not_appended_twice(new_store: StoreFactory) -> None:
     async def scenario(store: SessionStore) -> None:
-        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, True)
-        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, False)
+        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, Appended.APPENDED)
+        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, Appended.DUPLICATE)
         session = await store.load("t", "s", DAY_MS)
         assert session is not None and len(session.turns) == 2
+
+    run(new_store, scenario)
+
+
+def test_a_reused_request_id_with_another_request_is_a_conflict(
+    new_store: StoreFactory,
+) -> None:
+    """The id alone does not make a retry: another user turn under it is refused, the
+    stored turns stay as they were; the same request (whatever its answer) is a retry."""
+
+    async def scenario(store: SessionStore) -> None:
+        assert await store.append("t", "s", "r1", TURNS, DAY_MS) == (2, Appended.APPENDED)
+        other = [Turn(Role.USER, "another question ✓"), Turn(Role.ASSISTANT, "x")]
+        assert await store.append("t", "s", "r1", other, DAY_MS) == (2, Appended.CONFLICT)
+        retried = [TURNS[0], Turn(Role.ASSISTANT, "another sampled answer")]
+        assert await store.append("t", "s", "r1", retried, DAY_MS) == (2, Appended.DUPLICATE)
+        # Scoped to the session (and tenant): the id is free elsewhere.
+        assert await store.append("t", "s2", "r1", other, DAY_MS) == (2, Appended.APPENDED)
+        assert await store.append("u", "s", "r1", other, DAY_MS) == (2, Appended.APPENDED)
+        session = await store.load("t", "s", DAY_MS)
+        assert session is not None
+        assert [t.text for t in session.turns] == [t.text for t in TURNS]
 
     run(new_store, scenario)
 
@@ -149,7 +171,7 @@ def test_delete_erases_everything(new_store: StoreFactory) -> None:
         assert await store.load("t", "s", DAY_MS) is None
         assert await store.list("t", "", 10) == []
         # The request id went with it: the same request appends again.
-        assert await store.append("t", "s", "r1", TURNS[:1], DAY_MS) == (1, True)
+        assert await store.append("t", "s", "r1", TURNS[:1], DAY_MS) == (1, Appended.APPENDED)
         await store.save_summary("gone", "nowhere", "x", 1)  # never creates a session
         assert await store.load("gone", "nowhere", DAY_MS) is None
 
@@ -187,7 +209,7 @@ def test_sessions_expire_after_their_ttl_and_the_sweep_drops_them(
         assert await store.sweep() >= 1
         assert await store.load("t", "long", DAY_MS) is not None
         # An expired session's id starts a new conversation.
-        assert await store.append("t", "short", "r", TURNS[:1], DAY_MS) == (1, True)
+        assert await store.append("t", "short", "r", TURNS[:1], DAY_MS) == (1, Appended.APPENDED)
 
     run(new_store, scenario)
 

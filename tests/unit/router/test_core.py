@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -13,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from llmmesh.policy.parts import Part, check_input
 from llmmesh.policy.rules import RuleSet
-from llmmesh.runtime.errors import InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unavailable
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -24,6 +25,8 @@ from llmmesh.types import (
     Sampling,
     Turn,
     Verdict,
+    fingerprint,
+    request_text,
 )
 from llmmesh.waiting import poll_until_async
 from services.router.config import RouterConfig
@@ -100,18 +103,26 @@ class Context:
     down: bool = False
 
     async def load(self, request_id: str, wanted: HistoryRequest) -> History:
+        """As the context service loads: a request's own stored turns left out, and the
+        fingerprint of its stored text given."""
         self.asked.append(wanted)
         if self.down:
             raise Unavailable("context service unreachable")
         turns = self.sessions.get((wanted.tenant, wanted.session_id), [])
-        return History(turns=tuple(turns), total_turns=len(turns))
+        own = request_text([t for t in turns if t.request_id == request_id])
+        kept = tuple(t for t in turns if t.request_id != request_id)
+        stored = fingerprint(own) if own is not None else ""
+        return History(turns=kept, total_turns=len(turns), request_fingerprint=stored)
 
     async def append(
         self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None:
         if self.down:
             raise Unavailable("context service unreachable")
-        self.sessions.setdefault((tenant, session_id), []).extend(turns)
+        session = self.sessions.setdefault((tenant, session_id), [])
+        if any(t.request_id == request_id for t in session):
+            return  # a retry (a conflict is the core's to refuse, before it generates)
+        session.extend(replace(t, request_id=request_id) for t in turns)
 
 
 @dataclass
@@ -145,8 +156,13 @@ def gate(service: PolicyService | None = None) -> PolicyGate:
     return PolicyGate(service or PolicyService())
 
 
+REQUEST_IDS = itertools.count(1)
+
+
 def request(prompt: str = "hello", session: str = "", max_tokens: int = 4) -> GenerateInput:
-    return GenerateInput("r1", "t", "", prompt, Sampling(max_tokens=max_tokens), session)
+    """A request with an id of its own, as every client's request has."""
+    request_id = f"r{next(REQUEST_IDS)}"
+    return GenerateInput(request_id, "t", "", prompt, Sampling(max_tokens=max_tokens), session)
 
 
 async def run(core: RouterCore, req: GenerateInput) -> list[Chunk]:
@@ -531,12 +547,38 @@ def test_a_generation_cut_short_still_records_its_output_decision() -> None:
         service = PolicyService(rules)
         policy = gate(service)
         core = make_core(policy, Context(), Inference())
-        stream = core.stream(await core.prepare(request(max_tokens=100)))
+        cut_short = request(max_tokens=100)
+        stream = core.stream(await core.prepare(cut_short))
         await anext(stream)
         await stream.aclose()
         await policy.close()
         [record] = [r for r in service.records if r.stage == "output"]
-        assert record.request_id == "r1" and record.version == "o1"
+        assert record.request_id == cut_short.request_id and record.version == "o1"
         assert record.action is PolicyAction.ALLOW and record.rule_ids == ("x",)
+
+    asyncio.run(scenario())
+
+
+def test_a_reused_request_id_is_refused_before_anything_is_generated() -> None:
+    """The id of a stored turn with another question: refused naming x-request-id, and
+    the session keeps the first request's turn; the same request again is a retry that
+    sees the history its first attempt saw, and stores nothing twice."""
+
+    async def scenario() -> None:
+        context, inference = Context(), Inference()
+        core = make_core(gate(), context, inference)
+        first = replace(request("first question", session="s"), request_id="same")
+        await run(core, first)
+        stored = list(context.sessions[("t", "s")])
+        with pytest.raises(AlreadyExists) as refused:
+            await core.prepare(replace(first, prompt="another question"))
+        assert refused.value.field == "x-request-id"
+        assert len(inference.calls) == 1
+        assert context.sessions[("t", "s")] == stored
+        await run(core, first)
+        assert inference.calls[1].prompt == inference.calls[0].prompt
+        assert context.sessions[("t", "s")] == stored
+        await run(core, request("another question", session="s"))
+        assert len(context.sessions[("t", "s")]) == 4
 
     asyncio.run(scenario())
