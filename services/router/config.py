@@ -11,6 +11,23 @@ from services.router.scheduling import SchedulingSpec
 SERVICE = "router"
 
 
+class HttpSettings(BaseModel):
+    """Limits of the OpenAI-compatible HTTP front (RouterConfig.http): what one client
+    may hold of it, and how long it may take to send a request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # A new connection must send a request's headers within this; an idle keep-alive
+    # connection (or one part-way through its next request's headers) closes after idle.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    idle_timeout_s: float = Field(default=30.0, gt=0)
+    # Seconds a client may take to send a request's body once its headers are in.
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Open connections from one client address; more are answered 429 and closed.
+    max_connections_per_client: int = Field(default=256, ge=1)
+
+
 class PoolSettings(BaseModel):
     """How the router keeps its replicas and streams on them (RouterConfig.pool)."""
 
@@ -70,6 +87,7 @@ class RouterConfig(ServiceConfig):
     region: str = "local"
     # Replicas: load reports, breakers, retries and resumes, the sidecar (see PoolSettings).
     pool: PoolSettings = PoolSettings()
+    http: HttpSettings = HttpSettings()
     # The scheduling profile of a routing document that names none (RoutingPolicy); unset:
     # the profile the document's weights describe.
     scheduling: SchedulingSpec | None = None

@@ -162,8 +162,8 @@ class RouterCore:
         limit, history = self._config.max_prompt_chars, request.inline_history
         turns = history.turns if history is not None else ()
         prompt_field = "prompt" if history is None else f"messages[{len(turns)}].content"
-        if not request.prompt:
-            raise InvalidArgument(prompt_field, "must not be empty")
+        if not request.prompt.strip():
+            raise InvalidArgument(prompt_field, "must not be empty or only whitespace")
         for field, text in [
             *((f"messages[{i}].content", t.text) for i, t in enumerate(turns)),
             (prompt_field, request.prompt),

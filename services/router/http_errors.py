@@ -9,20 +9,27 @@ API key in it. The server here answers those with a fixed reason per kind of err
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import json
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+from prometheus_client import Counter
 
 from llmmesh.runtime.errors import (
     FieldError,
     MeshError,
     ResourceExhausted,
 )
+
+if TYPE_CHECKING:
+    from services.router.config import HttpSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +79,47 @@ def _reason(exc: BaseException | None, status: int) -> str:
 
 
 class _Handler(RequestHandler):
-    """A connection whose error responses carry a fixed reason, never the request."""
+    """A connection whose error responses carry a fixed reason, never the request; that
+    must send its first request's headers within the header timeout; and that is refused
+    (429, then closed) when its client address holds too many connections already."""
+
+    _peer: str | None = None
+    _header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._manager
+        assert isinstance(server, _Server)
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) else ""
+        if server.clients[address] >= server.settings.max_connections_per_client:
+            TOO_MANY_CONNECTIONS.inc()
+            transport.write(_TOO_MANY)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        server.clients[address] += 1
+        self._peer = address
+        super().connection_made(transport)
+        self._header_deadline = self._loop.call_later(
+            server.settings.header_timeout_s, self._headers_overdue
+        )
+
+    def _headers_overdue(self) -> None:
+        if self._request_count == 0:  # not one whole request line and headers yet
+            HEADER_TIMEOUTS.inc()
+            self.force_close()
+            if self.transport is not None:
+                self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        server = self._manager
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        if isinstance(server, _Server) and self._peer is not None:
+            server.clients[self._peer] -= 1
+            if server.clients[self._peer] <= 0:
+                del server.clients[self._peer]
+            self._peer = None
+        super().connection_lost(exc)
 
     def handle_error(
         self,
@@ -94,14 +141,49 @@ class _Handler(RequestHandler):
 
 
 class _Server(web.Server):
+    settings: HttpSettings
+    clients: collections.Counter[str]
+
     def __call__(self) -> RequestHandler:
         return _Handler(self, loop=self._loop, **self._kwargs)
 
 
 class HttpRunner(web.AppRunner):
-    """aiohttp's application runner, its connections answering errors as above."""
+    """aiohttp's application runner, its connections answering errors and keeping the
+    limits of ``settings`` as above."""
+
+    def __init__(self, app: web.Application, settings: HttpSettings, **kwargs: Any) -> None:
+        super().__init__(app, keepalive_timeout=settings.idle_timeout_s, **kwargs)
+        self._settings = settings
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server  # the same server; only its connections' class differs
+        assert isinstance(server, _Server)
+        server.settings = self._settings
+        server.clients = collections.Counter()
         return server
+
+
+def _raw_error(status: int, reason: str, message: str, kind: str) -> bytes:
+    """A whole HTTP/1.1 error response, for a connection refused before it has a
+    request to answer."""
+    body = json.dumps(error_body(message, kind)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_TOO_MANY = _raw_error(
+    429, "Too Many Requests", "too many open connections from this address", "rate_limit_error"
+)
+TOO_MANY_CONNECTIONS = Counter(
+    "llm_router_http_connections_refused_total",
+    "HTTP connections refused: their client address held too many already",
+)
+HEADER_TIMEOUTS = Counter(
+    "llm_router_http_header_timeouts_total",
+    "HTTP connections closed for not sending a request's headers in time",
+)

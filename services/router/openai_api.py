@@ -13,12 +13,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+import llmmesh
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     InvalidArgument,
@@ -26,8 +26,17 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
+from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
+from services.router.openai_schema import (
+    Body,
+    ChatBody,
+    CompletionBody,
+    Message,
+    openapi_document,
+    parse_body,
+)
 from services.router.request import GenerateInput, Generation
 from services.router.tenants import Tenants
 
@@ -43,74 +52,10 @@ _FINISH = {
 }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool = False
-
-
-class _Body(BaseModel):
-    # Parameters this API does not implement are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = ""
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = ""
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-
-
-class CompletionBody(_Body):
-    prompt: str
-
-
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
 
-async def _json_body(request: web.Request, model: type[_Body]) -> Any:
-    try:
-        raw = await request.json()
-    except (ValueError, RecursionError):  # bad JSON or UTF-8, a number too long, nesting
-        raise InvalidArgument("body", "must be a JSON object") from None
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
-        raise InvalidArgument(field, first["msg"]) from None
-
-
-def _sampling(body: _Body) -> Sampling:
+def _sampling(body: Body) -> Sampling:
     if body.n != 1:
         raise InvalidArgument("n", "only n=1 is supported")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -137,17 +82,30 @@ def _inline_history(messages: list[Message]) -> tuple[History, str]:
 
 
 class OpenAiApi:
-    def __init__(self, core: RouterCore, tenants: Tenants, models: list[str]) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        tenants: Tenants,
+        models: list[str],
+        settings: HttpSettings | None = None,
+    ) -> None:
         self._core = core
         self._tenants = tenants
         self._models = models
+        self._settings = settings or HttpSettings()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[http_errors])
+        app = web.Application(
+            client_max_size=self._settings.max_body_bytes, middlewares=[http_errors]
+        )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(llmmesh.__version__))
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -175,7 +133,8 @@ class OpenAiApi:
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
-            body = await _json_body(request, ChatBody if chat else CompletionBody)
+            model = ChatBody if chat else CompletionBody
+            body = await parse_body(request, model, self._settings.body_timeout_s)
             generate = self._decode(request, request_id, tenant, body, chat)
             async with self._core.generation(generate) as generation:
                 reply = _Reply(request_id, generation.request.model, chat, body)

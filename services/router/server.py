@@ -253,7 +253,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         admission=AdmissionQueue(config.admission, upstreams.inference.saturated),
     )
     servicer = GenerationServicer(core, upstreams.tenants)
-    http = HttpFront(config, OpenAiApi(core, upstreams.tenants, config.models))
+    http = HttpFront(config, OpenAiApi(core, upstreams.tenants, config.models, config.http))
 
     async def stop() -> None:
         await http.stop()  # no new HTTP requests; those running finish (grace period)
@@ -277,7 +277,9 @@ class HttpFront:
     def __init__(self, config: RouterConfig, api: OpenAiApi) -> None:
         self._config = config
         # A client that disconnects cancels its handler, and with it the generation.
-        self._runner = HttpRunner(api.app(), handler_cancellation=True, access_log=None)
+        self._runner = HttpRunner(
+            api.app(), config.http, handler_cancellation=True, access_log=None
+        )
         self.port = 0
 
     async def start(self) -> None:

@@ -1,15 +1,20 @@
 """The router's HTTP front never quotes a request it refuses: not in the body, not in
-the log (an oversized Authorization header carries an API key)."""
+the log (an oversized Authorization header carries an API key); and it keeps its
+connection limits: a header timeout, an idle timeout, connections per client address."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
+from services.router.config import HttpSettings
 from services.router.http_errors import HttpRunner, http_errors
 
 SECRET = "sk-" + "s3cr3t" * 2000  # over aiohttp's 8190-byte header limit
@@ -19,24 +24,34 @@ async def _ok(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-async def _exchange(raw: bytes) -> tuple[int, bytes]:
+@contextlib.asynccontextmanager
+async def serving(settings: HttpSettings | None = None) -> AsyncIterator[int]:
+    """The HTTP front's server on a free port, with ``_ok`` at ``/``."""
     app = web.Application(middlewares=[http_errors])
     app.router.add_get("/", _ok)
-    runner = HttpRunner(app, access_log=None)
+    runner = HttpRunner(app, settings or HttpSettings(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
     try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+def _parsed(reply: bytes) -> tuple[int, bytes]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def _exchange(raw: bytes) -> tuple[int, bytes]:
+    async with serving() as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(raw)
         await writer.drain()
         reply = await asyncio.wait_for(reader.read(), 10)
         writer.close()
-    finally:
-        await runner.cleanup()
-    head, _, body = reply.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return _parsed(reply)
 
 
 @pytest.mark.parametrize(
@@ -60,3 +75,59 @@ def test_refused_requests_are_not_quoted(raw: bytes, caplog: pytest.LogCaptureFi
 def test_a_good_request_is_served() -> None:
     status, body = asyncio.run(_exchange(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
     assert (status, json.loads(body)) == (200, {"ok": True})
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed() -> None:
+    """Half a request's headers, then silence: closed at the header timeout, not held."""
+
+    async def scenario() -> tuple[bytes, float]:
+        async with serving(HttpSettings(header_timeout_s=0.3, idle_timeout_s=30)) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            started = time.monotonic()
+            eof = await asyncio.wait_for(reader.read(), 10)  # returns when it is closed
+            writer.close()
+            return eof, time.monotonic() - started
+
+    eof, waited = asyncio.run(scenario())
+    assert eof == b"" and waited < 5
+
+
+def test_an_idle_keep_alive_connection_is_closed() -> None:
+    async def scenario() -> tuple[int, bytes]:
+        async with serving(HttpSettings(idle_timeout_s=0.3)) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            rest = await asyncio.wait_for(reader.read(), 10)  # the reply, then the close
+            writer.close()
+            return _parsed(rest)[0], rest
+
+    status, rest = asyncio.run(scenario())
+    assert status == 200 and rest.endswith(b'{"ok": true}')
+
+
+def test_one_address_holds_at_most_its_share_of_connections() -> None:
+    async def scenario() -> tuple[int, str, int]:
+        async with serving(HttpSettings(max_connections_per_client=2)) as port:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            for _, writer in held:  # each served, so each is counted before the next
+                writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            for reader, _ in held:
+                await asyncio.wait_for(reader.readuntil(b'{"ok": true}'), 10)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            refused, body = _parsed(await asyncio.wait_for(reader.read(), 10))
+            writer.close()
+            # The server closes the first one (its EOF here comes after the server let go).
+            first_reader, first = held[0]
+            first.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            await asyncio.wait_for(first_reader.read(), 10)
+            first.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            served, _ = _parsed(await asyncio.wait_for(reader.read(), 10))
+            writer.close()
+            for _, writer in held[1:]:
+                writer.close()
+            return refused, json.loads(body)["error"]["type"], served
+
+    assert asyncio.run(scenario()) == (429, "rate_limit_error", 200)

@@ -1,0 +1,197 @@
+"""The HTTP API's request bodies: one set of pydantic models that both validates every
+request and is published as the OpenAPI document (``GET /openapi.json``).
+
+Bodies are parsed strictly, in one pass by pydantic's JSON parser: ``application/json``
+only; no coercion (``"stream": "yes"`` and ``"max_tokens": true`` are refused); nesting
+beyond the parser's recursion limit, a lone UTF-16 surrogate escape and numbers out of
+range are refused as invalid JSON; the body's size is bounded by the HTTP server
+(``HttpSettings.max_body_bytes``) and the time to send it by ``body_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any, Literal, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmmesh.runtime.errors import FieldError, InvalidArgument
+
+B = TypeVar("B", bound="Body")
+JSON_TYPES = ("application/json",)
+# A path element naming a field or a key (not a union member's type tag, e.g. "str").
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+class UnsupportedMediaType(FieldError):
+    code, http_status, http_type = "INVALID_ARGUMENT", 415, "invalid_request_error"
+
+
+class RequestTimeout(FieldError):
+    code, http_status, http_type = "DEADLINE_EXCEEDED", 408, "invalid_request_error"
+
+
+class _Strict(BaseModel):
+    # Parameters this API does not implement are ignored, as OpenAI-compatible servers
+    # do; those it does take must have their documented JSON types.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Body(_Strict):
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+    ignore_eos: bool = Field(
+        default=False, description="vLLM's extension: generate exactly max_tokens"
+    )
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(Body):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionBody(Body):
+    prompt: str
+
+
+async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> B:
+    """The request's body as ``model``, or the client's error naming the field."""
+    if request.content_type not in JSON_TYPES:
+        raise UnsupportedMediaType("Content-Type", "must be application/json")
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout("body", f"not received within {timeout_s:g} s") from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise InvalidArgument("body", errors[0]["msg"]) from None
+        # For a union, each member's error: the one that got deepest says most.
+        deepest = max(errors, key=lambda e: len(field_path(e["loc"])))
+        raise InvalidArgument(field_path(deepest["loc"]), deepest["msg"]) from None
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """``messages[1].content`` from pydantic's location, without union type tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _FIELD_NAME.match(part) and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or "body"
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The HTTP API as OpenAPI 3.1, its request bodies the models above."""
+    schemas: dict[str, Any] = {}
+    for model in (ChatBody, CompletionBody):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    error = {"$ref": "#/components/schemas/Error"}
+    schemas["Error"] = _ERROR_SCHEMA
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "llm-mesh router", "version": version},
+        "paths": {
+            "/v1/chat/completions": _generation("ChatBody", "A chat completion", error),
+            "/v1/completions": _generation("CompletionBody", "A text completion", error),
+            "/v1/models": {
+                "get": {
+                    "summary": "The models served",
+                    "security": [{"bearer": []}],
+                    "responses": {"200": {"description": "A list of models"}, "401": _err(error)},
+                }
+            },
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _err(schema: dict[str, str]) -> dict[str, Any]:
+    return {
+        "description": "OpenAI's error JSON",
+        "content": {"application/json": {"schema": schema}},
+    }
+
+
+def _generation(body: str, summary: str, error: dict[str, str]) -> dict[str, Any]:
+    statuses = ("400", "401", "403", "404", "408", "409", "413", "415", "429", "503", "504")
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "parameters": [
+                {"name": name, "in": "header", "required": False, "schema": {"type": "string"}}
+                for name in ("x-request-id", "x-session-id", "x-llm-color")
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "The completion: JSON, or server-sent events with stream",
+                    "content": {"application/json": {}, "text/event-stream": {}},
+                },
+                **{status: _err(error) for status in statuses},
+            },
+        }
+    }
+
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
