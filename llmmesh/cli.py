@@ -208,6 +208,7 @@ def stream_to_terminal(
 def _up(args: argparse.Namespace) -> int:
     from llmmesh.launcher import Stack, StackPorts
     from llmmesh.launcher.stack import StackError
+    from llmmesh.launcher.supervisor import GaveUp, Supervisor
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -225,14 +226,12 @@ def _up(args: argparse.Namespace) -> int:
         print(f"error: {err}{hint}", file=sys.stderr)
         return 1
     try:
-        stack.write_state(
-            args.state_file,
-            {
-                "api_key": stack.api_key,
-                "routing_file": str(stack.routing_file),
-                "openai_base_url": stack.openai_base_url,
-            },
-        )
+        state: dict[str, object] = {
+            "api_key": stack.api_key,
+            "routing_file": str(stack.routing_file),
+            "openai_base_url": stack.openai_base_url,
+        }
+        stack.write_state(args.state_file, state)
         _print_endpoints(stack.endpoints(), args.state_file)
         print(f"routing document (edit to shift traffic): {stack.routing_file}")
         print(f"demo tenant API key: {stack.api_key}  (tenants: {stack.tenants_file})")
@@ -240,12 +239,15 @@ def _up(args: argparse.Namespace) -> int:
         if args.demo:
             _demo(stack.address("router"), stack.api_key)
         print("stack is up; Ctrl-C to stop", file=sys.stderr)
+        supervisor = Supervisor(
+            stack, wait=stop.wait, report=lambda line: print(f"supervisor: {line}", file=sys.stderr)
+        )
         while not stop.wait(0.5):
-            if dead := stack.dead_children():
-                print(
-                    f"error: {', '.join(dead)} exited; see {stack.workdir / 'logs'}",
-                    file=sys.stderr,
-                )
+            try:
+                if supervisor.tend():
+                    stack.write_state(args.state_file, {**state, "restarts": supervisor.restarts})
+            except GaveUp as err:
+                print(f"error: {err}", file=sys.stderr)
                 return 1
         return 0
     finally:

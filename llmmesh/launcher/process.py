@@ -36,9 +36,18 @@ class Child:
 
     @classmethod
     def spawn(
-        cls, name: str, command: list[str], env: dict[str, str], log_path: Path, cwd: Path
+        cls,
+        name: str,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        cwd: Path,
+        *,
+        append: bool = False,
     ) -> Child:
-        with log_path.open("wb") as out:
+        """Starts ``command``; its output goes to ``log_path`` (after what is there, for
+        a restart)."""
+        with log_path.open("ab" if append else "wb") as out:
             # Own session: Ctrl-C in the terminal reaches only the launcher, which stops
             # children in order; and killing the group also reaches Triton's backend stubs.
             process = subprocess.Popen(
@@ -53,11 +62,18 @@ class Child:
 
     @classmethod
     def service(
-        cls, name: str, env: dict[str, str], log_path: Path, cwd: Path, module: str = ""
+        cls,
+        name: str,
+        env: dict[str, str],
+        log_path: Path,
+        cwd: Path,
+        module: str = "",
+        *,
+        append: bool = False,
     ) -> Child:
         """``python -m services.<module>`` (default: the name) with this interpreter."""
         command = [sys.executable, "-m", f"services.{module or name}"]
-        return cls.spawn(name, command, env, log_path, cwd)
+        return cls.spawn(name, command, env, log_path, cwd, append=append)
 
     @property
     def alive(self) -> bool:

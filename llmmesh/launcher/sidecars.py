@@ -105,7 +105,9 @@ def write_configs(
     return configs
 
 
-def start_sidecar(process: str, config: Path, log_path: Path, cwd: Path) -> Child:
+def start_sidecar(
+    process: str, config: Path, log_path: Path, cwd: Path, *, append: bool = False
+) -> Child:
     command = [
         envoy_binary(),
         "--config-path", str(config),
@@ -113,7 +115,8 @@ def start_sidecar(process: str, config: Path, log_path: Path, cwd: Path) -> Chil
         "--concurrency", "1",
         "--log-level", "warn",
     ]  # fmt: skip
-    return Child.spawn(f"sidecar-{process}", command, dict(os.environ), log_path, cwd)
+    name = f"sidecar-{process}"
+    return Child.spawn(name, command, dict(os.environ), log_path, cwd, append=append)
 
 
 def wait_ready(child: Child, admin_port: int, deadline: float) -> None:

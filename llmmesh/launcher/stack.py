@@ -94,6 +94,7 @@ class Stack:
         self.model_repository = model_repository.resolve()
         self._extra_env = env or {}
         self._children: dict[str, Child] = {}
+        self._sidecar_configs: dict[str, Path] = {}
         # With sidecars: a real Envoy beside every service (launcher/sidecars.py).
         self.sidecar_ports = SidecarPorts.free(exclude=astuple(self.ports)) if sidecars else None
 
@@ -129,10 +130,8 @@ class Stack:
             new_token_file(self.internal_token_file)
             self._start_triton()
             self._start_sidecars(time.monotonic() + timeout_s)
-            for name, service in PROCESSES.items():
-                self._children[name] = Child.service(
-                    name, self.service_env(name), self.log_path(name), self.workdir, service
-                )
+            for name in PROCESSES:
+                self._children[name] = self._spawn_service(name)
             deadline = time.monotonic() + timeout_s
             self._wait_triton(deadline)
             for name in PROCESSES:
@@ -150,11 +149,41 @@ class Stack:
             if child is not None:
                 child.terminate(grace_s)
 
+    def restart(self, name: str, timeout_s: float = 180.0) -> None:
+        """Starts the dead process ``name`` again, on its ports and with its settings,
+        once whatever is left of its process group is killed (a dead Triton's backend
+        stubs); returns once it is ready, raises StackError if it is not."""
+        old = self._children[name]
+        old.terminate(0)
+        deadline = time.monotonic() + timeout_s
+        if name == "triton":
+            self._start_triton(append=True)
+            self._wait_triton(deadline)
+        elif name.startswith("sidecar-"):
+            process = name.removeprefix("sidecar-")
+            assert self.sidecar_ports is not None
+            self._children[name] = start_sidecar(
+                process, self._sidecar_configs[process], self.log_path(name), self.workdir,
+                append=True,
+            )  # fmt: skip
+            wait_ready(self._children[name], self.sidecar_ports.admin[process], deadline)
+        else:
+            self._children[name] = self._spawn_service(name, append=True)
+            self._children[name].wait_serving(self.address(name), deadline)
+
+    def exit_code(self, name: str) -> int | None:
+        return self._children[name].process.poll()
+
+    def _spawn_service(self, name: str, *, append: bool = False) -> Child:
+        env, log = self.service_env(name), self.log_path(name)
+        return Child.service(name, env, log, self.workdir, PROCESSES[name], append=append)
+
     def _start_sidecars(self, deadline: float) -> None:
         if self.sidecar_ports is None:
             return
         app_ports = {p: getattr(self.ports, p) for p in PROCESSES}
         configs = write_configs(self.workdir / "mesh", self.sidecar_ports, app_ports)
+        self._sidecar_configs = configs
         for process, config in configs.items():
             self._children[f"sidecar-{process}"] = start_sidecar(
                 process, config, self.log_path(f"sidecar-{process}"), self.workdir
@@ -209,10 +238,15 @@ class Stack:
     ) -> None:
         self.stop()
 
-    def _start_triton(self) -> None:
+    def _start_triton(self, *, append: bool = False) -> None:
         ports = (self.ports.triton_grpc, self.ports.triton_http, self.ports.triton_metrics)
         self._children["triton"] = start_triton(
-            self.workdir, self.model_repository, self.host, ports, self.log_path("triton")
+            self.workdir,
+            self.model_repository,
+            self.host,
+            ports,
+            self.log_path("triton"),
+            append=append,
         )
 
     @property

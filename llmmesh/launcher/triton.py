@@ -103,11 +103,13 @@ def start_triton(
     host: str,
     ports: tuple[int, int, int],
     log_path: Path,
+    *,
+    append: bool = False,
 ) -> Child:
     """Starts tritonserver (gRPC, HTTP, metrics ports) on ``model_repository``."""
     dist = TritonDist.locate()
     command = triton_command(dist, model_repository, dist.backend_dir(workdir), host, ports)
-    return Child.spawn("triton", command, dist.environment(), log_path, workdir)
+    return Child.spawn("triton", command, dist.environment(), log_path, workdir, append=append)
 
 
 def wait_until_ready(triton: Child, grpc_address: str, deadline: float) -> None:

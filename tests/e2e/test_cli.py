@@ -11,11 +11,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import StackError, process_group_exists
-from tests.conftest import wait_for
+from tests.conftest import collect, wait_for
 
 CLI = [sys.executable, "-m", "llmmesh.cli"]
 
@@ -127,6 +129,38 @@ def test_generate_errors_exit_nonzero_with_the_status(
     down = generate("hi", "--router", "127.0.0.1:1", "--timeout", "5")
     assert down.returncode == 1
     assert "UNAVAILABLE" in down.stderr
+
+
+def _serves(state: dict[str, object]) -> bool:
+    """One short generation through the router succeeds."""
+    try:
+        with authorized_channel(str(state["router"]), str(state["api_key"])) as channel:
+            return bool(collect(channel, "hi", timeout_s=10, max_tokens=2)[-1].finish_reason)
+    except grpc.RpcError:
+        return False
+
+
+# Killed in this order: the front door, the stateless services, the one with the
+# sessions, the inference service, and Triton with its model stubs.
+@pytest.mark.parametrize("name", ["router", "policy", "context", "inference", "triton"])
+def test_a_killed_process_is_restarted_and_the_stack_serves_again(
+    up: tuple[subprocess.Popen[str], Path], name: str
+) -> None:
+    process, state_file = up
+    before = json.loads(state_file.read_text())
+    pid = before["pids"][name]
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        state = json.loads(state_file.read_text())
+        return bool(state["pids"][name] != pid and state.get("restarts", {}).get(name))
+
+    wait_for(restarted, 120, f"{name} restarted")
+    assert process.poll() is None  # the stack did not stop
+    # Nothing of the old process is left: for Triton, its backend stubs went with it.
+    assert not process_group_exists(pid)
+    state = json.loads(state_file.read_text())
+    wait_for(lambda: _serves(state), 60, "the stack serving again")
 
 
 def test_ctrl_c_stops_everything_and_leaves_no_process(
