@@ -54,11 +54,13 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a generation was served: the replica, its subset (version) and region."""
+    """Where a generation was served: the replica, its subset (version) and region, and
+    whether that subset stood in for the one chosen (a fallback)."""
 
     endpoint: str
     subset: str
     region: str
+    fallback: bool = False
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ DEFAULT_ROUTING = """\
 # applies to new requests within a second, an invalid one is logged and ignored.
 split: {stable: 100, canary: 0}   # subset -> weight
 colors: {stable: stable, canary: canary}   # x-llm-color -> subset
+# fallback: {stable: [canary]}   # let the canary serve when no stable replica is healthy
 """
 
 

@@ -158,6 +158,7 @@ class Served(_message.Message):
     SUBSET_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    FALLBACK_FIELD_NUMBER: _builtins.int
     endpoint: _builtins.str
     """The inference replica that produced the end of the stream (host:port)."""
     subset: _builtins.str
@@ -169,6 +170,10 @@ class Served(_message.Message):
     prompt and the text already sent were re-sent there, and generation continued. The
     client's text has no gap and no repetition either way.
     """
+    fallback: _builtins.bool
+    """The subset the split chose (or the session's) had no healthy replica: another
+    served, as the routing document's fallback (or the split's other subsets) allow.
+    """
     def __init__(
         self,
         *,
@@ -176,10 +181,11 @@ class Served(_message.Message):
         subset: _builtins.str = ...,
         region: _builtins.str = ...,
         resumed: _builtins.int = ...,
+        fallback: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "region", b"region", "resumed", b"resumed", "subset", b"subset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "fallback", b"fallback", "region", b"region", "resumed", b"resumed", "subset", b"subset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -100,14 +100,16 @@ class Dispatcher:
         sent: list[str] = []
         tokens, resumed, attempt_call = 0, 0, call
         while True:
-            replica, stream, chunk = await self._start(attempt_call, request, hints.deadline)
+            replica, fallback, stream, chunk = await self._start(
+                attempt_call, request, hints.deadline
+            )
             try:
                 while chunk.finish_reason is None:
                     yield chunk
                     sent.append(chunk.text)
                     tokens += chunk.num_tokens
                     chunk = await _next_chunk(stream)
-                yield replace(chunk, route=self._route(replica), resumed=resumed)
+                yield replace(chunk, route=self._route(replica, fallback), resumed=resumed)
                 return
             except Unavailable as err:
                 self._replicas.failed(replica, err)
@@ -128,18 +130,20 @@ class Dispatcher:
                 await stream.aclose()  # a generation cut short is cancelled at the replica now
                 self._replicas.release(replica, call.model)
 
-    def _route(self, replica: Replica) -> Route:
+    def _route(self, replica: Replica, fallback: bool) -> Route:
         endpoint = replica.endpoint
         return Route(
             endpoint.address,
             endpoint.version,
             endpoint.region or self._scheduler.state.local_region,
+            fallback,
         )
 
     async def _start(
         self, call: InferenceCall, request: PickRequest, deadline: float | None
-    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
-        """Picks a replica and waits for its first chunk, retrying elsewhere on failure."""
+    ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
+        """Picks a replica and waits for its first chunk, retrying elsewhere on failure;
+        the replica, whether its subset is a fallback, its stream and first chunk."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(deadline),
             wait=wait_random_exponential(multiplier=0.02, max=0.5),
@@ -155,7 +159,7 @@ class Dispatcher:
 
     async def _attempt(
         self, call: InferenceCall, request: PickRequest, failed: set[str]
-    ) -> tuple[Replica, AsyncGenerator[Chunk, None], Chunk]:
+    ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """One try: pick, send, wait for the first chunk. A failed replica joins ``failed``."""
         decision = self.pick(request)
         replica = self._replicas[decision.candidate.address]
@@ -175,7 +179,7 @@ class Dispatcher:
                 self._replicas.abandoned(replica)
             raise
         self._replicas.first_chunk(replica, decision.uncached_tokens, ok=True)
-        return replica, stream, first
+        return replica, decision.fallback, stream, first
 
 
 async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:

@@ -68,6 +68,10 @@ class RoutingPolicy(_Document):
     split: dict[str, float] = Field(default_factory=dict)
     # ``x-llm-color`` value -> subset. A color that names a subset pins that subset too.
     colors: dict[str, str] = Field(default_factory=dict)
+    # Subset -> the subsets that serve its requests, in order, when it has no healthy
+    # replica (a subset of weight 0 too: a canary is another version, so only when
+    # named). A subset not named here falls back to the split's other weighted subsets.
+    fallback: dict[str, list[str]] = Field(default_factory=dict)
     # Failover order of regions after the router's own.
     regions: list[str] = Field(default_factory=list)
     weights: ScorerWeights = ScorerWeights()
@@ -90,6 +94,14 @@ class RoutingPolicy(_Document):
         if split and sum(split.values()) <= 0:
             raise ValueError("at least one weight must be > 0")
         return split
+
+    @field_validator("fallback")
+    @classmethod
+    def _fallbacks_name_other_subsets(cls, fallback: dict[str, list[str]]) -> dict[str, list[str]]:
+        for subset, others in fallback.items():
+            if not subset or not all(others) or subset in others:
+                raise ValueError(f"{subset!r}: fallbacks must be other, non-empty subset names")
+        return fallback
 
     @field_validator("colors")
     @classmethod

@@ -121,6 +121,7 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
                         subset=chunk.route.subset,
                         region=chunk.route.region,
                         resumed=chunk.resumed,
+                        fallback=chunk.route.fallback,
                     )
                 )
         yield response

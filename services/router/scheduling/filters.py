@@ -56,6 +56,8 @@ def subset_order(request: PickRequest, policy: RoutingPolicy) -> tuple[list[str 
             chosen = subset
             break
         point -= weight
+    if chosen in policy.fallback:
+        return [chosen, *policy.fallback[chosen]], "split"
     fallbacks = sorted((s for s, _ in weighted if s != chosen), key=lambda s: -policy.split[s])
     return [chosen, *fallbacks], "split"
 
@@ -63,8 +65,8 @@ def subset_order(request: PickRequest, policy: RoutingPolicy) -> tuple[list[str 
 @register("subset")
 class Subset(Filter):
     """The traffic color's subset, or the canary split's draw (a session's from its hash,
-    so a conversation stays on one version), falling back to the other weighted subsets
-    in weight order."""
+    so a conversation stays on one version), falling back to the routing document's
+    fallback subsets for it, or else to the other weighted subsets in weight order."""
 
     def filter(self, ctx: PickContext, candidates: list[Candidate]) -> list[Candidate]:
         subsets, why = subset_order(ctx.request, self.policy)

@@ -77,6 +77,10 @@ class Decision:
     subset: str
     reasons: tuple[str, ...]  # color | split | any, then fallback, failover, then why
 
+    @property
+    def fallback(self) -> bool:
+        return "fallback" in self.reasons
+
 
 @dataclass
 class SchedulingState:

@@ -122,6 +122,30 @@ def test_split_falls_back_when_the_chosen_subset_is_down_and_zero_weight_gets_no
         picker().pick(PickRequest("llm"), pool[:2], policy)
 
 
+def test_a_named_fallback_serves_a_subset_with_no_healthy_replica() -> None:
+    """The local stack's split (stable 100, canary 0): stable's last replica down is
+    UNAVAILABLE, unless the document names canary as stable's fallback; a color stays
+    pinned either way."""
+    pool = [cand("s:1", healthy=False), cand("c:1", "canary")]
+    alone = RoutingPolicy(split={"stable": 100, "canary": 0})
+    with pytest.raises(Unavailable):
+        picker().pick(PickRequest("llm"), pool, alone)
+    named = RoutingPolicy(split={"stable": 100, "canary": 0}, fallback={"stable": ["canary"]})
+    decision = picker().pick(PickRequest("llm"), pool, named)
+    assert decision.candidate.address == "c:1" and decision.fallback
+    served = picker().pick(PickRequest("llm"), [cand("s:2"), *pool], named)
+    assert served.candidate.address == "s:2" and not served.fallback
+    pinned = RoutingPolicy(colors={"stable": "stable"}, fallback={"stable": ["canary"]})
+    with pytest.raises(Unavailable):
+        picker().pick(PickRequest("llm", color="stable"), pool, pinned)
+
+
+def test_a_fallback_must_name_other_subsets() -> None:
+    for bad in ("{fallback: {stable: [stable]}}", "{fallback: {stable: ['']}}"):
+        with pytest.raises(InvalidDocument, match="fallback"):
+            parse_policy(bad)
+
+
 def test_unhealthy_and_other_model_replicas_are_never_picked() -> None:
     pool = [
         cand("down:1", healthy=False),
