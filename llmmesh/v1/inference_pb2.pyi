@@ -71,6 +71,7 @@ class ModelLoad(_message.Message):
     KV_UTILIZATION_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Triton model name."""
     running: _builtins.int
@@ -81,6 +82,10 @@ class ModelLoad(_message.Message):
     """Share of KV cache blocks in use, in [0, 1]."""
     prefix_cache_hit_rate: _builtins.float
     """Share of admitted prompt tokens read from the prefix cache, in [0, 1]."""
+    failed: _builtins.bool
+    """The model stopped answering here (its streams stalled, or its backend process
+    died): routers must not pick this replica for it until a report clears the flag.
+    """
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Every statistic the engine exports for the model (its llm_engine_* metrics, named
@@ -97,10 +102,11 @@ class ModelLoad(_message.Message):
         kv_utilization: _builtins.float = ...,
         prefix_cache_hit_rate: _builtins.float = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        failed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_utilization", b"kv_utilization", "metrics", b"metrics", "model", b"model", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "kv_utilization", b"kv_utilization", "metrics", b"metrics", "model", b"model", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

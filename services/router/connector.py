@@ -29,6 +29,9 @@ class LoadReport:
 
     models: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     engine_reachable: bool = True
+    # Models whose instance stopped answering there (a stall, a dead backend process):
+    # not to be picked for them until a report no longer names them.
+    failed_models: frozenset[str] = frozenset()
 
 
 class ReplicaLink(Protocol):
@@ -80,7 +83,8 @@ class GrpcLink:
         try:
             async for report in self._stub.WatchLoad(request, metadata=self._metadata):
                 models = {m.model: load_metrics(m) for m in report.models}
-                yield LoadReport(models, report.engine_reachable)
+                failed = frozenset(m.model for m in report.models if m.failed)
+                yield LoadReport(models, report.engine_reachable, failed)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "inference replica", self._address) from None
 

@@ -214,10 +214,10 @@ class RouterCore:
             request, started, user_text, prompt_tokens, received_at, lease, slot, guard, history
         )
 
-    @staticmethod
-    def _hints(request: GenerateInput) -> RouteHints:
+    def _hints(self, request: GenerateInput) -> RouteHints:
         session_key = f"{request.tenant}/{request.session_id}" if request.session_id else ""
-        return RouteHints(session_key, request.color, request.deadline)
+        tier = self._tenants.spec(request.tenant).tier
+        return RouteHints(session_key, request.color, request.deadline, tier)
 
     def _build_call(
         self, request: GenerateInput, history: History | None, user_text: str

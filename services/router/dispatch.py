@@ -100,9 +100,7 @@ class Dispatcher:
         sent: list[str] = []
         tokens, resumed, attempt_call = 0, 0, call
         while True:
-            replica, fallback, stream, chunk = await self._start(
-                attempt_call, request, hints.deadline
-            )
+            replica, fallback, stream, chunk = await self._start(attempt_call, request, hints)
             try:
                 while chunk.finish_reason is None:
                     yield chunk
@@ -112,7 +110,7 @@ class Dispatcher:
                 yield replace(chunk, route=self._route(replica, fallback), resumed=resumed)
                 return
             except Unavailable as err:
-                self._replicas.failed(replica, err)
+                self._replicas.failed(replica, call.model, hints.tier, err)
                 if resumed >= self._settings.max_resumes or _past(hints.deadline):
                     raise
                 resumed += 1
@@ -140,12 +138,12 @@ class Dispatcher:
         )
 
     async def _start(
-        self, call: InferenceCall, request: PickRequest, deadline: float | None
+        self, call: InferenceCall, request: PickRequest, hints: RouteHints
     ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """Picks a replica and waits for its first chunk, retrying elsewhere on failure;
         the replica, whether its subset is a fallback, its stream and first chunk."""
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(deadline),
+            stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(hints.deadline),
             wait=wait_random_exponential(multiplier=0.02, max=0.5),
             retry=retry_if_exception_type(REPLICA_FAILURES),
             before_sleep=lambda _: RETRIES.inc(),
@@ -154,31 +152,33 @@ class Dispatcher:
         failed = set(request.avoid)
         async for attempt in retrying:
             with attempt:
-                return await self._attempt(call, replace(request, avoid=frozenset(failed)), failed)
+                avoiding = replace(request, avoid=frozenset(failed))
+                return await self._attempt(call, avoiding, hints.tier, failed)
         raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
 
     async def _attempt(
-        self, call: InferenceCall, request: PickRequest, failed: set[str]
+        self, call: InferenceCall, request: PickRequest, tier: str, failed: set[str]
     ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """One try: pick, send, wait for the first chunk. A failed replica joins ``failed``."""
         decision = self.pick(request)
         replica = self._replicas[decision.candidate.address]
-        self._replicas.acquire(replica, decision.uncached_tokens)
+        model, tokens = call.model, decision.uncached_tokens
+        self._replicas.acquire(replica, model, tokens)
         PICKS.labels(replica.address, replica.endpoint.version).inc()
         stream = replica.link.generate(call)
         try:
             first = await _next_chunk(stream)
         except BaseException as err:
-            self._replicas.first_chunk(replica, decision.uncached_tokens, ok=False)
+            self._replicas.first_chunk(replica, model, tokens, ok=False)
             await stream.aclose()
             self._replicas.release(replica, call.model)
             if isinstance(err, REPLICA_FAILURES):
-                self._replicas.failed(replica, err)
+                self._replicas.failed(replica, model, tier, err)
                 failed.add(replica.address)
             else:  # the client went away, or the replica refused the request itself
-                self._replicas.abandoned(replica)
+                self._replicas.abandoned(replica, model)
             raise
-        self._replicas.first_chunk(replica, decision.uncached_tokens, ok=True)
+        self._replicas.first_chunk(replica, model, tokens, ok=True)
         return replica, decision.fallback, stream, first
 
 

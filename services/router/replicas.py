@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from llmmesh.runtime.errors import MeshError
 from services.router.breaker import CircuitBreaker
@@ -30,7 +30,17 @@ from services.router.scheduling import Candidate
 log = logging.getLogger(__name__)
 
 IN_FLIGHT = Gauge("llm_router_endpoint_in_flight", "Streams in flight, by replica", ["endpoint"])
-BREAKER_OPEN = Gauge("llm_router_breaker_open", "1 while a replica's breaker is open", ["endpoint"])
+# Fault domains: a replica's models fail apart (one model's dead instance leaves the
+# others to serve), so breakers and failures are per (replica, model).
+BREAKER_OPEN = Gauge(
+    "llm_router_breaker_open", "1 while a replica's breaker for a model is open",
+    ["endpoint", "model"],
+)  # fmt: skip
+FAILURES = Counter(
+    "llm_router_replica_failures_total",
+    "Requests a replica failed (not the request's own fault), by model and tenant tier",
+    ["endpoint", "model", "tier"],
+)
 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
@@ -40,10 +50,12 @@ CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
 class Replica:
     endpoint: Endpoint
     link: ReplicaLink
-    breaker: CircuitBreaker
+    new_breaker: Callable[[], CircuitBreaker]
+    breakers: dict[str, CircuitBreaker] = field(default_factory=dict)  # model -> its breaker
     last_report_at: float | None = None  # monotonic; None until the first report
     down: bool = False  # its report stream broke after reporting: gone until it reports
     reports: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # model -> load
+    failed_models: frozenset[str] = frozenset()  # models it reports stopped answering
     engine_reachable: bool = True
     in_flight: int = 0
     # Per model: streams this router ended since the last report, which may still count them.
@@ -54,6 +66,12 @@ class Replica:
     @property
     def address(self) -> str:
         return self.endpoint.address
+
+    def breaker(self, model: str) -> CircuitBreaker:
+        found = self.breakers.get(model)
+        if found is None:
+            found = self.breakers[model] = self.new_breaker()
+        return found
 
 
 class ReplicaSet:
@@ -100,7 +118,10 @@ class ReplicaSet:
                     ended=r.ended.get(model, 0),
                     prefilling=r.prefilling,
                     load=r.reports.get(model) if self._fresh(r, now) else None,
-                    healthy=alive and r.engine_reachable and r.breaker.available(now),
+                    healthy=alive
+                    and r.engine_reachable
+                    and model not in r.failed_models
+                    and r.breaker(model).available(now),
                 )
             )
         return out
@@ -124,39 +145,40 @@ class ReplicaSet:
 
     # -- a stream's life on a replica --------------------------------------------------
 
-    def acquire(self, replica: Replica, prefill_tokens: int) -> None:
-        replica.breaker.on_pick(self._clock())
+    def acquire(self, replica: Replica, model: str, prefill_tokens: int) -> None:
+        replica.breaker(model).on_pick(self._clock())
         replica.in_flight += 1
         replica.prefilling += prefill_tokens
         IN_FLIGHT.labels(replica.address).set(replica.in_flight)
 
-    def first_chunk(self, replica: Replica, prefill_tokens: int, ok: bool) -> None:
+    def first_chunk(self, replica: Replica, model: str, prefill_tokens: int, ok: bool) -> None:
         """The stream started (``ok``) or did not: its prefill is no longer pending."""
         replica.prefilling -= prefill_tokens
         if ok:
-            replica.breaker.on_success()
-            BREAKER_OPEN.labels(replica.address).set(0)
+            replica.breaker(model).on_success()
+            BREAKER_OPEN.labels(replica.address, model).set(0)
 
     def release(self, replica: Replica, model: str) -> None:
         replica.in_flight -= 1
         replica.ended[model] = replica.ended.get(model, 0) + 1
         IN_FLIGHT.labels(replica.address).set(replica.in_flight)
 
-    def failed(self, replica: Replica, err: MeshError) -> None:
-        """The replica failed a request (not the request's own fault)."""
-        now = self._clock()
-        replica.breaker.on_failure(now)
-        BREAKER_OPEN.labels(replica.address).set(0 if replica.breaker.available(now) else 1)
+    def failed(self, replica: Replica, model: str, tier: str, err: MeshError) -> None:
+        """The replica failed a request for ``model`` (not the request's own fault)."""
+        now, breaker = self._clock(), replica.breaker(model)
+        breaker.on_failure(now)
+        BREAKER_OPEN.labels(replica.address, model).set(0 if breaker.available(now) else 1)
+        FAILURES.labels(replica.address, model, tier).inc()
         log.warning(
             "replica failed a request",
-            extra={"fields": {"endpoint": replica.address, "error": err.message}},
+            extra={"fields": {"endpoint": replica.address, "model": model, "error": err.message}},
         )
 
     @staticmethod
-    def abandoned(replica: Replica) -> None:
+    def abandoned(replica: Replica, model: str) -> None:
         """The request ended with no verdict on the replica (the client went away, or the
         request itself was refused)."""
-        replica.breaker.on_abandon()
+        replica.breaker(model).on_abandon()
 
     # -- discovery and load ------------------------------------------------------------
 
@@ -184,7 +206,7 @@ class ReplicaSet:
         replica = Replica(
             endpoint,
             self._connector.connect(endpoint),
-            CircuitBreaker(s.breaker_failures, s.breaker_open_s),
+            lambda: CircuitBreaker(s.breaker_failures, s.breaker_open_s),
         )
         replica.follower = asyncio.create_task(self._follow_load(replica))
         return replica
@@ -201,6 +223,7 @@ class ReplicaSet:
 
     def _reported(self, replica: Replica, report: LoadReport) -> None:
         replica.reports = report.models
+        replica.failed_models = report.failed_models
         replica.ended = {}
         replica.engine_reachable = report.engine_reachable
         replica.last_report_at = self._clock()

@@ -96,6 +96,7 @@ class RouteHints:
     session_key: str = ""  # tenant and session id: a conversation's identity
     color: str = ""  # x-llm-color
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
+    tier: str = ""  # the tenant's tier, for failures counted per fault domain and tier
 
 
 class InferenceClient(Protocol):

@@ -307,13 +307,13 @@ def test_session_turns_are_recorded_and_prepended() -> None:
     asyncio.run(scenario())
 
 
-def test_color_and_deadline_reach_the_picker() -> None:
+def test_color_deadline_and_tier_reach_the_picker() -> None:
     async def scenario() -> None:
         inference = Inference()
         core = make_core(gate(), Context(), inference)
         req = replace(request(), color="canary", deadline=123.0)
         await run(core, req)
-        assert inference.hints == [RouteHints("", "canary", 123.0)]
+        assert inference.hints == [RouteHints("", "canary", 123.0, "standard")]
 
     asyncio.run(scenario())
 

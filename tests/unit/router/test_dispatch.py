@@ -5,17 +5,20 @@ the breaker, and a replica's refusal, which is the request's and not the replica
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import Chunk, InferenceCall, Sampling
+from llmmesh.waiting import poll_until_async
 from services.router.config import PoolSettings
+from services.router.connector import LoadReport
 from services.router.dispatch import Dispatcher
 from services.router.endpoints import Endpoint, FixedDiscovery
 from services.router.replicas import ReplicaSet
@@ -158,6 +161,33 @@ def test_the_breaker_takes_a_failing_replica_out_and_probes_it_after_its_pause()
             await collect(f, call(3))
         assert len(f["a:1"].calls) == 3
         assert all(c.healthy for c in f.replicas.candidates("llm"))
+
+    run(scenario)
+
+
+def test_one_models_failures_leave_the_replicas_other_models_serving() -> None:
+    """Fault domains: the breaker of (a, llm) opens, a still serves llm_canary; and a
+    model its own reports name as failed is not picked for that model only."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1",), breaker_failures=1, attempts=1)
+        f["a:1"].fail_next(0)
+        with contextlib.suppress(Unavailable):
+            await collect(f, call(3))
+        healthy = {m: f.replicas.candidates(m)[0].healthy for m in ("llm", "llm_canary")}
+        assert healthy == {"llm": False, "llm_canary": True}
+        other = replace(call(3), model="llm_canary")
+        assert len(await collect(f, other)) == 3
+        f.clock[0] += 2.5  # llm's breaker probes again
+        report = LoadReport({"llm": {}, "llm_canary": {}}, failed_models=frozenset({"llm"}))
+        f["a:1"].reports.put_nowait(report)
+
+        async def reported() -> bool:
+            return f.replicas["a:1"].failed_models == {"llm"}
+
+        assert await poll_until_async(reported, 5)
+        healthy = {m: f.replicas.candidates(m)[0].healthy for m in ("llm", "llm_canary")}
+        assert healthy == {"llm": False, "llm_canary": True}
 
     run(scenario)
 
