@@ -91,6 +91,10 @@ def triton_command(
         f"--http-port={http_port}",
         f"--metrics-address={host}",
         f"--metrics-port={metrics_port}",
+        # Explicit model control, every model loaded at start: the inference service
+        # reloads a model whose backend process died (services/inference/health.py).
+        "--model-control-mode=explicit",
+        "--load-model=*",
         "--allow-gpu-metrics=false",
         "--exit-timeout-secs=10",
         "--log-info=false",

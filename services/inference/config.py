@@ -23,3 +23,10 @@ class InferenceConfig(ServiceConfig):
     # Mesh model name -> the Triton model that serves it here, e.g. {"llm": "llm_canary"}
     # on a canary replica. Load reports use the mesh names.
     model_aliases: dict[str, str] = Field(default_factory=dict)
+    # The Triton models this replica serves and watches (with aliases: their targets).
+    models: list[str] = Field(default_factory=lambda: ["llm"])
+    # A model with generations in flight and no response from any of them for this long
+    # has stalled: they end UNAVAILABLE and the model is reloaded (services/inference/
+    # health.py). Idle models are probed this often.
+    stall_timeout_s: float = Field(default=15.0, gt=0)
+    probe_interval_s: float = Field(default=5.0, gt=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -12,7 +12,9 @@ from prometheus_client import Counter, Gauge
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import Chunk, InferenceCall, check_sampling
+from services.inference.health import ModelHealth
 from services.inference.load import ModelLoad, RecentLatency
+from services.inference.triton import ModelInstanceFailed
 
 OUTPUT_TOKENS = Counter("llm_inference_output_tokens_total", "Tokens streamed", ["model"])
 REQUESTS = Counter("llm_inference_requests_total", "Requests finished", ["model", "outcome"])
@@ -24,15 +26,22 @@ class GenerationBackend(Protocol):
 
 
 class InferenceCore:
+    """``health`` follows whether each model answers (services/inference/health.py);
+    ``on_failure(model, cause)`` hears of a model whose instance is gone."""
+
     def __init__(
         self,
         backend: GenerationBackend,
         max_tokens_limit: int,
         model_aliases: Mapping[str, str] | None = None,
+        health: ModelHealth | None = None,
+        on_failure: Callable[[str, str], None] | None = None,
     ) -> None:
         self._backend = backend
         self._limit = max_tokens_limit
         self._aliases = dict(model_aliases or {})
+        self.health = health or ModelHealth(stall_s=60.0)
+        self._on_failure = on_failure or self.health.fail
         self.in_flight = 0
         self.latency = RecentLatency()
 
@@ -42,18 +51,24 @@ class InferenceCore:
         if not call.prompt:
             raise InvalidArgument("prompt", "must not be empty")
         check_sampling(call.sampling, self._limit)
+        served = replace(call, model=self._aliases.get(call.model, call.model))
+        self.health.check(served.model)
         started, first_at, tokens, outcome = time.perf_counter(), 0.0, 0, "error"
         self.in_flight += 1
         IN_FLIGHT.inc()
         try:
-            served = replace(call, model=self._aliases.get(call.model, call.model))
-            async for chunk in self._backend.generate(served):
-                if not first_at and chunk.text:
-                    first_at = time.perf_counter()
-                tokens += chunk.num_tokens
-                yield chunk
-                if chunk.finish_reason is not None:
-                    outcome = chunk.finish_reason.value
+            async with self.health.watching(served.model) as answered:
+                async for chunk in self._backend.generate(served):
+                    answered()
+                    if not first_at and chunk.text:
+                        first_at = time.perf_counter()
+                    tokens += chunk.num_tokens
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        outcome = chunk.finish_reason.value
+        except ModelInstanceFailed:
+            self._on_failure(served.model, "backend process")
+            raise
         except GeneratorExit:
             outcome = "cancelled"
             raise
@@ -64,13 +79,19 @@ class InferenceCore:
 
     def mesh_view(self, models: Sequence[ModelLoad]) -> tuple[ModelLoad, ...]:
         """Engine load under the names the mesh uses: an aliased Triton model reports as
-        its alias, and a Triton model an alias shadows is left out."""
+        its alias, and a Triton model an alias shadows is left out; each says whether it
+        is failed here."""
         names = {triton: mesh for mesh, triton in self._aliases.items()}
-        return tuple(
-            replace(m, model=names[m.model]) if m.model in names else m
+        failed = self.health.failed
+        shown = [
+            replace(m, model=names.get(m.model, m.model), failed=m.model in failed)
             for m in models
             if m.model in names or m.model not in self._aliases
-        )
+        ]
+        # A failed model whose engine no longer reports is still named, as failed.
+        missing = set(failed) - {m.model for m in models}
+        shown += [ModelLoad(names.get(m, m), failed=True) for m in sorted(missing)]
+        return tuple(shown)
 
     def _record(self, model: str, outcome: str, tokens: int, started: float, first: float) -> None:
         REQUESTS.labels(model, outcome).inc()

@@ -35,6 +35,7 @@ class ModelLoad:
     prefix_cache_hit_rate: float = 0.0
     # Every gauge the engine exports for the model, named without ``llm_engine_``.
     metrics: Mapping[str, float] = field(default_factory=dict)
+    failed: bool = False  # its instance stopped answering (services/inference/health.py)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
 from services.inference.core import InferenceCore
+from services.inference.health import HealthKeeper, ModelHealth
 from services.inference.load import LoadMonitor, LoadSnapshot
 from services.inference.triton import TritonBackend
 
@@ -79,6 +80,7 @@ def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.Loa
                 kv_utilization=m.kv_utilization,
                 prefix_cache_hit_rate=m.prefix_cache_hit_rate,
                 metrics=m.metrics,
+                failed=m.failed,
             )
             for m in snapshot.models
         ],
@@ -87,25 +89,39 @@ def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.Loa
 
 def build_service(config: InferenceConfig) -> GrpcService:
     backend = TritonBackend(config.triton_url, config.stream_timeout_s)
-    core = InferenceCore(backend, config.max_tokens_limit, config.model_aliases)
+    health = ModelHealth(config.stall_timeout_s)
+    served_models = set(config.model_aliases.values()) or set(config.models)
+    keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)
+    core = InferenceCore(
+        backend, config.max_tokens_limit, config.model_aliases, health, keeper.failed
+    )
 
     metrics_page = MetricsPage(config.triton_metrics_url)
     monitor = LoadMonitor(
-        metrics_page.read, lambda: core.in_flight, core.latency, config.load_poll_interval_s
+        metrics_page.read,
+        lambda: core.in_flight,
+        core.latency,
+        config.load_poll_interval_s,
     )
     servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
 
+    async def start() -> None:
+        keeper.start()
+
     async def cleanup() -> None:
+        await keeper.close()
         await monitor.close()
         await metrics_page.close()
         await backend.close()
 
-    return GrpcService(
+    service = GrpcService(
         config,
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
         cleanup=cleanup,
     )
+    service.on_start(start)
+    return service
 
 
 class MetricsPage:

@@ -7,6 +7,7 @@ tensors in ``raw_*_contents``: per token this costs a fraction of tritonclient's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import AsyncIterator, Iterable
@@ -16,7 +17,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmmesh.runtime.errors import InvalidArgument, MeshError, Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,42 @@ class TritonBackend:
             if not finished:
                 stream.cancel()
 
+    async def probe(self, model: str, timeout_s: float) -> None:
+        """A request the model's backend must refuse (``max_tokens: 0``): its refusal,
+        naming the field, proves the backend process alive and answering, and nothing
+        reaches the engine. Unavailable if it fails otherwise or not within ``timeout_s``."""
+        call = InferenceCall("liveness-probe", model, "probe", Sampling(max_tokens=0))
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self.generate(call):
+                    break
+        except InvalidArgument as err:
+            if "max_tokens" in err.field:
+                return
+            raise Unavailable(f"model '{model}' answered the probe oddly: {err.message}") from None
+        except TimeoutError:
+            raise Unavailable(f"model '{model}' did not answer in {timeout_s:g} s") from None
+        raise Unavailable(f"model '{model}' generated for a probe it must refuse")
+
+    async def reload(self, model: str) -> bool:
+        """A new instance of ``model`` (unload, then load: a new backend process); False
+        when Triton does not allow it (its model control mode is not ``explicit``)."""
+        try:
+            await self._stub.RepositoryModelUnload(
+                service_pb2.RepositoryModelUnloadRequest(model_name=model), timeout=60
+            )
+            await self._stub.RepositoryModelLoad(
+                service_pb2.RepositoryModelLoadRequest(model_name=model), timeout=300
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "Triton did not reload the model",
+                extra={"fields": {"model": model, "code": exc.code().name, "error": exc.details()}},
+            )
+            return False
+        log.info("Triton reloaded the model", extra={"fields": {"model": model}})
+        return True
+
     async def _send(self, stream: Any, request: service_pb2.ModelInferRequest) -> None:
         try:
             await stream.write(request)
@@ -131,7 +168,14 @@ def _transport_error(exc: grpc.aio.AioRpcError, url: str) -> MeshError:
     return Unavailable("Triton is unavailable")
 
 
+class ModelInstanceFailed(Unavailable):
+    """The model's backend process is gone or broken: Triton cannot run the model here
+    until it is loaded again."""
+
+
 def _stream_error(message: str, model: str) -> MeshError:
+    if "Stub process" in message and "is not healthy" in message:
+        return ModelInstanceFailed(f"model '{model}' has no working instance here")
     if "unknown model" in message or "is not found" in message:
         return InvalidArgument("model", f"model '{model}' is not served by Triton")
     field, sep, reason = message.partition(": ")

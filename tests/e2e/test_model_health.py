@@ -1,0 +1,80 @@
+"""A model instance that dies under a running stream: Triton still calls the model
+ready, so the inference service must find out itself, end the stream with a clear
+status within its stall time, stop being picked for the model, and bring it back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from llmmesh.client import authorized_channel
+from llmmesh.launcher import Stack, StackPorts
+from tests.conftest import collect, metric_value, wait_for
+
+STALL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {"LLM_MESH_INFERENCE_STALL_TIMEOUT_S": str(STALL_S)}
+    with Stack(tmp_path_factory.mktemp("model-health"), StackPorts.free(), env=env) as stack:
+        yield stack
+
+
+def stub_pids(stack: Stack, instance: str) -> list[int]:
+    """The Python-backend processes of Triton serving ``instance`` (e.g. llm_0_0)."""
+    listing = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(stack.pids()["triton"])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [int(line.split()[0]) for line in listing.splitlines() if f" {instance} " in line]
+
+
+def serves(stack: Stack) -> bool:
+    try:
+        with authorized_channel(stack.address("router"), stack.api_key) as channel:
+            return collect(channel, "hi", timeout_s=10, max_tokens=2)[-1].finish_reason > 0
+    except grpc.RpcError:
+        return False
+
+
+def test_a_killed_model_instance_ends_its_stream_and_is_reloaded(stack: Stack) -> None:
+    [stub] = stub_pids(stack, "llm_0_0")
+    started, outcome = threading.Event(), []
+
+    def long_stream() -> None:
+        with authorized_channel(stack.address("router"), stack.api_key) as channel:
+            from llmmesh.client import build_request
+            from llmmesh.v1 import generation_pb2_grpc
+
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(
+                build_request("Once upon a time", max_tokens=1000, ignore_eos=True), timeout=60
+            )
+            try:
+                for _ in call:
+                    started.set()
+                outcome.append("finished")
+            except grpc.RpcError as err:
+                outcome.append(f"{err.code().name}: {err.details()}")
+
+    streaming = threading.Thread(target=long_stream)
+    streaming.start()
+    assert started.wait(60), outcome
+    os.kill(stub, signal.SIGKILL)
+    streaming.join(STALL_S * 10)  # not the client's 60 s deadline
+    assert not streaming.is_alive()
+    # No other stable replica to resume on: a clear UNAVAILABLE, and the replica knew why.
+    assert outcome and outcome[0].startswith("UNAVAILABLE"), outcome
+    metrics = f"http://{stack.address('inference_metrics')}/metrics"
+    failures = {"model": "llm", "cause": "stalled"}
+    assert metric_value(metrics, "llm_inference_model_failures_total", failures) == 1
+    wait_for(lambda: serves(stack), 60, "the model reloaded and serving")
+    assert stub_pids(stack, "llm_0_0") not in ([], [stub])  # a new backend process

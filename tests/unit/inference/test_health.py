@@ -1,0 +1,146 @@
+"""A model that stops answering is found, its streams ended with a clear status, named
+failed, reloaded and probed back: the inference core over an in-memory backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from llmmesh.runtime.errors import Unavailable
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
+from llmmesh.waiting import poll_until_async
+from services.inference.core import InferenceCore
+from services.inference.health import HealthKeeper, ModelHealth
+from services.inference.load import ModelLoad
+from services.inference.triton import ModelInstanceFailed
+
+CALL = InferenceCall("r1", "llm", "hello", Sampling(max_tokens=4))
+
+
+@dataclass
+class Backend:
+    """Streams four tokens; ``hang`` makes every generation go silent after its first;
+    ``dead`` fails every generation as a dead backend process does; probes and
+    reloads as Triton's model control answers them."""
+
+    hang: bool = False
+    dead: bool = False
+    reloads: int = 0
+    probes: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+        if self.dead:
+            raise ModelInstanceFailed(f"model '{call.model}' has no working instance here")
+        for i in range(call.sampling.max_tokens):
+            yield Chunk("x", 1, FinishReason.LENGTH if i == call.sampling.max_tokens - 1 else None)
+            if self.hang:
+                await self.release.wait()
+
+    async def probe(self, model: str, timeout_s: float) -> None:
+        self.probes += 1
+        if self.dead or self.hang:
+            raise Unavailable(f"model '{model}' did not answer")
+
+    async def reload(self, model: str) -> bool:
+        self.reloads += 1
+        self.dead = self.hang = False
+        return True
+
+
+def harness(backend: Backend, probe_interval_s: float = 60.0) -> tuple[InferenceCore, HealthKeeper]:
+    health = ModelHealth(stall_s=0.2)
+    keeper = HealthKeeper(health, backend, lambda: ["llm"], probe_interval_s)
+    core = InferenceCore(backend, 64, None, health, keeper.failed)
+    keeper.start()
+    return core, keeper
+
+
+async def drain(core: InferenceCore) -> list[Chunk]:
+    return [chunk async for chunk in core.generate(CALL)]
+
+
+def test_a_stalled_model_ends_its_streams_unavailable_and_comes_back() -> None:
+    async def scenario() -> None:
+        backend = Backend(hang=True)
+        core, keeper = harness(backend)
+        try:
+            streams = [asyncio.create_task(drain(core)) for _ in range(3)]
+            for stream in streams:  # every stream in flight ends, none hangs
+                with pytest.raises(Unavailable, match="stalled"):
+                    await asyncio.wait_for(stream, 10)
+            # Reloaded and probed back (the fake reload mends it).
+            assert await poll_until_async(lambda: _answering(core), 10)
+            assert backend.reloads >= 1
+            assert len(await drain(core)) == 4
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+
+
+async def _answering(core: InferenceCore) -> bool:
+    return not core.health.failed
+
+
+def test_a_dead_backend_process_fails_the_model_until_it_is_reloaded() -> None:
+    async def scenario() -> None:
+        backend = Backend(dead=True)
+        health = ModelHealth(stall_s=0.2)
+        core = InferenceCore(backend, 64, None, health)  # no keeper: it stays failed
+        with pytest.raises(Unavailable, match="no working instance"):
+            await drain(core)
+        with pytest.raises(Unavailable, match="not answering here"):  # refused at once now
+            await drain(core)
+        assert health.failed == {"llm": "backend process"}
+        # Load reports name it, under the mesh's name, even without engine statistics.
+        assert core.mesh_view([]) == (ModelLoad("llm", failed=True),)
+        assert core.mesh_view([ModelLoad("llm", running=2)])[0].failed
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_model_is_probed_and_failed_if_it_does_not_answer() -> None:
+    async def scenario() -> None:
+        backend = Backend()
+        core, keeper = harness(backend, probe_interval_s=0.05)
+        try:
+            assert await poll_until_async(lambda: _probed(backend), 5)
+            assert not core.health.failed  # it answered
+            backend.hang = True  # silent from now on: the next probe finds out, and the
+            assert await poll_until_async(lambda: _reloaded(backend), 5)  # model is reloaded
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+
+
+async def _probed(backend: Backend) -> bool:
+    return backend.probes >= 2
+
+
+async def _reloaded(backend: Backend) -> bool:
+    return backend.reloads >= 1
+
+
+def test_a_busy_model_is_not_stalled_by_one_slow_stream() -> None:
+    """Stall means no response on any stream: one stream waiting while others of the
+    model progress is not a stall."""
+
+    async def scenario() -> None:
+        now = [0.0]
+        health = ModelHealth(stall_s=0.2, clock=lambda: now[0])
+        async with health.watching("llm") as slow, health.watching("llm") as busy:
+            for _ in range(10):  # the busy stream answers every 50 ms, the slow one never
+                now[0] += 0.05
+                busy()
+                assert health.stalled() == []
+            now[0] += 0.25  # then neither does
+            assert health.stalled() == ["llm"]
+            slow()
+            assert health.stalled() == []
+
+    asyncio.run(scenario())
