@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
 
-.PHONY: run test test-sidecars lint typecheck unit protos bench system-deps setup clean
+.PHONY: run test test-sidecars chaos lint typecheck unit protos bench system-deps setup clean
 
 run: $(STAMP)
 	$(BIN)/llm-mesh up --demo
@@ -22,6 +22,11 @@ unit: $(STAMP)
 # sidecar (mTLS, RBAC, original-destination routing, each service's calls through it).
 test-sidecars: $(STAMP)
 	LLM_MESH_TEST_SIDECARS=1 $(BIN)/python -m pytest -q -m sidecars tests/e2e
+
+# The fault campaign: kill -9 of each process type under load (figures in
+# bench/results/chaos.json, recorded in docs/reliability.md).
+chaos: $(STAMP)
+	LLM_MESH_CHAOS=1 $(BIN)/python -m pytest -q tests/chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -24,9 +24,21 @@ from llmmesh.runtime.errors import (
 log = logging.getLogger(__name__)
 
 
+# An error's message travels in a trailer, and gRPC drops a call whose trailers pass 8 KB
+# (the client then sees RESOURCE_EXHAUSTED, not the error): a message that quotes what
+# the client sent is cut to this, in the message and in its details alike.
+MAX_MESSAGE_CHARS = 512
+
+
+def clip(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[: MAX_MESSAGE_CHARS - 12] + "... (cut)"
+
+
 def to_status(err: MeshError) -> status_pb2.Status:
     """The google.rpc.Status for a core error, with machine-readable details."""
-    status = status_pb2.Status(code=code_pb2.Code.Value(err.code), message=err.message)
+    status = status_pb2.Status(code=code_pb2.Code.Value(err.code), message=clip(err.message))
     detail = _detail(err)
     if detail is not None:
         packed = any_pb2.Any()
@@ -38,7 +50,7 @@ def to_status(err: MeshError) -> status_pb2.Status:
 def _detail(err: MeshError) -> error_details_pb2.BadRequest | error_details_pb2.RetryInfo | None:
     if isinstance(err, FieldError):
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=err.field, description=err.reason
+            field=clip(err.field), description=clip(err.reason)
         )
         return error_details_pb2.BadRequest(field_violations=[violation])
     if isinstance(err, ResourceExhausted):

@@ -27,6 +27,7 @@ from llmmesh.runtime.errors import (
     MeshError,
     ResourceExhausted,
 )
+from llmmesh.runtime.grpc_status import clip
 
 if TYPE_CHECKING:
     from services.router.config import HttpSettings
@@ -51,7 +52,8 @@ def error_response(err: MeshError) -> web.Response:
     headers = {}
     if isinstance(err, ResourceExhausted):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return web.json_response(error_body(err.message, kind, param), status=status, headers=headers)
+    body = error_body(clip(err.message), kind, param and clip(param))
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware

@@ -80,3 +80,12 @@ def test_a_core_error_becomes_its_status_and_the_callers_request_id_is_bound() -
     err = asyncio.run(scenario())
     assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND, "no session 's1'")
     assert seen == ["req-7"]
+
+
+def test_an_error_quoting_a_huge_input_is_cut_to_fit_its_trailer() -> None:
+    from llmmesh.runtime.errors import InvalidArgument
+    from llmmesh.runtime.grpc_status import MAX_MESSAGE_CHARS, to_status
+
+    status = to_status(InvalidArgument("rule_set", f"unknown rule set '{'a' * 20_000}'"))
+    assert len(status.message) <= MAX_MESSAGE_CHARS and status.message.endswith("(cut)")
+    assert status.ByteSize() < 2 * MAX_MESSAGE_CHARS + 200  # message and detail, both cut
