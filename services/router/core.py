@@ -71,6 +71,9 @@ REUSED_REQUEST_ID = (
     "already used by another request in this session; a retry sends the same request"
 )
 COLOR_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# The request id goes on in gRPC metadata to every upstream, where only visible ASCII is
+# valid: anything else would fail the call at the router and count against a replica.
+REQUEST_ID_FORMAT = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 REQUESTS = Counter("llm_router_requests_total", "Requests by outcome", ["model", "outcome"])
 HISTORY_DROPPED = Counter("llm_router_history_turns_dropped_total", "Turns truncated", ["model"])
@@ -143,6 +146,8 @@ class RouterCore:
         model = request.model or config.models[0]
         if model not in config.models:
             raise InvalidArgument("model", f"unknown model '{model}'; served: {config.models}")
+        if not REQUEST_ID_FORMAT.match(request.request_id):
+            raise InvalidArgument(REQUEST_ID, "1-128 visible ASCII characters")
         self._check_texts(request)
         if request.session_id:
             check_session_id(request.session_id)

@@ -582,3 +582,19 @@ def test_a_reused_request_id_is_refused_before_anything_is_generated() -> None:
         assert len(context.sessions[("t", "s")]) == 4
 
     asyncio.run(scenario())
+
+
+def test_a_request_id_that_metadata_cannot_carry_is_the_clients_error() -> None:
+    """It would fail the router's own call to the replica, counted against the replica
+    (its breaker opened for every tenant after a few such requests)."""
+
+    async def scenario() -> None:
+        inference = Inference()
+        core = make_core(gate(), Context(), inference)
+        for bad in ("caf\u00e9", "has space", "", "x" * 129, "tab\there"):
+            with pytest.raises(InvalidArgument) as refused:
+                await core.prepare(replace(request(), request_id=bad))
+            assert refused.value.field == "x-request-id"
+        assert inference.calls == []
+
+    asyncio.run(scenario())
