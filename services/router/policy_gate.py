@@ -7,8 +7,9 @@ generation as it streams. A check takes microseconds; a round trip to policy per
 added to every time to first token, and one per streamed chunk cost more CPU than
 anything else the mesh did per token (docs/benchmarks.md). Until a set has arrived, or
 while its watch is down, prompts go to ``Policy.CheckInput`` instead, where the tenant's
-fail mode applies if policy cannot be reached. Every decision goes back to policy's
-audit trail, in batches (``Policy.RecordDecisions``).
+fail mode applies if policy cannot be reached; a watch that breaks leaves its rules in
+force until they are WATCH_STALE_S old. Every decision goes back to policy's audit
+trail, in batches (``Policy.RecordDecisions``), sent again until policy takes them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ RECORDS_LOST = Counter(
 WATCH_STALE_S = 30.0
 RECONNECT_BACKOFF_S = (0.05, 1.0)
 MAX_PENDING_RECORDS = 10_000
+RECORD_RETRY_MAX_S = 5.0
 MAX_RECORDS_PER_CALL = 500
 
 
@@ -112,25 +114,40 @@ class DecisionRecorder:
             self._flushing = asyncio.create_task(self._flush())
 
     async def _flush(self) -> None:
+        """Sends what is pending, batch by batch; a batch policy does not take (it is
+        restarting, say) is sent again after a pause, so that the audit trail has no
+        gap unless more than MAX_PENDING_RECORDS wait."""
+        delay = RECONNECT_BACKOFF_S[0]
         try:
             while self._pending:
                 batch = self._pending[:MAX_RECORDS_PER_CALL]
-                del self._pending[:MAX_RECORDS_PER_CALL]
                 try:
                     await self._send(batch)
                 except MeshError as err:
-                    RECORDS_LOST.inc(len(batch))
                     log.warning(
-                        "policy did not record decisions",
+                        "policy did not record decisions; sending them again",
                         extra={"fields": {"decisions": len(batch), "error": err.message}},
                     )
+                    await asyncio.sleep(delay)  # retry pacing
+                    delay = min(RECORD_RETRY_MAX_S, delay * 2)
+                    continue
+                del self._pending[: len(batch)]
+                delay = RECONNECT_BACKOFF_S[0]
         finally:
             self._flushing = None
 
-    async def close(self) -> None:
-        """Waits for the decisions still being sent."""
-        if self._flushing is not None:
-            await asyncio.gather(self._flushing, return_exceptions=True)
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Waits up to ``grace_s`` for the decisions still being sent; what policy has
+        not taken by then is lost (and counted)."""
+        if self._flushing is None:
+            return
+        flushing = self._flushing
+        done, _ = await asyncio.wait({flushing}, timeout=grace_s)
+        if not done:
+            flushing.cancel()
+            await asyncio.gather(flushing, return_exceptions=True)
+            RECORDS_LOST.inc(len(self._pending))
+            self._pending.clear()
 
 
 class _Followed:
@@ -184,11 +201,13 @@ class RuleSets:
                     if rules is not None:
                         followed.rules = rules
             except MeshError as err:
+                # The rules last heard stay in force until WATCH_STALE_S after they were
+                # heard, as for a silent watch: a policy service that restarts (a
+                # second or two) is never seen by the tenants.
                 log.warning(
-                    "policy rule watch broke; prompts go to policy until it is back",
+                    "policy rule watch broke; reconnecting",
                     extra={"fields": {"rule_set": name, "error": err.message}},
                 )
-            followed.rules = None
             await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
 
     async def close(self) -> None:

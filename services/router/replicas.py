@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Gauge
 
 from llmmesh.runtime.errors import MeshError
-from services.router.breaker import CircuitBreaker
+from services.router.breaker import BreakerState, CircuitBreaker
 from services.router.config import PoolSettings
 from services.router.connector import Connector, LoadReport, ReplicaLink
 from services.router.endpoints import Discovery, Endpoint
@@ -226,8 +226,22 @@ class ReplicaSet:
         replica.failed_models = report.failed_models
         replica.ended = {}
         replica.engine_reachable = report.engine_reachable
-        replica.last_report_at = self._clock()
+        replica.last_report_at = now = self._clock()
         replica.down = False
+        if report.engine_reachable:
+            self._close_recovered(replica, report, now)
+
+    @staticmethod
+    def _close_recovered(replica: Replica, report: LoadReport, now: float) -> None:
+        """A breaker past its cool-down closes when the replica reports the model well
+        (engine reachable, the model not failed), instead of waiting for one probe
+        request: requests that all failed over at once (a stalled model's streams) would
+        otherwise find the probe slot taken and fail."""
+        for model, breaker in replica.breakers.items():
+            healthy = model in report.models and model not in report.failed_models
+            if healthy and breaker.state(now) is BreakerState.HALF_OPEN:
+                breaker.on_success()
+                BREAKER_OPEN.labels(replica.address, model).set(0)
 
 
 def reports_alive(last_report_at: float | None, down: bool, now: float, stale_s: float) -> bool:

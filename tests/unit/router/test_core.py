@@ -53,11 +53,13 @@ class PolicyService:
     remote_checks: list[tuple[str, ...]] = field(default_factory=list)  # CheckInput parts
     records: list[AuditRecord] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    watches: int = 0  # watch calls so far: the gate reconnects after a broken one
 
     def _followed(self, name: str) -> FollowedRules:
         return FollowedRules(name, self.rules, audit_text=False)
 
     async def watch(self, rule_set: str) -> AsyncIterator[FollowedRules | None]:
+        self.watches += 1
         while self.watch_up and not self.unreachable:
             yield self._followed(rule_set)
             self.changed.clear()
@@ -596,5 +598,30 @@ def test_a_request_id_that_metadata_cannot_carry_is_the_clients_error() -> None:
                 await core.prepare(replace(request(), request_id=bad))
             assert refused.value.field == "x-request-id"
         assert inference.calls == []
+
+    asyncio.run(scenario())
+
+
+def test_rules_outlive_a_broken_watch_while_they_are_fresh() -> None:
+    """Policy restarting: its watch breaks, and prompts are still checked in the router
+    with the rules last heard (not sent to a CheckInput that cannot answer)."""
+
+    async def scenario() -> None:
+        service = PolicyService(rules(DENY_BOMB))
+        policy, inference = gate(service), Inference()
+        await followed(policy)
+        service.unreachable = True
+        service.changed.set()  # the watch wakes up to find policy gone
+
+        async def watch_broke() -> bool:  # the gate tried to watch again
+            return service.watches >= 2
+
+        assert await poll_until_async(watch_broke, 5)
+        core = make_core(policy, Context(), inference)
+        with pytest.raises(PermissionDenied, match="deny-x"):
+            await core.prepare(request("how to build a bomb"))
+        await run(core, request("hello"))
+        assert service.remote_checks == []
+        await policy.close()
 
     asyncio.run(scenario())

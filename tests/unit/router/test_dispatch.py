@@ -17,6 +17,7 @@ import pytest
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import Chunk, InferenceCall, Sampling
 from llmmesh.waiting import poll_until_async
+from services.router.breaker import BreakerState
 from services.router.config import PoolSettings
 from services.router.connector import LoadReport
 from services.router.dispatch import Dispatcher
@@ -188,6 +189,32 @@ def test_one_models_failures_leave_the_replicas_other_models_serving() -> None:
         assert await poll_until_async(reported, 5)
         healthy = {m: f.replicas.candidates(m)[0].healthy for m in ("llm", "llm_canary")}
         assert healthy == {"llm": False, "llm_canary": True}
+
+    run(scenario)
+
+
+def test_a_healthy_report_after_the_cool_down_closes_the_breaker() -> None:
+    """Not only one probe request: streams that all fail over at once would find the
+    probe slot taken. Within the cool-down a report changes nothing."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1",), breaker_failures=1, attempts=1)
+        f["a:1"].fail_next(0)
+        with contextlib.suppress(Unavailable):
+            await collect(f, call(3))
+        healthy_report = LoadReport({"llm": {}})
+
+        async def reported_at(moment: float) -> bool:  # the report was taken in
+            return f.replicas["a:1"].last_report_at == moment
+
+        f["a:1"].reports.put_nowait(healthy_report)
+        assert await poll_until_async(lambda: reported_at(f.clock[0]), 5)
+        assert not f.replicas.candidates("llm")[0].healthy  # still cooling down
+        f.clock[0] += 2.5
+        f["a:1"].reports.put_nowait(healthy_report)
+        assert await poll_until_async(lambda: reported_at(f.clock[0]), 5)
+        breaker = f.replicas["a:1"].breaker("llm")
+        assert breaker.state(f.clock[0]) is BreakerState.CLOSED
 
     run(scenario)
 

@@ -1,0 +1,54 @@
+"""The policy gate's audit batches survive a policy restart, and its followed rules
+outlive a broken watch for as long as they are fresh."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from llmmesh.runtime.errors import Unavailable
+from llmmesh.types import PolicyAction
+from llmmesh.waiting import poll_until_async
+from services.router.policy_gate import AuditRecord, DecisionRecorder
+
+
+def record(n: int) -> AuditRecord:
+    return AuditRecord(f"r{n}", "t", "input", "v1", PolicyAction.ALLOW, (), "")
+
+
+def test_decisions_policy_does_not_take_are_sent_again_in_order() -> None:
+    async def scenario() -> None:
+        taken: list[str] = []
+        refusals = [2]  # policy is down for the first two calls
+
+        async def send(batch: Sequence[AuditRecord]) -> None:
+            if refusals[0]:
+                refusals[0] -= 1
+                raise Unavailable("policy service is unavailable")
+            taken.extend(r.request_id for r in batch)
+
+        recorder = DecisionRecorder(send)
+        for n in range(3):
+            recorder.add(record(n))
+
+        async def all_taken() -> bool:
+            return len(taken) == 3
+
+        assert await poll_until_async(all_taken, 5)
+        recorder.add(record(3))
+        await recorder.close()
+        assert taken == ["r0", "r1", "r2", "r3"]
+
+    asyncio.run(scenario())
+
+
+def test_closing_gives_up_on_a_policy_that_never_comes_back() -> None:
+    async def scenario() -> None:
+        async def send(batch: Sequence[AuditRecord]) -> None:
+            raise Unavailable("policy service is unavailable")
+
+        recorder = DecisionRecorder(send)
+        recorder.add(record(0))
+        await asyncio.wait_for(recorder.close(grace_s=0.1), 5)
+
+    asyncio.run(scenario())
