@@ -21,6 +21,11 @@ from services.router.endpoints import Endpoint
 TEXT = "Once upon a time there was a mesh that served every tenant its tokens in order. " * 8
 
 
+@dataclass(frozen=True)
+class Hang:
+    after: int  # chunks sent before the replica goes silent
+
+
 @dataclass
 class MemoryReplica:
     """One replica: what it was asked, and how it fails the next generations."""
@@ -28,12 +33,13 @@ class MemoryReplica:
     address: str
     calls: list[InferenceCall] = field(default_factory=list)
     # Per upcoming generation, in order: None (serve it whole), an int (break with
-    # UNAVAILABLE after that many chunks; 0: before the first), or an error to refuse with.
-    script: list[int | MeshError | None] = field(default_factory=list)
+    # UNAVAILABLE after that many chunks; 0: before the first), Hang (go silent after
+    # that many chunks, as behind a partition), or an error to refuse with.
+    script: list[int | Hang | MeshError | None] = field(default_factory=list)
     reports: asyncio.Queue[LoadReport] = field(default_factory=asyncio.Queue)
     closed: bool = False
 
-    def fail_next(self, *plan: int | MeshError | None) -> None:
+    def fail_next(self, *plan: int | Hang | MeshError | None) -> None:
         self.script.extend(plan)
 
     async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
@@ -44,7 +50,9 @@ class MemoryReplica:
         await asyncio.sleep(0)  # a real stream's first chunk is never ready at once
         start = len(call.prompt)
         for i in range(call.sampling.max_tokens):
-            if plan is not None and i == plan:
+            if isinstance(plan, Hang) and i == plan.after:
+                await asyncio.Event().wait()  # silent for good
+            if isinstance(plan, int) and i == plan:
                 raise Unavailable(f"inference replica {self.address} went away")
             last = i == call.sampling.max_tokens - 1
             yield Chunk(TEXT[start + i], 1, FinishReason.LENGTH if last else None)

@@ -37,6 +37,10 @@ class PoolSettings(BaseModel):
     # and at least this often; a replica with no report for stale_after_s is not picked.
     report_interval_s: float = Field(default=0.25, gt=0)
     stale_after_s: float = Field(default=1.0, gt=0)
+    # A replica silent this long (no load report: partitioned, or its process frozen)
+    # has its streams moved elsewhere (resumed, nothing lost or repeated): its connections
+    # may never fail by themselves.
+    silent_after_s: float = Field(default=3.0, gt=0)
     # Circuit breaker: consecutive failures that open it, and seconds before a probe.
     breaker_failures: int = Field(default=3, ge=1)
     breaker_open_s: float = Field(default=2.0, gt=0)

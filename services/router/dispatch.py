@@ -102,11 +102,12 @@ class Dispatcher:
         while True:
             replica, fallback, stream, chunk = await self._start(attempt_call, request, hints)
             try:
-                while chunk.finish_reason is None:
-                    yield chunk
-                    sent.append(chunk.text)
-                    tokens += chunk.num_tokens
-                    chunk = await _next_chunk(stream)
+                async with self._replicas.watched(replica):
+                    while chunk.finish_reason is None:
+                        yield chunk
+                        sent.append(chunk.text)
+                        tokens += chunk.num_tokens
+                        chunk = await _next_chunk(stream)
                 yield replace(chunk, route=self._route(replica, fallback), resumed=resumed)
                 return
             except Unavailable as err:
@@ -167,7 +168,8 @@ class Dispatcher:
         PICKS.labels(replica.address, replica.endpoint.version).inc()
         stream = replica.link.generate(call)
         try:
-            first = await _next_chunk(stream)
+            async with self._replicas.watched(replica):
+                first = await _next_chunk(stream)
         except BaseException as err:
             self._replicas.first_chunk(replica, model, tokens, ok=False)
             await stream.aclose()

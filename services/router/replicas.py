@@ -14,12 +14,12 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
-from llmmesh.runtime.errors import MeshError
+from llmmesh.runtime.errors import MeshError, Unavailable
 from services.router.breaker import BreakerState, CircuitBreaker
 from services.router.config import PoolSettings
 from services.router.connector import Connector, LoadReport, ReplicaLink
@@ -40,6 +40,11 @@ FAILURES = Counter(
     "llm_router_replica_failures_total",
     "Requests a replica failed (not the request's own fault), by model and tenant tier",
     ["endpoint", "model", "tier"],
+)
+
+SILENT_ENDED = Counter(
+    "llm_router_silent_replica_streams_total",
+    "Streams moved off a replica that fell silent (no load report for silent_after_s)",
 )
 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
@@ -90,9 +95,41 @@ class ReplicaSet:
         self._clock = clock
         self._replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._watched: dict[str, set[asyncio.Timeout]] = {}  # replica -> streams on it
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._follow_discovery()))
+        self._tasks.append(asyncio.create_task(self._end_silent_streams()))
+
+    @contextlib.asynccontextmanager
+    async def watched(self, replica: Replica) -> AsyncIterator[None]:
+        """Around a wait on ``replica`` (its first chunk, its stream): Unavailable if the
+        replica falls silent meanwhile (``silent_after_s`` without a load report), since
+        a partition leaves its connections open and quiet rather than failing them."""
+        streams = self._watched.setdefault(replica.address, set())
+        try:
+            async with asyncio.timeout(None) as deadline:
+                streams.add(deadline)
+                yield
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise Unavailable("inference replica fell silent (no load report)") from None
+        finally:
+            streams.discard(deadline)
+
+    async def _end_silent_streams(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.report_interval_s)  # the watchdog's period
+            now, limit = self._clock(), self._settings.silent_after_s
+            loop = asyncio.get_running_loop()
+            for address, streams in self._watched.items():
+                replica = self._replicas.get(address)
+                last = replica.last_report_at if replica is not None else None
+                if streams and last is not None and now - last > limit:
+                    SILENT_ENDED.inc(len(streams))
+                    for deadline in list(streams):
+                        deadline.reschedule(loop.time())
 
     async def close(self) -> None:
         tasks = self._tasks + [r.follower for r in self._replicas.values() if r.follower]

@@ -26,7 +26,7 @@ from services.router.replicas import ReplicaSet
 from services.router.routing import PolicyHolder, RoutingPolicy
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.upstreams import RouteHints
-from tests.replicas_double import MemoryConnector, MemoryReplica, expected_text
+from tests.replicas_double import Hang, MemoryConnector, MemoryReplica, expected_text
 
 PROMPT = "Once upon a time"
 
@@ -215,6 +215,40 @@ def test_a_healthy_report_after_the_cool_down_closes_the_breaker() -> None:
         assert await poll_until_async(lambda: reported_at(f.clock[0]), 5)
         breaker = f.replicas["a:1"].breaker("llm")
         assert breaker.state(f.clock[0]) is BreakerState.CLOSED
+
+    run(scenario)
+
+
+def test_a_stream_on_a_replica_that_falls_silent_moves_elsewhere_whole() -> None:
+    """A partition: the replica's stream and its load reports just stop. Past
+    silent_after_s without a report, the stream resumes on another replica, nothing
+    lost or repeated."""
+
+    async def scenario() -> None:
+        f = fleet(report_interval_s=0.01, silent_after_s=3.0)
+        await f.replicas.start()
+        try:
+            for address in ("a:1", "b:1"):
+                f[address].reports.put_nowait(LoadReport({"llm": {}}))
+
+            async def reported() -> bool:
+                return all(f.replicas[a].last_report_at for a in ("a:1", "b:1"))
+
+            assert await poll_until_async(reported, 5)
+            f["a:1"].fail_next(Hang(after=2))
+            streaming = asyncio.create_task(collect(f, call(10)))
+
+            async def stuck() -> bool:
+                return bool(f["a:1"].calls)
+
+            assert await poll_until_async(stuck, 5)
+            f.clock[0] += 4.0  # a says nothing more; b reports on
+            f["b:1"].reports.put_nowait(LoadReport({"llm": {}}))
+            chunks = await asyncio.wait_for(streaming, 10)
+        finally:
+            await f.replicas.close()
+        assert "".join(c.text for c in chunks) == expected_text(PROMPT, 10)
+        assert chunks[-1].resumed == 1 and len(f["b:1"].calls) == 1
 
     run(scenario)
 
