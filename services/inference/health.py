@@ -100,7 +100,8 @@ class ModelHealth:
         """Ends every generation of ``model`` in flight, each with UNAVAILABLE."""
         loop = asyncio.get_running_loop()
         for deadline in list(self._streams.get(model, ())):
-            deadline.reschedule(loop.time())
+            if deadline.when() is None:  # one being ended already may not be rescheduled
+                deadline.reschedule(loop.time())
 
     def fail(self, model: str, cause: str) -> None:
         if model in self.failed:

@@ -125,11 +125,14 @@ class ReplicaSet:
             loop = asyncio.get_running_loop()
             for address, streams in self._watched.items():
                 replica = self._replicas.get(address)
-                last = replica.last_report_at if replica is not None else None
-                if streams and last is not None and now - last > limit:
-                    SILENT_ENDED.inc(len(streams))
+                if replica is None or not streams:
+                    continue
+                last = replica.last_report_at
+                if replica.down or (last is not None and now - last > limit):
                     for deadline in list(streams):
-                        deadline.reschedule(loop.time())
+                        if deadline.when() is None:  # not already being ended
+                            SILENT_ENDED.inc()
+                            deadline.reschedule(loop.time())
 
     async def close(self) -> None:
         tasks = self._tasks + [r.follower for r in self._replicas.values() if r.follower]

@@ -98,6 +98,13 @@ def test_a_partitioned_region_costs_no_request_that_had_not_streamed(
         "slowest_answer_s": round(max((o.ended_at - o.started_at) for o in during), 2),
         "eu_serving_again_after_heal_s": round(back_after, 2),
         "statuses": sorted({f"{o.code}: {o.detail}" for o in during if not o.acknowledged}),
+        "slowest": sorted(
+            (
+                [round(o.started_at - cut_at, 2), round(o.ended_at - o.started_at, 2)]
+                for o in during
+            ),
+            key=lambda pair: -pair[1],
+        )[:5],  # [sent, seconds from the cut; took, seconds]
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(figures, indent=2) + "\n")

@@ -144,3 +144,26 @@ def test_a_busy_model_is_not_stalled_by_one_slow_stream() -> None:
             assert health.stalled() == []
 
     asyncio.run(scenario())
+
+
+def test_ending_streams_again_before_they_ended_is_harmless() -> None:
+    """The watchdog ticks again while the streams it ended are still unwinding: an
+    expiring timeout must not be rescheduled (asyncio refuses, and the watchdog died)."""
+
+    async def scenario() -> None:
+        health = ModelHealth(stall_s=0.2)
+        release = asyncio.Event()
+
+        async def stream() -> None:
+            async with health.watching("llm"):
+                await release.wait()
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0)  # the stream is now waiting inside its watch
+        health.end_streams("llm")
+        await asyncio.sleep(0)  # its timer fires; the stream has not unwound yet
+        health.end_streams("llm")
+        with pytest.raises(Unavailable, match="stalled"):
+            await task
+
+    asyncio.run(scenario())
