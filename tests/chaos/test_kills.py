@@ -78,14 +78,26 @@ def results() -> Iterator[dict[str, Any]]:
 
 
 def model_stub(stack: Stack) -> int:
-    listing = subprocess.run(
-        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(stack.pids()["triton"])],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    [pid] = [int(line.split()[0]) for line in listing.splitlines() if " llm_0_0 " in line]
-    return pid
+    """The pid of the ``llm`` model's backend process (once there is exactly one: after
+    a reload the old one may still be going)."""
+    found: list[int] = []
+
+    def one() -> bool:
+        listing = subprocess.run(
+            ["ps", "-ww", "-o", "pid=,stat=,args=", "--ppid", str(stack.pids()["triton"])],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        found[:] = [
+            int(line.split()[0])
+            for line in listing.splitlines()
+            if " llm_0_0 " in line and not line.split()[1].startswith("Z")
+        ]
+        return len(found) == 1
+
+    wait_for(one, 60, "one backend process of the llm model")
+    return found[0]
 
 
 def stored_request_ids(stack: Stack, sessions: set[str]) -> set[str]:
