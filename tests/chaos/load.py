@@ -66,13 +66,14 @@ class Load:
         turn = 0
         while not self._stop.is_set():
             turn += 1
-            outcome = self._ask(session, f"turn {turn}: tell me more")
+            outcome = self.ask(session, f"turn {turn}: tell me more")
             with self._lock:
                 self.outcomes.append(outcome)
             if not outcome.acknowledged:
                 self._stop.wait(0.05)  # a failed client backs off a little, as clients do
 
-    def _ask(self, session: str, prompt: str) -> Outcome:
+    def ask(self, session: str, prompt: str) -> Outcome:
+        """One turn of ``session``, as this load sends it."""
         outcome = Outcome(session, uuid.uuid4().hex, time.monotonic())
         request = build_request(
             prompt, max_tokens=self.max_tokens, ignore_eos=True, session_id=session

@@ -1,0 +1,178 @@
+"""The soak run: the stack at 70% of its capacity for LLM_MESH_SOAK_S seconds (30 minutes
+by default), sampling every process's memory and file descriptors, the router's open
+streams and the engine's KV blocks; no request may fail, and none of them may grow
+with time. Figures go to bench/results/soak.json, curves to docs/img/soak-*.png."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmmesh.launcher import Stack, StackPorts
+from tests.chaos.load import Load, Outcome
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "soak.json"
+DURATION_S = float(os.environ.get("LLM_MESH_SOAK_S", "1800"))
+SAMPLE_EVERY_S = 10.0
+LOAD_SHARE = 0.7
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with Stack(tmp_path_factory.mktemp("soak"), StackPorts.free()) as stack:
+        yield stack
+
+
+def processes(stack: Stack) -> dict[str, int]:
+    """The stack's processes and Triton's backend stubs, by name."""
+    found = dict(stack.pids())
+    listing = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(found["triton"])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for line in listing.splitlines():
+        pid, *args = line.split()
+        if "triton_python_backend_stub" in line:
+            found[f"stub {args[-2]}"] = int(pid)
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def metric_sum(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    )
+
+
+def sample(stack: Stack, pids: dict[str, int], started: float) -> dict[str, Any]:
+    return {
+        "t": round(time.monotonic() - started, 1),
+        "rss_mb": {name: round(rss_mb(pid), 1) for name, pid in pids.items()},
+        "fds": {name: len(os.listdir(f"/proc/{pid}/fd")) for name, pid in pids.items()},
+        "router_streams": metric_sum(
+            f"http://{stack.address('router_metrics')}/metrics", "llm_router_endpoint_in_flight"
+        ),
+        "kv_blocks_used": metric_sum(
+            f"http://{stack.address('triton_metrics')}/metrics", "llm_engine_kv_blocks_used"
+        ),
+    }
+
+
+def capacity(stack: Stack) -> float:
+    """Requests per second the stack answers with 16 clients back to back (20 s)."""
+    load = Load(stack.address("router"), stack.api_key, workers=16)
+    load.start()
+    time.sleep(20)  # the measuring window, not synchronisation
+    load.stop()
+    answered = [o for o in load.outcomes if o.acknowledged]
+    return len(answered) / 20
+
+
+def open_loop(stack: Stack, rate: float, until: float) -> list[Outcome]:
+    """Poisson arrivals at ``rate``, each a turn of a session of its own, until ``until``."""
+    load = Load(stack.address("router"), stack.api_key)
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    rng = random.Random(0)
+
+    def one(n: int) -> None:
+        outcome = load.ask(f"soak-{n % 64}", f"turn {n}: go on")
+        with lock:
+            outcomes.append(outcome)
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        n = 0
+        while time.monotonic() < until:
+            pool.submit(one, n)
+            n += 1
+            time.sleep(rng.expovariate(rate))  # the arrival process
+    return outcomes
+
+
+def plot(samples: list[dict[str, Any]]) -> None:
+    times = [s["t"] / 60 for s in samples]
+    for key, unit in (("rss_mb", "RSS (MB)"), ("fds", "open file descriptors")):
+        figure, axes = plt.subplots(figsize=(7, 3.5))
+        for name in samples[0][key]:
+            axes.plot(times, [s[key].get(name, 0) for s in samples], label=name)
+        axes.set_xlabel("minutes")
+        axes.set_ylabel(unit)
+        axes.legend(fontsize=6, ncol=3)
+        figure.tight_layout()
+        figure.savefig(ROOT / "docs" / "img" / f"soak-{key.replace('_', '-')}.png", dpi=110)
+        plt.close(figure)
+    figure, axes = plt.subplots(figsize=(7, 3.5))
+    axes.plot(times, [s["router_streams"] for s in samples], label="router streams open")
+    axes.plot(times, [s["kv_blocks_used"] for s in samples], label="KV blocks in use")
+    axes.set_xlabel("minutes")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(ROOT / "docs" / "img" / "soak-streams-kv.png", dpi=110)
+    plt.close(figure)
+
+
+def test_soak_at_70_percent_of_capacity(stack: Stack) -> None:
+    rate = LOAD_SHARE * capacity(stack)
+    pids = processes(stack)
+    started = time.monotonic()
+    samples = [sample(stack, pids, started)]
+    outcomes: list[Outcome] = []
+    loading = threading.Thread(
+        target=lambda: outcomes.extend(open_loop(stack, rate, started + DURATION_S))
+    )
+    loading.start()
+    while loading.is_alive():
+        loading.join(SAMPLE_EVERY_S)
+        samples.append(sample(stack, pids, started))
+    failed = [o for o in outcomes if not o.acknowledged]
+    half = len(samples) // 2
+    growth = {
+        name: round(samples[-1]["rss_mb"][name] - samples[half]["rss_mb"][name], 1) for name in pids
+    }
+    figures = {
+        "duration_s": DURATION_S,
+        "rate_per_s": round(rate, 2),
+        "requests": len(outcomes),
+        "failed": len(failed),
+        "statuses": sorted({f"{o.code}: {o.detail}" for o in failed}),
+        "rss_growth_second_half_mb": growth,
+        "fds_first_last": {n: (samples[1]["fds"][n], samples[-1]["fds"][n]) for n in pids},
+        "router_streams_at_end": samples[-1]["router_streams"],
+        "samples": samples,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+    plot(samples)
+    assert not failed, figures["statuses"]
+    assert samples[-1]["router_streams"] == 0
+    assert all(last - first <= 8 for first, last in figures["fds_first_last"].values())
