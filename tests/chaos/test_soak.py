@@ -141,6 +141,7 @@ def plot(samples: list[dict[str, Any]]) -> None:
     plt.close(figure)
 
 
+@pytest.mark.timeout(DURATION_S + 600)
 def test_soak_at_70_percent_of_capacity(stack: Stack) -> None:
     rate = LOAD_SHARE * capacity(stack)
     pids = processes(stack)
