@@ -44,6 +44,7 @@ class Load:
     api_key: str
     workers: int = 4
     max_tokens: int = 24
+    turns_per_session: int = 0  # after this many turns a worker starts a new session; 0: never
     timeout_s: float = 60.0
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -62,10 +63,12 @@ class Load:
         for thread in self._threads:
             thread.join(self.timeout_s + 5)
 
-    def _converse(self, session: str) -> None:
-        turn = 0
+    def _converse(self, first: str) -> None:
+        turn, session = 0, first
         while not self._stop.is_set():
             turn += 1
+            if self.turns_per_session and turn % self.turns_per_session == 0:
+                session = f"{first}.{turn}"  # a new conversation
             outcome = self.ask(session, f"turn {turn}: tell me more")
             with self._lock:
                 self.outcomes.append(outcome)

@@ -32,6 +32,9 @@ RESULTS = ROOT / "bench" / "results" / "soak.json"
 DURATION_S = float(os.environ.get("LLM_MESH_SOAK_S", "1800"))
 SAMPLE_EVERY_S = 10.0
 LOAD_SHARE = 0.7
+# Conversations of a few turns, so that the load is steady: a history that grew for the
+# whole run would make the last requests several times the first ones.
+TURNS_PER_SESSION = 4
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,9 @@ def sample(stack: Stack, pids: dict[str, int], started: float) -> dict[str, Any]
 
 def capacity(stack: Stack) -> float:
     """Requests per second the stack answers with 16 clients back to back (20 s)."""
-    load = Load(stack.address("router"), stack.api_key, workers=16)
+    load = Load(
+        stack.address("router"), stack.api_key, workers=16, turns_per_session=TURNS_PER_SESSION
+    )
     load.start()
     time.sleep(20)  # the measuring window, not synchronisation
     load.stop()
@@ -106,7 +111,7 @@ def open_loop(stack: Stack, rate: float, until: float) -> list[Outcome]:
     rng = random.Random(0)
 
     def one(n: int) -> None:
-        outcome = load.ask(f"soak-{n % 64}", f"turn {n}: go on")
+        outcome = load.ask(f"soak-{n // TURNS_PER_SESSION}", f"turn {n}: go on")
         with lock:
             outcomes.append(outcome)
 
