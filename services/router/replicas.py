@@ -61,6 +61,9 @@ class Replica:
     down: bool = False  # its report stream broke after reporting: gone until it reports
     reports: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # model -> load
     failed_models: frozenset[str] = frozenset()  # models it reports stopped answering
+    # Models whose breaker opened while the replica's reports said so too (engine not
+    # reachable, the model failed): an outage the reports follow, closed by them.
+    reported_outages: set[str] = field(default_factory=set)
     engine_reachable: bool = True
     in_flight: int = 0
     # Per model: streams this router ended since the last report, which may still count them.
@@ -207,6 +210,8 @@ class ReplicaSet:
         """The replica failed a request for ``model`` (not the request's own fault)."""
         now, breaker = self._clock(), replica.breaker(model)
         breaker.on_failure(now)
+        if not replica.engine_reachable or model in replica.failed_models:
+            replica.reported_outages.add(model)
         BREAKER_OPEN.labels(replica.address, model).set(0 if breaker.available(now) else 1)
         FAILURES.labels(replica.address, model, tier).inc()
         log.warning(
@@ -273,14 +278,17 @@ class ReplicaSet:
 
     @staticmethod
     def _close_recovered(replica: Replica, report: LoadReport, now: float) -> None:
-        """A breaker past its cool-down closes when the replica reports the model well
-        (engine reachable, the model not failed), instead of waiting for one probe
-        request: requests that all failed over at once (a stalled model's streams) would
-        otherwise find the probe slot taken and fail."""
-        for model, breaker in replica.breakers.items():
+        """A breaker opened by an outage the replica's reports showed (engine down, the
+        model failed) closes, past its cool-down, once the reports show the model well
+        again, instead of waiting for one probe request: requests that all failed over at
+        once would otherwise find the probe slot taken and fail. A replica that fails
+        requests while reporting well keeps its breaker until a probe succeeds."""
+        for model in list(replica.reported_outages):
+            breaker = replica.breaker(model)
             healthy = model in report.models and model not in report.failed_models
             if healthy and breaker.state(now) is BreakerState.HALF_OPEN:
                 breaker.on_success()
+                replica.reported_outages.discard(model)
                 BREAKER_OPEN.labels(replica.address, model).set(0)
 
 

@@ -194,11 +194,18 @@ def test_one_models_failures_leave_the_replicas_other_models_serving() -> None:
 
 
 def test_a_healthy_report_after_the_cool_down_closes_the_breaker() -> None:
-    """Not only one probe request: streams that all fail over at once would find the
-    probe slot taken. Within the cool-down a report changes nothing."""
+    """After an outage the reports showed (the engine down): not only one probe request,
+    since streams that all fail over at once would find the probe slot taken. Within the
+    cool-down a report changes nothing."""
 
     async def scenario() -> None:
         f = fleet(("a:1",), breaker_failures=1, attempts=1)
+        f["a:1"].reports.put_nowait(LoadReport({"llm": {}}, engine_reachable=False))
+
+        async def engine_down() -> bool:
+            return not f.replicas["a:1"].engine_reachable
+
+        assert await poll_until_async(engine_down, 5)
         f["a:1"].fail_next(0)
         with contextlib.suppress(Unavailable):
             await collect(f, call(3))
