@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -116,6 +117,22 @@ def prompt_tokens_seen(stack: Stack) -> float:
         for sample in family.samples
         if sample.name == "llm_engine_prompt_tokens_total"
     )
+
+
+def backend_pids(stack: Stack) -> dict[str, int]:
+    """Triton's live Python-backend processes, by model instance (e.g. llm_0_0)."""
+    listing = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,stat=,args=", "--ppid", str(stack.pids()["triton"])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found: dict[str, int] = {}
+    for line in listing.splitlines():
+        pid, stat, *args = line.split()
+        if "triton_python_backend_stub" in line and not stat.startswith("Z"):
+            found[args[-2]] = int(pid)
+    return found
 
 
 def assert_engines_saw_only(stack: Stack, before: float, allowed: Callable[[], int]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from llmmesh.launcher.stack import DEFAULT_ROUTING
 from llmmesh.launcher.supervisor import Supervisor
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from tests.chaos.load import Load, Outcome
-from tests.conftest import wait_for
+from tests.conftest import backend_pids, wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "chaos.json"
 # The canary serves the model too: with it as stable's fallback, requests that had not
@@ -78,26 +77,10 @@ def results() -> Iterator[dict[str, Any]]:
 
 
 def model_stub(stack: Stack) -> int:
-    """The pid of the ``llm`` model's backend process (once there is exactly one: after
-    a reload the old one may still be going)."""
-    found: list[int] = []
-
-    def one() -> bool:
-        listing = subprocess.run(
-            ["ps", "-ww", "-o", "pid=,stat=,args=", "--ppid", str(stack.pids()["triton"])],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        found[:] = [
-            int(line.split()[0])
-            for line in listing.splitlines()
-            if " llm_0_0 " in line and not line.split()[1].startswith("Z")
-        ]
-        return len(found) == 1
-
-    wait_for(one, 60, "one backend process of the llm model")
-    return found[0]
+    """The pid of the ``llm`` model's backend process, once there is one (a reload may be
+    starting a new one)."""
+    wait_for(lambda: "llm_0_0" in backend_pids(stack), 60, "the llm model's backend process")
+    return backend_pids(stack)["llm_0_0"]
 
 
 def stored_request_ids(stack: Stack, sessions: set[str]) -> set[str]:

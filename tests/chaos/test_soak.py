@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import threading
 import time
 import urllib.request
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmmesh.launcher import Stack, StackPorts
 from tests.chaos.load import Load, Outcome
+from tests.conftest import backend_pids
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -45,18 +45,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def processes(stack: Stack) -> dict[str, int]:
     """The stack's processes and Triton's backend stubs, by name."""
-    found = dict(stack.pids())
-    listing = subprocess.run(
-        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(found["triton"])],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for line in listing.splitlines():
-        pid, *args = line.split()
-        if "triton_python_backend_stub" in line:
-            found[f"stub {args[-2]}"] = int(pid)
-    return found
+    stubs = {f"stub {instance}": pid for instance, pid in backend_pids(stack).items()}
+    return {**stack.pids(), **stubs}
 
 
 def rss_mb(pid: int) -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import pytest
 
 from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack, StackPorts
-from tests.conftest import collect, metric_value, wait_for
+from tests.conftest import backend_pids, collect, metric_value, wait_for
 
 STALL_S = 2.0
 
@@ -27,17 +26,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-def stub_pids(stack: Stack, instance: str) -> list[int]:
-    """The Python-backend processes of Triton serving ``instance`` (e.g. llm_0_0)."""
-    listing = subprocess.run(
-        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(stack.pids()["triton"])],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return [int(line.split()[0]) for line in listing.splitlines() if f" {instance} " in line]
-
-
 def serves(stack: Stack) -> bool:
     try:
         with authorized_channel(stack.address("router"), stack.api_key) as channel:
@@ -47,7 +35,7 @@ def serves(stack: Stack) -> bool:
 
 
 def test_a_killed_model_instance_ends_its_stream_and_is_reloaded(stack: Stack) -> None:
-    [stub] = stub_pids(stack, "llm_0_0")
+    stub = backend_pids(stack)["llm_0_0"]
     started, outcome = threading.Event(), []
 
     def long_stream() -> None:
@@ -77,4 +65,4 @@ def test_a_killed_model_instance_ends_its_stream_and_is_reloaded(stack: Stack) -
     failures = {"model": "llm", "cause": "stalled"}
     assert metric_value(metrics, "llm_inference_model_failures_total", failures) == 1
     wait_for(lambda: serves(stack), 60, "the model reloaded and serving")
-    assert stub_pids(stack, "llm_0_0") not in ([], [stub])  # a new backend process
+    assert backend_pids(stack).get("llm_0_0") not in (None, stub)  # a new backend process

@@ -159,9 +159,14 @@ def test_ending_streams_again_before_they_ended_is_harmless() -> None:
                 await release.wait()
 
         task = asyncio.create_task(stream())
-        await asyncio.sleep(0)  # the stream is now waiting inside its watch
+
+        async def watching() -> bool:
+            return health.in_flight("llm") == 1
+
+        assert await poll_until_async(watching, 5)
         health.end_streams("llm")
-        await asyncio.sleep(0)  # its timer fires; the stream has not unwound yet
+        # One step of the loop, deterministic: its timer fires, the stream not yet unwound.
+        await asyncio.sleep(0)
         health.end_streams("llm")
         with pytest.raises(Unavailable, match="stalled"):
             await task
