@@ -22,9 +22,12 @@ def redis_server_binary() -> str:
     return found
 
 
-def start_redis(workdir: Path, port: int) -> Child:
+def start_redis(
+    workdir: Path, port: int, log_path: Path | None = None, *, append: bool = False
+) -> Child:
     """Starts redis-server keeping its data in ``workdir`` (restarting on the same
     directory recovers it from the append-only file); returns once it answers PING."""
+    log_path = log_path or workdir / "redis.log"
     workdir.mkdir(parents=True, exist_ok=True)
     command = [
         redis_server_binary(),
@@ -36,7 +39,7 @@ def start_redis(workdir: Path, port: int) -> Child:
         "--save", "",
         "--daemonize", "no",
     ]  # fmt: skip
-    child = Child.spawn("redis", command, dict(os.environ), workdir / "redis.log", workdir)
+    child = Child.spawn("redis", command, dict(os.environ), log_path, workdir, append=append)
     child.wait_until(lambda: ping(port), time.monotonic() + START_TIMEOUT_S, "answer PING")
     return child
 

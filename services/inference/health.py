@@ -10,8 +10,11 @@ streams it had silent forever. So the inference service watches for itself:
 - **Liveness probes**: a model with nothing in flight for ``probe_interval_s`` is sent a
   request its backend must refuse (``max_tokens: 0``); the refusal proves the backend
   process alive and answering, without touching the engine or its statistics.
-- **Recovery**: a failed model is reloaded through Triton's model control API (unload,
-  then load: a new backend process) and probed until it answers again.
+- **Recovery**: a failed model is probed every ``RECHECK_S`` until it answers again, and
+  reloaded through Triton's model control API (unload, then load: a new backend
+  process) when a probe fails, at most once per backoff period. A model that comes back
+  by itself (Triton restarted and loaded it) is not loaded a second time; a stalled one
+  is reloaded at once (a probe of it would only wait out its timeout).
 
 A failed model is refused at once here and named in load reports, so that routers stop
 picking this replica for it (and only for it).
@@ -37,7 +40,8 @@ MODEL_FAILURES = Counter(
     "llm_inference_model_failures_total", "Models found not answering", ["model", "cause"]
 )
 MODEL_FAILED = Gauge("llm_inference_model_failed", "1 while a model is failed here", ["model"])
-RECOVERY_BACKOFF_S = (1.0, 10.0)
+RELOAD_BACKOFF_S = (1.0, 10.0)  # between reloads of a model that stays failed
+RECHECK_S = 0.5  # between probes of a failed model
 
 
 class ModelControl(Protocol):
@@ -150,18 +154,18 @@ class HealthKeeper:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def failed(self, model: str, cause: str) -> None:
+    def failed(self, model: str, cause: str, *, hung: bool = False) -> None:
         """A model found not answering: failed, and brought back in the background."""
         self._health.fail(model, cause)
         if model not in self._recovering or self._recovering[model].done():
-            self._recovering[model] = asyncio.create_task(self._recover(model))
+            self._recovering[model] = asyncio.create_task(self._recover(model, reload_now=hung))
 
     async def _watch_stalls(self) -> None:
         period = self._health.stall_s / 4
         while True:
             await asyncio.sleep(period)  # the watchdog's period, not synchronisation
             for model in self._health.stalled():
-                self.failed(model, "stalled")
+                self.failed(model, "stalled", hung=True)
                 self._health.end_streams(model)
 
     async def _probe_idle(self) -> None:
@@ -179,18 +183,24 @@ class HealthKeeper:
                 except Unavailable as err:
                     self.failed(model, f"probe: {err.message}")
 
-    async def _recover(self, model: str) -> None:
-        delay = RECOVERY_BACKOFF_S[0]
+    async def _recover(self, model: str, *, reload_now: bool) -> None:
+        delay, next_reload = RELOAD_BACKOFF_S[0], 0.0
         while model in self._health.failed:
-            reloaded = await self._control.reload(model)
-            try:
-                await self._control.probe(model, self._health.stall_s)
-            except Unavailable:
-                log.info(
-                    "model still not answering",
-                    extra={"fields": {"model": model, "reloaded": reloaded, "retry_s": delay}},
-                )
-                await asyncio.sleep(delay)  # recovery backoff
-                delay = min(RECOVERY_BACKOFF_S[1], delay * 2)
-                continue
-            self._health.recovered(model)
+            if not reload_now and await self._answers(model):
+                self._health.recovered(model)
+                return
+            if reload_now or time.monotonic() >= next_reload:
+                reloaded = await self._control.reload(model)
+                log.info("model reload asked", extra={"fields": {"model": model, "ok": reloaded}})
+                next_reload = time.monotonic() + delay
+                delay = min(RELOAD_BACKOFF_S[1], delay * 2)
+                reload_now = False
+                continue  # probe the new instance at once
+            await asyncio.sleep(RECHECK_S)  # the recheck period
+
+    async def _answers(self, model: str) -> bool:
+        try:
+            await self._control.probe(model, self._health.stall_s)
+        except Unavailable:
+            return False
+        return True

@@ -1,6 +1,6 @@
 """kill -9 of each process type under conversational load, the stack supervised as
-`llm-mesh up` supervises it; the figures go to bench/results/chaos.json and
-docs/reliability.md.
+`llm-mesh up` supervises it, its sessions in Redis (`--context-store redis`); the figures
+go to bench/results/chaos.json and docs/reliability.md.
 
 Per kill: how long until requests succeed again, what the requests in flight saw
 (refused before streaming, or cut mid-stream with a status; none may hang), and whether
@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "chaos.jso
 # The canary serves the model too: with it as stable's fallback, requests that had not
 # started streaming when stable's replica died are served there.
 ROUTING = DEFAULT_ROUTING + "fallback: {stable: [canary]}\n"
-KILLS = ["router", "policy", "context", "inference", "triton", "model stub"]
+KILLS = ["router", "policy", "context", "redis", "inference", "triton", "model stub"]
 SETTLED_ACKS = 12  # acknowledged requests after recovery before the load stops
 STALL_S = 15.0  # the inference service's default stall time
 
@@ -64,7 +64,9 @@ class Supervised:
 def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
     workdir = tmp_path_factory.mktemp("chaos")
     (workdir / "routing.yaml").write_text(ROUTING)
-    with Stack(workdir, StackPorts.free()) as stack, Supervised(stack) as tended:
+    # Sessions in the stack's own Redis (appendfsync always), so that Redis is killed too.
+    stack = Stack(workdir, StackPorts.free(), context_store="redis")
+    with stack, Supervised(stack) as tended:
         yield tended
 
 

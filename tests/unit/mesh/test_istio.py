@@ -241,6 +241,16 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+# Each compose service's gRPC port unless its environment sets another (service configs).
+GRPC_PORTS = {
+    "policy": 50071,
+    "context": 50081,
+    "inference-stable": 50061,
+    "inference-canary": 50061,
+    "router": 50051,
+}
+
+
 def test_compose_file_passes_docker_compose_config() -> None:
     compose = shutil.which("docker-compose")
     if compose is None:
@@ -260,3 +270,16 @@ def test_compose_file_passes_docker_compose_config() -> None:
     assert {s["environment"]["REGISTRATION"] for s in sidecars.values()} == registrations
     for name, sidecar in sidecars.items():
         assert sidecar["network_mode"] == f"service:{name.removesuffix('-sidecar')}"
+    # Every process of the mesh is restarted when it exits and probed as the launcher
+    # probes it: the services by grpc.health.v1 on their own gRPC port, Triton by readiness.
+    triton = config["services"]["triton"]
+    assert triton["restart"] == "unless-stopped"
+    assert triton["healthcheck"]["test"][-1].endswith(":8000/v2/health/ready")
+    for name, default_port in GRPC_PORTS.items():
+        service = config["services"][name]
+        variable = f"LLM_MESH_{name.split('-')[0].upper()}_GRPC_PORT"
+        port = service["environment"].get(variable, default_port)
+        assert service["restart"] == "unless-stopped", name
+        assert service["healthcheck"]["test"] == [
+            "CMD", "llm-mesh", "health", f"127.0.0.1:{port}"
+        ], name  # fmt: skip
