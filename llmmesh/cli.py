@@ -22,8 +22,9 @@ from llmmesh.client import (
     router_address,
     stream_text,
 )
+from llmmesh.launcher.stack import LOCAL_MODELS
 
-DEMO_PROMPT = "Once upon a time"
+DEMO_PROMPT = "What is the capital of France?"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,6 +65,19 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="an Envoy sidecar beside every service: mTLS, RBAC from mesh/consul's intentions",
     )
+    up.add_argument(
+        "--models",
+        default=",".join(LOCAL_MODELS),
+        help="the models the stable replica serves, the first the default "
+        "(default: %(default)s; llm is the tiny random-weight model of the tests)",
+    )
+    up.add_argument(
+        "--context-store",
+        choices=("sqlite", "redis"),
+        default="sqlite",
+        help="where sessions live: a SQLite file, or a Redis server the stack runs "
+        "(Debian's redis-server; default: %(default)s)",
+    )
     up.set_defaults(func=_up)
 
     gen = commands.add_parser("generate", help="stream a generation through the router")
@@ -85,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
         help="state file of `llm-mesh up` (router address, demo API key)",
     )
     gen.set_defaults(func=_generate)
+
+    health = commands.add_parser(
+        "health", help="exit 0 if a service answers grpc.health.v1 SERVING (container probes)"
+    )
+    health.add_argument("address", help="host:port of the service's gRPC port")
+    health.add_argument("--service", default="", help="health service name (default: overall)")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    health.set_defaults(func=_health)
 
     _add_canary_parser(commands)
 
@@ -171,6 +193,22 @@ def _report_rpc_error(err: grpc.RpcError) -> int:
     return 1
 
 
+def _health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    request = health_pb2.HealthCheckRequest(service=args.service)
+    with grpc.insecure_channel(args.address) as channel:
+        stub: Any = health_pb2_grpc.HealthStub(channel)  # its stubs are untyped
+        try:
+            reply = stub.Check(request, timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"{args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _generate(args: argparse.Namespace) -> int:
     request = build_request(
         args.prompt,
@@ -214,7 +252,13 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ports = StackPorts.free() if args.free_ports else StackPorts()
-    stack = Stack(args.workdir, ports, sidecars=args.sidecars)
+    stack = Stack(
+        args.workdir,
+        ports,
+        sidecars=args.sidecars,
+        context_store=args.context_store,
+        models=[m for m in args.models.split(",") if m],
+    )
     print(
         f"starting Triton and the mesh services (logs in {stack.workdir / 'logs'}) ...",
         file=sys.stderr,

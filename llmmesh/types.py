@@ -88,6 +88,20 @@ class InferenceCall:
     sampling: Sampling
 
 
+@dataclass(frozen=True)
+class ModelCard:
+    """What the mesh needs to speak a model's tokens, as the model reports it: its
+    tokenizer (a Hugging Face ``tokenizers`` definition; empty: UTF-8 bytes), its chat
+    template (Jinja; empty: none) and the context it serves."""
+
+    model: str
+    max_context: int
+    tokenizer_json: str = ""
+    chat_template: str = ""
+    bos_token: str = ""
+    eos_token: str = ""
+
+
 def count_tokens(text: str) -> int:
     """Token count in the reference model's byte-level tokenizer."""
     return len(text.encode("utf-8"))

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from llmmesh.runtime.errors import MeshError, Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard
 from services.router.connector import LoadReport
 from services.router.endpoints import Endpoint
 
@@ -60,6 +60,9 @@ class MemoryReplica:
     async def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
         while True:
             yield await self.reports.get()
+
+    async def describe(self, model: str) -> ModelCard:
+        return ModelCard(model, max_context=2048)  # byte-level, the mesh's layout
 
     async def close(self, grace_s: float | None = None) -> None:
         self.closed = True

@@ -8,11 +8,13 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
 from types import TracebackType
 
 from llmmesh.launcher.process import Child, StackError, free_ports
+from llmmesh.launcher.redis import start_redis
 from llmmesh.launcher.sidecars import SidecarPorts, start_sidecar, wait_ready, write_configs
 from llmmesh.launcher.triton import start_triton, wait_until_ready
 from llmmesh.runtime.internal_auth import new_token_file, read_token
@@ -30,8 +32,15 @@ PROCESSES = {
     "router": "router",
 }
 CANARY_ALIASES = {"llm": "llm_canary"}
+# The mesh models the stable replica serves, the first the default. Tests serve the tiny
+# reference model (it loads in a second); `llm-mesh up` serves the real one first.
+TEST_MODELS = ("llm",)
+LOCAL_MODELS = ("smollm2", "llm")
 # Shutdown order: the front door first, so it drains while its upstreams still answer.
-STOP_ORDER = ("router", "inference", "inference_canary", "policy", "context", "triton")
+STOP_ORDER = ("router", "inference", "inference_canary", "policy", "context", "redis", "triton")
+# Where the context service keeps sessions: a SQLite file, or a Redis server of the stack's
+# own (for context replicas that share sessions).
+CONTEXT_STORES = ("sqlite", "redis")
 DEMO_KEY_FILE = "demo_api_key"
 INTERNAL_TOKEN_FILE = "internal_token"
 # Tenants of the local stack (see services/router/tenants.py): only key hashes are stored.
@@ -70,6 +79,7 @@ class StackPorts:
     triton_grpc: int = 8001
     triton_http: int = 8000
     triton_metrics: int = 8002
+    redis: int = 6379  # used with the Redis context store only
 
     @classmethod
     def free(cls, host: str = "127.0.0.1") -> StackPorts:
@@ -88,8 +98,14 @@ class Stack:
         env: dict[str, str] | None = None,
         *,
         sidecars: bool = False,
+        context_store: str = "sqlite",
+        models: Sequence[str] = TEST_MODELS,
     ) -> None:
+        if context_store not in CONTEXT_STORES:
+            raise StackError(f"context_store: {context_store!r} is not one of {CONTEXT_STORES}")
         self.workdir = workdir.resolve()
+        self.context_store = context_store
+        self.models = tuple(models)
         self.ports = ports or StackPorts()
         self.host = host
         self.model_repository = model_repository.resolve()
@@ -108,7 +124,7 @@ class Stack:
 
     def endpoints(self) -> dict[str, str]:
         """Every endpoint as host:port, as written to the state file."""
-        found = {f.name: self.address(f.name) for f in fields(self.ports)}
+        found = {name: self.address(name) for name in self._used_ports()}
         if self.sidecar_ports is not None:
             sidecars = self.sidecar_ports
             for process, port in sidecars.inbound.items():
@@ -119,7 +135,7 @@ class Stack:
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Starts every process and returns once all of them are ready."""
-        busy = [name for name, port in asdict(self.ports).items() if _in_use(self.host, port)]
+        busy = [name for name, port in self._used_ports().items() if _in_use(self.host, port)]
         if busy:
             taken = ", ".join(f"{name} ({self.address(name)})" for name in busy)
             raise StackError(f"ports already in use: {taken}")
@@ -129,6 +145,7 @@ class Stack:
             self._write_routing_files()
             self._write_tenants()
             new_token_file(self.internal_token_file)
+            self._start_redis()
             self._start_triton()
             self._start_sidecars(time.monotonic() + timeout_s)
             for name in PROCESSES:
@@ -160,6 +177,8 @@ class Stack:
         if name == "triton":
             self._start_triton(append=True)
             self._wait_triton(deadline)
+        elif name == "redis":
+            self._start_redis(append=True)  # recovers every acknowledged write from its AOF
         elif name.startswith("sidecar-"):
             process = name.removeprefix("sidecar-")
             assert self.sidecar_ports is not None
@@ -239,6 +258,23 @@ class Stack:
     ) -> None:
         self.stop()
 
+    def _used_ports(self) -> dict[str, int]:
+        ports = asdict(self.ports)
+        if self.context_store != "redis":
+            del ports["redis"]
+        return ports
+
+    def _start_redis(self, *, append: bool = False) -> None:
+        if self.context_store == "redis":
+            self._children["redis"] = start_redis(
+                self.workdir / "redis", self.ports.redis, self.log_path("redis"), append=append
+            )
+
+    @property
+    def triton_models(self) -> list[str]:
+        """What Triton loads: the served models and the canary builds of those it has."""
+        return [*self.models, *(CANARY_ALIASES[m] for m in self.models if m in CANARY_ALIASES)]
+
     def _start_triton(self, *, append: bool = False) -> None:
         ports = (self.ports.triton_grpc, self.ports.triton_http, self.ports.triton_metrics)
         self._children["triton"] = start_triton(
@@ -248,6 +284,7 @@ class Stack:
             ports,
             self.log_path("triton"),
             append=append,
+            models=self.triton_models,
         )
 
     @property
@@ -316,12 +353,17 @@ class Stack:
         if name.startswith("inference"):
             env[f"{prefix}TRITON_URL"] = self.address("triton_grpc")
             env[f"{prefix}TRITON_METRICS_URL"] = f"http://{self.address('triton_metrics')}/metrics"
+            env[f"{prefix}MODELS"] = json.dumps(list(self.models))
             if name == "inference_canary":
-                env[f"{prefix}MODEL_ALIASES"] = json.dumps(CANARY_ALIASES)
+                canaries = {m: t for m, t in CANARY_ALIASES.items() if m in self.models}
+                env[f"{prefix}MODEL_ALIASES"] = json.dumps(canaries)
+                env[f"{prefix}MODELS"] = json.dumps(list(canaries))
         elif name == "policy":
             env.setdefault(f"{prefix}AUDIT_PATH", str(self.workdir / "logs" / "audit.log"))
         elif name == "context":
             store = {"kind": "sqlite", "path": str(self.workdir / "context.sqlite3")}
+            if self.context_store == "redis":
+                store = {"kind": "redis", "url": f"redis://{self.address('redis')}/0"}
             env.setdefault(f"{prefix}STORE", json.dumps(store))
         elif name == "router":
             env[f"{prefix}HTTP_PORT"] = str(self.ports.router_http)
@@ -333,6 +375,7 @@ class Stack:
             env[f"{prefix}ROUTING_FILE"] = str(self.routing_file)
             env[f"{prefix}TENANTS_FILE"] = str(self.tenants_file)
             env[f"{prefix}REGION"] = "local"
+            env[f"{prefix}MODELS"] = json.dumps(self.triton_models)
         return env
 
     def _upstream(self, service: str) -> str:
@@ -342,7 +385,8 @@ class Stack:
         return self.sidecar_ports.router_address(service, self.host)
 
     def _wait_triton(self, deadline: float) -> None:
-        wait_until_ready(self._children["triton"], self.address("triton_grpc"), deadline)
+        triton = self._children["triton"]
+        wait_until_ready(triton, self.address("triton_grpc"), deadline, self.triton_models)
 
 
 def _in_use(host: str, port: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def triton_command(
     backend_dir: Path,
     host: str,
     ports: tuple[int, int, int],
+    *,
+    models: Sequence[str] = (),
 ) -> list[str]:
+    """Triton's command line; ``models``: the models loaded at start (default: all)."""
     grpc_port, http_port, metrics_port = ports
     return [
         str(dist.server),
@@ -91,10 +95,10 @@ def triton_command(
         f"--http-port={http_port}",
         f"--metrics-address={host}",
         f"--metrics-port={metrics_port}",
-        # Explicit model control, every model loaded at start: the inference service
+        # Explicit model control, the models loaded at start: the inference service
         # reloads a model whose backend process died (services/inference/health.py).
         "--model-control-mode=explicit",
-        "--load-model=*",
+        *(f"--load-model={model}" for model in models or ["*"]),
         "--allow-gpu-metrics=false",
         "--exit-timeout-secs=10",
         "--log-info=false",
@@ -109,23 +113,28 @@ def start_triton(
     log_path: Path,
     *,
     append: bool = False,
+    models: Sequence[str] = (),
 ) -> Child:
-    """Starts tritonserver (gRPC, HTTP, metrics ports) on ``model_repository``."""
+    """Starts tritonserver (gRPC, HTTP, metrics ports) on ``model_repository``, loading
+    ``models`` (default: every model there)."""
     dist = TritonDist.locate()
-    command = triton_command(dist, model_repository, dist.backend_dir(workdir), host, ports)
+    backends = dist.backend_dir(workdir)
+    command = triton_command(dist, model_repository, backends, host, ports, models=models)
     return Child.spawn("triton", command, dist.environment(), log_path, workdir, append=append)
 
 
-def wait_until_ready(triton: Child, grpc_address: str, deadline: float) -> None:
-    """Returns once Triton reports itself and the reference model ready."""
+def wait_until_ready(
+    triton: Child, grpc_address: str, deadline: float, models: Sequence[str] = ("llm",)
+) -> None:
+    """Returns once Triton reports itself and ``models`` ready."""
     import tritonclient.grpc as triton_grpc
 
     client = triton_grpc.InferenceServerClient(grpc_address)
     try:
         triton.wait_until(
-            lambda: bool(client.is_server_ready() and client.is_model_ready("llm")),
+            lambda: bool(client.is_server_ready() and all(map(client.is_model_ready, models))),
             deadline,
-            "load the model",
+            f"load {', '.join(models)}",
         )
     finally:
         client.close()

@@ -20,6 +20,68 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class DescribeModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The mesh's model name (an alias resolves to the Triton model behind it)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeModelRequest: _TypeAlias = DescribeModelRequest  # noqa: Y015
+
+@_typing.final
+class ModelCard(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    MAX_CONTEXT_FIELD_NUMBER: _builtins.int
+    TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    BOS_TOKEN_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    max_context: _builtins.int
+    """Tokens of context the model serves, prompt and generation together."""
+    tokenizer_json: _builtins.str
+    """A Hugging Face `tokenizers` definition (tokenizer.json); empty: the model's tokens
+    are the UTF-8 bytes of the text.
+    """
+    chat_template: _builtins.str
+    """The model's Jinja chat template, rendered as `transformers` renders it; empty: the
+    model has none, and the mesh lays conversations out in its own format.
+    """
+    bos_token: _builtins.str
+    """The template's bos_token and eos_token."""
+    eos_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        max_context: _builtins.int = ...,
+        tokenizer_json: _builtins.str = ...,
+        chat_template: _builtins.str = ...,
+        bos_token: _builtins.str = ...,
+        eos_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bos_token", b"bos_token", "chat_template", b"chat_template", "eos_token", b"eos_token", "max_context", b"max_context", "model", b"model", "tokenizer_json", b"tokenizer_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
+
+@_typing.final
 class WatchLoadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -45,6 +45,11 @@ class InferenceStub:
                 request_serializer=llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.DescribeModel = channel.unary_unary(
+                '/llmmesh.v1.Inference/DescribeModel',
+                request_serializer=llmmesh_dot_v1_dot_inference__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_inference__pb2.ModelCard.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -67,6 +72,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeModel(self, request, context):
+        """What the mesh needs to speak a model's tokens, as the model itself reports it: its
+        tokenizer, chat template and context length. NOT_FOUND for a model not served here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.WatchLoad,
                     request_deserializer=llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_inference__pb2.LoadReport.SerializeToString,
+            ),
+            'DescribeModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeModel,
+                    request_deserializer=llmmesh_dot_v1_dot_inference__pb2.DescribeModelRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_inference__pb2.ModelCard.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +154,33 @@ class Inference:
             '/llmmesh.v1.Inference/WatchLoad',
             llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
             llmmesh_dot_v1_dot_inference__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Inference/DescribeModel',
+            llmmesh_dot_v1_dot_inference__pb2.DescribeModelRequest.SerializeToString,
+            llmmesh_dot_v1_dot_inference__pb2.ModelCard.FromString,
             options,
             channel_credentials,
             insecure,

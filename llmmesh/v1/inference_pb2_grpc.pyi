@@ -41,6 +41,10 @@ class InferenceStub:
     """Streams this replica's load: a report whenever it changes, and at least every
     interval, for as long as the caller listens. Routers subscribe instead of scraping.
     """
+    DescribeModel: _grpc.UnaryUnaryMultiCallable[_inference_pb2.DescribeModelRequest, _inference_pb2.ModelCard]
+    """What the mesh needs to speak a model's tokens, as the model itself reports it: its
+    tokenizer, chat template and context length. NOT_FOUND for a model not served here.
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -54,6 +58,10 @@ class InferenceAsyncStub(InferenceStub):
     WatchLoad: _aio.UnaryStreamMultiCallable[_inference_pb2.WatchLoadRequest, _inference_pb2.LoadReport]  # type: ignore[assignment]
     """Streams this replica's load: a report whenever it changes, and at least every
     interval, for as long as the caller listens. Routers subscribe instead of scraping.
+    """
+    DescribeModel: _aio.UnaryUnaryMultiCallable[_inference_pb2.DescribeModelRequest, _inference_pb2.ModelCard]  # type: ignore[assignment]
+    """What the mesh needs to speak a model's tokens, as the model itself reports it: its
+    tokenizer, chat template and context length. NOT_FOUND for a model not served here.
     """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
@@ -77,6 +85,16 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.LoadReport], _abc.AsyncIterator[_inference_pb2.LoadReport]]:
         """Streams this replica's load: a report whenever it changes, and at least every
         interval, for as long as the caller listens. Routers subscribe instead of scraping.
+        """
+
+    @_abc_1.abstractmethod
+    def DescribeModel(
+        self,
+        request: _inference_pb2.DescribeModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.ModelCard, _abc.Awaitable[_inference_pb2.ModelCard]]:
+        """What the mesh needs to speak a model's tokens, as the model itself reports it: its
+        tokenizer, chat template and context length. NOT_FOUND for a model not served here.
         """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

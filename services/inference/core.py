@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.metrics import TPOT, TTFT
-from llmmesh.types import Chunk, InferenceCall, check_sampling
+from llmmesh.types import Chunk, InferenceCall, ModelCard, check_sampling
 from services.inference.health import ModelHealth
 from services.inference.load import ModelLoad, RecentLatency
 from services.inference.triton import ModelInstanceFailed
@@ -23,6 +23,8 @@ IN_FLIGHT = Gauge("llm_inference_in_flight_requests", "Generations streaming now
 
 class GenerationBackend(Protocol):
     def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]: ...
+
+    async def describe(self, model: str) -> ModelCard: ...
 
 
 class InferenceCore:
@@ -76,6 +78,15 @@ class InferenceCore:
             self.in_flight -= 1
             IN_FLIGHT.dec()
             self._record(call.model, outcome, tokens, started, first_at)
+
+    async def describe(self, model: str) -> ModelCard:
+        """The card of the Triton model behind the mesh's ``model``, asked of the model
+        itself (a reload may bring another version), under the mesh's name."""
+        if not model:
+            raise InvalidArgument("model", "required")
+        served = self._aliases.get(model, model)
+        self.health.check(served)
+        return replace(await self._backend.describe(served), model=model)
 
     def mesh_view(self, models: Sequence[ModelLoad]) -> tuple[ModelLoad, ...]:
         """Engine load under the names the mesh uses: an aliased Triton model reports as

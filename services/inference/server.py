@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
@@ -24,6 +24,7 @@ from services.inference.triton import TritonBackend
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 
 Context = grpc.aio.ServicerContext[inference_pb2.InferenceRequest, inference_pb2.InferenceResponse]
+AnyContext = grpc.aio.ServicerContext[Any, Any]
 
 
 DEFAULT_REPORT_INTERVAL_S = 0.05
@@ -36,7 +37,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._replica = replica
 
     async def WatchLoad(  # noqa: N802 (gRPC method name)
-        self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: inference_pb2.WatchLoadRequest, context: AnyContext
     ) -> AsyncIterator[inference_pb2.LoadReport]:
         if request.max_interval_ms < 0:
             raise InvalidArgument("max_interval_ms", "must be >= 0")
@@ -44,6 +45,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async for snapshot in self._monitor.watch(interval):
             named = replace(snapshot, models=self._core.mesh_view(snapshot.models))
             yield load_report_to_pb(named, self._replica)
+
+    async def DescribeModel(  # noqa: N802 (gRPC method name)
+        self,
+        request: inference_pb2.DescribeModelRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> inference_pb2.ModelCard:
+        card = await self._core.describe(request.model)
+        return inference_pb2.ModelCard(**asdict(card))
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.InferenceRequest, context: Context

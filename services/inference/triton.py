@@ -8,6 +8,7 @@ tensors in ``raw_*_contents``: per token this costs a fraction of tritonclient's
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import struct
 from collections.abc import AsyncIterator, Iterable
@@ -16,8 +17,8 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from llmmesh.runtime.errors import InvalidArgument, MeshError, Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
+from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,38 @@ def build_request(call: InferenceCall) -> service_pb2.ModelInferRequest:
     return request
 
 
+def build_card_request(model: str) -> service_pb2.ModelInferRequest:
+    """Asks the model for its card instead of a generation (the request parameter
+    ``model_card``, which the reference engine's models answer)."""
+    request = service_pb2.ModelInferRequest(model_name=model, id="model-card")
+    request.parameters["model_card"].bool_param = True
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(bytes_tensor(b""))
+    request.outputs.add(name="text_output")
+    return request
+
+
+def parse_card(model: str, text: str) -> ModelCard:
+    try:
+        doc = json.loads(text)
+        return ModelCard(
+            model=model,
+            max_context=int(doc["max_context"]),
+            tokenizer_json=str(doc.get("tokenizer_json", "")),
+            chat_template=str(doc.get("chat_template", "")),
+            bos_token=str(doc.get("bos_token", "")),
+            eos_token=str(doc.get("eos_token", "")),
+        )
+    except (ValueError, KeyError, TypeError):
+        raise Unavailable(f"model '{model}' does not describe itself (no model card)") from None
+
+
+def _outputs(response: service_pb2.ModelInferResponse) -> dict[str, bytes]:
+    return dict(zip((o.name for o in response.outputs), response.raw_output_contents, strict=False))
+
+
 def parse_response(response: service_pb2.ModelInferResponse) -> Chunk:
-    raw = dict(zip((o.name for o in response.outputs), response.raw_output_contents, strict=False))
+    raw = _outputs(response)
     reason = first_bytes_element(raw.get("finish_reason", b"")).decode()
     tokens = raw.get("num_output_tokens", b"")
     return Chunk(
@@ -99,6 +130,25 @@ class TritonBackend:
             # leaves it waiting for that stream at shutdown.
             if not finished:
                 stream.cancel()
+
+    async def describe(self, model: str, timeout_s: float = 30.0) -> ModelCard:
+        """The model's card, asked of the model itself."""
+        stream = self._stub.ModelStreamInfer(timeout=timeout_s)
+        try:
+            await self._send(stream, build_card_request(model))
+            reply = await self._next(stream)
+        finally:
+            stream.cancel()
+        if reply.error_message:
+            error = _stream_error(reply.error_message, model)
+            if isinstance(error, InvalidArgument) and error.field == "model":
+                raise NotFound(error.message)
+            raise error
+        response = reply.infer_response
+        raw = dict(
+            zip((o.name for o in response.outputs), response.raw_output_contents, strict=False)
+        )
+        return parse_card(model, first_bytes_element(raw.get("text_output", b"")).decode())
 
     async def probe(self, model: str, timeout_s: float) -> None:
         """A request the model's backend must refuse (``max_tokens: 0``): its refusal,

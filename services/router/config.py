@@ -114,8 +114,9 @@ class RouterConfig(ServiceConfig):
     max_conversation_chars: int = Field(default=65536, ge=1)
     default_max_tokens: int = 128
     max_tokens_limit: int = 1024
-    # Context window of the served models, in tokens (prompt + history + generation).
-    model_context_tokens: int = 2048
+    # Context window to assume for every model, in tokens (prompt + history + generation);
+    # unset: each model's own, from its card (services/router/speech.py).
+    model_context_tokens: int | None = Field(default=None, ge=1)
     # Deadline for each policy and context call.
     upstream_timeout_s: float = 2.0
 

@@ -16,10 +16,12 @@ import grpc
 
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
-from llmmesh.types import Chunk, InferenceCall
+from llmmesh.types import Chunk, InferenceCall, ModelCard
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.endpoints import Endpoint
 from services.router.upstreams import CHANNEL_OPTIONS, Metadata, ReplicaClient
+
+DESCRIBE_TIMEOUT_S = 30.0  # a card is a few MB (the tokenizer), asked once per model
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class ReplicaLink(Protocol):
     def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
         """Reports on every change, at least every ``max_interval_s``; ends (or raises
         Unavailable) when the stream breaks."""
+        ...
+
+    async def describe(self, model: str) -> ModelCard:
+        """The model's card (its tokenizer, chat template, context), as the replica's
+        model reports it; NotFound if the replica does not serve it."""
         ...
 
     async def close(self, grace_s: float | None = None) -> None: ...
@@ -87,6 +94,23 @@ class GrpcLink:
                 yield LoadReport(models, report.engine_reachable, failed)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "inference replica", self._address) from None
+
+    async def describe(self, model: str) -> ModelCard:
+        request = inference_pb2.DescribeModelRequest(model=model)
+        try:
+            card = await self._stub.DescribeModel(
+                request, metadata=self._metadata, timeout=DESCRIBE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "inference replica", self._address) from None
+        return ModelCard(
+            card.model,
+            card.max_context,
+            card.tokenizer_json,
+            card.chat_template,
+            card.bos_token,
+            card.eos_token,
+        )
 
     async def close(self, grace_s: float | None = None) -> None:
         await self._channel.close(grace_s)

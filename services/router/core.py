@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
@@ -46,6 +46,7 @@ from services.router.prompt import (
     with_texts,
 )
 from services.router.request import GenerateInput, Generation, Prepared, StartedStream
+from services.router.speech import ModelSpeech, Speeches
 from services.router.tenants import Lease, Tenants
 from services.router.upstreams import (
     ContextClient,
@@ -113,7 +114,7 @@ class RouterCore:
         policy: PolicyClient,
         context: ContextClient,
         inference: InferenceClient,
-        count_tokens: Callable[[str], int],
+        speeches: Speeches,
         *,
         tenants: Tenants | None = None,
         admission: AdmissionQueue | None = None,
@@ -122,7 +123,7 @@ class RouterCore:
         self._policy = policy
         self._context = context
         self._inference = inference
-        self._count = count_tokens
+        self._speeches = speeches
         self._tenants = tenants or Tenants(config.default_tenant)
         self._admission = admission or AdmissionQueue()
 
@@ -188,13 +189,15 @@ class RouterCore:
         everything the model will read, and then only as the verdict lets it (redacted)."""
         received_at = time.perf_counter()
         request = self.validate(request)
+        speech = await self._speech(request.model)
         with tracing.tracer.start_as_current_span("context.load"):
-            history = await self._load_history(request)
+            history = await self._load_history(request, speech)
         rule_set = self._tenants.spec(request.tenant).policy_set
         verdict = await self._verdict(request, history, rule_set)
         history, user_text = with_texts(history, verdict.texts)
         _check_not_reused(history, user_text)
-        call, prompt_tokens = self._build_call(request, history, user_text)
+        call, prompt_tokens = self._build_call(request, history, user_text, speech)
+        user_tokens = speech.count(user_text)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
             with tracing.tracer.start_as_current_span("admission.wait"):
@@ -216,8 +219,22 @@ class RouterCore:
             else None
         )
         return Prepared(
-            request, started, user_text, prompt_tokens, received_at, lease, slot, guard, history
+            request,
+            started,
+            user_text,
+            prompt_tokens,
+            received_at,
+            lease,
+            slot,
+            guard,
+            history,
+            user_tokens,
         )
+
+    async def _speech(self, model: str) -> ModelSpeech:
+        speech = await self._speeches.of(model)
+        context = self._config.model_context_tokens
+        return replace(speech, max_context=context) if context else speech
 
     def _hints(self, request: GenerateInput) -> RouteHints:
         session_key = f"{request.tenant}/{request.session_id}" if request.session_id else ""
@@ -225,15 +242,15 @@ class RouterCore:
         return RouteHints(session_key, request.color, request.deadline, tier)
 
     def _build_call(
-        self, request: GenerateInput, history: History | None, user_text: str
+        self, request: GenerateInput, history: History | None, user_text: str, speech: ModelSpeech
     ) -> tuple[InferenceCall, int]:
-        budget = self._config.model_context_tokens - request.sampling.max_tokens - BOS_TOKENS
-        prompt, dropped = build_prompt(history, user_text, budget, self._count)
+        budget = speech.max_context - request.sampling.max_tokens - BOS_TOKENS
+        prompt, dropped = build_prompt(history, user_text, budget, speech.count, speech.layout)
         dropped += history.dropped_turns if history else 0
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
-        return call, self._count(prompt) + BOS_TOKENS
+        return call, speech.count(prompt) + BOS_TOKENS
 
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:
         """Relays the generation; records the turn in the session before the last chunk."""
@@ -303,25 +320,26 @@ class RouterCore:
             return replace(chunk, text="", finish_reason=FinishReason.POLICY), guard
         return replace(chunk, text=guarded.text), guard
 
-    async def _load_history(self, request: GenerateInput) -> History | None:
+    async def _load_history(self, request: GenerateInput, speech: ModelSpeech) -> History | None:
         """The session's history cut to what the prompt can hold; if the session store is
         unreachable, the tenant's fail mode decides: ``open`` answers without history."""
         if not request.session_id:
             return request.inline_history
         spec = self._tenants.spec(request.tenant)
+        count = speech.count
         room = (
-            self._config.model_context_tokens
+            speech.max_context
             - request.sampling.max_tokens
             - BOS_TOKENS
-            - self._count(user_tail(request.prompt))
-            - summary_overhead(self._count)
+            - count(user_tail(request.prompt, speech.layout))
+            - summary_overhead(count)
         )
         wanted = HistoryRequest(
             request.tenant,
             request.session_id,
             budget_tokens=max(room, 1),
             truncation=request.truncation or spec.truncation,
-            turn_overhead_tokens=turn_overhead(self._count),
+            turn_overhead_tokens=turn_overhead(count, speech.layout),
             ttl_s=spec.session_ttl_s,
         )
         try:
@@ -358,7 +376,7 @@ class RouterCore:
         if not request.session_id:
             return
         turns = [
-            Turn(Role.USER, prepared.user_text, self._count(prepared.user_text)),
+            Turn(Role.USER, prepared.user_text, prepared.user_tokens),
             Turn(Role.ASSISTANT, answer, answer_tokens),
         ]
         spec = self._tenants.spec(request.tenant)

@@ -28,7 +28,7 @@ from tenacity.stop import stop_base
 
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import ResourceExhausted, Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall, Route
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Route
 from services.router.affinity import prefix_hashes
 from services.router.config import PoolSettings
 from services.router.replicas import Replica, ReplicaSet
@@ -87,6 +87,20 @@ class Dispatcher:
         for reason in decision.reasons:
             DECISIONS.labels(reason).inc()
         return decision
+
+    async def describe(self, model: str) -> ModelCard:
+        """The model's card from a healthy replica that serves it, the next one if a
+        replica fails to answer."""
+        serving = [c for c in self._replicas.candidates(model) if c.healthy and c.load is not None]
+        for candidate in serving:
+            try:
+                return await self._replicas[candidate.address].link.describe(model)
+            except Unavailable as err:
+                log.warning(
+                    "a replica did not describe its model",
+                    extra={"fields": {"replica": candidate.address, "error": err.message}},
+                )
+        raise Unavailable(f"no replica of model '{model}' could describe it")
 
     async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
         request = PickRequest(

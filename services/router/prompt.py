@@ -14,18 +14,24 @@ from dataclasses import replace
 from llmmesh.policy import Part
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import History, Role, Turn
+from services.router.chat_layout import MESH_LAYOUT, ChatLayout
 
-_TAGS = {Role.SYSTEM: "<|system|>", Role.USER: "<|user|>", Role.ASSISTANT: "<|assistant|>"}
 SUMMARY_LEAD = "Earlier in this conversation: "
+# A message the layout's framing is measured after (a template may add text of its own
+# before the first message, e.g. a default system prompt, but never after another).
+_ANCHOR = Turn(Role.SYSTEM, "anchor")
 
 
-def render_turn(turn: Turn) -> str:
-    return f"{_TAGS[turn.role]}\n{turn.text}\n"
+def _after_anchor(layout: ChatLayout, turns: list[Turn], generation_prompt: bool) -> str:
+    """What ``turns`` add to a conversation already under way."""
+    before = layout.render([_ANCHOR], generation_prompt=False)
+    whole = layout.render([_ANCHOR, *turns], generation_prompt=generation_prompt)
+    return whole[len(before) :] if whole.startswith(before) else whole
 
 
-def turn_overhead(count_tokens: Callable[[str], int]) -> int:
-    """Tokens a rendered turn adds to its text: the longest role tag and separators."""
-    return max(count_tokens(render_turn(Turn(role, ""))) for role in Role)
+def turn_overhead(count_tokens: Callable[[str], int], layout: ChatLayout = MESH_LAYOUT) -> int:
+    """Tokens a turn adds to its text, at most: its role's framing in the layout."""
+    return max(count_tokens(_after_anchor(layout, [Turn(role, "")], False)) for role in Role)
 
 
 def summary_overhead(count_tokens: Callable[[str], int]) -> int:
@@ -35,9 +41,9 @@ def summary_overhead(count_tokens: Callable[[str], int]) -> int:
     return count_tokens(SUMMARY_LEAD)
 
 
-def user_tail(user_text: str) -> str:
+def user_tail(user_text: str, layout: ChatLayout = MESH_LAYOUT) -> str:
     """What follows the history: the new message and the assistant's cue."""
-    return render_turn(Turn(Role.USER, user_text)) + _TAGS[Role.ASSISTANT] + "\n"
+    return _after_anchor(layout, [Turn(Role.USER, user_text)], True)
 
 
 def _preamble(history: History) -> list[Turn]:
@@ -54,33 +60,58 @@ def build_prompt(
     user_text: str,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
+    layout: ChatLayout = MESH_LAYOUT,
 ) -> tuple[str, int]:
     """Returns (prompt, turns dropped here): the history within ``budget_tokens``.
 
     The context service cuts the history to the budget already; what would still not fit
     (it counted differently, or an older service) is dropped here, oldest first. Without a
     session (``history`` is None) the prompt goes to the model as it is, a plain
-    completion; a session's turns are laid out in the chat format.
+    completion; a session's turns are laid out in the model's chat layout.
     """
-    tail = user_text if history is None else user_tail(user_text)
-    used = count_tokens(tail)
+    if history is None:
+        _check_fits(count_tokens(user_text), budget_tokens)
+        return user_text, 0
+    turns = [*_preamble(history), *history.turns]
+    first = _first_kept(turns, user_text, budget_tokens, count_tokens, layout)
+    user = Turn(Role.USER, user_text)
+    while True:  # the estimate per turn, checked on the whole: a template may add its own
+        prompt = layout.render([*turns[first:], user], generation_prompt=True)
+        used = count_tokens(prompt)
+        if used <= budget_tokens or first == len(turns):
+            _check_fits(used, budget_tokens)
+            return prompt, first
+        first += 1
+
+
+def _first_kept(
+    turns: list[Turn],
+    user_text: str,
+    budget_tokens: int,
+    count_tokens: Callable[[str], int],
+    layout: ChatLayout,
+) -> int:
+    """The oldest turn of the longest run of recent turns that fits, by each turn's own
+    rendering."""
+    used = count_tokens(user_tail(user_text, layout))
+    _check_fits(used, budget_tokens)
+    first = len(turns)
+    while first > 0:
+        cost = count_tokens(_after_anchor(layout, [turns[first - 1]], False))
+        if used + cost > budget_tokens:
+            break
+        used += cost
+        first -= 1
+    return first
+
+
+def _check_fits(used: int, budget_tokens: int) -> None:
     if used > budget_tokens:
         raise InvalidArgument(
             "prompt",
             f"{used} tokens leave no room for generation in the model's context "
             f"({budget_tokens} tokens available after max_tokens)",
         )
-    turns = [*_preamble(history), *history.turns] if history else []
-    kept: list[str] = []
-    for turn in reversed(turns):
-        rendered = render_turn(turn)
-        cost = count_tokens(rendered)
-        if used + cost > budget_tokens:
-            break
-        kept.append(rendered)
-        used += cost
-    kept.reverse()
-    return "".join(kept) + tail, len(turns) - len(kept)
 
 
 def input_parts(history: History | None, prompt: str, inline: bool) -> list[Part]:

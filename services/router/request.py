@@ -82,6 +82,7 @@ class Prepared:
     slot: Slot
     guard: OutputGuard | None = None  # the streamed output check, when the rules have one
     history: History | None = None  # the session's history as it went into the prompt
+    user_tokens: int = 0  # the new message's tokens, as stored with its turn
 
     def release(self, first_token_at: float | None = None) -> None:
         """Gives back the tenant's stream and the admission slot (idempotent);

@@ -28,7 +28,7 @@ from llmmesh.runtime.metadata import (
 )
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.runtime.watch import watch_file
-from llmmesh.types import History, count_tokens
+from llmmesh.types import History
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
@@ -44,6 +44,7 @@ from services.router.replicas import ReplicaSet
 from services.router.request import GenerateInput, Generation
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
+from services.router.speech import CardSpeeches
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyService
 
@@ -249,7 +250,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         upstreams.policy,
         upstreams.context,
         upstreams.inference,
-        count_tokens,
+        CardSpeeches(upstreams.inference),
         tenants=upstreams.tenants,
         admission=AdmissionQueue(config.admission, upstreams.inference.saturated),
     )

@@ -28,6 +28,7 @@ from llmmesh.types import (
     GuardedText,
     History,
     InferenceCall,
+    ModelCard,
     PolicyAction,
     Turn,
     Verdict,
@@ -103,6 +104,10 @@ class InferenceClient(Protocol):
     """Streams a generation from some replica (the pool picks which)."""
 
     def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]: ...
+
+    async def describe(self, model: str) -> ModelCard:
+        """The model's card (tokenizer, chat template, context), from a replica of it."""
+        ...
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:

@@ -14,9 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel
+from llmmesh.client import authorized_channel, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import StackError, process_group_exists
+from llmmesh.runtime.internal_auth import read_token
+from llmmesh.v1 import context_pb2, context_pb2_grpc
 from tests.conftest import collect, wait_for
 
 CLI = [sys.executable, "-m", "llmmesh.cli"]
@@ -45,6 +47,10 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Po
             "up",
             "--free-ports",
             "--demo",
+            "--models",
+            "llm",  # the tiny model: Triton is killed and started again here
+            "--context-store",
+            "redis",  # so that Redis is supervised too
             "--workdir",
             str(workdir),
             "--state-file",
@@ -141,13 +147,15 @@ def _serves(state: dict[str, object]) -> bool:
 
 
 # Killed in this order: the front door, the stateless services, the one with the
-# sessions, the inference service, and Triton with its model stubs.
-@pytest.mark.parametrize("name", ["router", "policy", "context", "inference", "triton"])
+# sessions and their store, the inference service, and Triton with its model stubs.
+@pytest.mark.parametrize("name", ["router", "policy", "context", "redis", "inference", "triton"])
 def test_a_killed_process_is_restarted_and_the_stack_serves_again(
     up: tuple[subprocess.Popen[str], Path], name: str
 ) -> None:
     process, state_file = up
     before = json.loads(state_file.read_text())
+    told = generate("remember me", "--session", f"before-{name}", "--state-file", str(state_file))
+    assert told.returncode == 0, told.stderr
     pid = before["pids"][name]
     os.kill(pid, signal.SIGKILL)
 
@@ -161,6 +169,15 @@ def test_a_killed_process_is_restarted_and_the_stack_serves_again(
     assert not process_group_exists(pid)
     state = json.loads(state_file.read_text())
     wait_for(lambda: _serves(state), 60, "the stack serving again")
+    # The turn acknowledged before the kill is still in its session.
+    token = read_token(state_file.parent / "internal_token")
+    with internal_channel(str(state["context"]), token) as channel:
+        session = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="demo", session_id=f"before-{name}"), timeout=10
+        )
+    user, assistant = session.turns
+    assert (user.role, user.text) == (context_pb2.ROLE_USER, "remember me")
+    assert assistant.role == context_pb2.ROLE_ASSISTANT
 
 
 def test_ctrl_c_stops_everything_and_leaves_no_process(

@@ -183,6 +183,9 @@ class RecordingReplica:
                 self._owner.prompts.append(request.prompt)
             yield from self._owner._stub.Generate(request, timeout=60)
 
+        def DescribeModel(self, request: Any, context: Any) -> Any:  # noqa: N802
+            return self._owner._stub.DescribeModel(request, timeout=30)
+
         def WatchLoad(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
             reports = self._owner._stub.WatchLoad(request)
             context.add_callback(reports.cancel)

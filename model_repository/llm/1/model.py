@@ -13,21 +13,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from refengine import (
-    ByteTokenizer,
-    Engine,
-    EngineConfig,
-    EngineStats,
-    GenerationRequest,
-    ModelShape,
-    RequestError,
-    Transformer,
-)
+from refengine import Engine, EngineConfig, EngineStats, GenerationRequest, RequestError
 from refengine.contract import decode_text, parse_sampling_parameters
+from refengine.families import build_model
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -270,18 +263,21 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        shape = ModelShape.from_parameters(params)
         _limit_blas_threads(int(params.get("blas_threads", 1)))
-        model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
+        built = build_model(params)  # a bad model file fails the load, named
+        self.card = json.dumps(asdict(built.card))
         self.io = TritonIO(StatsExporter(args["model_name"]))
         config = EngineConfig.from_parameters(params)
-        self.engine = Engine(model, ByteTokenizer(), config, on_stats=self.io.publish)
+        self.engine = Engine(built.model, built.tokenizer, config, on_stats=self.io.publish)
         self.io.publish(self.engine.stats)
         self.engine.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sink = TritonSink(request, self.io)
+            if _asks_for_card(request):
+                sink.finish(self.card, 0, "stop")
+                continue
             try:
                 self.engine.submit(_parse(request), sink)
             except RequestError as exc:
@@ -317,6 +313,17 @@ def _parse(request: Any) -> GenerationRequest:
         exclude_input_in_output=bool(exclude) if exclude is not None else False,
         sampling=parse_sampling_parameters(_scalar(request, "sampling_parameters")),
     )
+
+
+def _asks_for_card(request: Any) -> bool:
+    """A request with the parameter ``model_card: true`` is answered with the model card
+    (JSON, in text_output) instead of a generation: how the mesh learns the model's
+    tokenizer and chat template from the model itself."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return isinstance(parameters, dict) and parameters.get("model_card") is True
 
 
 def _scalar(request: Any, name: str) -> Any:

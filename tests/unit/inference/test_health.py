@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from llmmesh.runtime.errors import Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
 from llmmesh.waiting import poll_until_async
 from services.inference.core import InferenceCore
 from services.inference.health import HealthKeeper, ModelHealth
@@ -23,13 +23,16 @@ CALL = InferenceCall("r1", "llm", "hello", Sampling(max_tokens=4))
 @dataclass
 class Backend:
     """Streams four tokens; ``hang`` makes every generation go silent after its first;
-    ``dead`` fails every generation as a dead backend process does; probes and
-    reloads as Triton's model control answers them."""
+    ``dead`` fails every generation as a dead backend process does; ``down`` is Triton
+    itself gone (nothing answers, a reload cannot be asked); probes and reloads as
+    Triton's model control answers them."""
 
     hang: bool = False
     dead: bool = False
+    down: bool = False
     reloads: int = 0
     probes: int = 0
+    described: list[str] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
@@ -40,12 +43,18 @@ class Backend:
             if self.hang:
                 await self.release.wait()
 
+    async def describe(self, model: str) -> ModelCard:
+        self.described.append(model)
+        return ModelCard(model, max_context=2048, chat_template="{{ messages }}")
+
     async def probe(self, model: str, timeout_s: float) -> None:
         self.probes += 1
-        if self.dead or self.hang:
+        if self.dead or self.hang or self.down:
             raise Unavailable(f"model '{model}' did not answer")
 
     async def reload(self, model: str) -> bool:
+        if self.down:
+            return False
         self.reloads += 1
         self.dead = self.hang = False
         return True
@@ -118,6 +127,29 @@ def test_an_idle_model_is_probed_and_failed_if_it_does_not_answer() -> None:
     asyncio.run(scenario())
 
 
+def test_a_model_that_comes_back_with_a_restarted_triton_is_not_loaded_again() -> None:
+    """Triton killed and started again loads its models itself: the failed model is
+    probed back within the recheck period, and no reload unloads the new instance."""
+
+    async def scenario() -> None:
+        backend = Backend()
+        core, keeper = harness(backend, probe_interval_s=0.05)
+        try:
+            backend.down = True
+            assert await poll_until_async(lambda: _failed(core), 5)
+            backend.down = False  # the restarted Triton has loaded the model
+            assert await poll_until_async(lambda: _answering(core), 5)
+            assert backend.reloads == 0
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+
+
+async def _failed(core: InferenceCore) -> bool:
+    return bool(core.health.failed)
+
+
 async def _probed(backend: Backend) -> bool:
     return backend.probes >= 2
 
@@ -170,5 +202,19 @@ def test_ending_streams_again_before_they_ended_is_harmless() -> None:
         health.end_streams("llm")
         with pytest.raises(Unavailable, match="stalled"):
             await task
+
+    asyncio.run(scenario())
+
+
+def test_a_models_card_is_asked_of_the_model_and_named_as_the_mesh_names_it() -> None:
+    async def scenario() -> None:
+        backend = Backend()
+        core = InferenceCore(backend, 64, {"llm": "llm_canary"}, ModelHealth(stall_s=0.2))
+        card = await core.describe("llm")
+        assert card == ModelCard("llm", 2048, chat_template="{{ messages }}")
+        assert backend.described == ["llm_canary"]  # the Triton model behind the alias
+        core.health.fail("llm_canary", "stalled")
+        with pytest.raises(Unavailable, match="not answering here"):
+            await core.describe("llm")
 
     asyncio.run(scenario())

@@ -18,13 +18,14 @@ from refengine import (
     SamplingParams,
     Transformer,
 )
+from refengine.attention import Segment
 from refengine.contract import parse_sampling_parameters
 from refengine.kvcache import BlockPool
 from refengine.rowstable import CACHED_PLAN_ROWS, matmul, probe_layout
 from refengine.sampling import Sampler
 from refengine.stops import StopMatcher
-from refengine.tokenizer import BOS, EOS, StreamDecoder
-from refengine.transformer import Segment, _gelu
+from refengine.tokenizer import BOS, EOS
+from refengine.transformer import _gelu
 
 from bench.engine import model_parameters
 
@@ -41,7 +42,7 @@ class TestTokenizer:
         assert tok.decode(ids) == text
 
     def test_stream_decoder_never_splits_a_character(self) -> None:
-        decoder = StreamDecoder()
+        decoder = ByteTokenizer().stream_decoder()
         pieces = [decoder.push(b) for b in "✓".encode()]
         assert pieces == ["", "", "✓"]
         assert decoder.push(EOS) == ""
@@ -71,6 +72,10 @@ class TestSamplingParameters:
             (b'{"top_p": 1.5}', "top_p"),
             (b'{"stop": [""]}', "stop"),
             (b'{"bogus": 1}', "unknown keys"),
+            # vLLM keys not implemented: refused unless they ask for nothing.
+            (b'{"n": 2}', "n: 2 is not supported"),
+            (b'{"min_tokens": 5}', "min_tokens: 5 is not supported"),
+            (b'{"n": true}', "n: True is not supported"),
             (b"[1]", "JSON object"),
             (b"{", "not valid JSON"),
             (b"\xff", "UTF-8"),
@@ -79,6 +84,10 @@ class TestSamplingParameters:
     def test_rejects_bad_values_naming_the_field(self, raw: bytes, field: str) -> None:
         with pytest.raises(RequestError, match=field):
             parse_sampling_parameters(raw)
+
+    def test_vllm_keys_that_ask_for_nothing_are_accepted(self) -> None:
+        raw = b'{"n": 1, "best_of": null, "min_tokens": 0, "skip_special_tokens": true}'
+        assert parse_sampling_parameters(raw) == parse_sampling_parameters(None)
 
 
 class TestSampler:

@@ -20,6 +20,7 @@ from llmmesh.types import (
     FinishReason,
     History,
     InferenceCall,
+    ModelCard,
     PolicyAction,
     Role,
     Sampling,
@@ -29,12 +30,14 @@ from llmmesh.types import (
     request_text,
 )
 from llmmesh.waiting import poll_until_async
+from services.router.chat_layout import MESH_LAYOUT
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
 from services.router.request import GenerateInput
+from services.router.speech import FixedSpeech, ModelSpeech
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import HistoryRequest, RouteHints
 
@@ -149,9 +152,17 @@ class Inference:
         finally:
             self.closed.append(call.prompt)
 
+    async def describe(self, model: str) -> ModelCard:
+        return ModelCard(model, CONTEXT)
+
+
+# Every model here: byte-level tokens, the mesh's own layout, a context of CONTEXT.
+CONTEXT = 2048
+BYTES = FixedSpeech(ModelSpeech(lambda text: len(text.encode()), MESH_LAYOUT, CONTEXT))
+
 
 def make_core(policy: PolicyGate, context: Context, inference: Inference) -> RouterCore:
-    return RouterCore(RouterConfig(), policy, context, inference, lambda t: len(t.encode()))
+    return RouterCore(RouterConfig(), policy, context, inference, BYTES)
 
 
 def gate(service: PolicyService | None = None) -> PolicyGate:
@@ -277,7 +288,9 @@ def test_policy_unreachable_follows_the_tenants_fail_mode(mode: str) -> None:
         service = PolicyService(rules(DENY_BOMB), unreachable=True)
         inference, tenants = Inference(), Tenants()
         tenants.apply(parse_tenants(f"tenants: [{{id: t, policy_fail_mode: {mode}}}]"))
-        core = RouterCore(RouterConfig(), gate(service), Context(), inference, len, tenants=tenants)
+        core = RouterCore(
+            RouterConfig(), gate(service), Context(), inference, BYTES, tenants=tenants
+        )
         if mode == "closed":
             with pytest.raises(Unavailable):
                 await core.prepare(request("hello"))
@@ -402,7 +415,7 @@ def test_the_tenants_rule_set_is_followed() -> None:
         tenants.apply(parse_tenants("tenants: [{id: t, policy_set: acme}]"))
         service = PolicyService()
         policy = gate(service)
-        core = RouterCore(RouterConfig(), policy, Context(), Inference(), len, tenants=tenants)
+        core = RouterCore(RouterConfig(), policy, Context(), Inference(), BYTES, tenants=tenants)
         await run(core, request())
         await followed(policy, "acme")
         await policy.close()
@@ -420,7 +433,7 @@ def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None
         policy = gate(service)
         tenants = Tenants()
         tenants.apply(parse_tenants(f"tenants: [{{id: t, policy_fail_mode: {mode}}}]"))
-        core = RouterCore(RouterConfig(), policy, Context(), Inference(), len, tenants=tenants)
+        core = RouterCore(RouterConfig(), policy, Context(), Inference(), BYTES, tenants=tenants)
         prepared = await core.prepare(request())  # CheckInput named the rules' version
         service.unreachable = True  # then policy went away before the first chunk
         if mode == "closed":
@@ -448,7 +461,7 @@ def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy(
         assert first.truncation == "last_turns"  # the tenant's default
         assert second.truncation == "sliding_summary"
         tail = len("<|user|>\nhi\n<|assistant|>\n")
-        room = RouterConfig().model_context_tokens - 4 - 1 - tail - len(SUMMARY_LEAD)
+        room = CONTEXT - 4 - 1 - tail - len(SUMMARY_LEAD)
         assert first.budget_tokens == room
         assert first.turn_overhead_tokens == len("<|assistant|>\n\n")
         with pytest.raises(InvalidArgument, match="truncation"):
@@ -463,7 +476,7 @@ def test_session_store_down_follows_the_tenants_context_fail_mode(mode: str) -> 
         context = Context(down=True)
         tenants = Tenants()
         tenants.apply(parse_tenants(f"tenants: [{{id: t, context_fail_mode: {mode}}}]"))
-        core = RouterCore(RouterConfig(), gate(), context, Inference(), len, tenants=tenants)
+        core = RouterCore(RouterConfig(), gate(), context, Inference(), BYTES, tenants=tenants)
         if mode == "closed":
             with pytest.raises(Unavailable):
                 await run(core, request(session="s"))

@@ -43,8 +43,16 @@ class GenerationRequest:
 
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them
 _KNOWN_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
-# vLLM accepts these too; they do not change what this engine computes.
-_ACCEPTED_KEYS = {"n", "best_of", "min_tokens", "skip_special_tokens", "logprobs"}
+# vLLM's keys this engine does not implement: accepted at the value that asks for nothing
+# (what vLLM clients often send), refused by name at any other.
+_NO_OP_VALUES = {
+    "n": (1,),
+    "best_of": (None, 1),
+    "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+    "logprobs": (None,),
+}
+_ACCEPTED_KEYS = set(_NO_OP_VALUES)
 
 
 def decode_text(raw: bytes | str, field_name: str) -> str:
@@ -72,6 +80,10 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
     unknown = set(doc) - _KNOWN_KEYS - _ACCEPTED_KEYS
     if unknown:
         raise RequestError(f"sampling_parameters: unknown keys {sorted(unknown)}")
+    for key, no_op in _NO_OP_VALUES.items():
+        value = doc.get(key, no_op[0])
+        if not any(value is v or (type(value) is type(v) and value == v) for v in no_op):
+            raise RequestError(f"sampling_parameters.{key}: {value!r} is not supported here")
     return SamplingParams(
         max_tokens=_int(doc, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1),
         temperature=_float(doc, "temperature", 1.0, lo=0.0, lo_open=False),

@@ -18,13 +18,17 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
+from refengine.attention import Segment
 from refengine.contract import GenerationRequest, RequestError
 from refengine.kvcache import NO_PARENT, BlockPool, block_hash
-from refengine.sampling import sample_batch
+from refengine.sampling import OutputMasks, sample_batch
 from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink
-from refengine.tokenizer import EOS, ByteTokenizer
-from refengine.transformer import Segment, Transformer
+from refengine.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,29 @@ CANCEL_CHECK_INTERVAL_S = 0.025
 # Statistics are published at least this often while busy (load reports read them).
 STATS_INTERVAL_S = 0.05
 AUTO_STREAM_DIVISOR = 4
+
+
+class ModelShape(Protocol):
+    """What the engine sizes its KV cache and checks prompts with."""
+
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+
+
+class LanguageModel(Protocol):
+    """A model family's forward pass over the paged KV cache (transformer.py, llama.py)."""
+
+    @property
+    def shape(self) -> ModelShape: ...
+
+    def forward(self, segments: list[Segment], pool: BlockPool) -> npt.NDArray[np.float32]:
+        """Next-token logits of each segment, [segments, vocab]."""
 
 
 @dataclass(frozen=True)
@@ -80,20 +107,21 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        model: Transformer,
-        tokenizer: ByteTokenizer | None = None,
+        model: LanguageModel,
+        tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer or ByteTokenizer()
+        self._masks = OutputMasks(self.tokenizer)
         self.config = config or EngineConfig()
         shape = model.shape
         self.pool = BlockPool(
             self.config.kv_blocks,
             self.config.block_size,
             shape.n_layers,
-            shape.n_heads,
+            shape.n_kv_heads,
             shape.head_dim,
         )
         self.stats = EngineStats(kv_blocks_total=self.config.kv_blocks)
@@ -121,7 +149,9 @@ class Engine:
                 f"text_input: prompt and max_tokens need {blocks} KV blocks; "
                 f"the cache has {self.pool.num_blocks}"
             )
-        self._incoming.put(Sequence(request, sink, prompt, len(prompt), max_new))
+        decoder = self.tokenizer.stream_decoder()
+        sequence = Sequence(request, sink, prompt, len(prompt), max_new, decoder, self._masks)
+        self._incoming.put(sequence)
         self._wake.set()
 
     def start(self) -> None:
@@ -302,7 +332,7 @@ class Engine:
         seq.tokens.append(token)
         seq.unsent_tokens += 1
         self.stats.generation_tokens += 1
-        if token == EOS:
+        if token in self.tokenizer.eos_ids:
             self._finish(seq, STOP)
             return
         released = seq.stops.push(seq.decoder.push(token))

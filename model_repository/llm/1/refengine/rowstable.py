@@ -10,8 +10,12 @@ positions that compute exactly alike: probed once per weight matrix, at start.
 
 from __future__ import annotations
 
+import hashlib
+import platform
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -212,3 +216,40 @@ def _alike_blocks(products: dict[int, Array], reference: Array) -> tuple[Block, 
         if slots and (not blocks or len(slots) > len(blocks[-1].slots)):
             blocks.append(Block(height, slots))
     return tuple(blocks)
+
+
+def machine_key() -> str:
+    """What a probed layout holds for: this CPU, the BLAS library and its threads (the
+    same matrix shape may compute otherwise on another machine or with more threads)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        blas = "unknown-blas"
+    else:
+        found = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+        blas = "+".join(
+            f"{p.get('internal_api')}-{p.get('version')}-{p.get('architecture')}-"
+            f"{p.get('num_threads')}"
+            for p in found
+        )
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{cpu}|{blas}|{np.__version__}".encode()).hexdigest()[:16]
+
+
+def layout_to_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "transposed": layout.transposed,
+        "blocks": [[b.height, list(b.slots)] for b in layout.blocks],
+    }
+
+
+def layout_from_json(doc: dict[str, Any]) -> Layout:
+    blocks = tuple(Block(int(h), tuple(int(s) for s in slots)) for h, slots in doc["blocks"])
+    return Layout(bool(doc["transposed"]), blocks)

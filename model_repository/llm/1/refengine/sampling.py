@@ -6,23 +6,33 @@ import numpy as np
 import numpy.typing as npt
 
 from refengine.contract import SamplingParams
-from refengine.tokenizer import EOS, VOCAB_SIZE
+from refengine.tokenizer import ByteTokenizer, Tokenizer
 
-# Output is restricted to printable ASCII and newline, so every stream is valid UTF-8 text.
-_ALLOWED = np.zeros(VOCAB_SIZE, dtype=bool)
-_ALLOWED[32:127] = True
-_ALLOWED[10] = True
+
+class OutputMasks:
+    """One tokenizer's additive logit masks: the tokens a sequence may sample, with its
+    end-of-sequence tokens and without them (``ignore_eos``). Made once per engine."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        allowed = tokenizer.output_mask()
+        self.with_eos = np.where(allowed, 0.0, -np.inf)
+        allowed[list(tokenizer.eos_ids)] = False
+        self.without_eos = np.where(allowed, 0.0, -np.inf)
+
+    def of(self, params: SamplingParams) -> npt.NDArray[np.float64]:
+        return self.without_eos if params.ignore_eos else self.with_eos
+
+
+BYTE_MASKS = OutputMasks(ByteTokenizer())
 
 
 class Sampler:
     """One per sequence: its RNG depends only on the request's seed, never on the batch."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, masks: OutputMasks = BYTE_MASKS) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
-        allowed = _ALLOWED.copy()
-        allowed[EOS] = not params.ignore_eos
-        self.mask = np.where(allowed, 0.0, -np.inf)
+        self.mask = masks.of(params)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return sample_batch([self], logits[None, :])[0]

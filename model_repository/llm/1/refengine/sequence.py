@@ -8,7 +8,7 @@ from typing import Protocol
 
 from refengine.contract import GenerationRequest
 from refengine.kvcache import NO_PARENT, BlockPool, block_hash
-from refengine.sampling import Sampler
+from refengine.sampling import OutputMasks, Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import StreamDecoder
 
@@ -37,6 +37,8 @@ class Sequence:
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
     max_new: int  # max_tokens, bounded by the context length
+    decoder: StreamDecoder
+    masks: OutputMasks
     arrived_at: float = field(default_factory=time.monotonic)
     computed: int = 0  # tokens whose keys and values are in the cache
     table: list[int] = field(default_factory=list)  # block ids
@@ -47,10 +49,9 @@ class Sequence:
     text: list[str] = field(default_factory=list)
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
-    decoder: StreamDecoder = field(default_factory=StreamDecoder)
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.request.sampling)
+        self.sampler = Sampler(self.request.sampling, self.masks)
         self.stops = StopMatcher(self.request.sampling.stop)
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from refengine.attention import PagedAttention, Segment, Step
 from refengine.kvcache import BlockPool
 from refengine.rowstable import matmul, probe_layout
 from refengine.tokenizer import EOS, VOCAB_SIZE
@@ -52,6 +53,10 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # every head has keys and values of its own
+
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> ModelShape:
         """From the model's config.pbtxt parameters; an absent one keeps its default."""
@@ -69,18 +74,6 @@ class _Layer:
     ln2_b: Array
     w_up: Array
     w_down: Array
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens of one sequence to run this step, after ``start`` tokens already in the cache.
-
-    ``table`` holds the cache blocks of positions [0, start + len(tokens)), in order.
-    """
-
-    tokens: list[int]
-    start: int
-    table: list[int]
 
 
 class Transformer:
@@ -112,7 +105,7 @@ class Transformer:
         self.lnf_b = np.zeros(d, np.float32)
         self.w_out = normal(d, v, std=1.5 / np.sqrt(d))
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
-        self._reads = _KVReads()
+        self._attention = PagedAttention()
         # BLAS probed now, for these very matrices, not during the first request.
         self._layouts = {
             id(w): probe_layout(w)
@@ -130,133 +123,24 @@ class Transformer:
         attention reads each sequence's keys and values from its own cache blocks. Returns
         the next-token logits of each segment, [segments, vocab].
         """
-        tokens = [t for seg in segments for t in seg.tokens]
-        positions = np.concatenate(
-            [np.arange(seg.start, seg.start + len(seg.tokens)) for seg in segments]
-        )
-        if positions.max() >= self.shape.max_context:
-            raise ValueError("a sequence exceeds the model's context length")
-        writes = np.concatenate(
-            [pool.slots(seg.table, seg.start, seg.start + len(seg.tokens)) for seg in segments]
-        )
-        ends = np.cumsum([len(seg.tokens) for seg in segments])
-        groups = _attention_groups(segments)  # the same for every layer
-        self._reads.next_step()
-        x = self.tok_emb[tokens] + self.pos_emb[positions]
+        step = Step.of(segments, pool, self.shape.max_context)
+        self._attention.next_step()
+        x = self.tok_emb[step.tokens] + self.pos_emb[step.positions]
         for index, layer in enumerate(self.layers):
             h = _layer_norm(x, layer.ln1_g, layer.ln1_b)
-            attended = self._attention(layer, index, h, groups=groups, writes=writes, pool=pool)
+            attended = self._attend(layer, index, h, step, pool)
             x = x + self._matmul(attended, layer.w_o)
             h = _layer_norm(x, layer.ln2_g, layer.ln2_b)
             x = x + self._matmul(_gelu(self._matmul(h, layer.w_up)), layer.w_down)
-        last = _layer_norm(x[ends - 1], self.lnf_g, self.lnf_b)
+        last = _layer_norm(x[step.ends - 1], self.lnf_g, self.lnf_b)
         logits: Array = self._matmul(last, self.w_out) + self.out_bias
         return logits
 
-    def _attention(
-        self,
-        layer: _Layer,
-        index: int,
-        h: Array,
-        *,
-        groups: list[_Group],
-        writes: npt.NDArray[np.intp],
-        pool: BlockPool,
-    ) -> Array:
+    def _attend(self, layer: _Layer, index: int, h: Array, step: Step, pool: BlockPool) -> Array:
         shape = self.shape
         qkv = self._matmul(h, layer.w_qkv).reshape(len(h), 3, shape.n_heads, shape.head_dim)
-        blocks = pool.kv[index]  # [blocks, block size, 2, heads, hd]
-        blocks.reshape(-1, 2, shape.n_heads, shape.head_dim)[writes] = qkv[:, 1:]
-        queries = (qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))).transpose(1, 0, 2)
-        out = np.empty((shape.n_heads, len(h), shape.head_dim), dtype=np.float32)
-        for group in groups:
-            keys, values = self._reads.read(pool, index, group, qkv[group.rows, 1:])
-            q = queries[:, group.rows].transpose(1, 0, 2, 3)  # [group, heads, count, hd]
-            scores = q @ keys.transpose(0, 1, 3, 2)
-            if group.mask is not None:
-                scores += group.mask
-            out[:, group.rows] = (_softmax(scores) @ values).transpose(1, 0, 2, 3)
-        return out.transpose(1, 0, 2).reshape(len(h), shape.d_model)
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Segments of one start and length, whose attention runs as one batched product."""
-
-    rows: npt.NDArray[np.intp]  # [segments, count]: their tokens' rows in the step
-    tables: npt.NDArray[np.intp]  # [segments, blocks]: their cache blocks
-    length: int  # start + count: every segment's attended length
-    mask: Array | None  # causal mask of a prompt chunk; None for one new token
-
-
-def _attention_groups(segments: list[Segment]) -> list[_Group]:
-    """Each sequence attends over exactly its own length, never padded, so its numbers do
-    not depend on the rest of the batch. Segments of the same start and length (decode
-    tokens of same-length sequences, prompts of the same length) run as one batched
-    product: the same per-head matrices, in one call."""
-    offsets = np.cumsum([0, *(len(seg.tokens) for seg in segments)])
-    members: dict[tuple[int, int], list[int]] = {}
-    for i, seg in enumerate(segments):
-        members.setdefault((seg.start, len(seg.tokens)), []).append(i)
-    return [
-        _Group(
-            rows=offsets[group][:, None] + np.arange(count),
-            tables=np.array([segments[i].table for i in group], dtype=np.intp),
-            length=start + count,
-            mask=_causal_mask(start, count),
-        )
-        for (start, count), group in members.items()
-    ]
-
-
-class _KVReads:
-    """The keys and values each attention group read in the last step, per layer.
-
-    A group decoding on the same blocks next step reads them all again plus one token per
-    sequence: it writes those tokens into its copy instead of gathering every block again.
-    Only the last step's copies are kept: memory for about one more copy of the running
-    sequences' keys and values, which saves copying them all on every step.
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[tuple[int, bytes, bytes], tuple[Array, int]] = {}
-        self._this: dict[tuple[int, bytes, bytes], tuple[Array, int]] = {}
-
-    def next_step(self) -> None:
-        self._last, self._this = self._this, {}
-
-    def read(self, pool: BlockPool, layer: int, group: _Group, new: Array) -> tuple[Array, Array]:
-        """Keys and values [group, heads, length, hd]; ``new`` holds the group's tokens of
-        this step [group, count, 2, heads, hd], already written to the pool."""
-        key = (layer, group.tables.tobytes(), pool.generations[group.tables].tobytes())
-        start = group.length - new.shape[1]
-        kept = self._last.pop(key, None)
-        if kept is not None and kept[1] == start:
-            flat = kept[0]
-            flat[:, start : group.length] = new
-        else:
-            flat = _gather(pool.kv[layer], group.tables)
-        self._this[key] = (flat, group.length)
-        keys, values = flat[:, : group.length].transpose(2, 0, 3, 1, 4)
-        return keys, values  # each [group, heads, length, hd]
-
-
-def _gather(blocks: Array, tables: npt.NDArray[np.intp]) -> Array:
-    """The group's whole blocks, copied (one contiguous run each), as [group, positions,
-    2, heads, hd]: the per-head matrices are strided views of it, which BLAS reads as
-    they are."""
-    gathered = np.take(blocks, tables, axis=0)
-    group, count, size, two, heads, hd = gathered.shape
-    flat: Array = gathered.reshape(group, count * size, two, heads, hd)
-    return flat
-
-
-def _causal_mask(start: int, count: int) -> Array | None:
-    if count == 1:
-        return None  # a single new token may see everything before it
-    rows = np.arange(count)[:, None] + start
-    cols = np.arange(start + count)[None, :]
-    return np.where(cols > rows, np.float32(-1e9), np.float32(0.0)).astype(np.float32)
+        queries = qkv[:, 0] * np.float32(1.0 / np.sqrt(shape.head_dim))
+        return self._attention(pool, index, step, queries, qkv[:, 1:])
 
 
 def _layer_norm(x: Array, g: Array, b: Array) -> Array:
@@ -278,14 +162,6 @@ def _gelu(x: Array) -> Array:
     inner += np.float32(1.0)
     np.divide(x, inner, out=inner)
     return inner
-
-
-def _softmax(x: Array) -> Array:
-    """Softmax over the last axis, in place."""
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
-    return x
 
 
 def _sinusoidal(positions: int, d: int) -> Array:

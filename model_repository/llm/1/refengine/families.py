@@ -1,0 +1,96 @@
+"""Model families, by the name a Triton model's ``family`` parameter gives: each builds a
+model and its tokenizer from the model's config.pbtxt parameters."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from refengine.engine import LanguageModel
+from refengine.tokenizer import ByteTokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a client of the model needs to speak its tokens (the mesh asks the model for
+    it): the tokenizer (a Hugging Face ``tokenizers`` definition; empty for the byte-level
+    one), the chat template (Jinja, as ``transformers`` renders it; empty: none), and the
+    context the model serves."""
+
+    max_context: int
+    tokenizer_json: str = ""
+    chat_template: str = ""
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+@dataclass(frozen=True)
+class Built:
+    model: LanguageModel
+    tokenizer: Tokenizer
+    card: ModelCard
+
+
+Build = Callable[[Mapping[str, str]], Built]
+FAMILIES: dict[str, Build] = {}
+CACHE_ENV = "LLM_MESH_MODEL_CACHE"
+
+
+def family(name: str) -> Callable[[Build], Build]:
+    def register(build: Build) -> Build:
+        FAMILIES[name] = build
+        return build
+
+    return register
+
+
+def build_model(params: Mapping[str, str]) -> Built:
+    name = params.get("family", "reference")
+    if name not in FAMILIES:
+        raise ValueError(f"family: {name!r} is not one of {sorted(FAMILIES)}")
+    return FAMILIES[name](params)
+
+
+@family("reference")
+def _reference(params: Mapping[str, str]) -> Built:
+    """The small model with weights drawn from a seed (transformer.py)."""
+    from refengine.transformer import ModelShape, Transformer
+
+    shape = ModelShape.from_parameters(params)
+    model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
+    return Built(model, ByteTokenizer(), ModelCard(shape.max_context))
+
+
+@family("llama")
+def _llama(params: Mapping[str, str]) -> Built:
+    """A pretrained Llama-family model from a GGUF file (``model_file``)."""
+    from refengine.bpe import BPETokenizer
+    from refengine.checkpoint import load_checkpoint, resolve_model_file
+    from refengine.llama import Llama
+
+    if "model_file" not in params:
+        raise ValueError("model_file: required for the llama family")
+    cache = os.environ.get(CACHE_ENV)
+    checkpoint = load_checkpoint(
+        resolve_model_file(params["model_file"]), Path(cache) if cache else None
+    )
+    vocabulary = checkpoint.vocabulary
+    tokenizer = BPETokenizer(
+        vocabulary.tokenizer_json,
+        eos_id=vocabulary.eos_id,
+        bos_id=vocabulary.bos_id,
+        add_bos=vocabulary.add_bos,
+        special_ids=vocabulary.special_ids,
+    )
+    context = params.get("max_context")
+    model = Llama(checkpoint, int(context) if context else None, checkpoint.cache_entry)
+    card = ModelCard(
+        max_context=model.shape.max_context,
+        tokenizer_json=vocabulary.tokenizer_json,
+        chat_template=vocabulary.chat_template or "",
+        bos_token=tokenizer.token_text(vocabulary.bos_id),
+        eos_token=tokenizer.token_text(vocabulary.eos_id),
+    )
+    return Built(model, tokenizer, card)

@@ -1,0 +1,201 @@
+"""The Llama family (SmolLM2, TinyLlama, Llama 2 and 3 shapes), forward pass only, in
+numpy, from pretrained weights (checkpoint.py).
+
+Pre-RMSNorm decoder blocks: rotary position embeddings on queries and keys (adjacent pairs
+rotated together, as GGUF stores Llama's Q and K), grouped-query attention over the paged
+KV cache, a SwiGLU MLP; a final RMSNorm and the output projection (the token embedding,
+when the file ties the two). Every weight product goes through ``rowstable``, so that a
+sequence's logits do not depend on the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from refengine.attention import PagedAttention, Segment, Step
+from refengine.checkpoint import Checkpoint, LlamaShape
+from refengine.kvcache import BlockPool
+from refengine.rowstable import (
+    Layout,
+    layout_from_json,
+    layout_to_json,
+    machine_key,
+    matmul,
+    probe_layout,
+)
+
+Array = npt.NDArray[np.float32]
+
+
+@dataclass
+class _Block:
+    attn_norm: Array
+    w_qkv: Array  # [d, (heads + 2 kv heads) * hd]: Q, K and V in one product
+    w_o: Array
+    ffn_norm: Array
+    w_gate_up: Array  # [d, 2 * ff]: the gate and up projections in one product
+    w_down: Array
+
+
+class Llama:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        max_context: int | None = None,
+        layouts_dir: Path | None = None,
+    ) -> None:
+        shape = checkpoint.shape
+        if max_context:  # a deployment may serve less context than the model was trained on
+            shape = _with_context(shape, min(max_context, shape.max_context))
+        self.shape = shape
+        t = checkpoint.tensors
+        self.embedding = np.asarray(t["token_embd.weight"])  # [vocab, d]
+        # Weights are stored [out, in]; products take [in, out]: a transposed view.
+        self.w_out = np.asarray(t.get("output.weight", self.embedding)).T
+        self.blocks = [self._block(t, f"blk.{i}.") for i in range(shape.n_layers)]
+        self.final_norm = np.asarray(t["output_norm.weight"])
+        self._rope = _rope_tables(shape)
+        self._attention = PagedAttention()
+        self._layouts: dict[int, Layout] = {}
+        self._probe_layouts(layouts_dir)
+
+    @staticmethod
+    def _block(t: dict[str, Array], prefix: str) -> _Block:
+        def fused(*names: str) -> Array:
+            return np.ascontiguousarray(np.concatenate([t[prefix + n].T for n in names], axis=1))
+
+        return _Block(
+            attn_norm=np.asarray(t[prefix + "attn_norm.weight"]),
+            w_qkv=fused("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+            w_o=np.ascontiguousarray(t[prefix + "attn_output.weight"].T),
+            ffn_norm=np.asarray(t[prefix + "ffn_norm.weight"]),
+            w_gate_up=fused("ffn_gate.weight", "ffn_up.weight"),
+            w_down=np.ascontiguousarray(t[prefix + "ffn_down.weight"].T),
+        )
+
+    def _probe_layouts(self, layouts_dir: Path | None) -> None:
+        """One probe per distinct matrix shape: the layers' matrices of one shape share
+        their memory layout, and a BLAS kernel's summation order depends on that, not on
+        the values. The output projection is probed on its first columns (probing all of
+        a 49k-wide matrix would take minutes). Probes take seconds: their results are kept
+        in ``layouts_dir`` per machine (CPU, BLAS, threads), and read back next time."""
+        stored = _StoredLayouts(layouts_dir)
+        by_shape: dict[str, Layout] = {}
+
+        def layout(w: Array, probed: Array) -> Layout:
+            key = f"{w.shape}{w.strides}"
+            if key not in by_shape:
+                by_shape[key] = stored.get(key) or stored.put(key, probe_layout(probed))
+            return by_shape[key]
+
+        for block in self.blocks:
+            for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down):
+                self._layouts[id(w)] = layout(w, w)
+        self._layouts[id(self.w_out)] = layout(self.w_out, self.w_out[:, :1024])
+        stored.save()
+
+    def _matmul(self, a: Array, w: Array) -> Array:
+        return matmul(a, w, self._layouts[id(w)])
+
+    def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
+        """One step for a whole batch (prefill chunks and decode tokens together);
+        returns the next-token logits of each segment, [segments, vocab]."""
+        shape = self.shape
+        step = Step.of(segments, pool, shape.max_context)
+        self._attention.next_step()
+        cos, sin = self._rope[0][step.positions], self._rope[1][step.positions]
+        x = self.embedding[step.tokens].astype(np.float32)
+        for index, block in enumerate(self.blocks):
+            h = _rms_norm(x, block.attn_norm, shape.norm_eps)
+            x = x + self._matmul(self._attend(index, h, step, pool, (cos, sin)), block.w_o)
+            h = _rms_norm(x, block.ffn_norm, shape.norm_eps)
+            x = x + self._matmul(_swiglu(self._matmul(h, block.w_gate_up)), block.w_down)
+        last = _rms_norm(x[step.ends - 1], self.final_norm, shape.norm_eps)
+        return self._matmul(last, self.w_out)
+
+    def _attend(
+        self, index: int, h: Array, step: Step, pool: BlockPool, rope: tuple[Array, Array]
+    ) -> Array:
+        shape, block = self.shape, self.blocks[index]
+        hd, heads, kv_heads = shape.head_dim, shape.n_heads, shape.n_kv_heads
+        qkv = self._matmul(h, block.w_qkv).reshape(len(h), heads + 2 * kv_heads, hd)
+        queries = _rotate(qkv[:, :heads], *rope) * np.float32(1.0 / np.sqrt(hd))
+        kv = np.empty((len(h), 2, kv_heads, hd), dtype=np.float32)
+        kv[:, 0] = _rotate(qkv[:, heads : heads + kv_heads], *rope)
+        kv[:, 1] = qkv[:, heads + kv_heads :]
+        return self._attention(pool, index, step, queries, kv)
+
+
+class _StoredLayouts:
+    def __init__(self, directory: Path | None) -> None:
+        self._path = directory / f"layouts-{machine_key()}.json" if directory else None
+        self._found: dict[str, Any] = {}
+        self._changed = False
+        if self._path is not None and self._path.exists():
+            with contextlib.suppress(OSError, ValueError):
+                self._found = json.loads(self._path.read_text(encoding="utf-8"))
+
+    def get(self, key: str) -> Layout | None:
+        doc = self._found.get(key)
+        return layout_from_json(doc) if doc else None
+
+    def put(self, key: str, layout: Layout) -> Layout:
+        self._found[key] = layout_to_json(layout)
+        self._changed = True
+        return layout
+
+    def save(self) -> None:
+        """Best effort: a read-only cache only means probing again next time."""
+        if self._path is None or not self._changed:
+            return
+        with contextlib.suppress(OSError):
+            staging = self._path.with_suffix(f".{os.getpid()}.tmp")
+            staging.write_text(json.dumps(self._found), encoding="utf-8")
+            staging.replace(self._path)
+
+
+def _with_context(shape: LlamaShape, max_context: int) -> LlamaShape:
+    fields = {**shape.__dict__, "max_context": max_context}
+    return LlamaShape(**fields)
+
+
+def _rope_tables(shape: LlamaShape) -> tuple[Array, Array]:
+    """cos and sin of every position's angles, [positions, rope dims / 2]."""
+    pairs = np.arange(0, shape.rope_dims, 2, dtype=np.float64) / shape.rope_dims
+    inverse = 1.0 / (shape.rope_base**pairs)
+    angles = np.arange(shape.max_context, dtype=np.float64)[:, None] * inverse[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotary embedding of x [tokens, heads, hd]: each adjacent pair (2i, 2i+1) of the
+    first rope dims turned by its position's angle i."""
+    rotated = x.copy()
+    dims = 2 * cos.shape[1]
+    even, odd = x[..., 0:dims:2], x[..., 1:dims:2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated[..., 0:dims:2] = even * c - odd * s
+    rotated[..., 1:dims:2] = even * s + odd * c
+    return rotated
+
+
+def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    scale = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + np.float32(eps))
+    out: Array = (x * scale.astype(np.float32)) * weight
+    return out
+
+
+def _swiglu(gate_up: Array) -> Array:
+    """silu(gate) * up, the halves of one product."""
+    gate, up = np.split(gate_up, 2, axis=1)
+    with np.errstate(over="ignore"):  # exp(-gate) overflows for very negative gates: silu is -0
+        out: Array = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    return out

@@ -1,0 +1,100 @@
+"""The router speaks each model's tokens: it counts with the model's own tokenizer and
+writes conversations in the model's chat template, both learnt from the model's card (the
+inference service asks the model itself, services/inference/triton.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenizers import Tokenizer
+
+from llmmesh.runtime.errors import MeshError
+from llmmesh.types import ModelCard, count_tokens
+from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpeech:
+    count: Callable[[str], int]  # tokens a text takes in the model's prompt
+    layout: ChatLayout
+    max_context: int  # tokens, prompt and generation together
+
+    @classmethod
+    def of_card(cls, card: ModelCard) -> ModelSpeech:
+        # Without a tokenizer of its own, the byte-level one's: a token per UTF-8 byte.
+        count: Callable[[str], int] = count_tokens
+        if card.tokenizer_json:
+            count = _counter(Tokenizer.from_str(card.tokenizer_json))
+        layout: ChatLayout = MESH_LAYOUT
+        if card.chat_template:
+            layout = TemplateLayout(card.chat_template, card.bos_token, card.eos_token)
+        return cls(count, layout, card.max_context)
+
+
+def _counter(tokenizer: Tokenizer) -> Callable[[str], int]:
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    return count
+
+
+class Speeches(Protocol):
+    async def of(self, model: str) -> ModelSpeech: ...
+
+
+@dataclass(frozen=True)
+class FixedSpeech:
+    """The same speech for every model (tests, and a mesh of byte-level models only)."""
+
+    speech: ModelSpeech
+
+    async def of(self, model: str) -> ModelSpeech:
+        return self.speech
+
+
+class CardSource(Protocol):
+    async def describe(self, model: str) -> ModelCard:
+        """The model's card, from some replica that serves it."""
+
+
+class CardSpeeches:
+    """Each model's speech, built from its card on first use and again every
+    ``refresh_s`` (a new version may bring another template); while a refresh fails, the
+    last card serves. One fetch at a time per model."""
+
+    def __init__(
+        self,
+        source: CardSource,
+        refresh_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._source = source
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._known: dict[str, tuple[ModelSpeech, float]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def of(self, model: str) -> ModelSpeech:
+        known = self._known.get(model)
+        if known is not None and self._clock() < known[1]:
+            return known[0]
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            known = self._known.get(model)
+            if known is not None and self._clock() < known[1]:
+                return known[0]
+            try:
+                speech = ModelSpeech.of_card(await self._source.describe(model))
+            except MeshError as err:
+                if known is None:
+                    raise
+                log.warning("model card refresh failed", extra={"fields": {"error": str(err)}})
+                speech = known[0]
+            self._known[model] = (speech, self._clock() + self._refresh_s)
+            return speech
