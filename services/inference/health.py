@@ -9,7 +9,9 @@ streams it had silent forever. So the inference service watches for itself:
   ended (UNAVAILABLE, which the router resumes elsewhere) and the model is failed.
 - **Liveness probes**: a model with nothing in flight for ``probe_interval_s`` is sent a
   request its backend must refuse (``max_tokens: 0``); the refusal proves the backend
-  process alive and answering, without touching the engine or its statistics.
+  process alive and answering, without touching the engine or its statistics. So is a
+  model whose streams have all been quiet for ``probe_interval_s``: a dead backend
+  process fails the probe at once, and its streams end then, not at the stall time.
 - **Recovery**: a failed model is probed every ``RECHECK_S`` until it answers again, and
   reloaded through Triton's model control API (unload, then load: a new backend
   process) when a probe fails, at most once per backoff period. A model that comes back
@@ -61,6 +63,7 @@ class ModelHealth:
         self.failed: dict[str, str] = {}  # Triton model -> why
         self.last_answer: dict[str, float] = {}  # Triton model -> when it last responded
         self._streams: dict[str, set[asyncio.Timeout]] = collections.defaultdict(set)
+        self._why_ended: dict[str, str] = {}  # model -> why its streams were last ended
         self.changed = asyncio.Event()  # set on every failure and recovery
 
     def check(self, model: str) -> None:
@@ -85,23 +88,24 @@ class ModelHealth:
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise Unavailable(
-                f"model '{model}' stalled: no response in {self.stall_s:g} s"
-            ) from None
+            raise Unavailable(f"model '{model}' {self._why_ended.get(model, 'stalled')}") from None
         finally:
             streams.discard(deadline)
 
-    def stalled(self) -> list[str]:
-        """Models with streams in flight and no response from any for ``stall_s``."""
-        now = self._clock()
+    def stalled(self, after_s: float | None = None) -> list[str]:
+        """Models with streams in flight and no response from any for ``after_s``
+        (default: the stall time)."""
+        now, quiet = self._clock(), self.stall_s if after_s is None else after_s
         return [
             model
             for model, streams in self._streams.items()
-            if streams and now - self.last_answer.get(model, now) > self.stall_s
+            if streams and now - self.last_answer.get(model, now) > quiet
         ]
 
-    def end_streams(self, model: str) -> None:
-        """Ends every generation of ``model`` in flight, each with UNAVAILABLE."""
+    def end_streams(self, model: str, why: str = "") -> None:
+        """Ends every generation of ``model`` in flight, each with UNAVAILABLE saying
+        ``why`` (default: it stalled)."""
+        self._why_ended[model] = why or f"stalled: no response in {self.stall_s:g} s"
         loop = asyncio.get_running_loop()
         for deadline in list(self._streams.get(model, ())):
             if deadline.when() is None:  # one being ended already may not be rescheduled
@@ -141,6 +145,7 @@ class HealthKeeper:
         self._probe_interval = probe_interval_s
         self._tasks: list[asyncio.Task[None]] = []
         self._recovering: dict[str, asyncio.Task[None]] = {}
+        self._suspects: dict[str, asyncio.Task[None]] = {}  # busy models being probed
 
     def start(self) -> None:
         self._tasks = [
@@ -149,24 +154,41 @@ class HealthKeeper:
         ]
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._recovering.values()]
+        tasks = [*self._tasks, *self._recovering.values(), *self._suspects.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def failed(self, model: str, cause: str, *, hung: bool = False) -> None:
-        """A model found not answering: failed, and brought back in the background."""
+    def failed(self, model: str, cause: str, detail: str = "", *, hung: bool = False) -> None:
+        """A model found not answering (``cause``: stalled, probe, backend process):
+        failed, its streams in flight ended (none of them can finish on this instance),
+        and brought back in the background."""
+        if model not in self._health.failed:
+            self._health.end_streams(model, f"stopped answering ({detail or cause})")
         self._health.fail(model, cause)
         if model not in self._recovering or self._recovering[model].done():
             self._recovering[model] = asyncio.create_task(self._recover(model, reload_now=hung))
 
     async def _watch_stalls(self) -> None:
-        period = self._health.stall_s / 4
+        health = self._health
+        period = min(health.stall_s, self._probe_interval) / 4
         while True:
             await asyncio.sleep(period)  # the watchdog's period, not synchronisation
-            for model in self._health.stalled():
-                self.failed(model, "stalled", hung=True)
-                self._health.end_streams(model)
+            for model in health.stalled():
+                detail = f"stalled: no response in {health.stall_s:g} s"
+                self.failed(model, "stalled", detail, hung=True)
+            for model in health.stalled(after_s=self._probe_interval):
+                probing = self._suspects.get(model)
+                if model not in health.failed and (probing is None or probing.done()):
+                    self._suspects[model] = asyncio.create_task(self._probe_busy(model))
+
+    async def _probe_busy(self, model: str) -> None:
+        """A model whose streams all went quiet: if its backend does not answer a probe,
+        its streams cannot go on either."""
+        try:
+            await self._control.probe(model, self._health.stall_s)
+        except Unavailable as err:
+            self.failed(model, "probe", err.message)
 
     async def _probe_idle(self) -> None:
         health = self._health
@@ -181,7 +203,7 @@ class HealthKeeper:
                     await self._control.probe(model, health.stall_s)
                     health.last_answer[model] = time.monotonic()
                 except Unavailable as err:
-                    self.failed(model, f"probe: {err.message}")
+                    self.failed(model, "probe", err.message)
 
     async def _recover(self, model: str, *, reload_now: bool) -> None:
         delay, next_reload = RELOAD_BACKOFF_S[0], 0.0

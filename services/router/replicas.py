@@ -273,8 +273,18 @@ class ReplicaSet:
         replica.engine_reachable = report.engine_reachable
         replica.last_report_at = now = self._clock()
         replica.down = False
+        self._note_outages(replica, report, now)
         if report.engine_reachable:
             self._close_recovered(replica, report, now)
+
+    @staticmethod
+    def _note_outages(replica: Replica, report: LoadReport, now: float) -> None:
+        """Breakers already open when a report shows the outage behind them (the report
+        may come a moment after the failures that opened them) are the reports' to close."""
+        for model, breaker in replica.breakers.items():
+            down = not report.engine_reachable or model in report.failed_models
+            if down and breaker.state(now) is not BreakerState.CLOSED:
+                replica.reported_outages.add(model)
 
     @staticmethod
     def _close_recovered(replica: Replica, report: LoadReport, now: float) -> None:

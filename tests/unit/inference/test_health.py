@@ -60,8 +60,10 @@ class Backend:
         return True
 
 
-def harness(backend: Backend, probe_interval_s: float = 60.0) -> tuple[InferenceCore, HealthKeeper]:
-    health = ModelHealth(stall_s=0.2)
+def harness(
+    backend: Backend, probe_interval_s: float = 60.0, stall_s: float = 0.2
+) -> tuple[InferenceCore, HealthKeeper]:
+    health = ModelHealth(stall_s=stall_s)
     keeper = HealthKeeper(health, backend, lambda: ["llm"], probe_interval_s)
     core = InferenceCore(backend, 64, None, health, keeper.failed)
     keeper.start()
@@ -85,6 +87,44 @@ def test_a_stalled_model_ends_its_streams_unavailable_and_comes_back() -> None:
             assert await poll_until_async(lambda: _answering(core), 10)
             assert backend.reloads >= 1
             assert len(await drain(core)) == 4
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+
+
+def test_quiet_streams_of_a_dead_backend_end_before_the_stall_time() -> None:
+    """All streams quiet for the probe interval: the model is probed, a dead backend
+    fails the probe, and the streams end then (the stall time here is a minute)."""
+
+    async def scenario() -> None:
+        backend = Backend(hang=True)
+        core, keeper = harness(backend, probe_interval_s=0.1, stall_s=60.0)
+        try:
+            streams = [asyncio.create_task(drain(core)) for _ in range(2)]
+            for stream in streams:  # well before the stall time
+                with pytest.raises(Unavailable, match="stopped answering"):
+                    await asyncio.wait_for(stream, 10)
+            assert await poll_until_async(lambda: _reloaded(backend), 5)  # and brought back
+        finally:
+            await keeper.close()
+
+    asyncio.run(scenario())
+
+
+def test_quiet_streams_of_a_live_backend_go_on() -> None:
+    """A model that answers the probe while its streams are quiet (a long prefill) is
+    left alone."""
+
+    async def scenario() -> None:
+        backend = Backend()
+        health = ModelHealth(stall_s=60.0)
+        keeper = HealthKeeper(health, backend, lambda: ["llm"], 0.05)
+        keeper.start()
+        try:
+            async with health.watching("llm"):
+                assert await poll_until_async(lambda: _probed(backend), 5)
+            assert not health.failed
         finally:
             await keeper.close()
 

@@ -226,6 +226,30 @@ def test_a_healthy_report_after_the_cool_down_closes_the_breaker() -> None:
     run(scenario)
 
 
+def test_an_outage_reported_after_the_failures_that_opened_the_breaker_counts_too() -> None:
+    """The failures come first (the engine died between two reports), the report of the
+    outage a moment later: the breaker is still the reports' to close, so a replica that
+    gets no traffic meanwhile (a fallback) is whole again when the engine is back."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1",), breaker_failures=1, attempts=1)
+        f["a:1"].fail_next(0)
+        with contextlib.suppress(Unavailable):
+            await collect(f, call(3))
+
+        async def reported_at(moment: float) -> bool:
+            return f.replicas["a:1"].last_report_at == moment
+
+        f["a:1"].reports.put_nowait(LoadReport({"llm": {}}, engine_reachable=False))
+        assert await poll_until_async(lambda: reported_at(f.clock[0]), 5)
+        f.clock[0] += 2.5
+        f["a:1"].reports.put_nowait(LoadReport({"llm": {}}))
+        assert await poll_until_async(lambda: reported_at(f.clock[0]), 5)
+        assert f.replicas["a:1"].breaker("llm").state(f.clock[0]) is BreakerState.CLOSED
+
+    run(scenario)
+
+
 def test_a_stream_on_a_replica_that_falls_silent_moves_elsewhere_whole() -> None:
     """A partition: the replica's stream and its load reports just stop. Past
     silent_after_s without a report, the stream resumes on another replica, nothing
