@@ -38,6 +38,7 @@ class MemoryReplica:
     script: list[int | Hang | MeshError | None] = field(default_factory=list)
     reports: asyncio.Queue[LoadReport] = field(default_factory=asyncio.Queue)
     closed: bool = False
+    card_error: MeshError | None = None  # set: describe() fails with it
 
     def fail_next(self, *plan: int | Hang | MeshError | None) -> None:
         self.script.extend(plan)
@@ -62,6 +63,8 @@ class MemoryReplica:
             yield await self.reports.get()
 
     async def describe(self, model: str) -> ModelCard:
+        if self.card_error is not None:
+            raise self.card_error
         return ModelCard(model, max_context=2048)  # byte-level, the mesh's layout
 
     async def close(self, grace_s: float | None = None) -> None:

@@ -27,7 +27,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import ResourceExhausted, Unavailable
+from llmmesh.runtime.errors import NotFound, ResourceExhausted, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Route
 from services.router.affinity import prefix_hashes
 from services.router.config import PoolSettings
@@ -89,18 +89,21 @@ class Dispatcher:
         return decision
 
     async def describe(self, model: str) -> ModelCard:
-        """The model's card from a healthy replica that serves it, the next one if a
-        replica fails to answer."""
-        serving = [c for c in self._replicas.candidates(model) if c.healthy and c.load is not None]
-        for candidate in serving:
+        """The model's card from a replica: healthy ones that report the model first, the
+        next one if a replica fails to answer; if none can, why the last one could not."""
+        candidates = self._replicas.candidates(model)
+        ordered = sorted(candidates, key=lambda c: (not c.healthy, c.load is None))
+        why = "no replica is known"
+        for candidate in ordered:
             try:
                 return await self._replicas[candidate.address].link.describe(model)
-            except Unavailable as err:
+            except (Unavailable, NotFound) as err:
+                why = err.message
                 log.warning(
                     "a replica did not describe its model",
-                    extra={"fields": {"replica": candidate.address, "error": err.message}},
+                    extra={"fields": {"replica": candidate.address, "error": why}},
                 )
-        raise Unavailable(f"no replica of model '{model}' could describe it")
+        raise Unavailable(f"no replica of model '{model}' could describe it: {why}")
 
     async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
         request = PickRequest(

@@ -115,9 +115,9 @@ def test_a_cancelled_stream_ends_in_the_engine_and_frees_its_blocks(
     next(call)  # the first text: the generation runs
     call.cancel()
     wait_for(
-        lambda: engine_metric(stack, "llm_engine_running_sequences") == 0,
+        lambda: engine_metric(stack, finished, reason="cancelled") == cancelled + 1,
         30,
-        "the engine to drop the cancelled sequence",
+        "the engine to finish the sequence as cancelled",
     )
+    assert engine_metric(stack, "llm_engine_running_sequences") == 0
     wait_for(lambda: engine_metric(stack, "llm_engine_kv_blocks_used") == 0, 10, "blocks freed")
-    assert engine_metric(stack, finished, reason="cancelled") == cancelled + 1

@@ -13,35 +13,43 @@ from tritonclient.utils import InferenceServerException
 
 from llmmesh.launcher import Stack
 
+BASIC_OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
+EXTRA_OUTPUTS = ("logprobs", "cumulative_logprob", "num_input_tokens")
+
+
+def _tensor(name: str, value: Any, dtype: str) -> triton_grpc.InferInput:
+    item = triton_grpc.InferInput(name, [1], dtype)
+    item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
+    return item
+
 
 def _inputs(prompt: str, stream: bool, params: dict[str, Any]) -> list[triton_grpc.InferInput]:
-    def tensor(name: str, value: Any, dtype: str) -> triton_grpc.InferInput:
-        item = triton_grpc.InferInput(name, [1], dtype)
-        item.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
-        return item
-
     return [
-        tensor("text_input", prompt.encode(), "BYTES"),
-        tensor("stream", stream, "BOOL"),
-        tensor("sampling_parameters", json.dumps(params).encode(), "BYTES"),
-        tensor("exclude_input_in_output", True, "BOOL"),
+        _tensor("text_input", prompt.encode(), "BYTES"),
+        _tensor("stream", stream, "BOOL"),
+        _tensor("sampling_parameters", json.dumps(params).encode(), "BYTES"),
+        _tensor("exclude_input_in_output", True, "BOOL"),
     ]
 
 
-def _stream(stack: Stack, prompt: str, params: dict[str, Any]) -> list[Any]:
-    """A plain tritonclient streaming request, as Triton's own docs show it."""
+def _stream(
+    stack: Stack,
+    prompt: str,
+    params: dict[str, Any],
+    flags: tuple[str, ...] = (),
+    outputs: tuple[str, ...] = BASIC_OUTPUTS,
+) -> list[Any]:
+    """A plain tritonclient streaming request, as Triton's own docs show it; ``flags``:
+    optional BOOL inputs set true (the vLLM backend's ``return_*``)."""
     results: queue.Queue[Any] = queue.Queue()
     client = triton_grpc.InferenceServerClient(stack.address("triton_grpc"))
     client.start_stream(callback=lambda result, error: results.put(error or result))
     try:
         client.async_stream_infer(
             "llm",
-            _inputs(prompt, True, params),
+            _inputs(prompt, True, params) + [_tensor(f, True, "BOOL") for f in flags],
             request_id="contract-1",
-            outputs=[
-                triton_grpc.InferRequestedOutput(name)
-                for name in ("text_output", "finish_reason", "num_output_tokens")
-            ],
+            outputs=[triton_grpc.InferRequestedOutput(name) for name in outputs],
         )
         items = []
         while True:
@@ -108,8 +116,22 @@ def test_model_metadata_declares_the_contract(stack: Stack, model: str) -> None:
         "sampling_parameters",
         "exclude_input_in_output",
     }
-    assert {o["name"] for o in meta["outputs"]} == {
-        "text_output",
-        "finish_reason",
-        "num_output_tokens",
-    }
+    assert {o["name"] for o in meta["outputs"]} == {*BASIC_OUTPUTS, *EXTRA_OUTPUTS}
+
+
+def test_logprobs_and_the_optional_outputs_as_the_vllm_backend_sends_them(stack: Stack) -> None:
+    sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    flags = ("return_logprobs", "return_cumulative_logprob", "return_num_input_tokens")
+    items = _stream(stack, "Hello", sampling, flags, BASIC_OUTPUTS + EXTRA_OUTPUTS)
+    assert all(not isinstance(i, Exception) for i in items)
+    positions = [p for i in items for p in json.loads(i.as_numpy("logprobs")[0])]
+    assert len(positions) == sum(int(i.as_numpy("num_output_tokens")[0]) for i in items) == 12
+    sampled = []
+    for position in positions:  # greedy: the sampled token is the most likely, rank 1
+        ranked = sorted(position.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2, 3]
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] >= ranked[2]["logprob"]
+        sampled.append(ranked[0]["logprob"])
+    cumulative = float(items[-1].as_numpy("cumulative_logprob")[0])
+    assert cumulative == pytest.approx(sum(sampled), rel=1e-5)
+    assert int(items[-1].as_numpy("num_input_tokens")[0]) == len("Hello") + 1  # and BOS

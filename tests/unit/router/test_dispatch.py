@@ -296,3 +296,15 @@ def test_streams_in_flight_are_counted_and_released() -> None:
         assert (candidate.in_flight, candidate.ended) == (0, 1)
 
     run(scenario)
+
+
+def test_a_models_card_comes_from_the_next_replica_when_one_cannot_describe_it() -> None:
+    async def scenario() -> None:
+        f = fleet()
+        f["a:1"].card_error = Unavailable("Triton is unavailable")
+        assert (await f.dispatcher.describe("llm")).max_context == 2048
+        f["b:1"].card_error = Unavailable("Triton is unavailable")
+        with pytest.raises(Unavailable, match="could describe it: Triton is unavailable"):
+            await f.dispatcher.describe("llm")
+
+    run(scenario)

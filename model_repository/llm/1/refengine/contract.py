@@ -27,6 +27,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # Log probabilities of this many most likely tokens at each generated position,
+    # beside the sampled token's own (0: the sampled token's only; None: none).
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -39,10 +42,23 @@ class GenerationRequest:
     stream: bool = True
     exclude_input_in_output: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # The vLLM backend's optional outputs (each response carries them when asked).
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_num_input_tokens: bool = False
 
 
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them
-_KNOWN_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+_KNOWN_KEYS = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+}
 # vLLM's keys this engine does not implement: accepted at the value that asks for nothing
 # (what vLLM clients often send), refused by name at any other.
 _NO_OP_VALUES = {
@@ -50,7 +66,6 @@ _NO_OP_VALUES = {
     "best_of": (None, 1),
     "min_tokens": (0,),
     "skip_special_tokens": (True,),
-    "logprobs": (None,),
 }
 _ACCEPTED_KEYS = set(_NO_OP_VALUES)
 
@@ -92,6 +107,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         seed=_seed(doc),
         stop=_stop(doc),
         ignore_eos=_bool(doc, "ignore_eos", False),
+        logprobs=_logprobs(doc),
     )
 
 
@@ -152,6 +168,12 @@ def _stop(doc: dict[str, Any]) -> tuple[str, ...]:
             "sampling_parameters.stop: must be a string or a list of non-empty strings"
         )
     return tuple(value)
+
+
+def _logprobs(doc: dict[str, Any]) -> int | None:
+    if doc.get("logprobs") is None:
+        return None
+    return _int(doc, "logprobs", 0, minimum=0)
 
 
 def _bool(doc: dict[str, Any], key: str, default: bool) -> bool:

@@ -26,8 +26,8 @@ import numpy.typing as npt
 from refengine.attention import Segment
 from refengine.contract import GenerationRequest, RequestError
 from refengine.kvcache import NO_PARENT, BlockPool, block_hash
-from refengine.sampling import OutputMasks, sample_batch
-from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink
+from refengine.sampling import OutputMasks, sample_batch, score_token
+from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink, TokenLogprob
 from refengine.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class EngineConfig:
     # Tokens per streamed response after the first; 0 = one per AUTO_STREAM_DIVISOR
     # running sequences (1 when few run, so a lone stream gets every token at once).
     stream_interval: int = 0
+    max_logprobs: int = 20  # most likely tokens a request may ask for per position (OpenAI's cap)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
@@ -82,6 +83,7 @@ class EngineConfig:
             "max_running": "max_running",
             "max_batched_tokens": "max_batched_tokens",
             "stream_interval": "stream_interval",
+            "max_logprobs": "max_logprobs",
         }
         return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
@@ -136,6 +138,11 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Validates and enqueues a request; raises RequestError if it can never be served."""
+        wanted = request.sampling.logprobs
+        if wanted is not None and wanted > self.config.max_logprobs:
+            raise RequestError(
+                f"sampling_parameters.logprobs: at most {self.config.max_logprobs}, got {wanted}"
+            )
         prompt = self.tokenizer.encode(request.prompt)
         context = self.model.shape.max_context
         if len(prompt) >= context:
@@ -319,14 +326,29 @@ class Engine:
             seq.computed += n
         samplers = [batch[i][0].sampler for i in ready]
         tokens = sample_batch(samplers, logits[ready]) if ready else []
-        for (seq, _), token in zip(batch, _spread(ready, tokens, len(batch)), strict=True):
+        for i, token in enumerate(_spread(ready, tokens, len(batch))):
+            seq = batch[i][0]
             try:
                 seq.register_full_blocks(self.pool)
                 if token is not None:
+                    if seq.scores_tokens:
+                        self._score(seq, logits[i], token)
                     self._advance(seq, token)
             except Exception as exc:  # one bad sequence must not take the batch down
                 log.exception("sequence failed")
                 self._fail(seq, f"generation failed: {exc}")
+
+    def _score(self, seq: Sequence, logits: npt.NDArray[np.float32], token: int) -> None:
+        """The token's log probability (and the most likely tokens'), for its response."""
+        logprob, rank, top = score_token(logits, token, seq.request.sampling.logprobs or 0)
+        seq.cumulative_logprob += logprob
+        if seq.request.return_logprobs:
+            text = self.tokenizer.decode
+            seq.unsent_logprobs.append(
+                TokenLogprob(
+                    token, text([token]), logprob, rank, tuple((i, text([i]), lp) for i, lp in top)
+                )
+            )
 
     def _advance(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
@@ -340,7 +362,7 @@ class Engine:
             seq.text.append(released)
             seq.unsent_text.append(released)
         if seq.request.stream and seq.unsent_text and self._due(seq):
-            seq.sink.emit("".join(seq.unsent_text), seq.unsent_tokens)
+            seq.sink.emit("".join(seq.unsent_text), seq.unsent_tokens, seq.details())
             seq.unsent_text.clear()
             seq.unsent_tokens = 0
         if seq.stops.stopped:
@@ -363,11 +385,12 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
+        details = seq.details()
         if seq.request.stream:
-            seq.sink.finish("".join(seq.unsent_text) + tail, seq.unsent_tokens, reason)
+            seq.sink.finish("".join(seq.unsent_text) + tail, seq.unsent_tokens, reason, details)
         else:
             prefix = "" if seq.request.exclude_input_in_output else seq.request.prompt
-            seq.sink.finish(prefix + "".join(seq.text) + tail, seq.generated, reason)
+            seq.sink.finish(prefix + "".join(seq.text) + tail, seq.generated, reason, details)
         self._retire(seq, reason)
 
     def _fail(self, seq: Sequence, message: str) -> None:

@@ -75,3 +75,21 @@ def _top_p(probs: npt.NDArray[np.float64], p: float) -> npt.NDArray[np.float64]:
     out = np.zeros_like(probs)
     out[keep] = probs[keep]
     return out
+
+
+def score_token(
+    logits: npt.NDArray[np.float32], token: int, top: int
+) -> tuple[float, int, list[tuple[int, float]]]:
+    """The sampled token's log probability under ``logits`` (the raw distribution), its
+    rank, and the ``top`` most likely tokens with theirs, most likely first."""
+    row = logits.astype(np.float64)
+    peak = row.max()
+    log_total = peak + np.log(np.exp(row - peak).sum())
+    chosen = float(row[token] - log_total)
+    rank = int(np.count_nonzero(row > row[token])) + 1
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(-row, top - 1)[:top]
+        ids = ids[np.argsort(-row[ids], kind="stable")]
+        best = [(int(i), float(row[i] - log_total)) for i in ids]
+    return chosen, rank, best

@@ -15,15 +15,65 @@ from refengine.tokenizer import StreamDecoder
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model (its raw next-token
+    distribution, before temperature and masks, as vLLM reports by default), its rank in
+    that distribution, and the most likely tokens there: (id, text, log probability)."""
+
+    token: int
+    text: str
+    logprob: float
+    rank: int  # 1: the most likely token
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Details:
+    """What a response carries besides text, each only when the request asked for it:
+    its tokens' log probabilities, the generation's cumulative log probability so far,
+    the prompt's token count."""
+
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    cumulative_logprob: float | None = None
+    num_input_tokens: int | None = None
+
+    def then(self, later: Details | None) -> Details:
+        """This response's details followed by a later one's, as one response."""
+        if later is None:
+            return self
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or ()) + (later.logprobs or ())
+        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens)
+
+
+def logprob_entry(token: TokenLogprob) -> dict[str, dict[str, object]]:
+    """One position as vLLM's backend writes it: {token id: {logprob, rank, decoded_token}}
+    for the sampled token and the most likely ones."""
+    entry = {
+        str(token.token): {
+            "logprob": token.logprob,
+            "rank": token.rank,
+            "decoded_token": token.text,
+        }
+    }
+    for rank, (i, text, logprob) in enumerate(token.top, start=1):
+        entry.setdefault(str(i), {"logprob": logprob, "rank": rank, "decoded_token": text})
+    return entry
+
+
 class Sink(Protocol):
     """Where one request's output goes (a Triton response sender, or a test double)."""
 
     def is_cancelled(self) -> bool: ...
 
-    def emit(self, text: str, num_tokens: int) -> None:
+    def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
         """A streamed delta: ``num_tokens`` new tokens produced ``text``."""
 
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+    def finish(
+        self, text: str, num_tokens: int, reason: str, details: Details | None = None
+    ) -> None:
         """The last response of the request."""
 
     def fail(self, message: str) -> None:
@@ -47,12 +97,33 @@ class Sequence:
     unsent_tokens: int = 0
     unsent_text: list[str] = field(default_factory=list)  # streamed text held back
     text: list[str] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.request.sampling, self.masks)
         self.stops = StopMatcher(self.request.sampling.stop)
+
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether its tokens' log probabilities are wanted (they cost a softmax each)."""
+        r = self.request
+        return r.sampling.logprobs is not None or r.return_logprobs or r.return_cumulative_logprob
+
+    def details(self) -> Details | None:
+        """The details its next response carries (taking the unsent log probabilities)."""
+        r = self.request
+        if not (r.return_logprobs or r.return_cumulative_logprob or r.return_num_input_tokens):
+            return None
+        logprobs = tuple(self.unsent_logprobs) if r.return_logprobs else None
+        self.unsent_logprobs.clear()
+        return Details(
+            logprobs,
+            self.cumulative_logprob if r.return_cumulative_logprob else None,
+            self.prompt_len if r.return_num_input_tokens else None,
+        )
 
     @property
     def generated(self) -> int:
