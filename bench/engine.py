@@ -46,18 +46,21 @@ class _Sink:
 
     def __init__(self, done: list[_Sink]) -> None:
         self._done = done
+        self.error = ""
 
     def is_cancelled(self) -> bool:
         return False
 
-    def emit(self, text: str, num_tokens: int) -> None:
+    def emit(self, text: str, num_tokens: int, details: object = None) -> None:
         pass
 
-    def finish(self, text: str, num_tokens: int, reason: str) -> None:
+    def finish(self, text: str, num_tokens: int, reason: str, details: object = None) -> None:
         self._done.append(self)
 
     def fail(self, message: str) -> None:
-        raise RuntimeError(f"engine request failed: {message}")
+        # Raising here would only be logged by the engine, and the loop would wait forever.
+        self.error = message
+        self._done.append(self)
 
 
 def _engine_modules() -> Any:
@@ -133,7 +136,9 @@ def _closed_loop(engine: Any, model: Any, config: Any, spec: WorkloadSpec, level
             time.perf_counter() - step_started
         )
         for _ in range(len(done)):
-            done.pop()
+            finished = done.pop()
+            if finished.error:
+                raise RuntimeError(f"engine request failed: {finished.error}")
             in_flight += submit() - 1
     seconds = time.perf_counter() - started
     tokens = sum(r.max_tokens for r in requests)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, Turn
+from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
 from llmmesh.v1 import common_pb2, context_pb2, policy_pb2
 
 _TO_PB = {
@@ -35,6 +37,8 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
+    if sampling.logprobs is not None:
+        message.logprobs = sampling.logprobs
     return message
 
 
@@ -48,6 +52,29 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+    )
+
+
+def logprobs_to_pb(tokens: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token=t.token,
+            text=t.text,
+            logprob=t.logprob,
+            rank=t.rank,
+            top=[common_pb2.TopLogprob(token=i, text=x, logprob=lp) for i, x, lp in t.top],
+        )
+        for t in tokens
+    ]
+
+
+def logprobs_from_pb(messages: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            m.token, m.text, m.logprob, m.rank, tuple((t.token, t.text, t.logprob) for t in m.top)
+        )
+        for m in messages
     )
 
 

@@ -33,6 +33,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log probabilities per generated token; None: none
 
     def to_vllm_json(self) -> str:
         """The ``sampling_parameters`` JSON of Triton's vLLM backend."""
@@ -49,6 +50,8 @@ class Sampling:
             doc["stop"] = list(self.stop)
         if self.ignore_eos:
             doc["ignore_eos"] = True
+        if self.logprobs is not None:
+            doc["logprobs"] = self.logprobs
         return json.dumps(doc, separators=(",", ":"))
 
 
@@ -64,6 +67,18 @@ class Route:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability (the model's raw distribution), its rank, and
+    the most likely tokens at its position: (token, text, log probability)."""
+
+    token: int
+    text: str
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
     """A piece of a generation stream: new text, tokens behind it, and on the last one why.
 
@@ -76,6 +91,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     route: Route | None = None
     resumed: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of this chunk, when asked
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ def check_session_id(session_id: str) -> None:
 
 SEED_LIMIT = 1 << 63  # a seed is an integer in [0, 2^63): what an int64 field holds
 MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform anyway (and a float32 overflows)
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -150,6 +167,10 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
             "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
         )
     _check_stop(sampling.stop)
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(
+            "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}"
+        )
 
 
 def _check_stop(stop: tuple[str, ...]) -> None:

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from llmmesh.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -70,6 +72,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     SERVED_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -94,6 +97,13 @@ class GenerateResponse(_message.Message):
         request with a session.
         """
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With SamplingParams.logprobs: one per token generated since the previous response
+        (refused for a tenant whose output policy checks the stream: the tokens would show
+        what it redacts).
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +114,11 @@ class GenerateResponse(_message.Message):
         model: _builtins.str = ...,
         served: Global___Served | None = ...,
         context: Global___SessionContext | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

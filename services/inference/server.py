@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import grpc
 
-from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
+from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.registration import add_servicer
@@ -70,6 +70,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 text=chunk.text,
                 num_output_tokens=total,
                 finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                logprobs=logprobs_to_pb(chunk.logprobs),
             )
 
 

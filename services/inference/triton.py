@@ -18,7 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
-from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,15 @@ def build_request(call: InferenceCall) -> service_pb2.ModelInferRequest:
         ("sampling_parameters", "BYTES", bytes_tensor(call.sampling.to_vllm_json().encode())),
         ("exclude_input_in_output", "BOOL", _TRUE),
     )
+    if call.sampling.logprobs is not None:  # the vLLM backend's optional output
+        inputs = (*inputs, ("return_logprobs", "BOOL", _TRUE))
     for name, datatype, raw in inputs:
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
     for name in OUTPUTS:
         request.outputs.add(name=name)
+    if call.sampling.logprobs is not None:
+        request.outputs.add(name="logprobs")
     return request
 
 
@@ -87,7 +91,8 @@ def _outputs(response: service_pb2.ModelInferResponse) -> dict[str, bytes]:
     return dict(zip((o.name for o in response.outputs), response.raw_output_contents, strict=False))
 
 
-def parse_response(response: service_pb2.ModelInferResponse) -> Chunk:
+def parse_response(response: service_pb2.ModelInferResponse, top: int | None = None) -> Chunk:
+    """One response as a chunk; ``top``: the most likely tokens asked for per position."""
     raw = _outputs(response)
     reason = first_bytes_element(raw.get("finish_reason", b"")).decode()
     tokens = raw.get("num_output_tokens", b"")
@@ -95,6 +100,30 @@ def parse_response(response: service_pb2.ModelInferResponse) -> Chunk:
         text=first_bytes_element(raw.get("text_output", b"")).decode("utf-8", "replace"),
         num_tokens=_LENGTH.unpack_from(tokens)[0] if len(tokens) >= _LENGTH.size else 0,
         finish_reason=FinishReason(reason) if reason else None,
+        logprobs=parse_logprobs(first_bytes_element(raw.get("logprobs", b"")), top or 0),
+    )
+
+
+def parse_logprobs(raw: bytes, top: int) -> tuple[TokenLogprob, ...]:
+    """The vLLM backend's ``logprobs`` output: per token, {token id: {logprob, rank,
+    decoded_token}} holding the sampled token (first) and the ``top`` most likely ones
+    (ranks 1 to ``top``; the sampled token is one of them or has a rank of its own)."""
+    try:
+        return tuple(_position(p, top) for p in (json.loads(raw) if raw else []))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise Unavailable("Triton sent log probabilities that do not parse") from None
+
+
+def _position(position: dict[str, Any], top: int) -> TokenLogprob:
+    entries = [(int(i), e) for i, e in position.items()]
+    token, own = entries[0]
+    best = sorted((e["rank"], i, e["decoded_token"], e["logprob"]) for i, e in entries)
+    return TokenLogprob(
+        token,
+        own["decoded_token"],
+        float(own["logprob"]),
+        int(own["rank"]),
+        tuple((i, text, float(lp)) for rank, i, text, lp in best if rank <= top),
     )
 
 
@@ -122,7 +151,7 @@ class TritonBackend:
                 if reply.error_message:
                     finished = True
                     raise _stream_error(reply.error_message, call.model)
-                chunk = parse_response(reply.infer_response)
+                chunk = parse_response(reply.infer_response, call.sampling.logprobs)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:

@@ -27,6 +27,7 @@ from llmmesh.types import (
     InferenceCall,
     PolicyAction,
     Role,
+    TokenLogprob,
     Turn,
     Verdict,
     check_sampling,
@@ -194,6 +195,12 @@ class RouterCore:
             history = await self._load_history(request, speech)
         rule_set = self._tenants.spec(request.tenant).policy_set
         verdict = await self._verdict(request, history, rule_set)
+        if request.sampling.logprobs is not None and verdict.checks_output:
+            raise InvalidArgument(
+                "sampling.logprobs",
+                "not available while output policy checks this tenant's stream "
+                "(the tokens would show what it redacts)",
+            )
         history, user_text = with_texts(history, verdict.texts)
         _check_not_reused(history, user_text)
         call, prompt_tokens = self._build_call(request, history, user_text, speech)
@@ -259,14 +266,21 @@ class RouterCore:
         parts: list[str] = []
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
         guard, held_tokens = prepared.guard, 0
+        held_logprobs: tuple[TokenLogprob, ...] = ()
         try:
             async for relayed in prepared.stream.chunks():
                 charged = self._charge(prepared.lease, relayed)
                 chunk, guard = await self._guard(prepared.request.tenant, guard, charged)
                 if not chunk.text and chunk.finish_reason is None:
                     held_tokens += chunk.num_tokens  # all held back: nothing to send yet
+                    held_logprobs += chunk.logprobs
                     continue
-                chunk, held_tokens = replace(chunk, num_tokens=chunk.num_tokens + held_tokens), 0
+                chunk = replace(
+                    chunk,
+                    num_tokens=chunk.num_tokens + held_tokens,
+                    logprobs=held_logprobs + chunk.logprobs,
+                )
+                held_tokens, held_logprobs = 0, ()
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     TTFT.labels(model, tier).observe(time.perf_counter() - prepared.received_at)

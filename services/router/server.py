@@ -13,7 +13,7 @@ import consul.aio
 import grpc
 from aiohttp import web
 
-from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
+from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulKeyWatch, connect
@@ -101,7 +101,9 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
     first, completion_tokens = True, 0
     async for chunk in generation.chunks:
         completion_tokens += chunk.num_tokens
-        response = generation_pb2.GenerateResponse(text=chunk.text)
+        response = generation_pb2.GenerateResponse(
+            text=chunk.text, logprobs=logprobs_to_pb(chunk.logprobs)
+        )
         if first:
             response.request_id = generation.request.request_id
             response.model = generation.request.model

@@ -14,6 +14,7 @@ from llmmesh.convert import (
     ACTION_TO_PB,
     STAGE_TO_PB,
     finish_reason_from_pb,
+    logprobs_from_pb,
     sampling_to_pb,
     turn_from_pb,
     turn_to_pb,
@@ -290,6 +291,7 @@ class ReplicaClient:
                     text=reply.text,
                     num_tokens=reply.num_output_tokens - seen,
                     finish_reason=finish_reason_from_pb(reply.finish_reason),
+                    logprobs=logprobs_from_pb(reply.logprobs),
                 )
                 seen, finished = reply.num_output_tokens, chunk.finish_reason is not None
                 yield chunk

@@ -13,10 +13,13 @@ import pytest
 from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import LOCAL_MODELS
-from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
+from llmmesh.v1 import common_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.conftest import collect, metric_value, text_of, wait_for
 
 QUESTION = "What is the capital of France?"
+CHATML_QUESTION = (
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +94,23 @@ def test_the_inference_service_describes_the_model_as_the_model_does(stack: Stac
     assert '"merges"' in card.tokenizer_json and card.eos_token == "<|im_end|>"
     assert (tiny.tokenizer_json, tiny.chat_template) == ("", "")  # bytes, the mesh's tags
     assert absent.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_inference_service_streams_each_tokens_logprobs(stack: Stack) -> None:
+    """Greedy with the top 3: every token the best of its position, its text the chunk's."""
+    request = inference_pb2.InferenceRequest(
+        request_id="logprobs-1",
+        model="smollm2",
+        prompt=CHATML_QUESTION,
+        sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0, logprobs=3),
+    )
+    with internal_channel(stack.address("inference"), stack.internal_token) as channel:
+        replies = list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=120))
+    tokens = [t for r in replies for t in r.logprobs]
+    assert len(tokens) == replies[-1].num_output_tokens == 8
+    assert all(t.rank == 1 and len(t.top) == 3 and t.top[0].token == t.token for t in tokens)
+    assert all(t.top[0].logprob >= t.top[1].logprob >= t.top[2].logprob for t in tokens)
+    assert "".join(t.text for t in tokens).startswith("".join(r.text for r in replies)[:20])
 
 
 def test_a_prompt_over_the_models_context_is_refused_before_the_engine(

@@ -9,12 +9,13 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
-from llmmesh.types import FinishReason, InferenceCall, Sampling
+from llmmesh.types import FinishReason, InferenceCall, Sampling, TokenLogprob
 from services.inference.triton import (
     _stream_error,
     build_request,
     bytes_tensor,
     first_bytes_element,
+    parse_logprobs,
     parse_response,
 )
 
@@ -82,3 +83,30 @@ def test_model_errors_map_to_statuses(message: str, kind: type, field: str | Non
     assert isinstance(err, kind)
     if field is not None:
         assert isinstance(err, InvalidArgument) and err.field == field
+
+
+def test_logprobs_are_asked_for_only_when_the_call_wants_them() -> None:
+    plain = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=2)))
+    assert "return_logprobs" not in {i.name for i in plain.inputs}
+    scored = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, logprobs=2)))
+    assert "return_logprobs" in {i.name for i in scored.inputs}
+    assert "logprobs" in {o.name for o in scored.outputs}
+    params = json.loads(first_bytes_element(scored.raw_input_contents[2]))
+    assert params["logprobs"] == 2
+
+
+def test_the_vllm_logprobs_output_is_read_with_the_top_tokens_in_rank_order() -> None:
+    # The sampled token first (here the 5th most likely), then the two most likely.
+    raw = json.dumps(
+        [
+            {
+                "7": {"logprob": -3.0, "rank": 5, "decoded_token": " cat"},
+                "9": {"logprob": -0.2, "rank": 1, "decoded_token": " dog"},
+                "4": {"logprob": -1.9, "rank": 2, "decoded_token": " fox"},
+            }
+        ]
+    ).encode()
+    (token,) = parse_logprobs(raw, top=2)
+    assert token == TokenLogprob(7, " cat", -3.0, 5, ((9, " dog", -0.2), (4, " fox", -1.9)))
+    with pytest.raises(Unavailable, match="do not parse"):
+        parse_logprobs(b'[{"7": {"rank": 1}}]', top=1)

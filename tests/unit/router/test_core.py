@@ -24,6 +24,7 @@ from llmmesh.types import (
     PolicyAction,
     Role,
     Sampling,
+    TokenLogprob,
     Turn,
     Verdict,
     fingerprint,
@@ -147,13 +148,19 @@ class Inference:
             for i in range(call.sampling.max_tokens - 1):
                 if i == 1 and self.paused is not None:
                     await self.paused.wait()
-                yield Chunk(str(i % 10), 1)
-            yield Chunk("!", 1, FinishReason.LENGTH)
+                yield Chunk(str(i % 10), 1, logprobs=self._scored(call, str(i % 10)))
+            yield Chunk("!", 1, FinishReason.LENGTH, logprobs=self._scored(call, "!"))
         finally:
             self.closed.append(call.prompt)
 
     async def describe(self, model: str) -> ModelCard:
         return ModelCard(model, CONTEXT)
+
+    @staticmethod
+    def _scored(call: InferenceCall, text: str) -> tuple[TokenLogprob, ...]:
+        if call.sampling.logprobs is None:
+            return ()
+        return (TokenLogprob(ord(text), text, -0.5, 1),)
 
 
 # Every model here: byte-level tokens, the mesh's own layout, a context of CONTEXT.
@@ -390,6 +397,21 @@ def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
         await policy.close()
         [decision] = [r for r in service.records if r.stage == "output"]  # once, at the end
         assert decision.action is PolicyAction.REDACT and decision.rule_ids == ("digits",)
+
+    asyncio.run(scenario())
+
+
+def test_logprobs_are_relayed_and_refused_where_output_policy_would_redact_them() -> None:
+    async def scenario() -> None:
+        scored = replace(request(max_tokens=3), sampling=Sampling(max_tokens=3, logprobs=1))
+        chunks = await run(make_core(gate(), Context(), Inference()), scored)
+        assert [t.text for c in chunks for t in c.logprobs] == ["0", "1", "!"]
+        rules = output_rules("{id: digits, stage: output, action: redact, regex: ['\\d']}")
+        policy = gate(PolicyService(rules))
+        with pytest.raises(InvalidArgument, match="logprobs") as info:
+            await run(make_core(policy, Context(), Inference()), scored)
+        assert info.value.field == "sampling.logprobs"
+        await policy.close()
 
     asyncio.run(scenario())
 
