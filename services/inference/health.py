@@ -42,6 +42,12 @@ MODEL_FAILURES = Counter(
     "llm_inference_model_failures_total", "Models found not answering", ["model", "cause"]
 )
 MODEL_FAILED = Gauge("llm_inference_model_failed", "1 while a model is failed here", ["model"])
+
+
+class EngineUnreachable(Unavailable):
+    """The engine itself cannot be reached: no verdict on any of its models."""
+
+
 RELOAD_BACKOFF_S = (1.0, 10.0)  # between reloads of a model that stays failed
 RECHECK_S = 0.5  # between probes of a failed model
 
@@ -187,6 +193,8 @@ class HealthKeeper:
         its streams cannot go on either."""
         try:
             await self._control.probe(model, self._health.stall_s)
+        except EngineUnreachable:
+            return  # its streams break with the connection
         except Unavailable as err:
             self.failed(model, "probe", err.message)
 
@@ -202,6 +210,8 @@ class HealthKeeper:
                 try:
                     await self._control.probe(model, health.stall_s)
                     health.last_answer[model] = time.monotonic()
+                except EngineUnreachable:
+                    continue  # the engine's outage, not the model's: load reports say so
                 except Unavailable as err:
                     self.failed(model, "probe", err.message)
 

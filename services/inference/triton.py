@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
+from services.inference.health import EngineUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,12 @@ def _transport_error(exc: grpc.aio.AioRpcError, url: str) -> MeshError:
     )
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Unavailable("Triton did not finish the stream in time")
-    return Unavailable("Triton is unavailable")
+    return TritonUnreachable("Triton is unavailable")
+
+
+class TritonUnreachable(EngineUnreachable):
+    """Triton itself cannot be reached (not running yet, or gone): an outage of the engine,
+    which load reports show (engine_reachable), not a failure of one of its models."""
 
 
 class ModelInstanceFailed(Unavailable):

@@ -33,9 +33,8 @@ def two_replicas(
     ports = StackPorts.free()
     second = f"127.0.0.1:{ports.inference}"
     triton_ports = (ports.triton_grpc, ports.triton_http, ports.triton_metrics)
-    children = [
-        start_triton(tmp_path, REPO_MODELS, "127.0.0.1", triton_ports, tmp_path / "triton.log")
-    ]
+    log = tmp_path / "triton.log"
+    children = [start_triton(tmp_path, REPO_MODELS, "127.0.0.1", triton_ports, log, models=["llm"])]
     try:
         wait_until_ready(children[0], f"127.0.0.1:{ports.triton_grpc}", time.monotonic() + 120)
         children.append(

@@ -13,7 +13,7 @@ from llmmesh.runtime.errors import Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
 from llmmesh.waiting import poll_until_async
 from services.inference.core import InferenceCore
-from services.inference.health import HealthKeeper, ModelHealth
+from services.inference.health import EngineUnreachable, HealthKeeper, ModelHealth
 from services.inference.load import ModelLoad
 from services.inference.triton import ModelInstanceFailed
 
@@ -49,7 +49,9 @@ class Backend:
 
     async def probe(self, model: str, timeout_s: float) -> None:
         self.probes += 1
-        if self.dead or self.hang or self.down:
+        if self.down:
+            raise EngineUnreachable("Triton is unavailable")
+        if self.dead or self.hang:
             raise Unavailable(f"model '{model}' did not answer")
 
     async def reload(self, model: str) -> bool:
@@ -167,16 +169,21 @@ def test_an_idle_model_is_probed_and_failed_if_it_does_not_answer() -> None:
     asyncio.run(scenario())
 
 
-def test_a_model_that_comes_back_with_a_restarted_triton_is_not_loaded_again() -> None:
-    """Triton killed and started again loads its models itself: the failed model is
-    probed back within the recheck period, and no reload unloads the new instance."""
+def test_an_unreachable_triton_fails_no_model_and_a_failed_one_comes_back_unreloaded() -> None:
+    """Triton not running (yet, or any more) is the engine's outage, which load reports
+    show: an idle probe then fails no model. A model failed otherwise (it stalled) while
+    Triton is down is probed back when the restarted Triton has loaded it again, and no
+    reload unloads that new instance."""
 
     async def scenario() -> None:
-        backend = Backend()
+        backend = Backend(down=True)
         core, keeper = harness(backend, probe_interval_s=0.05)
         try:
-            backend.down = True
-            assert await poll_until_async(lambda: _failed(core), 5)
+            assert await poll_until_async(lambda: _probed_often(backend), 5)
+            assert not core.health.failed
+            core.health.fail("llm", "stalled")
+            keeper.failed("llm", "stalled")  # recovery: probes while Triton is down
+            assert await poll_until_async(lambda: _probed_often(backend, 8), 5)
             backend.down = False  # the restarted Triton has loaded the model
             assert await poll_until_async(lambda: _answering(core), 5)
             assert backend.reloads == 0
@@ -184,6 +191,10 @@ def test_a_model_that_comes_back_with_a_restarted_triton_is_not_loaded_again() -
             await keeper.close()
 
     asyncio.run(scenario())
+
+
+async def _probed_often(backend: Backend, times: int = 3) -> bool:
+    return backend.probes >= times
 
 
 async def _failed(core: InferenceCore) -> bool:

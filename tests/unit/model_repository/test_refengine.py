@@ -21,6 +21,7 @@ from refengine import (
 from refengine.attention import Segment
 from refengine.contract import parse_sampling_parameters
 from refengine.kvcache import BlockPool
+from refengine.quant import quantize
 from refengine.rowstable import CACHED_PLAN_ROWS, matmul, probe_layout
 from refengine.sampling import Sampler
 from refengine.sequence import Details, TokenLogprob
@@ -609,3 +610,31 @@ class TestLogprobs:
         merged = first.then(later)
         assert [t.token for t in merged.logprobs or ()] == [1, 2]
         assert merged.cumulative_logprob == -1.5
+
+
+class TestQuantizedWeights:
+    @pytest.mark.parametrize("kind", ["int8", "q4"])
+    def test_a_quantized_matrix_expands_close_to_its_values(self, kind: str) -> None:
+        matrix = np.random.default_rng(0).normal(size=(64, 48)).astype(np.float32)
+        weight = quantize(matrix, kind)
+        expanded = weight.expand()
+        assert expanded.shape == matrix.shape == weight.shape
+        if kind == "int8":
+            step = np.abs(matrix).max(axis=0) / 127  # per output channel
+            assert (np.abs(expanded - matrix) <= step / 2 + 1e-6).all()
+        else:
+            # Per group of 32 rows, 16 levels from the extreme value's -8 to +7: half a
+            # step but for the values past +7 steps, clipped to it (at most a step off).
+            step = np.abs(matrix.reshape(2, 32, 48)).max(axis=1) / 8
+            error = np.abs(expanded - matrix).reshape(2, 32, 48)
+            assert (error <= step[:, None, :] + 1e-6).all()
+            assert np.median(error / step[:, None, :]) <= 0.3
+        ids = np.array([3, 0, 47])
+        assert np.array_equal(weight.columns(ids), expanded[:, ids])
+        assert weight.nbytes < matrix.nbytes / (3 if kind == "int8" else 6)
+
+    def test_unknown_kinds_and_shapes_are_refused_by_name(self) -> None:
+        with pytest.raises(ValueError, match="weights: 'fp8'"):
+            quantize(np.zeros((32, 2), np.float32), "fp8")
+        with pytest.raises(ValueError, match="multiples of 32"):
+            quantize(np.zeros((33, 2), np.float32), "q4")

@@ -85,7 +85,8 @@ def _llama(params: Mapping[str, str]) -> Built:
         special_ids=vocabulary.special_ids,
     )
     context = params.get("max_context")
-    model = Llama(checkpoint, int(context) if context else None, checkpoint.cache_entry)
+    weights = params.get("weights", "float32")
+    model = Llama(checkpoint, int(context) if context else None, checkpoint.cache_entry, weights)
     card = ModelCard(
         max_context=model.shape.max_context,
         tokenizer_json=vocabulary.tokenizer_json,

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from refengine.attention import PagedAttention, Segment, Step
 from refengine.checkpoint import Checkpoint, LlamaShape
 from refengine.kvcache import BlockPool
+from refengine.quant import Weight, quantize
 from refengine.rowstable import (
     Layout,
     layout_from_json,
@@ -38,11 +39,11 @@ Array = npt.NDArray[np.float32]
 @dataclass
 class _Block:
     attn_norm: Array
-    w_qkv: Array  # [d, (heads + 2 kv heads) * hd]: Q, K and V in one product
-    w_o: Array
+    w_qkv: Weight  # [d, (heads + 2 kv heads) * hd]: Q, K and V in one product
+    w_o: Weight
     ffn_norm: Array
-    w_gate_up: Array  # [d, 2 * ff]: the gate and up projections in one product
-    w_down: Array
+    w_gate_up: Weight  # [d, 2 * ff]: the gate and up projections in one product
+    w_down: Weight
 
 
 class Llama:
@@ -51,16 +52,22 @@ class Llama:
         checkpoint: Checkpoint,
         max_context: int | None = None,
         layouts_dir: Path | None = None,
+        weights: str = "float32",
     ) -> None:
+        """``weights``: how the matrices are kept (quant.py: float32, int8, q4)."""
         shape = checkpoint.shape
         if max_context:  # a deployment may serve less context than the model was trained on
             shape = _with_context(shape, min(max_context, shape.max_context))
         self.shape = shape
         t = checkpoint.tensors
-        self.embedding = np.asarray(t["token_embd.weight"])  # [vocab, d]
-        # Weights are stored [out, in]; products take [in, out]: a transposed view.
-        self.w_out = np.asarray(t.get("output.weight", self.embedding)).T
-        self.blocks = [self._block(t, f"blk.{i}.") for i in range(shape.n_layers)]
+        self.weights = weights
+        # Weights are stored [out, in]; products take [in, out]. The output projection is
+        # the token embedding when the file ties them: its columns are the embeddings.
+        out = np.asarray(t.get("output.weight", t["token_embd.weight"])).T
+        self.w_out = quantize(out, weights)
+        self._tied = "output.weight" not in t
+        self._embedding = None if self._tied else np.asarray(t["token_embd.weight"])
+        self.blocks = [self._block(t, f"blk.{i}.", weights) for i in range(shape.n_layers)]
         self.final_norm = np.asarray(t["output_norm.weight"])
         self._rope = _rope_tables(shape)
         self._attention = PagedAttention()
@@ -68,18 +75,32 @@ class Llama:
         self._probe_layouts(layouts_dir)
 
     @staticmethod
-    def _block(t: dict[str, Array], prefix: str) -> _Block:
-        def fused(*names: str) -> Array:
-            return np.ascontiguousarray(np.concatenate([t[prefix + n].T for n in names], axis=1))
+    def _block(t: dict[str, Array], prefix: str, weights: str) -> _Block:
+        def fused(*names: str) -> Weight:
+            matrix = np.concatenate([t[prefix + n].T for n in names], axis=1)
+            return quantize(np.ascontiguousarray(matrix), weights)
 
         return _Block(
             attn_norm=np.asarray(t[prefix + "attn_norm.weight"]),
             w_qkv=fused("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-            w_o=np.ascontiguousarray(t[prefix + "attn_output.weight"].T),
+            w_o=fused("attn_output.weight"),
             ffn_norm=np.asarray(t[prefix + "ffn_norm.weight"]),
             w_gate_up=fused("ffn_gate.weight", "ffn_up.weight"),
-            w_down=np.ascontiguousarray(t[prefix + "ffn_down.weight"].T),
+            w_down=fused("ffn_down.weight"),
         )
+
+    def embed(self, tokens: list[int]) -> Array:
+        """The tokens' embeddings [tokens, d]."""
+        if self._embedding is not None:
+            embedded: Array = self._embedding[tokens].astype(np.float32)
+            return embedded
+        return np.ascontiguousarray(self.w_out.columns(np.asarray(tokens, dtype=np.intp)).T)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory the matrices take as kept (norms and an untied embedding aside)."""
+        matrices = [w for b in self.blocks for w in (b.w_qkv, b.w_o, b.w_gate_up, b.w_down)]
+        return sum(w.nbytes for w in [*matrices, self.w_out])
 
     def _probe_layouts(self, layouts_dir: Path | None) -> None:
         """One probe per distinct matrix shape: the layers' matrices of one shape share
@@ -90,20 +111,22 @@ class Llama:
         stored = _StoredLayouts(layouts_dir)
         by_shape: dict[str, Layout] = {}
 
-        def layout(w: Array, probed: Array) -> Layout:
-            key = f"{w.shape}{w.strides}"
+        def layout(weight: Weight, narrow: bool = False) -> Layout:
+            expanded = weight.expand()
+            key = f"{expanded.shape}{expanded.strides}"
             if key not in by_shape:
+                probed = expanded[:, :1024] if narrow else expanded
                 by_shape[key] = stored.get(key) or stored.put(key, probe_layout(probed))
             return by_shape[key]
 
         for block in self.blocks:
             for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down):
-                self._layouts[id(w)] = layout(w, w)
-        self._layouts[id(self.w_out)] = layout(self.w_out, self.w_out[:, :1024])
+                self._layouts[id(w)] = layout(w)
+        self._layouts[id(self.w_out)] = layout(self.w_out, narrow=True)
         stored.save()
 
-    def _matmul(self, a: Array, w: Array) -> Array:
-        return matmul(a, w, self._layouts[id(w)])
+    def _matmul(self, a: Array, w: Weight) -> Array:
+        return matmul(a, w.expand(), self._layouts[id(w)])
 
     def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
         """One step for a whole batch (prefill chunks and decode tokens together);
@@ -112,7 +135,7 @@ class Llama:
         step = Step.of(segments, pool, shape.max_context)
         self._attention.next_step()
         cos, sin = self._rope[0][step.positions], self._rope[1][step.positions]
-        x = self.embedding[step.tokens].astype(np.float32)
+        x = self.embed(step.tokens)
         for index, block in enumerate(self.blocks):
             h = _rms_norm(x, block.attn_norm, shape.norm_eps)
             x = x + self._matmul(self._attend(index, h, step, pool, (cos, sin)), block.w_o)
