@@ -68,6 +68,7 @@ TOKEN_USAGE = Histogram(
 )
 # The model prepends a beginning-of-sequence token to every prompt.
 BOS_TOKENS = 1
+STORED_PARTS = ("session.turns", "session.summary")
 
 REUSED_REQUEST_ID = (
     "already used by another request in this session; a retry sends the same request"
@@ -193,6 +194,11 @@ class RouterCore:
         speech = await self._speech(request.model)
         with tracing.tracer.start_as_current_span("context.load"):
             history = await self._load_history(request, speech)
+        # What the client wrote (a session's stored turns were checked on their way in, or
+        # are the model's own words).
+        inline = request.inline_history is not None
+        written = input_parts(history, request.prompt, inline=inline)
+        speech.check_plain(p for p in written if not p.field.startswith(STORED_PARTS))
         rule_set = self._tenants.spec(request.tenant).policy_set
         verdict = await self._verdict(request, history, rule_set)
         if request.sampling.logprobs is not None and verdict.checks_output:

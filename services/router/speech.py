@@ -5,15 +5,17 @@ inference service asks the model itself, services/inference/triton.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from tokenizers import Tokenizer
 
-from llmmesh.runtime.errors import MeshError
+from llmmesh.policy import Part
+from llmmesh.runtime.errors import InvalidArgument, MeshError
 from llmmesh.types import ModelCard, count_tokens
 from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
 
@@ -25,17 +27,37 @@ class ModelSpeech:
     count: Callable[[str], int]  # tokens a text takes in the model's prompt
     layout: ChatLayout
     max_context: int  # tokens, prompt and generation together
+    # The tokenizer's control tokens (<|im_start|>, ...): written in a message, they would
+    # be those tokens, so a client could write role markers of its own into the prompt.
+    control_tokens: tuple[str, ...] = ()
 
     @classmethod
     def of_card(cls, card: ModelCard) -> ModelSpeech:
         # Without a tokenizer of its own, the byte-level one's: a token per UTF-8 byte.
         count: Callable[[str], int] = count_tokens
+        controls: tuple[str, ...] = ()
         if card.tokenizer_json:
             count = _counter(Tokenizer.from_str(card.tokenizer_json))
+            controls = _control_tokens(card.tokenizer_json)
         layout: ChatLayout = MESH_LAYOUT
         if card.chat_template:
             layout = TemplateLayout(card.chat_template, card.bos_token, card.eos_token)
-        return cls(count, layout, card.max_context)
+        return cls(count, layout, card.max_context, controls)
+
+    def check_plain(self, parts: Iterable[Part]) -> None:
+        """INVALID_ARGUMENT naming the first part that writes one of the model's control
+        tokens: only the mesh's own layout may."""
+        for part in parts:
+            for token in self.control_tokens:
+                if token in part.text:
+                    raise InvalidArgument(
+                        part.field, f"contains the model's control token {token!r}"
+                    )
+
+
+def _control_tokens(tokenizer_json: str) -> tuple[str, ...]:
+    added = json.loads(tokenizer_json).get("added_tokens", [])
+    return tuple(t["content"] for t in added if t.get("special") and t.get("content"))
 
 
 def _counter(tokenizer: Tokenizer) -> Callable[[str], int]:
