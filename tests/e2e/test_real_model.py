@@ -144,7 +144,9 @@ def test_a_cancelled_stream_ends_in_the_engine_and_frees_its_blocks(
     stub = generation_pb2_grpc.GenerationStub(channel)
     finished = "llm_engine_requests_finished_total"
     cancelled = engine_metric(stack, finished, reason="cancelled")
-    call = stub.Generate(build_request("Tell me a long story.", max_tokens=400), timeout=120)
+    # Past the end-of-sequence token: the story cannot end by itself before the cancel.
+    story = build_request("Tell me a long story.", max_tokens=400, ignore_eos=True)
+    call = stub.Generate(story, timeout=120)
     next(call)  # the first text: the generation runs
     call.cancel()
     wait_for(
