@@ -25,6 +25,8 @@ ROLE_NAMES = {Role.SYSTEM: "system", Role.USER: "user", Role.ASSISTANT: "assista
 
 
 class ChatLayout(Protocol):
+    def __hash__(self) -> int: ...  # layouts key the prompt builder's caches
+
     def render(self, turns: Sequence[Turn], *, generation_prompt: bool) -> str:
         """The messages as the model reads them; with ``generation_prompt``, followed by
         the cue for the assistant's answer."""

@@ -8,6 +8,7 @@ prefix caches and session affinity pay off.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -22,13 +23,19 @@ SUMMARY_LEAD = "Earlier in this conversation: "
 _ANCHOR = Turn(Role.SYSTEM, "anchor")
 
 
+@functools.lru_cache(maxsize=64)
+def _anchor(layout: ChatLayout) -> str:
+    return layout.render([_ANCHOR], generation_prompt=False)
+
+
 def _after_anchor(layout: ChatLayout, turns: list[Turn], generation_prompt: bool) -> str:
     """What ``turns`` add to a conversation already under way."""
-    before = layout.render([_ANCHOR], generation_prompt=False)
+    before = _anchor(layout)
     whole = layout.render([_ANCHOR, *turns], generation_prompt=generation_prompt)
     return whole[len(before) :] if whole.startswith(before) else whole
 
 
+@functools.lru_cache(maxsize=64)  # the same for every request to a model
 def turn_overhead(count_tokens: Callable[[str], int], layout: ChatLayout = MESH_LAYOUT) -> int:
     """Tokens a turn adds to its text, at most: its role's framing in the layout."""
     return max(count_tokens(_after_anchor(layout, [Turn(role, "")], False)) for role in Role)
