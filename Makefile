@@ -54,16 +54,19 @@ bench: $(STAMP)
 	$(BENCH) --scenario policy --rounds 5
 	$(BENCH) --scenario context
 	$(BENCH) --scenario sidecars --concurrency 1,16 --num-prompts 48 --rounds 3
+	$(BENCH) --scenario decode --rounds 3
+	$(BENCH) --scenario quantization
 
 setup: $(STAMP)
 
 # Triton's Python-backend stub links against the system libpython3.11; the context
 # service's Redis store is tested against Debian's redis-server; docker-compose checks
-# docker-compose.yml (no container engine needed).
+# docker-compose.yml (no container engine needed); the quantization benchmark scores
+# Debian's bible-kjv text.
 system-deps:
-	@dpkg -s libpython3.11 redis-server docker-compose >/dev/null 2>&1 || \
+	@dpkg -s libpython3.11 redis-server docker-compose bible-kjv >/dev/null 2>&1 || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			libpython3.11 redis-server docker-compose)
+			libpython3.11 redis-server docker-compose bible-kjv)
 
 $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

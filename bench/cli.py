@@ -67,6 +67,8 @@ def add_bench_parser(commands: Any) -> None:
             "policy",
             "context",
             "sidecars",
+            "decode",
+            "quantization",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -80,7 +82,14 @@ def add_bench_parser(commands: Any) -> None:
         "prompts and output chunks, and TTFT with and without the streamed output check; "
         "context: append and load latency of 32 concurrent 50-turn conversations on SQLite "
         "and Redis, and truncation cost on a 200-turn session; sidecars: the router through "
-        "Envoy sidecars (mTLS, RBAC) vs a router of the same stack calling directly",
+        "Envoy sidecars (mTLS, RBAC) vs a router of the same stack calling directly; decode: "
+        "a real model's (--model, default smollm2) one-stream decode against the "
+        "memory-bandwidth bound of reading its weights, measured in the same run, 1 and 16 "
+        "streams and TTFT of 64-token chat prompts, on the engine alone and through a "
+        "Triton it starts itself; quantization: smollm2's int8 and 4-bit variants against "
+        "float32: engine memory, TTFT and TPOT at 1 and 16 streams, and KL divergence, "
+        "same top token and perplexity on the float32 variant's answers to 64 chat prompts "
+        "and on a public-domain text, as llama.cpp's llama-perplexity reports them",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -109,7 +118,7 @@ def add_bench_parser(commands: Any) -> None:
         action="store_true",
         help="start a local stack on free ports for the run, then stop it",
     )
-    bench.add_argument("--model", default="llm")
+    bench.add_argument("--model", help="the model (default: llm; decode: smollm2)")
     load = bench.add_mutually_exclusive_group()
     load.add_argument(
         "--concurrency",
@@ -157,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         return _context(args)
     if args.scenario == "sidecars":
         return _sidecars(args)
+    if args.scenario == "decode":
+        return _decode(args)
+    if args.scenario == "quantization":
+        return _quantization(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -366,6 +379,41 @@ def _sidecars(args: argparse.Namespace) -> int:
     return 1 if any(r.summary.failed for r in runs) else 0
 
 
+def _decode(args: argparse.Namespace) -> int:
+    from bench.decode import run_in_workdir
+
+    result = run_in_workdir(model=args.model or "smollm2", rounds=max(args.rounds, 3))
+    print(result.table())
+    _record(
+        args,
+        _section(args, "decode"),
+        f"; {result.model}, per round and path: one stream, then 16 at once, of "
+        f"{result.prompt_tokens}-token chat prompts, {result.output_len} output tokens each "
+        "(ignore_eos), each engine run on an empty cache.",
+        result.table(),
+    )
+    return 0
+
+
+def _quantization(args: argparse.Namespace) -> int:
+    from bench.quantization import ANSWER_TOKENS, CHUNK_TOKENS, TEXT_CHUNKS, run
+
+    result = run()
+    print(result.table())
+    _record(
+        args,
+        _section(args, "quantization"),
+        f"; speed: each variant in a fresh engine, 64-token chat prompts, 64 output tokens "
+        f"(ignore_eos); quality: chat = float32's greedy answers (up to {ANSWER_TOKENS} "
+        f"tokens) to 64 chat prompts, text = Genesis (King James Version, Debian's "
+        f"bible-kjv) in {TEXT_CHUNKS} chunks of {CHUNK_TOKENS} tokens, second halves "
+        "scored. The reference, float32, is the GGUF file's 4-bit Q4_1 weights expanded, "
+        "not the original 16-bit model.",
+        result.table(),
+    )
+    return 0
+
+
 def _command() -> str:
     return "llm-mesh " + shlex.join(sys.argv[1:])
 
@@ -391,17 +439,17 @@ def _targets(args: argparse.Namespace) -> list[Target]:
         key = getattr(args, "api_key", None) or api_key(args.state_file)
         if name == "router":
             address = router_address(args.router, args.state_file)
-            targets.append(RouterTarget(address, args.model, key))
+            targets.append(RouterTarget(address, args.model or "llm", key))
         elif name == "openai":
             base = (
                 getattr(args, "openai_url", None)
                 or state.get("openai_base_url")
                 or "http://127.0.0.1:8080/v1"
             )
-            targets.append(OpenAiTarget(base, args.model, key))
+            targets.append(OpenAiTarget(base, args.model or "llm", key))
         else:
             url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
-            targets.append(TritonTarget(url, args.model))
+            targets.append(TritonTarget(url, args.model or "llm"))
     return targets
 
 

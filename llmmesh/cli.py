@@ -309,8 +309,10 @@ def _print_endpoints(endpoints: dict[str, str], state_file: Path) -> None:
 
 
 def _demo(router: str, key: str) -> None:
-    print(f"\ndemo: llm-mesh generate {DEMO_PROMPT!r} --max-tokens 64 --session demo")
-    request = build_request(DEMO_PROMPT, max_tokens=64, session_id="demo")
+    # Greedy: the same right answer on every run.
+    flags = "--max-tokens 64 --temperature 0 --session demo"
+    print(f"\ndemo: llm-mesh generate {DEMO_PROMPT!r} {flags}")
+    request = build_request(DEMO_PROMPT, max_tokens=64, temperature=0.0, session_id="demo")
     with grpc.insecure_channel(router) as channel:
         try:
             stream_to_terminal(channel, request, 60, auth_metadata(key))

@@ -22,8 +22,8 @@ from llmmesh.runtime.internal_auth import new_token_file, read_token
 __all__ = ["Stack", "StackError", "StackPorts"]
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
-# Process -> the service it runs. The canary replica serves model "llm" with the
-# llm_canary weights, so the local stack has a canary subset to split traffic to.
+# Process -> the service it runs. The canary replica serves each model with its canary
+# build (CANARY_ALIASES), so the local stack has a canary subset to split traffic to.
 PROCESSES = {
     "policy": "policy",
     "context": "context",
@@ -31,7 +31,9 @@ PROCESSES = {
     "inference_canary": "inference",
     "router": "router",
 }
-CANARY_ALIASES = {"llm": "llm_canary"}
+# The tiny model's canary has other random weights; the real model's is its int8 variant
+# (what a quantization rollout looks like).
+CANARY_ALIASES = {"llm": "llm_canary", "smollm2": "smollm2-int8"}
 # The mesh models the stable replica serves, the first the default. Tests serve the tiny
 # reference model (it loads in a second); `llm-mesh up` serves the real one first.
 TEST_MODELS = ("llm",)

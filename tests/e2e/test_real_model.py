@@ -46,6 +46,28 @@ def test_smollm2_is_the_default_model_and_answers_greedily(channel: grpc.Channel
     assert responses[-1].usage.completion_tokens <= 12
 
 
+def test_the_canary_color_reaches_the_int8_variant(stack: Stack, channel: grpc.Channel) -> None:
+    """The local stack's canary subset serves smollm2 with its int8 weights: the request
+    lands on the canary replica, Triton runs smollm2-int8, and the answer is still right."""
+
+    def int8_requests() -> float:
+        """Generations the int8 engine finished (Triton's own count has card requests too)."""
+        url = f"http://{stack.address('triton_metrics')}/metrics"
+        name = "llm_engine_requests_finished_total"
+        ends = ("stop", "length")
+        return sum(metric_value(url, name, {"model": "smollm2-int8", "reason": r}) for r in ends)
+
+    before = int8_requests()
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    # A session: the question goes in the model's chat template.
+    request = build_request(QUESTION, max_tokens=12, temperature=0.0, session_id="canary")
+    responses = list(stub.Generate(request, timeout=120, metadata=(("x-llm-color", "canary"),)))
+    assert responses[-1].served.subset == "canary"
+    assert "Paris" in text_of(responses), text_of(responses)
+    # Triton updates its metrics every 2 s.
+    wait_for(lambda: int8_requests() == before + 1, what="Triton to count the int8 request")
+
+
 def test_a_second_turn_reads_the_first_from_the_prefix_cache(
     stack: Stack, channel: grpc.Channel
 ) -> None:

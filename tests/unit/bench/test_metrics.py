@@ -59,6 +59,9 @@ def test_engine_scenario_times_prefill_and_decode_steps() -> None:
     assert len(one.decode_steps_s) == 4 * 4 and len(two.decode_steps_s) == 2 * 4
     table = engine_table([one, two])
     assert "| 1 |" in table and "| 2 |" in table and "1.00x" in table
+    # Every request's TTFT and TPOT, as its sink saw them.
+    assert len(one.ttft_s) == len(one.tpot_s) == 4
+    assert all(ttft > 0 and tpot > 0 for ttft, tpot in zip(one.ttft_s, one.tpot_s, strict=True))
 
 
 def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:

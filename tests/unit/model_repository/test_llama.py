@@ -150,6 +150,20 @@ def test_batched_paged_logits_equal_a_plain_forward(model: Llama, tokenizer: BPE
     assert np.abs(decoded[0] - want).max() <= 1e-3 * np.abs(want).max()
 
 
+def test_every_positions_logits_are_those_after_each_prefix(
+    model: Llama, tokenizer: BPETokenizer
+) -> None:
+    """What scoring a text teacher-forced reads: row i is the next-token logits after the
+    first i + 1 tokens."""
+    pool = BlockPool(4, 16, model.shape.n_layers, model.shape.n_kv_heads, model.shape.head_dim)
+    tokens = tokenizer.encode("Once upon a time, in a land far away, there lived")
+    rows = model.forward([Segment(tokens, 0, [0, 1])], pool, every_position=True)
+    assert rows.shape == (len(tokens), model.shape.vocab_size)
+    for end in (3, len(tokens)):
+        want = plain_forward(model, tokens[:end])
+        assert np.abs(rows[end - 1] - want).max() <= 1e-3 * np.abs(want).max()
+
+
 def test_a_sequences_logits_are_the_same_bits_alone_or_batched(
     model: Llama, tokenizer: BPETokenizer
 ) -> None:
@@ -248,10 +262,10 @@ def test_logprobs_of_the_real_model_are_a_distribution_and_add_up(
     assert "".join(t.text for t in tokens).startswith("The capital of France")
 
 
-# Kind, top-1 agreement with float32 at least, times smaller at least. 4 bits in groups of
-# 32 on top of the file's own 4 bits cost a 135M model much (5 of 8 here): the
-# quantization benchmark is where it is measured properly.
-QUANTIZED = [("int8", 0.85, 3.5), ("q4", 0.5, 6.0)]
+# Kind, top-1 agreement with float32 at least, times smaller at least. The 4-bit variant
+# keeps the file's own 4-bit block weights; its int8 output projection is what strays (the
+# quantization benchmark measures it properly).
+QUANTIZED = [("int8", 0.85, 3.5), ("q4", 0.85, 5.5)]
 
 
 @pytest.mark.parametrize(("weights", "agreement", "smaller"), QUANTIZED)

@@ -60,13 +60,24 @@ def _cache_dir() -> Path:
     return Path(cache) if cache else DEFAULT_CACHE
 
 
+def _batch_invariant(params: Mapping[str, str]) -> bool:
+    """``batch_invariant`` (default true): a sequence's logits, and so its seeded samples,
+    are the same bits whatever else shares its batch; false trades that for plain, faster
+    products (rowstable)."""
+    value = params.get("batch_invariant", "true").lower()
+    if value not in ("true", "false"):
+        raise ValueError(f"batch_invariant: {value!r} is not true or false")
+    return value == "true"
+
+
 @family("reference")
 def _reference(params: Mapping[str, str]) -> Built:
     """The small model with weights drawn from a seed (transformer.py)."""
     from refengine.transformer import ModelShape, Transformer
 
     shape = ModelShape.from_parameters(params)
-    model = Transformer(shape, int(params.get("weight_seed", 0)), _cache_dir() / "layouts")
+    seed = int(params.get("weight_seed", 0))
+    model = Transformer(shape, seed, _cache_dir() / "layouts", _batch_invariant(params))
     return Built(model, ByteTokenizer(), ModelCard(shape.max_context))
 
 
@@ -90,7 +101,13 @@ def _llama(params: Mapping[str, str]) -> Built:
     )
     context = params.get("max_context")
     weights = params.get("weights", "float32")
-    model = Llama(checkpoint, int(context) if context else None, checkpoint.cache_entry, weights)
+    model = Llama(
+        checkpoint,
+        int(context) if context else None,
+        checkpoint.cache_entry,
+        weights,
+        _batch_invariant(params),
+    )
     card = ModelCard(
         max_context=model.shape.max_context,
         tokenizer_json=vocabulary.tokenizer_json,

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from refengine.attention import PagedAttention, Segment, Step
 from refengine.checkpoint import Checkpoint, LlamaShape
 from refengine.kvcache import BlockPool
-from refengine.quant import Weight, quantize
+from refengine.quant import OUTPUT_KIND, Weight, quantize
 from refengine.rowstable import Layout, LayoutBook, matmul
 
 Array = npt.NDArray[np.float32]
@@ -42,8 +42,11 @@ class Llama:
         max_context: int | None = None,
         layouts_dir: Path | None = None,
         weights: str = "float32",
+        batch_invariant: bool = True,
     ) -> None:
-        """``weights``: how the matrices are kept (quant.py: float32, int8, q4)."""
+        """``weights``: how the matrices are kept (quant.py: float32, int8, q4);
+        ``batch_invariant`` False: plain products, faster, but a row's logits may differ
+        in their last bits with the rest of its batch (rowstable)."""
         shape = checkpoint.shape
         if max_context:  # a deployment may serve less context than the model was trained on
             shape = _with_context(shape, min(max_context, shape.max_context))
@@ -52,16 +55,18 @@ class Llama:
         self.weights = weights
         # Weights are stored [out, in]; products take [in, out]. The output projection is
         # the token embedding when the file ties them: its columns are the embeddings.
-        out = np.asarray(t.get("output.weight", t["token_embd.weight"])).T
-        self.w_out = quantize(out, weights)
+        # Copies, not views of the checkpoint: a model must not keep the whole cached file
+        # mapped (and counted in its resident memory) once its weights are quantized.
+        out = np.array(t.get("output.weight", t["token_embd.weight"])).T
+        self.w_out = quantize(out, OUTPUT_KIND.get(weights, weights))
         self._tied = "output.weight" not in t
-        self._embedding = None if self._tied else np.asarray(t["token_embd.weight"])
+        self._embedding = None if self._tied else np.array(t["token_embd.weight"])
         self.blocks = [self._block(t, f"blk.{i}.", weights) for i in range(shape.n_layers)]
-        self.final_norm = np.asarray(t["output_norm.weight"])
+        self.final_norm = np.array(t["output_norm.weight"])
         self._rope = _rope_tables(shape)
         self._attention = PagedAttention()
-        self._layouts: dict[int, Layout] = {}
-        self._probe_layouts(layouts_dir)
+        self._layouts: dict[int, Layout | None] = {}
+        self._probe_layouts(LayoutBook(layouts_dir, batch_invariant))
 
     @staticmethod
     def _block(t: dict[str, Array], prefix: str, weights: str) -> _Block:
@@ -70,10 +75,10 @@ class Llama:
             return quantize(np.ascontiguousarray(matrix), weights)
 
         return _Block(
-            attn_norm=np.asarray(t[prefix + "attn_norm.weight"]),
+            attn_norm=np.array(t[prefix + "attn_norm.weight"]),
             w_qkv=fused("attn_q.weight", "attn_k.weight", "attn_v.weight"),
             w_o=fused("attn_output.weight"),
-            ffn_norm=np.asarray(t[prefix + "ffn_norm.weight"]),
+            ffn_norm=np.array(t[prefix + "ffn_norm.weight"]),
             w_gate_up=fused("ffn_gate.weight", "ffn_up.weight"),
             w_down=fused("ffn_down.weight"),
         )
@@ -86,15 +91,19 @@ class Llama:
         return np.ascontiguousarray(self.w_out.columns(np.asarray(tokens, dtype=np.intp)).T)
 
     @property
+    def matrices(self) -> list[Weight]:
+        """Every matrix a step multiplies by, once each."""
+        blocks = [w for b in self.blocks for w in (b.w_qkv, b.w_o, b.w_gate_up, b.w_down)]
+        return [*blocks, self.w_out]
+
+    @property
     def weight_bytes(self) -> int:
         """Memory the matrices take as kept (norms and an untied embedding aside)."""
-        matrices = [w for b in self.blocks for w in (b.w_qkv, b.w_o, b.w_gate_up, b.w_down)]
-        return sum(w.nbytes for w in [*matrices, self.w_out])
+        return sum(w.nbytes for w in self.matrices)
 
-    def _probe_layouts(self, layouts_dir: Path | None) -> None:
-        """The output projection is probed on its first columns (probing all of a
-        49k-wide matrix would take minutes)."""
-        book = LayoutBook(layouts_dir)
+    def _probe_layouts(self, book: LayoutBook) -> None:
+        """The output projection's alike positions are found on its first columns
+        (probing all of a 49k-wide matrix would take minutes)."""
         for block in self.blocks:
             for w in (block.w_qkv, block.w_o, block.w_gate_up, block.w_down):
                 self._layouts[id(w)] = book.layout(w.expand())
@@ -105,9 +114,13 @@ class Llama:
     def _matmul(self, a: Array, w: Weight) -> Array:
         return matmul(a, w.expand(), self._layouts[id(w)])
 
-    def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
+    def forward(
+        self, segments: list[Segment], pool: BlockPool, every_position: bool = False
+    ) -> Array:
         """One step for a whole batch (prefill chunks and decode tokens together);
-        returns the next-token logits of each segment, [segments, vocab]."""
+        returns the next-token logits of each segment, [segments, vocab], or with
+        ``every_position`` those after each of the step's tokens, [tokens, vocab] (what
+        scoring a text teacher-forced needs)."""
         shape = self.shape
         step = Step.of(segments, pool, shape.max_context)
         self._attention.next_step()
@@ -118,8 +131,8 @@ class Llama:
             x = x + self._matmul(self._attend(index, h, step, pool, (cos, sin)), block.w_o)
             h = _rms_norm(x, block.ffn_norm, shape.norm_eps)
             x = x + self._matmul(_swiglu(self._matmul(h, block.w_gate_up)), block.w_down)
-        last = _rms_norm(x[step.ends - 1], self.final_norm, shape.norm_eps)
-        return self._matmul(last, self.w_out)
+        last = x if every_position else x[step.ends - 1]
+        return self._matmul(_rms_norm(last, self.final_norm, shape.norm_eps), self.w_out)
 
     def _attend(
         self, index: int, h: Array, step: Step, pool: BlockPool, rope: tuple[Array, Array]
@@ -160,14 +173,23 @@ def _rotate(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    scale = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + np.float32(eps))
-    out: Array = (x * scale.astype(np.float32)) * weight
+    # One reduction per row, in place where it can be: a decode step calls this 61 times
+    # on one row, where numpy's mean() alone costs more than the arithmetic.
+    mean_square = np.add.reduce(x * x, axis=-1, keepdims=True)
+    mean_square *= np.float32(1.0 / x.shape[-1])
+    mean_square += np.float32(eps)
+    out: Array = x / np.sqrt(mean_square)
+    out *= weight
     return out
 
 
 def _swiglu(gate_up: Array) -> Array:
-    """silu(gate) * up, the halves of one product."""
-    gate, up = np.split(gate_up, 2, axis=1)
-    with np.errstate(over="ignore"):  # exp(-gate) overflows for very negative gates: silu is -0
-        out: Array = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    """silu(gate) * up, the halves of one product. The gate is clamped where exp(-gate)
+    would overflow: silu is -0 there in float32 anyway."""
+    half = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :half], gate_up[:, half:]
+    denominator = np.exp(-np.maximum(gate, np.float32(-88.0)))
+    denominator += np.float32(1.0)
+    out: Array = gate / denominator
+    out *= up
     return out

@@ -6,9 +6,9 @@ matrix is the same array layout every time, so the batch-invariant product
 (``rowstable``) holds for it as for a float32 matrix.
 
 - ``int8``: symmetric, one scale per output channel: w = q * scale, q in [-127, 127].
-- ``q4``: symmetric, one scale per 32 consecutive input rows of each output channel
-  (llama.cpp's Q4_0, laid out for [in, out] products): w = (q - 8) * scale, q in
-  [0, 15], two values a byte.
+- ``q4``: a scale and a minimum (float16) per 32 consecutive input rows of each output
+  channel (llama.cpp's Q4_1, laid out for [in, out] products): w = q * scale + minimum,
+  q in [0, 15], two values a byte; 5 bits a weight.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class Int8Weight:
 @dataclass(frozen=True)
 class Q4Weight:
     packed: npt.NDArray[np.uint8]  # [in / 2, out]: rows 2i (low nibble) and 2i+1 (high)
-    scale: Array  # [in / GROUP, out]
+    scale: npt.NDArray[np.float16]  # [in / GROUP, out]
+    minimum: npt.NDArray[np.float16]  # [in / GROUP, out]
 
     @classmethod
     def of(cls, matrix: Array) -> Q4Weight:
@@ -104,42 +105,50 @@ class Q4Weight:
         if rows % GROUP:
             raise ValueError(f"q4 needs input rows in multiples of {GROUP}, got {rows}")
         groups = matrix.reshape(rows // GROUP, GROUP, cols)
-        # As llama.cpp's Q4_0: the value of largest magnitude maps to -8, so that all 16
-        # levels are used (with |max| / 7 one of them would be left over).
-        extreme = np.take_along_axis(groups, np.abs(groups).argmax(axis=1)[:, None, :], 1)[:, 0]
-        scale = np.where(extreme != 0, extreme / -8.0, 1.0).astype(np.float32)
-        q = np.clip(np.rint(groups / scale[:, None, :]) + 8, 0, 15).astype(np.uint8)
-        q = q.reshape(rows, cols)
-        return cls((q[0::2] | (q[1::2] << 4)).astype(np.uint8), scale)
+        # A group's 16 levels span its own range: a group of weights already on a 4-bit
+        # grid of 32 (as the SmolLM2 file's Q4_1 ones) keeps its values.
+        low, high = groups.min(axis=1), groups.max(axis=1)
+        scale = np.where(high > low, (high - low) / 15.0, 1.0).astype(np.float16)
+        minimum = low.astype(np.float16)
+        steps = (groups - minimum[:, None, :]) / scale[:, None, :].astype(np.float32)
+        q = np.clip(np.rint(steps), 0, 15).astype(np.uint8).reshape(rows, cols)
+        return cls((q[0::2] | (q[1::2] << 4)).astype(np.uint8), scale, minimum)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0] * 2, self.packed.shape[1]
 
     def expand(self) -> Array:
-        return _unpack(self.packed, self.scale)
+        return _unpack(self.packed, self.scale, self.minimum)
 
     def columns(self, ids: npt.NDArray[np.intp]) -> Array:
-        return _unpack(self.packed[:, ids], self.scale[:, ids])
+        return _unpack(self.packed[:, ids], self.scale[:, ids], self.minimum[:, ids])
 
     @property
     def nbytes(self) -> int:
-        return int(self.packed.nbytes + self.scale.nbytes)
+        return int(self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes)
 
 
-def _unpack(packed: npt.NDArray[np.uint8], scale: Array) -> Array:
+def _unpack(
+    packed: npt.NDArray[np.uint8], scale: npt.NDArray[np.float16], minimum: npt.NDArray[np.float16]
+) -> Array:
     rows, cols = packed.shape[0] * 2, packed.shape[1]
     q = np.empty((rows, cols), dtype=np.float32)
     q[0::2] = packed & 0x0F
     q[1::2] = packed >> 4
-    q -= 8.0
     groups = q.reshape(rows // GROUP, GROUP, cols)
-    groups *= scale[:, None, :]
+    groups *= scale[:, None, :].astype(np.float32)
+    groups += minimum[:, None, :].astype(np.float32)
     return q
 
 
 QUANTIZED: dict[str, Callable[[Array], Weight]] = {"int8": Int8Weight.of, "q4": Q4Weight.of}
 KINDS = ("float32", *QUANTIZED)
+# The output projection (for a tied model, its token embedding too) takes no fewer than 8
+# bits: every logit and, tied, every token's embedding goes through it, and 4 bits there
+# cost far more than in the blocks (llama.cpp's 4-bit types keep it at 6 bits; the
+# SmolLM2 file itself stores it in Q8_0).
+OUTPUT_KIND = {"q4": "int8"}
 
 
 def quantize(matrix: Array, kind: str) -> Weight:

@@ -6,6 +6,13 @@ the orientation it is passed in. Batched, a sequence's row would then come out a
 ulps different from the same row computed alone, and a seeded sample could change. So a
 product is taken in blocks of a few fixed heights, and rows are placed only at the
 positions that compute exactly alike: probed once per weight matrix, at start.
+
+Of the layouts that hold, the probe keeps the fastest as timed on the matrix itself, at
+one row and at a batch: which one that is depends on the CPU's kernels more than on any
+count of rows computed (a narrow product that packs a large matrix can cost many times
+its gemm's arithmetic). A model that does not need batch invariance multiplies plainly
+(``matmul`` with no layout): one row then goes through BLAS's matrix-vector kernel, whose
+summation order no batched product shares.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import os
 import platform
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +39,13 @@ Index = npt.NDArray[np.intp]
 HEIGHTS = (1, 2, 4, 8, 12, 15, 16, 24, 32, 48, 64, 128, 264)
 PROBES = 16  # rows of different scales: one row can agree by chance where kernels differ
 TALL_PROBES = 4  # for blocks taller than 64, whose probe products are the costly ones
-# The cost model: a gemm call's fixed cost, in rows computed, and the batch whose cost
-# picks a matrix's layout (then a single row's).
+# The plans' cost model: a gemm call's fixed cost, in rows computed.
 CALL_COST_ROWS = 16
-BATCH_ROWS = 64
+# Batches a layout is timed at: one decode row, and a batch of decode rows.
+TIMED_ROWS = (1, 32)
 CACHED_PLAN_ROWS = 256
+# Bump when the choice of layout changes: layouts kept from an older probe are probed again.
+BOOK_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -75,10 +85,6 @@ class Layout:
     def __post_init__(self) -> None:
         with _BEST_LOCK:
             self._best = _BEST.setdefault(self.blocks, [(0, 0, -1)])
-
-    def cost(self, rows: int) -> int:
-        self._extend(rows)
-        return self._best[rows][0]
 
     def plan(self, rows: int) -> list[tuple[Block, Index, Index]]:
         """Per block height used for ``rows`` rows: the block, and for each of its rows
@@ -124,8 +130,11 @@ class Layout:
         return plan
 
 
-def matmul(a: Array, b: Array, layout: Layout) -> Array:
-    """``a @ b``, each row computed exactly as it would be alone."""
+def matmul(a: Array, b: Array, layout: Layout | None) -> Array:
+    """``a @ b``, each row computed exactly as it would be alone; with no layout, plainly."""
+    if layout is None:
+        plain: Array = a @ b
+        return plain
     parts = []
     first = 0
     for block, numbers, positions in layout.plan(a.shape[0]):
@@ -176,13 +185,24 @@ def block_product(blocks: Array, b: Array, transposed: bool) -> Array:
     return product
 
 
-def probe_layout(w: Array) -> Layout:
-    """The layout that multiplies a batch by ``w`` with the least work, then a single row
-    (the BLAS threads must be set already: they change how BLAS splits a product).
+def probe_layout(w: Array, probe_on: Array | None = None) -> Layout:
+    """The fastest layout that multiplies rows by ``w`` exactly as alone (the BLAS threads
+    must be set already: they change how BLAS splits a product). ``probe_on``: a part of
+    ``w`` to find the alike positions on (the same memory layout, fewer columns); the
+    candidates are timed on all of ``w``.
 
     Each candidate takes one orientation and one block position as the reference every
     row must compute exactly like.
     """
+    candidates = _candidates(w if probe_on is None else probe_on)
+    if not candidates:
+        return Layout(False, (Block(1, (0,)),))  # nothing stable: a product per row
+    if len(candidates) == 1:
+        return candidates[0]
+    return _fastest(candidates, w)
+
+
+def _candidates(w: Array) -> list[Layout]:
     rng = np.random.default_rng(0)
     scales = rng.uniform(0.01, 100.0, size=(PROBES, 1)).astype(np.float32)
     rows = rng.normal(size=(PROBES, w.shape[0])).astype(np.float32) * scales
@@ -202,11 +222,30 @@ def probe_layout(w: Array) -> Layout:
             blocks = _alike_blocks(products, reference)
             if blocks:
                 candidates.append(Layout(transposed, blocks))
-    return min(
-        candidates,
-        key=lambda c: (c.cost(BATCH_ROWS), c.cost(1)),
-        default=Layout(False, (Block(1, (0,)),)),  # nothing stable: a product per row
-    )
+    return candidates
+
+
+def _fastest(candidates: list[Layout], w: Array) -> Layout:
+    """The candidate least slower than the best at its worst batch size: each is timed at
+    every ``TIMED_ROWS`` (the best of two runs, after one to warm up)."""
+    rng = np.random.default_rng(1)
+    times = []
+    for layout in candidates:
+        per_size = []
+        for rows in TIMED_ROWS:
+            a = rng.normal(size=(rows, w.shape[0])).astype(np.float32)
+            matmul(a, w, layout)
+            per_size.append(min(_seconds(a, w, layout) for _ in range(2)))
+        times.append(per_size)
+    best = [min(column) for column in zip(*times, strict=True)]
+    regret = [max(t / b for t, b in zip(row, best, strict=True)) for row in times]
+    return candidates[int(np.argmin(regret))]
+
+
+def _seconds(a: Array, w: Array, layout: Layout) -> float:
+    started = time.perf_counter()
+    matmul(a, w, layout)
+    return time.perf_counter() - started
 
 
 def _alike_blocks(products: dict[int, Array], reference: Array) -> tuple[Block, ...]:
@@ -258,14 +297,25 @@ def layout_from_json(doc: dict[str, Any]) -> Layout:
     return Layout(bool(doc["transposed"]), blocks)
 
 
+# Layouts probed in this process, by machine and matrix: the choice is timed, so two
+# probes of one shape could choose differently, and two models of the same weights must
+# compute the same bits.
+_PROBED: dict[str, Layout] = {}
+
+
 class LayoutBook:
     """Layouts by matrix shape and memory layout: a model's matrices of one shape share
     them (a BLAS kernel's summation order depends on those, not on the values), so one
-    probe serves them all. Probes take seconds: with a ``directory``, their results are
-    kept there per machine (CPU, BLAS, threads) and read back on the next load."""
+    probe serves them all, and every later model of this process. Probes take seconds:
+    with a ``directory``, their results are kept there per machine (CPU, BLAS, threads)
+    and read back on the next load, so that models in other processes choose alike."""
 
-    def __init__(self, directory: Path | None) -> None:
-        self._path = directory / f"layouts-{machine_key()}.json" if directory else None
+    def __init__(self, directory: Path | None, batch_invariant: bool = True) -> None:
+        """``batch_invariant`` False: every matrix is multiplied plainly (no layout)."""
+        self._invariant = batch_invariant
+        self._machine = machine_key() if batch_invariant else ""
+        name = f"layouts-v{BOOK_VERSION}-{self._machine}.json"
+        self._path = directory / name if directory and batch_invariant else None
         self._found: dict[str, Any] = {}
         self._known: dict[str, Layout] = {}
         self._changed = False
@@ -273,16 +323,21 @@ class LayoutBook:
             with contextlib.suppress(OSError, ValueError):
                 self._found = json.loads(self._path.read_text(encoding="utf-8"))
 
-    def layout(self, w: Array, probe_on: Array | None = None) -> Layout:
-        """``w``'s layout; ``probe_on``: a part of it to probe instead (the same layout
-        in memory, fewer columns)."""
+    def layout(self, w: Array, probe_on: Array | None = None) -> Layout | None:
+        """``w``'s layout (None: multiply plainly); ``probe_on``: a part of it to find the
+        alike positions on (probe_layout)."""
+        if not self._invariant:
+            return None
         key = f"{w.shape}{w.strides}"
         if key not in self._known:
             doc = self._found.get(key)
             if doc:
                 self._known[key] = layout_from_json(doc)
             else:
-                self._known[key] = probe_layout(w if probe_on is None else probe_on)
+                probed = f"{self._machine}{key}"
+                if probed not in _PROBED:
+                    _PROBED[probed] = probe_layout(w, probe_on)
+                self._known[key] = _PROBED[probed]
                 self._found[key] = layout_to_json(self._known[key])
                 self._changed = True
         return self._known[key]

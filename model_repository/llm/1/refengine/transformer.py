@@ -78,7 +78,13 @@ class _Layer:
 
 
 class Transformer:
-    def __init__(self, shape: ModelShape, seed: int = 0, layouts_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        seed: int = 0,
+        layouts_dir: Path | None = None,
+        batch_invariant: bool = True,
+    ) -> None:
         self.shape = shape
         rng = np.random.default_rng(seed)
         d, v = shape.d_model, shape.vocab_size
@@ -108,7 +114,7 @@ class Transformer:
         self.out_bias = _output_prior(v, shape.eos_logit_bias)
         self._attention = PagedAttention()
         # BLAS probed now, for these very matrices, not during the first request.
-        book = LayoutBook(layouts_dir)
+        book = LayoutBook(layouts_dir, batch_invariant)
         self._layouts = {
             id(w): book.layout(w)
             for layer in self.layers
