@@ -23,6 +23,7 @@ from llmmesh.client import (
     stream_text,
 )
 from llmmesh.launcher.stack import LOCAL_MODELS
+from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
 
 DEMO_PROMPT = "What is the capital of France?"
 
@@ -275,8 +276,17 @@ def _up(args: argparse.Namespace) -> int:
             "routing_file": str(stack.routing_file),
             "openai_base_url": stack.openai_base_url,
         }
+        tokenizers = write_tokenizer_dirs(
+            stack.address("inference"),
+            stack.internal_token,
+            stack.models,
+            stack.workdir / "tokenizers",
+        )
+        state["tokenizers"] = {model: str(path) for model, path in tokenizers.items()}
         stack.write_state(args.state_file, state)
         _print_endpoints(stack.endpoints(), args.state_file)
+        for model, path in tokenizers.items():
+            print(f"tokenizer of {model} (Hugging Face, with its chat template): {path}")
         print(f"routing document (edit to shift traffic): {stack.routing_file}")
         print(f"demo tenant API key: {stack.api_key}  (tenants: {stack.tenants_file})")
         print(f"OpenAI-compatible API: {stack.openai_base_url}")

@@ -116,6 +116,7 @@ class ModelCard:
     chat_template: str = ""
     bos_token: str = ""
     eos_token: str = ""
+    add_bos: bool = False  # the engine puts the BOS token before every prompt
 
 
 def count_tokens(text: str) -> int:

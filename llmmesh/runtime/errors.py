@@ -14,6 +14,7 @@ class MeshError(Exception):
     code: ClassVar[str] = "INTERNAL"  # google.rpc.Code name
     http_status: ClassVar[int] = 500
     http_type: ClassVar[str] = "internal_error"
+    http_code: ClassVar[str | None] = None  # OpenAI's error.code, where it has one
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -40,6 +41,13 @@ class AlreadyExists(FieldError):
     """The field names something another request already made (a reused request id)."""
 
     code, http_status, http_type = "ALREADY_EXISTS", 409, "invalid_request_error"
+
+
+class ModelNotFound(FieldError):
+    """The request names a model the mesh does not serve (OpenAI's ``model_not_found``)."""
+
+    code, http_status, http_type = "NOT_FOUND", 404, "invalid_request_error"
+    http_code = "model_not_found"
 
 
 class Unauthenticated(MeshError):

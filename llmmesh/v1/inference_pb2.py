@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmmesh.v1 import common_pb2 as llmmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmmesh/v1/inference.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x84\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x11\n\tbos_token\x18\x05 \x01(\t\x12\x11\n\teos_token\x18\x06 \x01(\t\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\x05\"\xe8\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_utilization\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".llmmesh.v1.ModelLoad.MetricsEntry\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\nLoadReport\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x15\n\rrecent_ttft_s\x18\x04 \x01(\x01\x12\x15\n\rrecent_tpot_s\x18\x05 \x01(\x01\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.llmmesh.v1.ModelLoad\x12\x18\n\x10\x65ngine_reachable\x18\x07 \x01(\x08\"s\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\"\x99\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob2\xe5\x01\n\tInference\x12I\n\x08Generate\x12\x1c.llmmesh.v1.InferenceRequest\x1a\x1d.llmmesh.v1.InferenceResponse0\x01\x12\x43\n\tWatchLoad\x12\x1c.llmmesh.v1.WatchLoadRequest\x1a\x16.llmmesh.v1.LoadReport0\x01\x12H\n\rDescribeModel\x12 .llmmesh.v1.DescribeModelRequest\x1a\x15.llmmesh.v1.ModelCardb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmmesh/v1/inference.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x95\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x11\n\tbos_token\x18\x05 \x01(\t\x12\x11\n\teos_token\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x07 \x01(\x08\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\x05\"\xe8\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_utilization\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".llmmesh.v1.ModelLoad.MetricsEntry\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\nLoadReport\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x15\n\rrecent_ttft_s\x18\x04 \x01(\x01\x12\x15\n\rrecent_tpot_s\x18\x05 \x01(\x01\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.llmmesh.v1.ModelLoad\x12\x18\n\x10\x65ngine_reachable\x18\x07 \x01(\x08\"s\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\"\x99\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob2\xe5\x01\n\tInference\x12I\n\x08Generate\x12\x1c.llmmesh.v1.InferenceRequest\x1a\x1d.llmmesh.v1.InferenceResponse0\x01\x12\x43\n\tWatchLoad\x12\x1c.llmmesh.v1.WatchLoadRequest\x1a\x16.llmmesh.v1.LoadReport0\x01\x12H\n\rDescribeModel\x12 .llmmesh.v1.DescribeModelRequest\x1a\x15.llmmesh.v1.ModelCardb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEMODELREQUEST']._serialized_start=67
   _globals['_DESCRIBEMODELREQUEST']._serialized_end=104
   _globals['_MODELCARD']._serialized_start=107
-  _globals['_MODELCARD']._serialized_end=239
-  _globals['_WATCHLOADREQUEST']._serialized_start=241
-  _globals['_WATCHLOADREQUEST']._serialized_end=284
-  _globals['_MODELLOAD']._serialized_start=287
-  _globals['_MODELLOAD']._serialized_end=519
-  _globals['_MODELLOAD_METRICSENTRY']._serialized_start=473
-  _globals['_MODELLOAD_METRICSENTRY']._serialized_end=519
-  _globals['_LOADREPORT']._serialized_start=522
-  _globals['_LOADREPORT']._serialized_end=703
-  _globals['_INFERENCEREQUEST']._serialized_start=705
-  _globals['_INFERENCEREQUEST']._serialized_end=820
-  _globals['_INFERENCERESPONSE']._serialized_start=823
-  _globals['_INFERENCERESPONSE']._serialized_end=976
-  _globals['_INFERENCE']._serialized_start=979
-  _globals['_INFERENCE']._serialized_end=1208
+  _globals['_MODELCARD']._serialized_end=256
+  _globals['_WATCHLOADREQUEST']._serialized_start=258
+  _globals['_WATCHLOADREQUEST']._serialized_end=301
+  _globals['_MODELLOAD']._serialized_start=304
+  _globals['_MODELLOAD']._serialized_end=536
+  _globals['_MODELLOAD_METRICSENTRY']._serialized_start=490
+  _globals['_MODELLOAD_METRICSENTRY']._serialized_end=536
+  _globals['_LOADREPORT']._serialized_start=539
+  _globals['_LOADREPORT']._serialized_end=720
+  _globals['_INFERENCEREQUEST']._serialized_start=722
+  _globals['_INFERENCEREQUEST']._serialized_end=837
+  _globals['_INFERENCERESPONSE']._serialized_start=840
+  _globals['_INFERENCERESPONSE']._serialized_end=993
+  _globals['_INFERENCE']._serialized_start=996
+  _globals['_INFERENCE']._serialized_end=1225
 # @@protoc_insertion_point(module_scope)

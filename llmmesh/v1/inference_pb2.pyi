@@ -49,6 +49,7 @@ class ModelCard(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_FIELD_NUMBER: _builtins.int
+    ADD_BOS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     max_context: _builtins.int
     """Tokens of context the model serves, prompt and generation together."""
@@ -63,6 +64,8 @@ class ModelCard(_message.Message):
     bos_token: _builtins.str
     """The template's bos_token and eos_token."""
     eos_token: _builtins.str
+    add_bos: _builtins.bool
+    """The engine starts every prompt with the BOS token (one token more than the text's)."""
     def __init__(
         self,
         *,
@@ -72,10 +75,11 @@ class ModelCard(_message.Message):
         chat_template: _builtins.str = ...,
         bos_token: _builtins.str = ...,
         eos_token: _builtins.str = ...,
+        add_bos: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bos_token", b"bos_token", "chat_template", b"chat_template", "eos_token", b"eos_token", "max_context", b"max_context", "model", b"model", "tokenizer_json", b"tokenizer_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_bos", b"add_bos", "bos_token", b"bos_token", "chat_template", b"chat_template", "eos_token", b"eos_token", "max_context", b"max_context", "model", b"model", "tokenizer_json", b"tokenizer_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -92,6 +92,7 @@ def parse_card(model: str, text: str) -> ModelCard:
             chat_template=str(doc.get("chat_template", "")),
             bos_token=str(doc.get("bos_token", "")),
             eos_token=str(doc.get("eos_token", "")),
+            add_bos=bool(doc.get("add_bos", False)),
         )
     except (ValueError, KeyError, TypeError):
         raise Unavailable(f"model '{model}' does not describe itself (no model card)") from None
@@ -182,6 +183,7 @@ class TritonBackend:
 
     async def describe(self, model: str, timeout_s: float = 30.0) -> ModelCard:
         """The model's card, asked of the model itself."""
+        await self._connected()  # the first card is often asked just after Triton came up
         stream = self._stub.ModelStreamInfer(timeout=timeout_s)
         try:
             await self._send(stream, build_card_request(model))

@@ -110,6 +110,7 @@ class GrpcLink:
             card.chat_template,
             card.bos_token,
             card.eos_token,
+            card.add_bos,
         )
 
     async def close(self, grace_s: float | None = None) -> None:

@@ -17,7 +17,13 @@ from dataclasses import replace
 from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    ModelNotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.types import (
@@ -66,8 +72,6 @@ TOKEN_USAGE = Histogram(
     ["model", "gen_ai_token_type"],
     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
 )
-# The model prepends a beginning-of-sequence token to every prompt.
-BOS_TOKENS = 1
 STORED_PARTS = ("session.turns", "session.summary")
 
 REUSED_REQUEST_ID = (
@@ -146,9 +150,7 @@ class RouterCore:
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""
         config = self._config
-        model = request.model or config.models[0]
-        if model not in config.models:
-            raise InvalidArgument("model", f"unknown model '{model}'; served: {config.models}")
+        model = self._served(request.model)
         if not REQUEST_ID_FORMAT.match(request.request_id):
             raise InvalidArgument(REQUEST_ID, "1-128 visible ASCII characters")
         self._check_texts(request)
@@ -244,6 +246,19 @@ class RouterCore:
             user_tokens,
         )
 
+    async def model_speech(self, model: str) -> tuple[str, ModelSpeech]:
+        """The model (empty: the default one) and how it speaks (its tokenizer, template,
+        context); ModelNotFound for a model the mesh does not serve."""
+        name = self._served(model)
+        return name, await self._speech(name)
+
+    def _served(self, model: str) -> str:
+        name = model or self._config.models[0]
+        if name not in self._config.models:
+            served = self._config.models
+            raise ModelNotFound("model", f"unknown model '{name}'; served: {served}")
+        return name
+
     async def _speech(self, model: str) -> ModelSpeech:
         speech = await self._speeches.of(model)
         context = self._config.model_context_tokens
@@ -257,13 +272,13 @@ class RouterCore:
     def _build_call(
         self, request: GenerateInput, history: History | None, user_text: str, speech: ModelSpeech
     ) -> tuple[InferenceCall, int]:
-        budget = speech.max_context - request.sampling.max_tokens - BOS_TOKENS
+        budget = speech.max_context - request.sampling.max_tokens - speech.bos_tokens
         prompt, dropped = build_prompt(history, user_text, budget, speech.count, speech.layout)
         dropped += history.dropped_turns if history else 0
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
-        return call, speech.count(prompt) + BOS_TOKENS
+        return call, speech.count(prompt) + speech.bos_tokens
 
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:
         """Relays the generation; records the turn in the session before the last chunk."""
@@ -350,7 +365,7 @@ class RouterCore:
         room = (
             speech.max_context
             - request.sampling.max_tokens
-            - BOS_TOKENS
+            - speech.bos_tokens
             - count(user_tail(request.prompt, speech.layout))
             - summary_overhead(count)
         )

@@ -42,8 +42,10 @@ def status_of(err: MeshError) -> tuple[int, str]:
     return err.http_status, err.http_type
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(err: MeshError) -> web.Response:
@@ -52,7 +54,7 @@ def error_response(err: MeshError) -> web.Response:
     headers = {}
     if isinstance(err, ResourceExhausted):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    body = error_body(clip(err.message), kind, param and clip(param))
+    body = error_body(clip(err.message), kind, param and clip(param), err.http_code)
     return web.json_response(body, status=status, headers=headers)
 
 

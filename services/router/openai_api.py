@@ -8,32 +8,33 @@ identically. Errors are OpenAI's error JSON with the matching status.
 from __future__ import annotations
 
 import contextlib
-import json
+import hmac
 import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import llmmesh
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import (
-    InvalidArgument,
-    MeshError,
-)
+from llmmesh.runtime.errors import InvalidArgument, MeshError, Unauthenticated, Unavailable
+from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
-from llmmesh.types import Chunk, FinishReason, History, Role, Sampling, Turn
+from llmmesh.types import History, Role, Sampling, Turn
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
+from services.router.openai_reply import Choice, Reply, merged, sse
 from services.router.openai_schema import (
-    Body,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     Message,
+    TokenizeBody,
     openapi_document,
     parse_body,
 )
@@ -42,28 +43,19 @@ from services.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
-# The mesh's finish reasons in OpenAI's vocabulary.
-_FINISH = {
-    FinishReason.LENGTH: "length",
-    FinishReason.STOP: "stop",
-    FinishReason.CANCELLED: "stop",
-    FinishReason.POLICY: "content_filter",
-    FinishReason.BUDGET: "length",
-}
-
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
 
-def _sampling(body: Body) -> Sampling:
-    if body.n != 1:
-        raise InvalidArgument("n", "only n=1 is supported")
+def _sampling(body: ChatBody | CompletionBody) -> Sampling:
+    body.check_no_ops()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     kwargs: dict[str, Any] = {
         "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
+        "logprobs": body.logprobs_wanted(),
     }
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     return Sampling(stop=stop, **kwargs)
@@ -88,11 +80,18 @@ class OpenAiApi:
         tenants: Tenants,
         models: list[str],
         settings: HttpSettings | None = None,
+        *,
+        serving: Callable[[], bool] = lambda: True,
+        metrics_token: str = "",
     ) -> None:
+        """``serving``: whether some replica of some model can serve now (``/health``);
+        ``metrics_token``: what ``/metrics`` asks for (the mesh's internal token)."""
         self._core = core
         self._tenants = tenants
         self._models = models
         self._settings = settings or HttpSettings()
+        self._serving = serving
+        self._metrics_token = metrics_token
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -101,11 +100,83 @@ class OpenAiApi:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(llmmesh.__version__))
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while some replica of some model can serve (as vLLM's server answers once
+        its engine runs), 503 otherwise; no credentials needed, as for a load balancer."""
+        if self._serving():
+            return web.Response(status=200)
+        return error_response(Unavailable("no replica of any model can serve now"))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": llmmesh.__version__})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus registry, as on its metrics port, for a caller that
+        presents the mesh's token (``x-mesh-token``, or as the bearer token): its labels
+        name tenants, which one tenant must not learn of another."""
+        if self._metrics_token:
+            bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            given = request.headers.get(INTERNAL_TOKEN) or bearer
+            if not hmac.compare_digest(given.encode(), self._metrics_token.encode()):
+                refused = Unauthenticated("the metrics need the mesh's token (x-mesh-token)")
+                return error_response(refused)
+        response = web.Response(body=generate_latest(REGISTRY))
+        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        response.charset = "utf-8"
+        return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a prompt's tokens in the model's tokenizer, or those of
+        messages as the model's chat template writes them."""
+        try:
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            body = await parse_body(request, TokenizeBody, self._settings.body_timeout_s)
+            model, speech = await self._core.model_speech(body.model)
+            self._tenants.may_use(tenant, model)
+            source = body.text_or_messages()
+            if isinstance(source, str):
+                text = source
+            else:
+                turns = [Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text()) for m in source]
+                text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
+            tokens = speech.codec.encode(text)
+            bos = speech.codec.bos_id
+            if body.add_special_tokens and bos is not None:
+                tokens.insert(0, bos)
+            pieces = speech.codec.pieces(tokens) if body.return_token_strs else None
+        except MeshError as err:
+            return error_response(err)
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": speech.max_context,
+                "tokens": tokens,
+                "token_strs": pieces,
+            }
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            body = await parse_body(request, DetokenizeBody, self._settings.body_timeout_s)
+            model, speech = await self._core.model_speech(body.model)
+            self._tenants.may_use(tenant, model)
+            text = speech.codec.decode(body.tokens)
+        except MeshError as err:
+            return error_response(err)
+        return web.json_response({"prompt": text})
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -136,20 +207,56 @@ class OpenAiApi:
             model = ChatBody if chat else CompletionBody
             body = await parse_body(request, model, self._settings.body_timeout_s)
             generate = self._decode(request, request_id, tenant, body, chat)
-            async with self._core.generation(generate) as generation:
-                reply = _Reply(request_id, generation.request.model, chat, body)
+            async with contextlib.AsyncExitStack() as generations:
+                first, choices = await self._start(generations, generate, body.n)
+                reply = Reply(
+                    f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+                    first.request.model,
+                    chat,
+                    n=body.n,
+                    logprobs=generate.sampling.logprobs is not None,
+                    usage=bool(body.stream_options and body.stream_options.include_usage),
+                )
+                headers = {REQUEST_ID: request_id}
                 if body.stream:
-                    return await self._stream(request, generation, reply)
-                return await self._whole(generation, reply)
-        except MeshError as err:  # before the generation started (later ones are replies)
+                    return await self._stream(request, choices, reply, first, headers)
+                return await self._whole(choices, reply, first, headers)
+        except MeshError as err:  # before any choice's first chunk (later ones are replies)
             response = error_response(err)
             response.headers[REQUEST_ID] = request_id
             return response
+
+    async def _start(
+        self, generations: contextlib.AsyncExitStack, generate: GenerateInput, n: int
+    ) -> tuple[Generation, list[Choice]]:
+        """The first sample's generation and first chunk, then the others': by then the
+        first one's prompt is in the engine's prefix cache, so the others' prefill is
+        read back from it (samples of one prompt share their prefill). With a seed, sample
+        i takes seed + i: n distinct samples, the same ones every time."""
+        first: Generation | None = None
+        choices = []
+        for index in range(n):
+            sample = generate
+            if n > 1:
+                seed = generate.sampling.seed
+                sampling = replace(generate.sampling, seed=None if seed is None else seed + index)
+                sample = replace(
+                    generate, request_id=f"{generate.request_id}.{index}", sampling=sampling
+                )
+            generation = await generations.enter_async_context(self._core.generation(sample))
+            chunks = generation.chunks
+            choices.append(Choice(await anext(chunks), chunks))
+            first = first or generation
+        assert first is not None
+        return first, choices
 
     def _decode(
         self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
     ) -> GenerateInput:
         session_id = request.headers.get(SESSION_ID, "")
+        if session_id and body.n > 1:
+            # A session records one answer per turn: which of n would it be?
+            raise InvalidArgument("n", "only 1 in a session (x-session-id)")
         inline: History | None = None
         if chat:
             history, prompt = _inline_history(body.messages)
@@ -168,130 +275,40 @@ class OpenAiApi:
             inline_history=inline,
         )
 
-    async def _whole(self, generation: Generation, reply: _Reply) -> web.Response:
+    async def _whole(
+        self, choices: list[Choice], reply: Reply, first: Generation, headers: dict[str, str]
+    ) -> web.Response:
         try:
-            async for chunk in generation.chunks:
-                reply.add(chunk)
+            async with contextlib.aclosing(merged(choices)) as chunks:
+                async for index, chunk in chunks:
+                    reply.add(index, chunk)
         except MeshError as err:
             return error_response(err)
-        return web.json_response(reply.whole(generation.prompt_tokens), headers=reply.headers)
+        return web.json_response(reply.whole(first.prompt_tokens), headers=headers)
 
     async def _stream(
-        self, request: web.Request, generation: Generation, reply: _Reply
+        self,
+        request: web.Request,
+        choices: list[Choice],
+        reply: Reply,
+        first: Generation,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
-        # A client that goes away fails a write, out here: closing the generation's
-        # generators at once ends it now (counted as cancelled), not when they are
+        # A client that goes away fails a write, out here: closing the generations'
+        # generators at once ends them now (counted as cancelled), not when they are
         # garbage-collected.
-        async with contextlib.aclosing(generation.chunks) as chunks:
-            # Headers wait for the first chunk: an error before it is still a proper status.
-            try:
-                first = await anext(chunks)
-            except MeshError as err:
-                return error_response(err)
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    **reply.headers,
-                }
-            )
-            await response.prepare(request)
-            events = reply.events(first, chunks, generation.prompt_tokens)
-            try:
-                async with contextlib.aclosing(events):
-                    async for event in events:
-                        await response.write(event)
-            except MeshError as err:  # after the headers: the error is the last event
-                status, kind = status_of(err)
-                error = {"error": {"message": err.message, "type": kind, "code": status}}
-                await response.write(_sse(error))
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await response.prepare(request)
+        events = reply.events(choices, first.prompt_tokens)
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    await response.write(event)
+        except MeshError as err:  # after the headers: the error is the last event
+            status, kind = status_of(err)
+            error = {"error": {"message": err.message, "type": kind, "code": status}}
+            await response.write(sse(error))
         await response.write_eof()
         return response
-
-
-def _sse(doc: dict[str, Any] | str) -> bytes:
-    data = doc if isinstance(doc, str) else json.dumps(doc, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class _Reply:
-    """One response in OpenAI's shapes: chat or text completion, whole or as chunks."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, body: Any) -> None:
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.model = model
-        self.chat = chat
-        self.created = int(time.time())
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.headers = {REQUEST_ID: request_id}
-        self.parts: list[str] = []
-        self.completion_tokens = 0
-        self.finish: str | None = None
-
-    def add(self, chunk: Chunk) -> None:
-        self.parts.append(chunk.text)
-        self.completion_tokens += chunk.num_tokens
-        if chunk.finish_reason is not None:
-            self.finish = _FINISH[chunk.finish_reason]
-
-    def _usage(self, prompt_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": prompt_tokens + self.completion_tokens,
-        }
-
-    def whole(self, prompt_tokens: int) -> dict[str, Any]:
-        text = "".join(self.parts)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(prompt_tokens),
-        }
-
-    def _chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-
-    async def events(
-        self, first: Chunk, rest: AsyncIterator[Chunk], prompt_tokens: int
-    ) -> AsyncGenerator[bytes, None]:
-        chunk, is_first = first, True
-        while True:
-            self.add(chunk)
-            finish = _FINISH[chunk.finish_reason] if chunk.finish_reason is not None else None
-            if chunk.text or finish or is_first:
-                yield _sse(self._chunk(chunk.text, finish, is_first))
-                is_first = False
-            if finish is not None:
-                break
-            chunk = await anext(rest)
-        if self.include_usage:
-            usage = {
-                **self._chunk("", None, False),
-                "choices": [],
-                "usage": self._usage(prompt_tokens),
-            }
-            yield _sse(usage)
-        yield _sse("[DONE]")

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
 
-B = TypeVar("B", bound="Body")
+B = TypeVar("B", bound=BaseModel)
+MAX_CHOICES = 8
 JSON_TYPES = ("application/json",)
 # A path element naming a field or a key (not a union member's type tag, e.g. "str").
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -35,9 +36,15 @@ class RequestTimeout(FieldError):
 
 
 class _Strict(BaseModel):
-    # Parameters this API does not implement are ignored, as OpenAI-compatible servers
-    # do; those it does take must have their documented JSON types.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # A parameter this API does not implement is refused by name (never ignored: a
+    # client that asks for tools or a JSON format must not get plain text as if it had
+    # them); those it takes must have their documented JSON types.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _no_op(default: Any, description: str) -> Any:
+    """A parameter taken only at the value that asks for nothing."""
+    return Field(default=default, description=f"{description}; only {default!r} is supported")
 
 
 class StreamOptions(_Strict):
@@ -54,11 +61,25 @@ class Body(_Strict):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    user: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="samples of the prompt")
+    user: str | None = Field(default=None, description="the end user, for the caller's records")
     ignore_eos: bool = Field(
         default=False, description="vLLM's extension: generate exactly max_tokens"
     )
+    top_k: int | None = Field(
+        default=None, ge=0, description="vLLM's extension: sample from the k likeliest; 0: all"
+    )
+    presence_penalty: float = _no_op(0.0, "penalties are not implemented")
+    frequency_penalty: float = _no_op(0.0, "penalties are not implemented")
+    logit_bias: dict[str, float] | None = _no_op(None, "logit biases are not implemented")
+
+    def check_no_ops(self) -> None:
+        """Refuses, by name, a parameter set to anything but its no-op value."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise InvalidArgument(name, "not supported (penalties are not implemented)")
+        if self.logit_bias:
+            raise InvalidArgument("logit_bias", "not supported")
 
 
 class TextPart(_Strict):
@@ -78,10 +99,51 @@ class Message(_Strict):
 
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = Field(default=False, description="each output token's log probability")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="with logprobs: the k likeliest tokens too"
+    )
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(Body):
     prompt: str
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
+    )
+    echo: bool = _no_op(False, "the prompt is never returned")
+
+    def logprobs_wanted(self) -> int | None:
+        if self.echo:
+            raise InvalidArgument("echo", "not supported (the prompt is never returned)")
+        return self.logprobs
+
+
+class TokenizeBody(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or messages rendered with the model's template."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = Field(
+        default=True, description="the tokens the engine adds to a prompt (its BOS, if any)"
+    )
+    return_token_strs: bool = False
+
+    def text_or_messages(self) -> str | list[Message]:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidArgument("prompt", "give either prompt or messages")
+        return self.prompt if self.prompt is not None else self.messages or []
+
+
+class DetokenizeBody(_Strict):
+    model: str = ""
+    tokens: list[int]
 
 
 async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> B:
@@ -99,6 +161,9 @@ async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> 
         errors = err.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
             raise InvalidArgument("body", errors[0]["msg"]) from None
+        unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:
+            raise InvalidArgument(field_path(unknown[0]["loc"]), "not supported") from None
         # For a union, each member's error: the one that got deepest says most.
         deepest = max(errors, key=lambda e: len(field_path(e["loc"])))
         raise InvalidArgument(field_path(deepest["loc"]), deepest["msg"]) from None
@@ -118,7 +183,7 @@ def field_path(loc: tuple[int | str, ...]) -> str:
 def openapi_document(version: str) -> dict[str, Any]:
     """The HTTP API as OpenAPI 3.1, its request bodies the models above."""
     schemas: dict[str, Any] = {}
-    for model in (ChatBody, CompletionBody):
+    for model in (ChatBody, CompletionBody, TokenizeBody, DetokenizeBody):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -137,6 +202,17 @@ def openapi_document(version: str) -> dict[str, Any]:
                     "responses": {"200": {"description": "A list of models"}, "401": _err(error)},
                 }
             },
+            "/tokenize": _json_call("TokenizeBody", "A prompt's or messages' tokens", error),
+            "/detokenize": _json_call("DetokenizeBody", "Tokens' text", error),
+            "/health": _probe("200 while some replica of some model can serve", error),
+            "/ping": _probe("As /health", error),
+            "/version": _probe("The mesh's version", error),
+            "/metrics": {
+                "get": {
+                    "summary": "The router's Prometheus metrics (with the mesh's token)",
+                    "responses": {"200": {"description": "Prometheus text"}, "401": _err(error)},
+                }
+            },
         },
         "components": {
             "schemas": schemas,
@@ -149,6 +225,35 @@ def _err(schema: dict[str, str]) -> dict[str, Any]:
     return {
         "description": "OpenAI's error JSON",
         "content": {"application/json": {"schema": schema}},
+    }
+
+
+def _probe(summary: str, error: dict[str, str]) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {"200": {"description": summary}, "503": _err(error)},
+        }
+    }
+
+
+def _json_call(body: str, summary: str, error: dict[str, str]) -> dict[str, Any]:
+    statuses = ("400", "401", "403", "404", "408", "413", "415", "503")
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
+                },
+            },
+            "responses": {
+                "200": {"description": summary, "content": {"application/json": {}}},
+                **{status: _err(error) for status in statuses},
+            },
+        }
     }
 
 

@@ -169,6 +169,10 @@ class ReplicaSet:
             )
         return out
 
+    def can_serve(self, model: str) -> bool:
+        """Some healthy replica serves ``model`` now."""
+        return any(c.healthy and c.endpoint.serves(model) for c in self.candidates(model))
+
     def saturated(self, limits: Saturation) -> bool:
         """Every replica that reports has an engine with a queue or a nearly full cache."""
         now = self._clock()

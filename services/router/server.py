@@ -257,7 +257,15 @@ def build_service(config: RouterConfig) -> GrpcService:
         admission=AdmissionQueue(config.admission, upstreams.inference.saturated),
     )
     servicer = GenerationServicer(core, upstreams.tenants)
-    http = HttpFront(config, OpenAiApi(core, upstreams.tenants, config.models, config.http))
+
+    def serving() -> bool:
+        return any(upstreams.replicas.can_serve(model) for model in config.models)
+
+    token = read_token(config.internal_token_file)
+    api = OpenAiApi(
+        core, upstreams.tenants, config.models, config.http, serving=serving, metrics_token=token
+    )
+    http = HttpFront(config, api)
 
     async def stop() -> None:
         await http.stop()  # no new HTTP requests; those running finish (grace period)

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,71 @@ from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
 log = logging.getLogger(__name__)
 
 
+class Codec(Protocol):
+    """Text to a model's token ids and back (its tokenizer). ``bos_id``: the token the
+    engine puts before every prompt, if any."""
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]:
+        """The text's tokens, as in a prompt (no BOS)."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """InvalidArgument naming ``tokens[i]`` for an id the model does not have."""
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each token as the tokenizer's vocabulary writes it."""
+
+
+BYTE_BOS, BYTE_VOCABULARY = 256, 258  # the byte-level models' BOS and vocabulary size
+
+
+class ByteCodec:
+    """The byte-level models': a token per UTF-8 byte, and always a BOS."""
+
+    bos_id: int | None = BYTE_BOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        _check_ids(ids, BYTE_VOCABULARY)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        _check_ids(ids, BYTE_VOCABULARY)
+        return [bytes([i]).decode("latin-1") if i < 256 else f"<{i}>" for i in ids]
+
+
+@dataclass(frozen=True)
+class HuggingFaceCodec:
+    tokenizer: Tokenizer
+    bos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        _check_ids(ids, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return text
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        _check_ids(ids, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+
+def _check_ids(ids: Sequence[int], size: int) -> None:
+    for index, token in enumerate(ids):
+        if not 0 <= token < size:
+            raise InvalidArgument(f"tokens[{index}]", f"not a token of this model (0-{size - 1})")
+
+
+BYTE_CODEC = ByteCodec()
+
+
 @dataclass(frozen=True)
 class ModelSpeech:
     count: Callable[[str], int]  # tokens a text takes in the model's prompt
@@ -30,19 +95,28 @@ class ModelSpeech:
     # The tokenizer's control tokens (<|im_start|>, ...): written in a message, they would
     # be those tokens, so a client could write role markers of its own into the prompt.
     control_tokens: tuple[str, ...] = ()
+    codec: Codec = BYTE_CODEC
+
+    @property
+    def bos_tokens(self) -> int:
+        """Tokens the engine puts before every prompt."""
+        return 0 if self.codec.bos_id is None else 1
 
     @classmethod
     def of_card(cls, card: ModelCard) -> ModelSpeech:
         # Without a tokenizer of its own, the byte-level one's: a token per UTF-8 byte.
         count: Callable[[str], int] = count_tokens
         controls: tuple[str, ...] = ()
+        codec: Codec = BYTE_CODEC
         if card.tokenizer_json:
-            count = _counter(Tokenizer.from_str(card.tokenizer_json))
+            tokenizer = Tokenizer.from_str(card.tokenizer_json)
+            bos = tokenizer.token_to_id(card.bos_token) if card.add_bos else None
+            count, codec = _counter(tokenizer), HuggingFaceCodec(tokenizer, bos)
             controls = _control_tokens(card.tokenizer_json)
         layout: ChatLayout = MESH_LAYOUT
         if card.chat_template:
             layout = TemplateLayout(card.chat_template, card.bos_token, card.eos_token)
-        return cls(count, layout, card.max_context, controls)
+        return cls(count, layout, card.max_context, controls, codec)
 
     def check_plain(self, parts: Iterable[Part]) -> None:
         """INVALID_ARGUMENT naming the first part that writes one of the model's control

@@ -238,10 +238,15 @@ class Tenants:
         state.streams += 1
         return Lease(state)
 
-    def _check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
-        spec = state.spec
+    def may_use(self, tenant: str, model: str) -> None:
+        """PermissionDenied unless the tenant may use the model."""
+        spec = self.spec(tenant)
         if spec.models and model not in spec.models:
             raise PermissionDenied(f"tenant '{spec.id}' may not use model '{model}'")
+
+    def _check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
+        spec = state.spec
+        self.may_use(spec.id, model)
         if spec.max_concurrent_streams is not None and state.streams >= spec.max_concurrent_streams:
             raise ResourceExhausted(
                 f"tenant '{spec.id}' has {state.streams} streams open, its limit", 1.0

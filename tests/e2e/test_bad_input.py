@@ -20,7 +20,6 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"temperature": -0.5}, "sampling.temperature"),
     ("hi", {"top_p": 0.0}, "sampling.top_p"),
     ("hi", {"top_p": 1.01}, "sampling.top_p"),
-    ("hi", {"model": "gpt-17"}, "model"),
     ("hi", {"session_id": "no spaces allowed"}, "session_id"),
     ("hi", {"stop": [""]}, "sampling.stop"),
     ("hi", {"stop": ["x"] * 17}, "sampling.stop"),
@@ -39,6 +38,14 @@ def test_invalid_argument_names_the_field(
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.details() or "").startswith(f"{field}: ")
     assert bad_request_fields(err) == [field]
+
+
+def test_an_unknown_model_is_not_found_naming_the_field(router_channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        collect(router_channel, "hi", model="gpt-17")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (info.value.details() or "").startswith("model: unknown model 'gpt-17'")
+    assert bad_request_fields(info.value) == ["model"]
 
 
 def _raw_field(number: int, payload: bytes) -> bytes:

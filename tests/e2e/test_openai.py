@@ -149,14 +149,52 @@ def test_a_reused_request_id_is_409_and_the_first_turn_stays(
     assert [t.text for t in stored.turns][::2] == ["hi"]
 
 
+def test_n_samples_with_a_seed_are_distinct_and_the_same_every_time(
+    client: openai.OpenAI,
+) -> None:
+    def ask() -> list[str]:
+        reply = client.completions.create(
+            model="llm",
+            prompt="Once upon a time",
+            max_tokens=12,
+            n=3,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 36
+        return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert len(set(first)) == 3
+    assert ask() == first
+    stream = client.completions.create(
+        model="llm",
+        prompt="Once upon a time",
+        max_tokens=12,
+        n=3,
+        seed=7,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == first
+
+
 def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai.OpenAI) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=stack.openai_base_url, api_key="nope", max_retries=0).models.list()
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-9", messages=CHAT)
-    assert bad.value.body["param"] == "model"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model="llm", messages=CHAT, n=2)
+    assert missing.value.body["param"] == "model"  # type: ignore[index]
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(
+            model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
+    assert unsupported.value.body["param"] == "tools"  # type: ignore[index]
     with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
         client.chat.completions.create(model="llm", messages=BOMB)
     with pytest.raises(openai.NotFoundError):

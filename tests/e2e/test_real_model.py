@@ -4,17 +4,25 @@ cache across turns, cancellation and the KV pool, and prompts over its context."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
+import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from tokenizers import Tokenizer
 
 from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import LOCAL_MODELS
+from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
 from llmmesh.v1 import common_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.conftest import collect, metric_value, text_of, wait_for
+from services.policy.config import DEFAULT_RULES
+from tests.conftest import collect, metric_value, start_service, text_of, wait_for
+from tests.e2e.test_tenants import write_tenants
 
 QUESTION = "What is the capital of France?"
 CHATML_QUESTION = (
@@ -178,3 +186,124 @@ def test_a_cancelled_stream_ends_in_the_engine_and_frees_its_blocks(
     )
     assert engine_metric(stack, "llm_engine_running_sequences") == 0
     wait_for(lambda: engine_metric(stack, "llm_engine_kv_blocks_used") == 0, 10, "blocks freed")
+
+
+@pytest.fixture(scope="module")
+def sdk(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A router whose tenant's policy checks only what it sends: with the stream checked
+    (the default set redacts PII in output), the router refuses logprobs, whose tokens
+    would show what the check redacts."""
+    tmp = tmp_path_factory.mktemp("logprobs")
+    rules = tmp / "rules"
+    rules.mkdir()
+    (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
+    (rules / "input-only.yaml").write_text(
+        DEFAULT_RULES.read_text().replace("stage: both", "stage: input")
+    )
+    keys = write_tenants(
+        tmp / "tenants.json", {"scorer": {"id": "scorer", "policy_set": "input-only"}}
+    )
+    ports = StackPorts.free()
+    policy = start_service(stack, "policy", ports.policy, tmp, rules_path=str(rules))
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp,
+        tenants_file=str(tmp / "tenants.json"),
+        policy_address=f"127.0.0.1:{ports.policy}",
+        http_port=str(ports.router_http),
+    )
+    try:
+        base = f"http://127.0.0.1:{ports.router_http}/v1"
+        yield openai.OpenAI(base_url=base, api_key=keys["scorer"], max_retries=0)
+    finally:
+        router.terminate(5)
+        policy.terminate(5)
+
+
+def test_chat_logprobs_through_the_sdk_are_the_engines(sdk: openai.OpenAI) -> None:
+    """Greedy: every chosen token is its position's likeliest, so its log probability is
+    the first of its top ones; streamed, the chunks carry one entry per token."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
+    whole = sdk.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob == token.top_logprobs[0].logprob <= 0
+        assert bytes(token.bytes or []) == token.token.encode()
+    stream = sdk.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_completion_logprobs_and_exact_usage_in_the_models_tokens(
+    stack: Stack, sdk: openai.OpenAI
+) -> None:
+    prompt = "The capital of France is"
+    reply = sdk.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=4, temperature=0, logprobs=2
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [
+        sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))
+    ]
+    assert all(len(top) == 2 for top in logprobs.top_logprobs or [])
+    # vLLM's /tokenize counts the prompt as the engine does: SmolLM2 adds no BOS.
+    counted = httpx.post(
+        f"{str(sdk.base_url).rstrip('/').removesuffix('/v1')}/tokenize",
+        json={"model": "smollm2", "prompt": prompt},
+        headers={"Authorization": f"Bearer {sdk.api_key}"},
+        timeout=30,
+    ).json()
+    assert counted["count"] == reply.usage.prompt_tokens == 5  # type: ignore[union-attr]
+    assert counted["max_model_len"] == 8192
+
+
+def test_health_says_the_mesh_can_serve(stack: Stack) -> None:
+    base = stack.openai_base_url.removesuffix("/v1")
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{base}/version", timeout=10).json()["version"]
+
+
+def test_the_tokenizer_directory_is_the_models_tokenizer(stack: Stack, tmp_path: Path) -> None:
+    """What `llm-mesh up` writes for tools that need a tokenizer by path: the same ids as
+    the mesh's /tokenize, and the chat template in its config."""
+    written = write_tokenizer_dirs(
+        stack.address("inference"), stack.internal_token, ["smollm2", "llm"], tmp_path
+    )
+    assert set(written) == {"smollm2"}  # the byte-level model has no tokenizer of its own
+    tokenizer = Tokenizer.from_file(str(written["smollm2"] / "tokenizer.json"))
+    config = json.loads((written["smollm2"] / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in config["chat_template"]
+    assert config["eos_token"] == "<|im_end|>" and config["add_bos_token"] is False
+    counted = httpx.post(
+        f"{stack.openai_base_url.removesuffix('/v1')}/tokenize",
+        json={"model": "smollm2", "prompt": "Hello, world! 2024"},
+        headers={"Authorization": f"Bearer {stack.api_key}"},
+        timeout=30,
+    ).json()
+    assert tokenizer.encode("Hello, world! 2024", add_special_tokens=False).ids == counted["tokens"]

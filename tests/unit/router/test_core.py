@@ -14,7 +14,13 @@ from prometheus_client import REGISTRY
 
 from llmmesh.policy.parts import Part, check_input
 from llmmesh.policy.rules import RuleSet
-from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unavailable
+from llmmesh.runtime.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    ModelNotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -356,9 +362,9 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     core = make_core(gate(), Context(), Inference())
     valid = core.validate(request(max_tokens=0))
     assert valid.model == "llm" and valid.sampling.max_tokens == 128
-    with pytest.raises(InvalidArgument) as info:
+    with pytest.raises(ModelNotFound) as missing:
         core.validate(GenerateInput("r", "t", "nope", "x", Sampling(max_tokens=1)))
-    assert info.value.field == "model"
+    assert missing.value.field == "model"
     with pytest.raises(InvalidArgument) as info:
         core.validate(replace(request(), color="no spaces"))
     assert info.value.field == "x-llm-color"

@@ -16,7 +16,8 @@ from services.router.openai_schema import ChatBody, field_path
 from services.router.tenants import Tenants
 from tests.unit.router.test_core import Context, Inference, gate, make_core
 
-OK = {"model": "llm", "prompt": "hello", "max_tokens": 2}
+MAX_TOKENS = 2
+OK = {"model": "llm", "prompt": "hello", "max_tokens": MAX_TOKENS}
 
 
 def api(settings: HttpSettings | None = None) -> OpenAiApi:
@@ -127,7 +128,17 @@ def test_the_openapi_document_describes_what_the_handlers_validate() -> None:
             return document
 
     document = asyncio.run(scenario())
-    assert set(document["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert set(document["paths"]) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/ping",
+        "/version",
+        "/metrics",
+    }
     schemas = document["components"]["schemas"]
     assert schemas["ChatBody"] == {
         k: v
@@ -144,3 +155,175 @@ def test_field_paths_leave_union_tags_out() -> None:
         "messages[0].content[2].text"
     )
     assert field_path(()) == "body"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1.0}, "presence_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"no_such_parameter": 1}, "no_such_parameter"),
+        (
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_a_parameter_the_mesh_does_not_implement_is_refused_by_name(
+    fields: dict[str, Any], param: str
+) -> None:
+    got, reply = asyncio.run(post("/v1/completions", body(**fields)))
+    assert (got, reply["error"]["param"]) == (400, param)
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_a_chat_asks_top_logprobs_only_with_logprobs() -> None:
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(chat).encode()))
+    assert (got, reply["error"]["param"]) == (400, "top_logprobs")
+
+
+def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:
+    no_ops = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "echo": False}
+    got, reply = asyncio.run(post("/v1/completions", body(**no_ops, user="u-1", top_k=5)))
+    assert got == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_an_unknown_model_is_openais_404_model_not_found() -> None:
+    got, reply = asyncio.run(post("/v1/completions", body(model="gpt-9")))
+    assert got == 404
+    assert reply["error"]["code"] == "model_not_found"
+    assert reply["error"]["param"] == "model"
+
+
+def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
+    async def scenario() -> list[tuple[int, Any]]:
+        async with TestClient(TestServer(api().app())) as client:
+            replies = []
+            for path, doc in (
+                ("/tokenize", {"model": "llm", "prompt": "hi", "return_token_strs": True}),
+                ("/tokenize", {"prompt": "hi", "add_special_tokens": False}),
+                ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                ("/detokenize", {"model": "llm", "tokens": [104, 105]}),
+                ("/detokenize", {"tokens": [104, 300]}),
+                ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}),
+            ):
+                response = await client.post(path, json=doc)
+                replies.append((response.status, await response.json()))
+            return replies
+
+    with_bos, plain, chat, text, bad_id, both = asyncio.run(scenario())
+    # The byte-level model: a token per UTF-8 byte, and its BOS (256) before a prompt.
+    assert with_bos == (
+        200,
+        {
+            "count": 3,
+            "max_model_len": 2048,
+            "tokens": [256, 104, 105],
+            "token_strs": ["<256>", "h", "i"],
+        },
+    )
+    assert plain[1]["tokens"] == [104, 105] and plain[1]["token_strs"] is None
+    # Messages as the model's layout writes them, with the cue for the answer.
+    assert bytes(chat[1]["tokens"][1:]).decode() == "<|user|>\nhi\n<|assistant|>\n"
+    assert text == (200, {"prompt": "hi"})
+    assert bad_id[0] == 400 and bad_id[1]["error"]["param"] == "tokens[1]"
+    assert both[0] == 400 and both[1]["error"]["param"] == "prompt"
+
+
+def test_health_version_and_metrics() -> None:
+    async def scenario(serving: bool) -> list[tuple[int, str]]:
+        core = make_core(gate(), Context(), Inference())
+        app = OpenAiApi(
+            core, Tenants(), ["llm"], serving=lambda: serving, metrics_token="s3cret"
+        ).app()
+        async with TestClient(TestServer(app)) as client:
+            replies = []
+            for path, headers in (
+                ("/health", {}),
+                ("/ping", {}),
+                ("/version", {}),
+                ("/metrics", {}),
+                ("/metrics", {"x-mesh-token": "s3cret"}),
+                ("/metrics", {"Authorization": "Bearer wrong"}),
+            ):
+                response = await client.get(path, headers=headers)
+                replies.append((response.status, await response.text()))
+            return replies
+
+    health, ping, version, anonymous, operator, wrong = asyncio.run(scenario(True))
+    assert health[0] == ping[0] == 200
+    assert json.loads(version[1])["version"]
+    assert anonymous[0] == wrong[0] == 401  # metrics name tenants: the mesh's token only
+    assert operator[0] == 200 and "llm_router" in operator[1]
+    down = asyncio.run(scenario(False))
+    assert down[0][0] == down[1][0] == 503
+
+
+def test_logprobs_in_openais_chat_and_completions_shapes() -> None:
+    from llmmesh.types import TokenLogprob
+    from services.router.openai_reply import chat_logprobs, completion_logprobs
+
+    tokens = [
+        TokenLogprob(9, "Pa", -0.1, 1, ((9, "Pa", -0.1), (4, "Lo", -2.5))),
+        TokenLogprob(7, "ris", -0.2, 1, ((7, "ris", -0.2), (3, "r", -3.0))),
+    ]
+    chat = chat_logprobs(tokens)
+    assert chat["content"][0] == {
+        "token": "Pa",
+        "logprob": -0.1,
+        "bytes": [80, 97],
+        "top_logprobs": [
+            {"token": "Pa", "logprob": -0.1, "bytes": [80, 97]},
+            {"token": "Lo", "logprob": -2.5, "bytes": [76, 111]},
+        ],
+    }
+    assert chat["refusal"] is None
+    # Completions: parallel lists, offsets counted from where this chunk's text starts.
+    assert completion_logprobs(tokens, 10) == {
+        "tokens": ["Pa", "ris"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"Pa": -0.1, "Lo": -2.5}, {"ris": -0.2, "r": -3.0}],
+        "text_offset": [10, 12],
+    }
+
+
+def test_n_samples_come_back_as_n_choices_whole_and_streamed() -> None:
+    async def scenario() -> tuple[Any, list[Any]]:
+        async with TestClient(TestServer(api().app())) as client:
+            whole = await (await client.post("/v1/completions", json=OK | {"n": 3})).json()
+            streamed = await client.post(
+                "/v1/completions",
+                json=OK | {"n": 2, "stream": True, "stream_options": {"include_usage": True}},
+            )
+            lines = (await streamed.text()).split("\n\n")
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            return whole, events
+
+    whole, events = asyncio.run(scenario())
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in whole["choices"])
+    assert whole["usage"]["completion_tokens"] == 3 * MAX_TOKENS
+    by_choice = {
+        i: [e for e in events if e["choices"] and e["choices"][0]["index"] == i] for i in (0, 1)
+    }
+    for index, chunks in by_choice.items():
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", index
+    assert events[-1]["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+
+
+@pytest.mark.parametrize(("n", "headers"), [(9, {}), (0, {}), (2, {"x-session-id": "s1"})])
+def test_n_is_bounded_and_one_in_a_session(n: int, headers: dict[str, str]) -> None:
+    async def scenario() -> tuple[int, Any]:
+        async with TestClient(TestServer(api().app())) as client:
+            response = await client.post("/v1/completions", json=OK | {"n": n}, headers=headers)
+            return response.status, await response.json()
+
+    status, reply = asyncio.run(scenario())
+    assert (status, reply["error"]["param"]) == (400, "n")

@@ -24,6 +24,7 @@ class ModelCard:
     chat_template: str = ""
     bos_token: str = ""
     eos_token: str = ""
+    add_bos: bool = False  # the engine puts the BOS token before every prompt
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _reference(params: Mapping[str, str]) -> Built:
     shape = ModelShape.from_parameters(params)
     seed = int(params.get("weight_seed", 0))
     model = Transformer(shape, seed, _cache_dir() / "layouts", _batch_invariant(params))
-    return Built(model, ByteTokenizer(), ModelCard(shape.max_context))
+    return Built(model, ByteTokenizer(), ModelCard(shape.max_context, add_bos=True))
 
 
 @family("llama")
@@ -114,5 +115,6 @@ def _llama(params: Mapping[str, str]) -> Built:
         chat_template=vocabulary.chat_template or "",
         bos_token=tokenizer.token_text(vocabulary.bos_id),
         eos_token=tokenizer.token_text(vocabulary.eos_id),
+        add_bos=vocabulary.add_bos,
     )
     return Built(model, tokenizer, card)

@@ -1,0 +1,224 @@
+"""A generation's reply in OpenAI's shapes: chat or text completion, whole or as server-sent
+events, one choice per sample asked for (``n``), with log probabilities when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmmesh.runtime.errors import MeshError
+from llmmesh.types import Chunk, FinishReason, TokenLogprob
+
+# The mesh's finish reasons in OpenAI's vocabulary.
+FINISH = {
+    FinishReason.LENGTH: "length",
+    FinishReason.STOP: "stop",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.POLICY: "content_filter",
+    FinishReason.BUDGET: "length",
+}
+
+
+@dataclass
+class Choice:
+    """One sample's stream: its first chunk (read before any header is sent, so that an
+    error before it is still a proper status) and the rest."""
+
+    first: Chunk
+    rest: AsyncIterator[Chunk]
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        yield self.first
+        if self.first.finish_reason is None:
+            async for chunk in self.rest:
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+
+@dataclass
+class _Sample:
+    parts: list[str] = field(default_factory=list)
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    finish: str | None = None
+    offset: int = 0  # characters streamed so far
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat completions' ``logprobs``: per token, its text, bytes and log probability, and
+    the likeliest tokens at its position."""
+    content = [
+        {
+            **_token(t.text, t.logprob),
+            "top_logprobs": [_token(text, logprob) for _, text, logprob in t.top],
+        }
+        for t in tokens
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+    """Completions' ``logprobs``: parallel lists, each token's offset in the text counted
+    from ``offset``."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{text: logprob for _, text, logprob in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def sse(doc: dict[str, Any] | str) -> bytes:
+    data = doc if isinstance(doc, str) else json.dumps(doc, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class Reply:
+    """One response: ``n`` choices of one prompt."""
+
+    def __init__(
+        self, response_id: str, model: str, chat: bool, *, n: int, logprobs: bool, usage: bool
+    ) -> None:
+        self.id = response_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.include_usage = usage
+        self._logprobs = logprobs
+        self._samples = [_Sample() for _ in range(n)]
+        self.completion_tokens = 0
+
+    def add(self, index: int, chunk: Chunk) -> None:
+        sample = self._samples[index]
+        sample.parts.append(chunk.text)
+        sample.tokens += chunk.logprobs
+        self.completion_tokens += chunk.num_tokens
+        if chunk.finish_reason is not None:
+            sample.finish = FINISH[chunk.finish_reason]
+
+    def _logprobs_of(self, tokens: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        return chat_logprobs(tokens) if self.chat else completion_logprobs(tokens, offset)
+
+    def usage(self, prompt_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+        }
+
+    def whole(self, prompt_tokens: int) -> dict[str, Any]:
+        choices = []
+        for index, sample in enumerate(self._samples):
+            text = "".join(sample.parts)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": sample.finish,
+                "logprobs": self._logprobs_of(sample.tokens, 0),
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(prompt_tokens),
+        }
+
+    def _event(self, index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
+        sample = self._samples[index]
+        finish = FINISH[chunk.finish_reason] if chunk.finish_reason is not None else None
+        logprobs = self._logprobs_of(chunk.logprobs, sample.offset) if chunk.logprobs else None
+        sample.offset += len(chunk.text)
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+        if self.chat:
+            delta: dict[str, Any] = {"content": chunk.text}
+            if first:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = chunk.text
+        return self._envelope([choice])
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    async def events(
+        self, choices: list[Choice], prompt_tokens: int
+    ) -> AsyncGenerator[bytes, None]:
+        """Every choice's chunks as they come (interleaved, each with its index), then the
+        usage if asked, then ``[DONE]``."""
+        async with contextlib.aclosing(merged(choices)) as chunks:
+            started = [False] * len(choices)
+            async for index, chunk in chunks:
+                self.add(index, chunk)
+                if chunk.text or chunk.finish_reason or chunk.logprobs or not started[index]:
+                    yield sse(self._event(index, chunk, not started[index]))
+                    started[index] = True
+        if self.include_usage:
+            yield sse({**self._envelope([]), "usage": self.usage(prompt_tokens)})
+        yield sse("[DONE]")
+
+
+_DONE = object()
+
+
+async def merged(choices: list[Choice]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """(index, chunk) of every choice as each arrives; a choice's error ends them all."""
+    if len(choices) == 1:  # the common case, without tasks
+        async for chunk in choices[0].chunks():
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | MeshError] | object] = asyncio.Queue()
+
+    async def pump(index: int, choice: Choice) -> None:
+        try:
+            async for chunk in choice.chunks():
+                queue.put_nowait((index, chunk))
+        except MeshError as err:
+            queue.put_nowait((index, err))
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+                continue
+            assert isinstance(item, tuple)
+            index, payload = item
+            if isinstance(payload, MeshError):
+                raise payload
+            yield index, payload
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
