@@ -174,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         from llmmesh.launcher import Stack, StackPorts
 
         with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
-            stack = Stack(Path(workdir), StackPorts.free())
+            # The tiny model's stack, or one serving the --model asked for.
+            models = [args.model] if args.model else ["llm"]
+            stack = Stack(Path(workdir), StackPorts.free(), models=models)
             print("starting a local stack ...", file=sys.stderr)
             with stack:
                 args.router = stack.address("router")

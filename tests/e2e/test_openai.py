@@ -298,3 +298,33 @@ def test_policy_unreachable_is_503_for_a_fail_closed_tenant(stack: Stack, tmp_pa
         assert info.value.status_code == 503
     finally:
         router.terminate(5)
+
+
+def test_n_samples_share_their_prompts_prefill(stack: Stack, client: openai.OpenAI) -> None:
+    """n=4 computes the prompt about once: the first sample's prefill is in the engine's
+    prefix cache before the other three start, which compute only its last partial
+    block."""
+    url = f"http://{stack.address('triton_metrics')}/metrics"
+
+    def prefilled() -> float:
+        return metric_value(url, "llm_engine_prefill_tokens_total", {"model": "llm"})
+
+    def cost(n: int) -> float:
+        before = prefilled()
+        prompt = f"[{uuid.uuid4().hex}] " + "the mesh routes every request " * 20
+        client.completions.create(
+            model="llm", prompt=prompt, max_tokens=2, n=n, extra_body={"ignore_eos": True}
+        )
+        # The engine publishes its counters at once when it goes idle.
+        idle = {"model": "llm"}
+
+        def counted() -> bool:
+            running = metric_value(url, "llm_engine_running_sequences", idle)
+            return prefilled() > before and running == 0
+
+        wait_for(counted, what="the engine to count the prefill and go idle")
+        return prefilled() - before
+
+    one, four = cost(1), cost(4)
+    assert one > 600
+    assert four < 1.2 * one, (one, four)
