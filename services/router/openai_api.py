@@ -12,7 +12,7 @@ import hmac
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +30,7 @@ from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
 from services.router.openai_reply import Choice, Reply, merged, sse
 from services.router.openai_schema import (
+    MAX_CHOICES,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
@@ -38,7 +39,7 @@ from services.router.openai_schema import (
     openapi_document,
     parse_body,
 )
-from services.router.request import GenerateInput, Generation
+from services.router.request import GenerateInput
 from services.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,16 @@ def _inline_history(messages: list[Message]) -> tuple[History, str]:
         )
     turns = tuple(Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text()) for m in earlier)
     return History(turns=turns, total_turns=len(turns)), last.text()
+
+
+@dataclass(frozen=True)
+class _Started:
+    """A request's generations, each at its first chunk: the model, the prompts' tokens
+    (each prompt once, whatever its samples), and the choices in order."""
+
+    model: str
+    prompt_tokens: int
+    choices: list[Choice]
 
 
 class OpenAiApi:
@@ -206,93 +217,100 @@ class OpenAiApi:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             model = ChatBody if chat else CompletionBody
             body = await parse_body(request, model, self._settings.body_timeout_s)
-            generate = self._decode(request, request_id, tenant, body, chat)
+            prompts = self._decode(request, request_id, tenant, body, chat)
             async with contextlib.AsyncExitStack() as generations:
-                first, choices = await self._start(generations, generate, body.n)
+                started = await self._start(generations, prompts, body.n)
                 reply = Reply(
                     f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
-                    first.request.model,
+                    started.model,
                     chat,
-                    n=body.n,
-                    logprobs=generate.sampling.logprobs is not None,
+                    n=len(started.choices),
+                    logprobs=prompts[0].sampling.logprobs is not None,
                     usage=bool(body.stream_options and body.stream_options.include_usage),
                 )
                 headers = {REQUEST_ID: request_id}
                 if body.stream:
-                    return await self._stream(request, choices, reply, first, headers)
-                return await self._whole(choices, reply, first, headers)
+                    return await self._stream(request, started, reply, headers)
+                return await self._whole(started, reply, headers)
         except MeshError as err:  # before any choice's first chunk (later ones are replies)
             response = error_response(err)
             response.headers[REQUEST_ID] = request_id
             return response
 
     async def _start(
-        self, generations: contextlib.AsyncExitStack, generate: GenerateInput, n: int
-    ) -> tuple[Generation, list[Choice]]:
-        """The first sample's generation and first chunk, then the others': by then the
-        first one's prompt is in the engine's prefix cache, so the others' prefill is
-        read back from it (samples of one prompt share their prefill). With a seed, sample
-        i takes seed + i: n distinct samples, the same ones every time."""
-        first: Generation | None = None
-        choices = []
-        for index in range(n):
-            sample = generate
-            if n > 1:
-                seed = generate.sampling.seed
-                sampling = replace(generate.sampling, seed=None if seed is None else seed + index)
-                sample = replace(
-                    generate, request_id=f"{generate.request_id}.{index}", sampling=sampling
-                )
-            generation = await generations.enter_async_context(self._core.generation(sample))
-            chunks = generation.chunks
-            choices.append(Choice(await anext(chunks), chunks))
-            first = first or generation
-        assert first is not None
-        return first, choices
+        self, generations: contextlib.AsyncExitStack, prompts: list[GenerateInput], n: int
+    ) -> _Started:
+        """Each prompt's n samples, choice p * n + i: per prompt, the first sample's
+        generation and first chunk, then the others'. By then the first one's prompt is
+        in the engine's prefix cache, so the others' prefill is read back from it
+        (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
+        n distinct samples, the same ones every time."""
+        choices: list[Choice] = []
+        model, prompt_tokens = "", 0
+        many = len(prompts) * n > 1
+        for number, prompt in enumerate(prompts):
+            for index in range(n):
+                sample = prompt
+                if many:
+                    seed = prompt.sampling.seed
+                    seeded = replace(prompt.sampling, seed=None if seed is None else seed + index)
+                    sample_id = f"{prompt.request_id}.{number * n + index}"
+                    sample = replace(prompt, request_id=sample_id, sampling=seeded)
+                generation = await generations.enter_async_context(self._core.generation(sample))
+                chunks = generation.chunks
+                choices.append(Choice(await anext(chunks), chunks))
+                if index == 0:
+                    model = generation.request.model
+                    prompt_tokens += generation.prompt_tokens
+        return _Started(model, prompt_tokens, choices)
 
     def _decode(
         self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
-    ) -> GenerateInput:
+    ) -> list[GenerateInput]:
+        """One request per prompt (a completion may have several)."""
         session_id = request.headers.get(SESSION_ID, "")
-        if session_id and body.n > 1:
-            # A session records one answer per turn: which of n would it be?
-            raise InvalidArgument("n", "only 1 in a session (x-session-id)")
         inline: History | None = None
         if chat:
             history, prompt = _inline_history(body.messages)
+            prompts = [prompt]
             if not session_id:
                 inline = history  # with a session, the stored history is the history
         else:
-            prompt = body.prompt
-        return GenerateInput(
-            request_id=request_id,
-            tenant=tenant,
-            model=body.model,
-            prompt=prompt,
-            sampling=_sampling(body),
-            session_id=session_id,
-            color=request.headers.get(COLOR, ""),
-            inline_history=inline,
-        )
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if body.n * len(prompts) > MAX_CHOICES:
+            raise InvalidArgument("n", f"at most {MAX_CHOICES} choices (prompts x n)")
+        if session_id and body.n * len(prompts) > 1:
+            # A session records one answer per turn: which one would it be?
+            field = "n" if body.n > 1 else "prompt"
+            raise InvalidArgument(field, "one answer only in a session (x-session-id)")
+        sampling = _sampling(body)
+        return [
+            GenerateInput(
+                request_id=request_id,
+                tenant=tenant,
+                model=body.model,
+                prompt=prompt,
+                sampling=sampling,
+                session_id=session_id,
+                color=request.headers.get(COLOR, ""),
+                inline_history=inline,
+            )
+            for prompt in prompts
+        ]
 
     async def _whole(
-        self, choices: list[Choice], reply: Reply, first: Generation, headers: dict[str, str]
+        self, started: _Started, reply: Reply, headers: dict[str, str]
     ) -> web.Response:
         try:
-            async with contextlib.aclosing(merged(choices)) as chunks:
+            async with contextlib.aclosing(merged(started.choices)) as chunks:
                 async for index, chunk in chunks:
                     reply.add(index, chunk)
         except MeshError as err:
             return error_response(err)
-        return web.json_response(reply.whole(first.prompt_tokens), headers=headers)
+        return web.json_response(reply.whole(started.prompt_tokens), headers=headers)
 
     async def _stream(
-        self,
-        request: web.Request,
-        choices: list[Choice],
-        reply: Reply,
-        first: Generation,
-        headers: dict[str, str],
+        self, request: web.Request, started: _Started, reply: Reply, headers: dict[str, str]
     ) -> web.StreamResponse:
         # A client that goes away fails a write, out here: closing the generations'
         # generators at once ends them now (counted as cancelled), not when they are
@@ -301,7 +319,7 @@ class OpenAiApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
         await response.prepare(request)
-        events = reply.events(choices, first.prompt_tokens)
+        events = reply.events(started.choices, started.prompt_tokens)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:

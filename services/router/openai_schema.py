@@ -15,7 +15,7 @@ import re
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
 
@@ -111,7 +111,15 @@ class ChatBody(Body):
 
 
 class CompletionBody(Body):
-    prompt: str
+    prompt: str | list[str] = Field(description="a prompt, or several (n choices each)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompts(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and not 1 <= len(prompt) <= MAX_CHOICES:
+            raise ValueError(f"1 to {MAX_CHOICES} prompts")
+        return prompt
+
     logprobs: int | None = Field(
         default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
     )

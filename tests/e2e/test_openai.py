@@ -328,3 +328,21 @@ def test_n_samples_share_their_prompts_prefill(stack: Stack, client: openai.Open
     one, four = cost(1), cost(4)
     assert one > 600
     assert four < 1.2 * one, (one, four)
+
+
+def test_a_list_of_prompts_is_answered_in_order(client: openai.OpenAI) -> None:
+    prompts = ["Once upon a time", "In a galaxy far away"]
+    reply = client.completions.create(
+        model="llm", prompt=prompts, max_tokens=4, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    each = [
+        client.completions.create(
+            model="llm", prompt=p, max_tokens=4, seed=3, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    assert [c.text for c in reply.choices] == each
+    assert reply.usage is not None and reply.usage.prompt_tokens == sum(len(p) + 1 for p in prompts)

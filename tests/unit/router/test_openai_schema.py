@@ -327,3 +327,18 @@ def test_n_is_bounded_and_one_in_a_session(n: int, headers: dict[str, str]) -> N
 
     status, reply = asyncio.run(scenario())
     assert (status, reply["error"]["param"]) == (400, "n")
+
+
+def test_a_list_of_prompts_gives_n_choices_each_in_order() -> None:
+    async def scenario() -> tuple[Any, int, Any]:
+        async with TestClient(TestServer(api().app())) as client:
+            reply = await client.post("/v1/completions", json=OK | {"prompt": ["a", "bb"], "n": 2})
+            too_many = await client.post("/v1/completions", json=OK | {"prompt": ["a"] * 5, "n": 2})
+            return await reply.json(), too_many.status, (await too_many.json())["error"]
+
+    whole, status, error = asyncio.run(scenario())
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert whole["usage"]["completion_tokens"] == 4 * MAX_TOKENS
+    # Each prompt counted once, whatever its samples: "a" and "bb" plus a BOS each.
+    assert whole["usage"]["prompt_tokens"] == (1 + 1) + (2 + 1)
+    assert (status, error["param"]) == (400, "n")
