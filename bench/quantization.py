@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.decode import TOPICS, chat_prompts
+from bench.decode import PROMPT_TOKENS, TOPICS, chat_prompts
 from bench.engine import (
     _engine_modules,
     blas_limit,
@@ -102,7 +102,7 @@ def speed(job: dict[str, Any]) -> dict[str, Any]:
         loaded = _memory_mb()["VmRSS"]
         runs = {}
         for level in job["levels"]:
-            prompts = chat_prompts(built.built, level, 64, new_salt())
+            prompts = chat_prompts(built.built, level, PROMPT_TOKENS, new_salt())
             requests = [BenchRequest(p, job["output_len"]) for p in prompts]
             run = closed_loop(built, requests, level)
             runs[level] = {

@@ -135,14 +135,8 @@ class Reply:
             else:
                 choice["text"] = text
             choices.append(choice)
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(prompt_tokens),
-        }
+        whole = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(choices, whole), "usage": self.usage(prompt_tokens)}
 
     def _event(self, index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
         sample = self._samples[index]
@@ -159,10 +153,11 @@ class Reply:
             choice["text"] = chunk.text
         return self._envelope([choice])
 
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _envelope(self, choices: list[dict[str, Any]], kind: str = "") -> dict[str, Any]:
+        """The fields every reply has; ``kind``: its object type (default: a chunk's)."""
         return {
             "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "object": kind or ("chat.completion.chunk" if self.chat else "text_completion"),
             "created": self.created,
             "model": self.model,
             "choices": choices,
