@@ -363,6 +363,81 @@ class PutSessionResponse(_message.Message):
 Global___PutSessionResponse: _TypeAlias = PutSessionResponse  # noqa: Y015
 
 @_typing.final
+class ForkSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    SOURCE_SESSION_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    source_session_id: _builtins.str
+    session_id: _builtins.str
+    system_prompt: _builtins.str
+    ttl_seconds: _builtins.int
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        source_session_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        system_prompt: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "session_id", b"session_id", "source_session_id", b"source_session_id", "system_prompt", b"system_prompt", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSessionRequest: _TypeAlias = ForkSessionRequest  # noqa: Y015
+
+@_typing.final
+class ForkSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TURN_COUNT_FIELD_NUMBER: _builtins.int
+    turn_count: _builtins.int
+    """Turns the new session holds."""
+    def __init__(
+        self,
+        *,
+        turn_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["turn_count", b"turn_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSessionResponse: _TypeAlias = ForkSessionResponse  # noqa: Y015
+
+@_typing.final
 class DeleteSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -52,6 +52,11 @@ class ContextStub:
                 request_serializer=llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/llmmesh.v1.Context/ForkSession',
+                request_serializer=llmmesh_dot_v1_dot_context__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_context__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
         self.DeleteSession = channel.unary_unary(
                 '/llmmesh.v1.Context/DeleteSession',
                 request_serializer=llmmesh_dot_v1_dot_context__pb2.DeleteSessionRequest.SerializeToString,
@@ -93,6 +98,16 @@ class ContextServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Creates `session_id` as a copy of `source_session_id` (its turns, their request ids,
+        its summary) with a system prompt and metadata of its own: a conversation branches
+        from any point it passed through, and the source is left as it was. NOT_FOUND if the
+        source does not exist, ALREADY_EXISTS if the new session does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteSession(self, request, context):
         """Erases a session and everything stored with it.
         """
@@ -124,6 +139,11 @@ def add_ContextServicer_to_server(servicer, server):
                     servicer.PutSession,
                     request_deserializer=llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=llmmesh_dot_v1_dot_context__pb2.ForkSessionRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_context__pb2.ForkSessionResponse.SerializeToString,
             ),
             'DeleteSession': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteSession,
@@ -220,6 +240,33 @@ class Context:
             '/llmmesh.v1.Context/PutSession',
             llmmesh_dot_v1_dot_context__pb2.PutSessionRequest.SerializeToString,
             llmmesh_dot_v1_dot_context__pb2.PutSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Context/ForkSession',
+            llmmesh_dot_v1_dot_context__pb2.ForkSessionRequest.SerializeToString,
+            llmmesh_dot_v1_dot_context__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

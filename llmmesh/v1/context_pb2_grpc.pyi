@@ -45,6 +45,12 @@ class ContextStub:
     """
     PutSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.PutSessionRequest, _context_pb2.PutSessionResponse]
     """Creates a session or replaces its system prompt and metadata."""
+    ForkSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.ForkSessionRequest, _context_pb2.ForkSessionResponse]
+    """Creates `session_id` as a copy of `source_session_id` (its turns, their request ids,
+    its summary) with a system prompt and metadata of its own: a conversation branches
+    from any point it passed through, and the source is left as it was. NOT_FOUND if the
+    source does not exist, ALREADY_EXISTS if the new session does.
+    """
     DeleteSession: _grpc.UnaryUnaryMultiCallable[_context_pb2.DeleteSessionRequest, _context_pb2.DeleteSessionResponse]
     """Erases a session and everything stored with it."""
     ListSessions: _grpc.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]
@@ -67,6 +73,12 @@ class ContextAsyncStub(ContextStub):
     """
     PutSession: _aio.UnaryUnaryMultiCallable[_context_pb2.PutSessionRequest, _context_pb2.PutSessionResponse]  # type: ignore[assignment]
     """Creates a session or replaces its system prompt and metadata."""
+    ForkSession: _aio.UnaryUnaryMultiCallable[_context_pb2.ForkSessionRequest, _context_pb2.ForkSessionResponse]  # type: ignore[assignment]
+    """Creates `session_id` as a copy of `source_session_id` (its turns, their request ids,
+    its summary) with a system prompt and metadata of its own: a conversation branches
+    from any point it passed through, and the source is left as it was. NOT_FOUND if the
+    source does not exist, ALREADY_EXISTS if the new session does.
+    """
     DeleteSession: _aio.UnaryUnaryMultiCallable[_context_pb2.DeleteSessionRequest, _context_pb2.DeleteSessionResponse]  # type: ignore[assignment]
     """Erases a session and everything stored with it."""
     ListSessions: _aio.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]  # type: ignore[assignment]
@@ -104,6 +116,18 @@ class ContextServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_context_pb2.PutSessionResponse, _abc.Awaitable[_context_pb2.PutSessionResponse]]:
         """Creates a session or replaces its system prompt and metadata."""
+
+    @_abc_1.abstractmethod
+    def ForkSession(
+        self,
+        request: _context_pb2.ForkSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_pb2.ForkSessionResponse, _abc.Awaitable[_context_pb2.ForkSessionResponse]]:
+        """Creates `session_id` as a copy of `source_session_id` (its turns, their request ids,
+        its summary) with a system prompt and metadata of its own: a conversation branches
+        from any point it passed through, and the source is left as it was. NOT_FOUND if the
+        source does not exist, ALREADY_EXISTS if the new session does.
+        """
 
     @_abc_1.abstractmethod
     def DeleteSession(

@@ -14,7 +14,7 @@ from prometheus_client import Counter, Histogram
 
 from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from llmmesh.types import Turn, check_session_id, count_tokens, fingerprint, request_text
-from services.context.store import Appended, Session, SessionStore
+from services.context.store import Appended, Session, SessionExists, SessionStore
 from services.context.truncation import Budget, Truncated, check_strategy, truncate
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_TURN_CHARS = 1_000_000
-MAX_TURNS_PER_APPEND = 16
+MAX_TURNS_PER_APPEND = 64
 MAX_METADATA_ENTRIES = 64
 MAX_METADATA_CHARS = 4096
 MAX_PAGE_SIZE = 1000
@@ -167,6 +167,43 @@ class ContextCore:
         await self._store(
             "put", lambda: self.store.put(tenant, session_id, system_prompt, metadata, ttl_ms)
         )
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int = 0,
+    ) -> int:
+        """A new session holding a copy of ``source_id``'s conversation; its turn count."""
+        check_session_key(tenant, session_id)
+        try:
+            check_session_id(source_id)
+        except InvalidArgument as err:
+            raise InvalidArgument("source_session_id", err.message) from None
+        _check_text("system_prompt", system_prompt)
+        _check_metadata(metadata)
+        ttl_ms = self._ttl_ms(ttl_s)
+        try:
+            count = await self._store(
+                "fork",
+                lambda: self.store.fork(
+                    tenant,
+                    source_id,
+                    session_id,
+                    system_prompt=system_prompt,
+                    metadata=metadata,
+                    ttl_ms=ttl_ms,
+                ),
+            )
+        except SessionExists:
+            raise AlreadyExists("session_id", f"session '{session_id}' exists already") from None
+        if count is None:
+            raise NotFound(f"no session '{source_id}'")
+        return count
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         check_session_key(tenant, session_id)

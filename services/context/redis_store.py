@@ -21,7 +21,7 @@ from urllib.parse import quote, unquote
 import redis.asyncio as redis
 
 from llmmesh.types import Role, Turn, request_text
-from services.context.store import Appended, Session, now_ms
+from services.context.store import Appended, Session, SessionExists, now_ms
 
 _APPEND = """
 local expires = redis.call('ZSCORE', KEYS[5], ARGV[4])
@@ -70,6 +70,33 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
+# A copy of a live session (KEYS 1-3) as a new one (KEYS 4-6) with its own system prompt
+# and metadata; false if the source is gone, -1 if the new one exists.
+_FORK = """
+local function live(key, member)
+  local expires = redis.call('ZSCORE', KEYS[8], member)
+  if expires and tonumber(expires) <= tonumber(ARGV[1]) then return false end
+  return redis.call('EXISTS', key) == 1
+end
+if not live(KEYS[1], ARGV[3]) then return false end
+if live(KEYS[4], ARGV[4]) then return -1 end
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[6])
+local source = redis.call('HGETALL', KEYS[1])
+redis.call('HSET', KEYS[4], unpack(source))
+redis.call('HSET', KEYS[4], 'system_prompt', ARGV[6], 'metadata', ARGV[7])
+local function copy(command, key, items)  -- in batches: unpack's stack is bounded
+  for i = 1, #items, 1000 do
+    redis.call(command, key, unpack(items, i, math.min(i + 999, #items)))
+  end
+end
+local turns = redis.call('LRANGE', KEYS[2], 0, -1)
+copy('RPUSH', KEYS[5], turns)
+copy('SADD', KEYS[6], redis.call('SMEMBERS', KEYS[3]))
+for i = 4, 6 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+redis.call('ZADD', KEYS[7], 0, ARGV[5])
+redis.call('ZADD', KEYS[8], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[4])
+return #turns
+"""
 _SWEEP_BATCH = 1000
 _APPENDED = {1: Appended.APPENDED, 0: Appended.DUPLICATE, -1: Appended.CONFLICT}
 
@@ -84,6 +111,7 @@ class RedisSessionStore:
         self._append = self._client.register_script(_APPEND)
         self._load = self._client.register_script(_LOAD)
         self._save_summary = self._client.register_script(_SAVE_SUMMARY)
+        self._fork = self._client.register_script(_FORK)
 
     async def open(self) -> None:
         await self._client.ping()  # type: ignore[misc]  # redis-py types sync and async alike
@@ -162,6 +190,38 @@ class RedisSessionStore:
             pipe.zadd(self._index(tenant), {session_id: 0})
             pipe.zadd(self._expiry, {self._member(tenant, session_id): self._now() + ttl_ms})
             await pipe.execute()
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> int | None:
+        keys = [
+            *self._keys(tenant, source_id),
+            *self._keys(tenant, session_id),
+            self._index(tenant),
+            self._expiry,
+        ]
+        args: list[str | int] = [
+            self._now(),
+            ttl_ms,
+            self._member(tenant, source_id),
+            self._member(tenant, session_id),
+            session_id,
+            system_prompt,
+            json.dumps(metadata),
+        ]
+        count = await self._fork(keys=keys, args=args)
+        if count is None:
+            return None
+        if int(count) < 0:
+            raise SessionExists(session_id)
+        return int(count)
 
     async def save_summary(
         self, tenant: str, session_id: str, summary: str, summarized_turns: int

@@ -62,6 +62,19 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
         )
         return context_pb2.PutSessionResponse()
 
+    async def ForkSession(  # noqa: N802 (gRPC method name)
+        self, request: context_pb2.ForkSessionRequest, context: Context
+    ) -> context_pb2.ForkSessionResponse:
+        count = await self._core.fork(
+            request.tenant,
+            request.source_session_id,
+            request.session_id,
+            system_prompt=request.system_prompt,
+            metadata=dict(request.metadata),
+            ttl_s=request.ttl_seconds,
+        )
+        return context_pb2.ForkSessionResponse(turn_count=count)
+
     async def DeleteSession(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.DeleteSessionRequest, context: Context
     ) -> context_pb2.DeleteSessionResponse:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from llmmesh.types import Role, Turn, request_text
-from services.context.store import Appended, Session, now_ms
+from services.context.store import Appended, Session, SessionExists, now_ms
 
 T = TypeVar("T")
 
@@ -162,7 +162,7 @@ class SqliteSessionStore:
                 try:
                     results.append(action(db))
                     db.execute("RELEASE one")
-                except sqlite3.Error as err:
+                except (sqlite3.Error, SessionExists) as err:  # that write's own failure
                     db.execute("ROLLBACK TO one")
                     db.execute("RELEASE one")
                     results.append(err)
@@ -224,6 +224,21 @@ class SqliteSessionStore:
             )
 
         await self._write(action)
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> int | None:
+        now = self._now()
+        new = (tenant, session_id, system_prompt, json.dumps(metadata), now + ttl_ms)
+        forked: int | None = await self._write(_fork(tenant, source_id, new, now))
+        return forked
 
     async def save_summary(
         self, tenant: str, session_id: str, summary: str, summarized_turns: int
@@ -350,6 +365,43 @@ def _append(
             (count + len(turns), tenant, session_id),
         )
         return count + len(turns), Appended.APPENDED
+
+    return action
+
+
+def _fork(tenant: str, source_id: str, new: tuple[Any, ...], now: int) -> Write:
+    """``new``: the new session's (tenant, id, system prompt, metadata, expiry)."""
+    session_id = new[1]
+
+    def action(db: sqlite3.Connection) -> int | None:
+        _delete(db, "tenant = ? AND session_id = ? AND expires_at_ms <= ?", (*new[:2], now))
+        source = db.execute(
+            "SELECT summary, summarized_turns, turn_count FROM sessions"
+            " WHERE tenant = ? AND session_id = ? AND expires_at_ms > ?",
+            (tenant, source_id, now),
+        ).fetchone()
+        if source is None:
+            return None
+        try:
+            db.execute(
+                "INSERT INTO sessions (tenant, session_id, system_prompt, metadata,"
+                " expires_at_ms, summary, summarized_turns, turn_count)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (*new, *source),
+            )
+        except sqlite3.IntegrityError:
+            raise SessionExists(session_id) from None
+        for table, columns in (
+            ("turns", "seq, role, text, token_count, request_id, created_at_ms"),
+            ("appends", "request_id"),
+        ):
+            db.execute(
+                f"INSERT INTO {table} SELECT tenant, ?, {columns} FROM {table}"
+                " WHERE tenant = ? AND session_id = ?",
+                (session_id, tenant, source_id),
+            )
+        count: int = source[2]
+        return count
 
     return action
 

@@ -32,6 +32,10 @@ class Appended(enum.Enum):
     CONFLICT = "conflict"  # the id with another user turn: another request, refused
 
 
+class SessionExists(Exception):
+    """A session that was to be created is there already."""
+
+
 class SessionStore(Protocol):
     """``ttl_ms`` slides a session's expiry on every access; an expired session is gone,
     whether or not a sweep has removed it yet."""
@@ -60,6 +64,21 @@ class SessionStore(Protocol):
         ttl_ms: int,
     ) -> None:
         """Creates the session or replaces its system prompt and metadata."""
+        ...
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_ms: int,
+    ) -> int | None:
+        """Creates ``session_id`` as a copy of ``source_id`` (turns with their request ids,
+        summary) with its own system prompt and metadata, atomically; returns its turn
+        count, or None if the source does not exist. ``SessionExists`` if the new one does."""
         ...
 
     async def save_summary(

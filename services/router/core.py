@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
 
+from llmmesh.policy import Part
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     AlreadyExists,
@@ -46,6 +47,7 @@ from services.router.config import RouterConfig
 from services.router.fail_modes import fail_open
 from services.router.prompt import (
     build_prompt,
+    continued,
     input_parts,
     summary_overhead,
     turn_overhead,
@@ -171,19 +173,25 @@ class RouterCore:
         for the whole of it."""
         limit, history = self._config.max_prompt_chars, request.inline_history
         turns = history.turns if history is not None else ()
-        prompt_field = "prompt" if history is None else f"messages[{len(turns)}].content"
+        name = request.inline_field
+        prompt_field = "prompt" if history is None else f"{name}[{len(turns)}].content"
         if not request.prompt.strip():
             raise InvalidArgument(prompt_field, "must not be empty or only whitespace")
         for field, text in [
-            *((f"messages[{i}].content", t.text) for i, t in enumerate(turns)),
+            *((f"{name}[{i}].content", t.text) for i, t in enumerate(turns)),
             (prompt_field, request.prompt),
         ]:
             if len(text) > limit:
                 raise InvalidArgument(field, f"{len(text)} characters; the limit is {limit}")
-        total = sum(len(t.text) for t in turns) + len(request.prompt)
+        instructions = request.session_use.instructions or ""
+        if len(instructions) > limit:
+            raise InvalidArgument(
+                "instructions", f"{len(instructions)} characters; the limit is {limit}"
+            )
+        total = sum(len(t.text) for t in turns) + len(request.prompt) + len(instructions)
         if total > self._config.max_conversation_chars:
             raise InvalidArgument(
-                "messages",
+                name,
                 f"{total} characters in all; the limit is {self._config.max_conversation_chars}",
             )
 
@@ -198,8 +206,7 @@ class RouterCore:
             history = await self._load_history(request, speech)
         # What the client wrote (a session's stored turns were checked on their way in, or
         # are the model's own words).
-        inline = request.inline_history is not None
-        written = input_parts(history, request.prompt, inline=inline)
+        written = _input_parts(request, history)
         speech.check_plain(p for p in written if not p.field.startswith(STORED_PARTS))
         rule_set = self._tenants.spec(request.tenant).policy_set
         verdict = await self._verdict(request, history, rule_set)
@@ -213,6 +220,7 @@ class RouterCore:
         _check_not_reused(history, user_text)
         call, prompt_tokens = self._build_call(request, history, user_text, speech)
         user_tokens = speech.count(user_text)
+        new_turns = _new_turns(request, history, speech)
         lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
             with tracing.tracer.start_as_current_span("admission.wait"):
@@ -244,6 +252,7 @@ class RouterCore:
             guard,
             history,
             user_tokens,
+            new_turns,
         )
 
     async def model_speech(self, model: str) -> tuple[str, ModelSpeech]:
@@ -265,7 +274,8 @@ class RouterCore:
         return replace(speech, max_context=context) if context else speech
 
     def _hints(self, request: GenerateInput) -> RouteHints:
-        session_key = f"{request.tenant}/{request.session_id}" if request.session_id else ""
+        conversation = request.session_use.affinity or request.session_id
+        session_key = f"{request.tenant}/{conversation}" if conversation else ""
         tier = self._tenants.spec(request.tenant).tier
         return RouteHints(session_key, request.color, request.deadline, tier)
 
@@ -275,6 +285,13 @@ class RouterCore:
         budget = speech.max_context - request.sampling.max_tokens - speech.bos_tokens
         prompt, dropped = build_prompt(history, user_text, budget, speech.count, speech.layout)
         dropped += history.dropped_turns if history else 0
+        cut = dropped or (history is not None and history.system_prompt_dropped)
+        if cut and not request.session_use.may_truncate:
+            raise InvalidArgument(
+                request.inline_field,
+                f"the conversation does not fit the model's context ({speech.max_context} "
+                "tokens with the answer's); truncation 'auto' lets the mesh cut it",
+            )
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
         call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
@@ -358,30 +375,38 @@ class RouterCore:
     async def _load_history(self, request: GenerateInput, speech: ModelSpeech) -> History | None:
         """The session's history cut to what the prompt can hold; if the session store is
         unreachable, the tenant's fail mode decides: ``open`` answers without history."""
+        instructions = request.session_use.instructions
         if not request.session_id:
-            return request.inline_history
+            inline = request.inline_history
+            if inline is None or instructions is None:
+                return inline
+            return continued(inline, (), instructions)
         spec = self._tenants.spec(request.tenant)
         count = speech.count
+        new_turns = request.inline_history.turns if request.inline_history else ()
+        overhead = turn_overhead(count, speech.layout)
         room = (
             speech.max_context
             - request.sampling.max_tokens
             - speech.bos_tokens
             - count(user_tail(request.prompt, speech.layout))
             - summary_overhead(count)
+            - sum(count(t.text) + overhead for t in new_turns)
         )
         wanted = HistoryRequest(
             request.tenant,
             request.session_id,
             budget_tokens=max(room, 1),
             truncation=request.truncation or spec.truncation,
-            turn_overhead_tokens=turn_overhead(count, speech.layout),
+            turn_overhead_tokens=overhead,
             ttl_s=spec.session_ttl_s,
         )
         try:
-            return await self._context.load(request.request_id, wanted)
+            stored = await self._context.load(request.request_id, wanted)
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "no history")
-            return History()
+            stored = History()
+        return continued(stored, new_turns, instructions)
 
     async def _verdict(
         self, request: GenerateInput, history: History | None, rule_set: str
@@ -390,7 +415,7 @@ class RouterCore:
         the rule and where it matched, if a rule denies it); if policy is unreachable,
         the tenant's fail mode decides: ``closed`` refuses (UNAVAILABLE), ``open`` lets
         the prompt through, flagged."""
-        parts = input_parts(history, request.prompt, inline=request.inline_history is not None)
+        parts = _input_parts(request, history)
         try:
             with tracing.tracer.start_as_current_span("policy.check_input"):
                 verdict = await self._policy.check_input(
@@ -408,9 +433,10 @@ class RouterCore:
 
     async def _record(self, prepared: Prepared, answer: str, answer_tokens: int) -> None:
         request = prepared.request
-        if not request.session_id:
+        if not request.session_id or not request.session_use.record:
             return
         turns = [
+            *prepared.new_turns,
             Turn(Role.USER, prepared.user_text, prepared.user_tokens),
             Turn(Role.ASSISTANT, answer, answer_tokens),
         ]
@@ -421,6 +447,27 @@ class RouterCore:
             )
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")
+
+
+def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:
+    inline = request.inline_history
+    return input_parts(
+        history,
+        request.prompt,
+        None if inline is None else len(inline.turns),
+        request.inline_field,
+        instructions=request.session_use.instructions is not None,
+    )
+
+
+def _new_turns(
+    request: GenerateInput, history: History | None, speech: ModelSpeech
+) -> tuple[Turn, ...]:
+    """The inline turns that continue a session, as policy let them through, counted."""
+    if not request.session_id or request.inline_history is None or history is None:
+        return ()
+    written = history.turns[len(history.turns) - len(request.inline_history.turns) :]
+    return tuple(replace(t, token_count=speech.count(t.text)) for t in written)
 
 
 def _check_not_reused(history: History | None, user_text: str) -> None:

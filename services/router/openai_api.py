@@ -40,6 +40,7 @@ from services.router.openai_schema import (
     parse_body,
 )
 from services.router.request import GenerateInput
+from services.router.responses_api import ResponsesApi
 from services.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
@@ -94,15 +95,18 @@ class OpenAiApi:
         *,
         serving: Callable[[], bool] = lambda: True,
         metrics_token: str = "",
+        responses: ResponsesApi | None = None,
     ) -> None:
         """``serving``: whether some replica of some model can serve now (``/health``);
-        ``metrics_token``: what ``/metrics`` asks for (the mesh's internal token)."""
+        ``metrics_token``: what ``/metrics`` asks for (the mesh's internal token);
+        ``responses``: the Responses API, served alongside."""
         self._core = core
         self._tenants = tenants
         self._models = models
         self._settings = settings or HttpSettings()
         self._serving = serving
         self._metrics_token = metrics_token
+        self._responses = responses
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -118,6 +122,8 @@ class OpenAiApi:
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        if self._responses is not None:
+            self._responses.add_routes(app)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:

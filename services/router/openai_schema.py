@@ -21,6 +21,7 @@ from llmmesh.runtime.errors import FieldError, InvalidArgument
 
 B = TypeVar("B", bound=BaseModel)
 MAX_CHOICES = 8
+MAX_INPUT_ITEMS = 62  # with the answer, what one append to a session may hold
 JSON_TYPES = ("application/json",)
 # A path element naming a field or a key (not a union member's type tag, e.g. "str").
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -131,6 +132,87 @@ class CompletionBody(Body):
         return self.logprobs
 
 
+class InputText(_Strict):
+    # output_text: an earlier response's output item sent back as input, as clients do.
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None  # an output item's, sent back
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class InputMessage(_Strict):
+    """A message item of the Responses API's ``input``."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None  # an output item's, sent back
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"] = Field(description="plain text: the only format supported")
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponseBody(_Strict):
+    """``POST /v1/responses``; the conversation continues by ``previous_response_id``."""
+
+    model: str = ""
+    input: str | list[InputMessage] = Field(description="text, or message items")
+    instructions: str | None = Field(
+        default=None, description="a system message for this response (not carried over)"
+    )
+    previous_response_id: str | None = None
+    store: bool = Field(default=True, description="false: nothing of it is kept")
+    stream: bool = False
+    truncation: Literal["auto", "disabled"] = Field(
+        default="disabled",
+        description="auto: a conversation longer than the context is cut by the tenant's "
+        "strategy; disabled: refused",
+    )
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=0, description="the mesh's extension")
+    seed: int | None = Field(default=None, description="the mesh's extension")
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    text: TextConfig | None = None
+    tools: list[dict[str, Any]] = _no_op([], "tools are not implemented")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        default=None, description="without tools, nothing to choose"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="without tools, moot")
+
+    @field_validator("input")
+    @classmethod
+    def _some_items(cls, value: str | list[InputMessage]) -> str | list[InputMessage]:
+        if isinstance(value, list) and not 1 <= len(value) <= MAX_INPUT_ITEMS:
+            raise ValueError(f"1 to {MAX_INPUT_ITEMS} items")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if not 1 <= len(key) <= 64 or len(text) > 512:
+                raise ValueError("keys of 1-64 characters, values of at most 512")
+        return value
+
+    def check_no_ops(self) -> None:
+        if self.tools:
+            raise InvalidArgument("tools", "not supported (tools are not implemented)")
+
+
 class TokenizeBody(_Strict):
     """vLLM's ``/tokenize``: a prompt, or messages rendered with the model's template."""
 
@@ -191,7 +273,7 @@ def field_path(loc: tuple[int | str, ...]) -> str:
 def openapi_document(version: str) -> dict[str, Any]:
     """The HTTP API as OpenAPI 3.1, its request bodies the models above."""
     schemas: dict[str, Any] = {}
-    for model in (ChatBody, CompletionBody, TokenizeBody, DetokenizeBody):
+    for model in (ChatBody, CompletionBody, ResponseBody, TokenizeBody, DetokenizeBody):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -203,6 +285,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation("ChatBody", "A chat completion", error),
             "/v1/completions": _generation("CompletionBody", "A text completion", error),
+            "/v1/responses": _generation("ResponseBody", "A response (Responses API)", error),
+            "/v1/responses/{response_id}": _stored_response(error),
             "/v1/models": {
                 "get": {
                     "summary": "The models served",
@@ -233,6 +317,24 @@ def _err(schema: dict[str, str]) -> dict[str, Any]:
     return {
         "description": "OpenAI's error JSON",
         "content": {"application/json": {"schema": schema}},
+    }
+
+
+def _stored_response(error: dict[str, str]) -> dict[str, Any]:
+    path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    statuses = {"401": _err(error), "404": _err(error), "503": _err(error)}
+    call = {"security": [{"bearer": []}], "parameters": path}
+    return {
+        "get": {
+            "summary": "A stored response",
+            **call,
+            "responses": {"200": {"description": "The response object"}, **statuses},
+        },
+        "delete": {
+            "summary": "Deletes a stored response",
+            **call,
+            "responses": {"200": {"description": "Deleted"}, **statuses},
+        },
     }
 
 

@@ -121,23 +121,48 @@ def _check_fits(used: int, budget_tokens: int) -> None:
         )
 
 
-def input_parts(history: History | None, prompt: str, inline: bool) -> list[Part]:
+def input_parts(
+    history: History | None,
+    prompt: str,
+    written_turns: int | None,
+    field: str = "messages",
+    instructions: bool = False,
+) -> list[Part]:
     """Everything the model will read, in the order it reads it, each part named by the
-    request field it came from: the messages of a conversation sent whole (``inline``),
-    or a stored session's system prompt, summary and turns; then the new message."""
+    request field it came from: a stored session's system prompt (or the request's
+    ``instructions`` in its place), summary and turns; then the last ``written_turns``
+    turns, which the client wrote (``field[i].content``: the messages of a conversation
+    sent whole, or the items that continue a session); then the new message. None: no
+    turns of the client's, the message is the ``prompt``."""
     parts: list[Part] = []
     turns = history.turns if history else ()
     if history is not None:
         if history.system_prompt:
-            parts.append(Part("session.system_prompt", history.system_prompt))
+            name = "instructions" if instructions else "session.system_prompt"
+            parts.append(Part(name, history.system_prompt))
         if history.summary:
             parts.append(Part("session.summary", history.summary))
+    stored = len(turns) - (written_turns or 0)
     first_stored = (history.total_turns - len(turns)) if history else 0
     for index, turn in enumerate(turns):
-        field = f"messages[{index}].content" if inline else f"session.turns[{first_stored + index}]"
-        parts.append(Part(field, turn.text))
-    parts.append(Part(f"messages[{len(turns)}].content" if inline else "prompt", prompt))
+        if index < stored:
+            parts.append(Part(f"session.turns[{first_stored + index}]", turn.text))
+        else:
+            parts.append(Part(f"{field}[{index - stored}].content", turn.text))
+    last = "prompt" if written_turns is None else f"{field}[{len(turns) - stored}].content"
+    parts.append(Part(last, prompt))
     return parts
+
+
+def continued(stored: History, new_turns: tuple[Turn, ...], instructions: str | None) -> History:
+    """A session's history followed by the turns the request adds to it, with the
+    request's system prompt if it brings one."""
+    return replace(
+        stored,
+        turns=stored.turns + new_turns,
+        system_prompt=stored.system_prompt if instructions is None else instructions,
+        total_turns=stored.total_turns + len(new_turns),
+    )
 
 
 def with_texts(history: History | None, texts: tuple[str, ...]) -> tuple[History | None, str]:

@@ -10,10 +10,21 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
-from llmmesh.types import Chunk, History, Sampling
+from llmmesh.types import Chunk, History, Sampling, Turn
 from services.router.admission import Slot
 from services.router.tenants import Lease
 from services.router.upstreams import OutputGuard
+
+
+@dataclass(frozen=True)
+class SessionUse:
+    """How a request uses its session beyond reading it and adding its turn (the Responses
+    API's ways; the defaults are a Generate request's)."""
+
+    record: bool = True  # False: the session is read, never written (store: false)
+    instructions: str | None = None  # this request's system prompt instead of the stored one
+    affinity: str = ""  # the conversation's key for replica affinity; empty: the session's
+    may_truncate: bool = True  # False: a history that does not fit is refused, never cut
 
 
 @dataclass(frozen=True)
@@ -29,8 +40,11 @@ class GenerateInput:
     color: str = ""  # x-llm-color: pins a traffic color / subset
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
     truncation: str = ""  # how to cut a long history; empty: the tenant's choice
-    # A conversation sent whole with the request (OpenAI's messages) instead of a session.
+    # A conversation sent whole with the request (OpenAI's messages); with a session, the
+    # turns that continue it (the Responses API's input items), stored with the answer.
     inline_history: History | None = None
+    inline_field: str = "messages"  # the request field the inline turns came from
+    session_use: SessionUse = SessionUse()
 
 
 class StartedStream:
@@ -83,6 +97,7 @@ class Prepared:
     guard: OutputGuard | None = None  # the streamed output check, when the rules have one
     history: History | None = None  # the session's history as it went into the prompt
     user_tokens: int = 0  # the new message's tokens, as stored with its turn
+    new_turns: tuple[Turn, ...] = ()  # inline turns that continue the session, as checked
 
     def release(self, first_token_at: float | None = None) -> None:
         """Gives back the tenant's stream and the admission slot (idempotent);

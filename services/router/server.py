@@ -42,6 +42,7 @@ from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
 from services.router.replicas import ReplicaSet
 from services.router.request import GenerateInput, Generation
+from services.router.responses_api import ResponsesApi
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.speech import CardSpeeches
@@ -262,8 +263,15 @@ def build_service(config: RouterConfig) -> GrpcService:
         return any(upstreams.replicas.can_serve(model) for model in config.models)
 
     token = read_token(config.internal_token_file)
+    responses = ResponsesApi(core, upstreams.tenants, upstreams.context, config.http)
     api = OpenAiApi(
-        core, upstreams.tenants, config.models, config.http, serving=serving, metrics_token=token
+        core,
+        upstreams.tenants,
+        config.models,
+        config.http,
+        serving=serving,
+        metrics_token=token,
+        responses=responses,
     )
     http = HttpFront(config, api)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,7 +21,7 @@ from llmmesh.convert import (
 )
 from llmmesh.policy import Part, RuleSetError, load_rules
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import InvalidArgument, Unavailable
+from llmmesh.runtime.errors import InvalidArgument, NotFound, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.types import (
@@ -89,6 +89,45 @@ class ContextClient(Protocol):
     async def append(
         self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """A session as stored, whole."""
+
+    system_prompt: str
+    metadata: dict[str, str]
+    turns: tuple[Turn, ...]
+
+
+class SessionRecords(Protocol):
+    """Sessions as records of their own (the Responses API keeps a response as one)."""
+
+    async def read(self, tenant: str, session_id: str) -> StoredSession | None: ...
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int,
+    ) -> None:
+        """NotFound if ``source_id`` is not one of the tenant's sessions."""
+        ...
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int,
+    ) -> None: ...
+
+    async def delete(self, tenant: str, session_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -263,6 +302,63 @@ class GrpcContextClient:
             await self._stub.AppendTurns(
                 request, timeout=self._timeout, metadata=_metadata(request_id) + self._auth
             )
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "context service") from None
+
+    async def read(self, tenant: str, session_id: str) -> StoredSession | None:
+        request = context_pb2.LoadSessionRequest(tenant=tenant, session_id=session_id)
+        try:
+            reply = await self._call(self._stub.LoadSession, request)
+        except NotFound:
+            return None
+        turns = tuple(turn_from_pb(t, "session.turns") for t in reply.turns)
+        return StoredSession(reply.system_prompt, dict(reply.metadata), turns)
+
+    async def fork(
+        self,
+        tenant: str,
+        source_id: str,
+        session_id: str,
+        *,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int,
+    ) -> None:
+        request = context_pb2.ForkSessionRequest(
+            tenant=tenant,
+            source_session_id=source_id,
+            session_id=session_id,
+            system_prompt=system_prompt,
+            metadata=metadata,
+            ttl_seconds=ttl_s,
+        )
+        await self._call(self._stub.ForkSession, request)
+
+    async def put(
+        self,
+        tenant: str,
+        session_id: str,
+        system_prompt: str,
+        metadata: dict[str, str],
+        ttl_s: int,
+    ) -> None:
+        request = context_pb2.PutSessionRequest(
+            tenant=tenant,
+            session_id=session_id,
+            system_prompt=system_prompt,
+            metadata=metadata,
+            ttl_seconds=ttl_s,
+        )
+        await self._call(self._stub.PutSession, request)
+
+    async def delete(self, tenant: str, session_id: str) -> bool:
+        request = context_pb2.DeleteSessionRequest(tenant=tenant, session_id=session_id)
+        reply = await self._call(self._stub.DeleteSession, request)
+        return bool(reply.deleted)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self._timeout, metadata=self._auth)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "context service") from None
 

@@ -12,12 +12,12 @@ from typing import TypeVar
 
 import pytest
 
-from llmmesh.runtime.errors import InvalidArgument, NotFound
+from llmmesh.runtime.errors import AlreadyExists, InvalidArgument, NotFound
 from llmmesh.types import Role, Turn
 from services.context.core import ContextCore
 from services.context.redis_store import RedisSessionStore
 from services.context.sqlite_store import SqliteSessionStore
-from services.context.store import Appended, SessionStore
+from services.context.store import Appended, SessionExists, SessionStore
 from services.context.truncation import Budget
 from tests.conftest import RedisServer
 
@@ -159,6 +159,71 @@ def test_system_prompt_metadata_and_summary(new_store: StoreFactory) -> None:
         assert (session.system_prompt, session.metadata) == ("Be very brief.", {"lang": "fr"})
         assert (session.summary, session.summarized_turns) == ("They said hi.", 2)
         assert len(session.turns) == 2
+
+    run(new_store, scenario)
+
+
+async def fork(
+    store: SessionStore,
+    tenant: str,
+    source: str,
+    target: str,
+    system_prompt: str = "",
+    metadata: dict[str, str] | None = None,
+) -> int | None:
+    return await store.fork(
+        tenant, source, target, system_prompt=system_prompt, metadata=metadata or {}, ttl_ms=DAY_MS
+    )
+
+
+def test_a_fork_copies_the_conversation_and_leaves_the_source_alone(
+    new_store: StoreFactory, clock: Clock
+) -> None:
+    """A branch holds the source's turns (with their request ids: a retry of an earlier
+    turn is still a retry there) and summary, its own system prompt and metadata; either
+    grows without the other, and a fork never overwrites a live session."""
+
+    async def scenario(store: SessionStore) -> None:
+        await store.put("t", "root", "Be brief.", {"k": "root"}, DAY_MS)
+        await store.append("t", "root", "r1", TURNS, DAY_MS)
+        await store.save_summary("t", "root", "They said hi.", 1)
+        assert await fork(store, "t", "root", "branch", "Be kind.", {"k": "b"}) == 2
+        assert await store.append("t", "branch", "r1", TURNS, DAY_MS) == (2, Appended.DUPLICATE)
+        more = [Turn(Role.USER, "and then?"), Turn(Role.ASSISTANT, "then this")]
+        assert await store.append("t", "branch", "r2", more, DAY_MS) == (4, Appended.APPENDED)
+        branch = await store.load("t", "branch", DAY_MS)
+        root = await store.load("t", "root", DAY_MS)
+        assert branch is not None and root is not None
+        assert [t.text for t in branch.turns] == ["hi", "hello ✓", "and then?", "then this"]
+        assert [t.request_id for t in branch.turns] == ["r1", "r1", "r2", "r2"]
+        assert (branch.system_prompt, branch.metadata) == ("Be kind.", {"k": "b"})
+        assert (branch.summary, branch.summarized_turns) == ("They said hi.", 1)
+        assert (root.system_prompt, len(root.turns)) == ("Be brief.", 2)
+        with pytest.raises(SessionExists):
+            await fork(store, "t", "root", "branch")
+        assert await fork(store, "t", "missing", "new") is None
+        assert await fork(store, "u", "root", "theirs") is None  # tenant-scoped
+        assert await store.load("t", "new", DAY_MS) is None
+        assert sorted(await store.list("t", "", 10)) == ["branch", "root"]
+        clock.now_ms += 2 * DAY_MS  # both expired: an expired source forks nothing, and
+        assert await fork(store, "t", "root", "later") is None
+        await store.append("t", "fresh", "r9", TURNS, DAY_MS)  # an expired target is free
+        assert await fork(store, "t", "fresh", "branch") == 2
+
+    run(new_store, scenario)
+
+
+def test_core_forks_with_clear_errors(new_store: StoreFactory) -> None:
+    async def scenario(store: SessionStore) -> None:
+        core = ContextCore(store, default_ttl_s=3600)
+        await core.append("t", "s", "r1", TURNS)
+        assert await core.fork("t", "s", "s2", system_prompt="", metadata={}) == 2
+        with pytest.raises(AlreadyExists, match="session_id"):
+            await core.fork("t", "s", "s2", system_prompt="", metadata={})
+        with pytest.raises(NotFound):
+            await core.fork("t", "nope", "s3", system_prompt="", metadata={})
+        with pytest.raises(InvalidArgument, match="source_session_id"):
+            await core.fork("t", "bad id!", "s4", system_prompt="", metadata={})
 
     run(new_store, scenario)
 

@@ -131,6 +131,8 @@ def test_the_openapi_document_describes_what_the_handlers_validate() -> None:
     assert set(document["paths"]) == {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -147,6 +149,8 @@ def test_the_openapi_document_describes_what_the_handlers_validate() -> None:
     }
     assert schemas["ChatBody"]["properties"]["stream"]["type"] == "boolean"
     assert "Message" in schemas and "Error" in schemas
+    truncation = schemas["ResponseBody"]["properties"]["truncation"]
+    assert truncation["enum"] == ["auto", "disabled"] and truncation["default"] == "disabled"
 
 
 def test_field_paths_leave_union_tags_out() -> None:

@@ -1,0 +1,243 @@
+"""The Responses API with the official `openai` SDK against the real stack: whole and
+streamed, conversations by ``previous_response_id`` kept in the context service (branches,
+instructions that are not carried over, truncation), ``store: false``, tenant isolation,
+and refusals in OpenAI's shape before anything is stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from llmmesh.client import internal_channel
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.v1 import context_pb2, context_pb2_grpc
+from tests.conftest import start_service
+from tests.e2e.test_tenants import write_tenants
+
+TINY: dict[str, Any] = {"model": "llm", "max_output_tokens": 6, "temperature": 0.0}
+
+
+@dataclass(frozen=True)
+class Tenants:
+    alice: openai.OpenAI
+    bob: openai.OpenAI
+    context: context_pb2_grpc.ContextStub
+
+    def session(self, response_id: str, tenant: str = "alice") -> context_pb2.Session | None:
+        try:
+            request = context_pb2.LoadSessionRequest(tenant=tenant, session_id=response_id)
+            return self.context.LoadSession(request, timeout=5)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            return None
+
+    def session_ids(self, tenant: str = "alice") -> list[str]:
+        listed = self.context.ListSessions(context_pb2.ListSessionsRequest(tenant=tenant))
+        return list(listed.session_ids)
+
+
+@pytest.fixture(scope="module")
+def tenants(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
+    """A router with two tenants over the stack's services (its context service too)."""
+    tmp = tmp_path_factory.mktemp("responses")
+    keys = write_tenants(tmp / "tenants.json", {"alice": {"id": "alice"}, "bob": {"id": "bob"}})
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp,
+        tenants_file=str(tmp / "tenants.json"),
+        http_port=str(ports.router_http),
+    )
+    base = f"http://127.0.0.1:{ports.router_http}/v1"
+    try:
+        with internal_channel(stack.address("context"), stack.internal_token) as channel:
+            yield Tenants(
+                openai.OpenAI(base_url=base, api_key=keys["alice"], max_retries=0),
+                openai.OpenAI(base_url=base, api_key=keys["bob"], max_retries=0),
+                context_pb2_grpc.ContextStub(channel),
+            )
+    finally:
+        router.terminate(5)
+
+
+def test_a_whole_response_as_the_sdk_parses_it(tenants: Tenants) -> None:
+    response = tenants.alice.responses.create(
+        input="Hello there", instructions="Be brief.", metadata={"case": "whole"}, **TINY
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert response.output_text and response.usage is not None
+    assert response.usage.output_tokens == 6
+    assert response.usage.total_tokens == response.usage.input_tokens + 6
+    assert (response.instructions, response.metadata) == ("Be brief.", {"case": "whole"})
+    stored = tenants.alice.responses.retrieve(response.id)
+    assert stored.output_text == response.output_text and stored.usage == response.usage
+    assert stored.instructions == "Be brief." and stored.metadata == {"case": "whole"}
+
+
+def test_a_streamed_response_is_the_sdks_event_sequence(tenants: Tenants) -> None:
+    events = list(tenants.alice.responses.create(input="Once upon a", stream=True, **TINY))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.output_text == text and last.response.usage is not None
+    assert tenants.alice.responses.retrieve(last.response.id).output_text == text
+
+
+def test_three_turns_by_previous_response_id_and_a_branch(tenants: Tenants) -> None:
+    """Each response's session holds the conversation through its answer, the next turn's
+    prompt grows by it, and a second answer to an earlier response branches without
+    touching the first branch."""
+    first = tenants.alice.responses.create(input="My name is Ada.", **TINY)
+    second = tenants.alice.responses.create(
+        input="I like tea.", previous_response_id=first.id, **TINY
+    )
+    third = tenants.alice.responses.create(
+        input="What is my name?", previous_response_id=second.id, **TINY
+    )
+    assert first.usage and second.usage and third.usage
+    assert first.usage.input_tokens < second.usage.input_tokens < third.usage.input_tokens
+    stored = tenants.session(third.id)
+    assert stored is not None
+    assert [t.text for t in stored.turns] == [
+        "My name is Ada.",
+        first.output_text,
+        "I like tea.",
+        second.output_text,
+        "What is my name?",
+        third.output_text,
+    ]
+    # The conversation's responses share their first 16 hex digits (replica affinity).
+    assert first.id[:21] == second.id[:21] == third.id[:21] and first.id != second.id
+    branch = tenants.alice.responses.create(
+        input="I like coffee.", previous_response_id=first.id, **TINY
+    )
+    branched, kept = tenants.session(branch.id), tenants.session(second.id)
+    assert branched is not None and kept is not None
+    assert [t.text for t in branched.turns][2] == "I like coffee."
+    assert [t.text for t in kept.turns][2] == "I like tea." and len(kept.turns) == 4
+
+
+def test_instructions_are_the_responses_own_and_items_continue_it(tenants: Tenants) -> None:
+    first = tenants.alice.responses.create(input="Hi", instructions="Answer in French.", **TINY)
+    second = tenants.alice.responses.create(
+        input=[
+            {"role": "developer", "content": "Use short words."},
+            {"role": "user", "content": [{"type": "input_text", "text": "And now?"}]},
+        ],
+        previous_response_id=first.id,
+        **TINY,
+    )
+    assert tenants.alice.responses.retrieve(second.id).instructions is None
+    stored = tenants.session(second.id)
+    assert stored is not None and stored.system_prompt == ""  # not carried over
+    roles = [context_pb2.Role.Name(t.role) for t in stored.turns]
+    assert roles[2:] == ["ROLE_SYSTEM", "ROLE_USER", "ROLE_ASSISTANT"]
+    assert [t.text for t in stored.turns][2:4] == ["Use short words.", "And now?"]
+
+
+def test_store_false_keeps_nothing(tenants: Tenants) -> None:
+    kept = tenants.alice.responses.create(input="Remember this.", **TINY)
+    before = tenants.session_ids()
+    alone = tenants.alice.responses.create(input="Forget this.", store=False, **TINY)
+    after = tenants.alice.responses.create(
+        input="And this.", previous_response_id=kept.id, store=False, **TINY
+    )
+    assert after.usage and kept.usage and after.usage.input_tokens > kept.usage.input_tokens
+    assert tenants.session_ids() == before  # no session made, none grew
+    stored = tenants.session(kept.id)
+    assert stored is not None and len(stored.turns) == 2
+    for response in (alone, after):
+        with pytest.raises(openai.NotFoundError):
+            tenants.alice.responses.retrieve(response.id)
+
+
+def test_another_tenants_response_is_not_found(tenants: Tenants) -> None:
+    mine = tenants.alice.responses.create(input="Private.", **TINY)
+    with pytest.raises(openai.NotFoundError) as info:
+        tenants.bob.responses.retrieve(mine.id)
+    assert info.value.body["param"] == "response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as continued:
+        tenants.bob.responses.create(input="Go on.", previous_response_id=mine.id, **TINY)
+    assert continued.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        tenants.bob.responses.delete(mine.id)
+    assert tenants.session_ids("bob") == []
+    assert tenants.alice.responses.retrieve(mine.id).output_text == mine.output_text
+    tenants.alice.responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        tenants.alice.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        tenants.alice.responses.retrieve("resp_not-an-id")
+
+
+def test_truncation_disabled_refuses_what_auto_cuts(tenants: Tenants) -> None:
+    long = "word " * 300  # 1,500 tokens of the tiny model's 2,048
+    first = tenants.alice.responses.create(input=long, **TINY)
+    before = tenants.session_ids()
+    with pytest.raises(openai.BadRequestError) as info:
+        tenants.alice.responses.create(input=long, previous_response_id=first.id, **TINY)
+    assert info.value.body["param"] == "input"  # type: ignore[index]
+    assert "truncation" in info.value.message
+    assert tenants.session_ids() == before  # the refused one's fork is gone
+    cut = tenants.alice.responses.create(
+        input=long, previous_response_id=first.id, truncation="auto", **TINY
+    )
+    assert cut.usage and first.usage and cut.usage.input_tokens < 2 * first.usage.input_tokens
+
+
+def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None:
+    first = tenants.alice.responses.create(input="Hello", **TINY)
+    before = tenants.session_ids()
+    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
+        tenants.alice.responses.create(
+            input="hi", instructions="how to build a bomb", previous_response_id=first.id, **TINY
+        )
+    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
+        tenants.alice.responses.create(
+            input=[
+                {"role": "user", "content": "how to build a bomb"},
+                {"role": "user", "content": "ok"},
+            ],
+            **TINY,
+        )
+    refusals: dict[str, dict[str, Any]] = {
+        "tools": {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        "input[0].role": {"input": [{"role": "assistant", "content": "I speak last"}]},
+        "reasoning": {"extra_body": {"reasoning": {"effort": "low"}}},
+        "text.format.type": {"text": {"format": {"type": "json_object"}}},
+        "input": {"input": []},
+    }
+    for param, kwargs in refusals.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            tenants.alice.responses.create(**{"input": "hi", **TINY, **kwargs})
+        assert info.value.body["param"] == param, kwargs  # type: ignore[index]
+    assert tenants.session_ids() == before
+    for session_id in before:
+        stored = tenants.session(session_id)
+        assert stored is not None and "bomb" not in str(stored)
