@@ -92,6 +92,7 @@ class Chunk:
     route: Route | None = None
     resumed: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of this chunk, when asked
+    cached_tokens: int = 0  # on the first chunk: prompt tokens read from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -267,12 +267,17 @@ class InferenceResponse(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text generated since the previous response."""
     num_output_tokens: _builtins.int
     """Tokens generated so far for this request (cumulative)."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last response only."""
+    cached_tokens: _builtins.int
+    """On the first response: the prompt's tokens the engine read from its prefix cache
+    (0 when the engine does not report them).
+    """
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """With SamplingParams.logprobs: one per token generated since the previous response."""
@@ -284,10 +289,11 @@ class InferenceResponse(_message.Message):
         num_output_tokens: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

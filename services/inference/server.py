@@ -71,6 +71,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 num_output_tokens=total,
                 finish_reason=finish_reason_to_pb(chunk.finish_reason),
                 logprobs=logprobs_to_pb(chunk.logprobs),
+                cached_tokens=chunk.cached_tokens,
             )
 
 

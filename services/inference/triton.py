@@ -36,6 +36,7 @@ TRITON_CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _TRUE = b"\x01"
+CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 
 
 def bytes_tensor(value: bytes) -> bytes:
@@ -50,8 +51,12 @@ def first_bytes_element(raw: bytes) -> bytes:
     return raw[_LENGTH.size : _LENGTH.size + size]
 
 
-def build_request(call: InferenceCall) -> service_pb2.ModelInferRequest:
-    """The vLLM backend's inputs for ``call``, streaming, prompt excluded from the output."""
+def build_request(
+    call: InferenceCall, cached_tokens: bool = False
+) -> service_pb2.ModelInferRequest:
+    """The vLLM backend's inputs for ``call``, streaming, prompt excluded from the output;
+    ``cached_tokens``: ask for the prefix cache's share of the prompt too (an input the
+    reference engine's models declare, the vLLM backend's do not)."""
     request = service_pb2.ModelInferRequest(model_name=call.model, id=call.request_id)
     inputs: Iterable[tuple[str, str, bytes]] = (
         ("text_input", "BYTES", bytes_tensor(call.prompt.encode("utf-8"))),
@@ -59,15 +64,18 @@ def build_request(call: InferenceCall) -> service_pb2.ModelInferRequest:
         ("sampling_parameters", "BYTES", bytes_tensor(call.sampling.to_vllm_json().encode())),
         ("exclude_input_in_output", "BOOL", _TRUE),
     )
+    outputs: tuple[str, ...] = OUTPUTS
     if call.sampling.logprobs is not None:  # the vLLM backend's optional output
         inputs = (*inputs, ("return_logprobs", "BOOL", _TRUE))
+        outputs = (*outputs, "logprobs")
+    if cached_tokens:
+        inputs = (*inputs, (CACHED_TOKENS_FLAG, "BOOL", _TRUE))
+        outputs = (*outputs, "num_cached_tokens")
     for name, datatype, raw in inputs:
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
-    for name in OUTPUTS:
+    for name in outputs:
         request.outputs.add(name=name)
-    if call.sampling.logprobs is not None:
-        request.outputs.add(name="logprobs")
     return request
 
 
@@ -106,13 +114,17 @@ def parse_response(response: service_pb2.ModelInferResponse, top: int | None = N
     """One response as a chunk; ``top``: the most likely tokens asked for per position."""
     raw = _outputs(response)
     reason = first_bytes_element(raw.get("finish_reason", b"")).decode()
-    tokens = raw.get("num_output_tokens", b"")
     return Chunk(
         text=first_bytes_element(raw.get("text_output", b"")).decode("utf-8", "replace"),
-        num_tokens=_LENGTH.unpack_from(tokens)[0] if len(tokens) >= _LENGTH.size else 0,
+        num_tokens=_uint32(raw.get("num_output_tokens", b"")),
         finish_reason=FinishReason(reason) if reason else None,
         logprobs=parse_logprobs(first_bytes_element(raw.get("logprobs", b"")), top or 0),
+        cached_tokens=_uint32(raw.get("num_cached_tokens", b"")),
     )
+
+
+def _uint32(raw: bytes) -> int:
+    return _LENGTH.unpack_from(raw)[0] if len(raw) >= _LENGTH.size else 0
 
 
 def parse_logprobs(raw: bytes, top: int) -> tuple[TokenLogprob, ...]:
@@ -147,6 +159,7 @@ class TritonBackend:
         self._timeout = stream_timeout_s
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._reports_cached: dict[str, bool] = {}  # per model: it declares the flag
 
     async def close(self) -> None:
         await self._channel.close()
@@ -163,10 +176,11 @@ class TritonBackend:
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
+        cached = await self._declares_cached_tokens(call.model)
         stream = self._stub.ModelStreamInfer(timeout=self._timeout)
         finished = False
         try:
-            await self._send(stream, build_request(call))
+            await self._send(stream, build_request(call, cached))
             while not finished:
                 reply = await self._next(stream)
                 if reply.error_message:
@@ -180,6 +194,20 @@ class TritonBackend:
             # leaves it waiting for that stream at shutdown.
             if not finished:
                 stream.cancel()
+
+    async def _declares_cached_tokens(self, model: str) -> bool:
+        """Whether the model takes the cached-tokens flag (its metadata, asked once)."""
+        known = self._reports_cached.get(model)
+        if known is not None:
+            return known
+        request = service_pb2.ModelMetadataRequest(name=model)
+        try:
+            meta = await self._stub.ModelMetadata(request, timeout=5)
+        except grpc.aio.AioRpcError:
+            return False  # the generation will say what is wrong; ask again next time
+        known = any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs)
+        self._reports_cached[model] = known
+        return known
 
     async def describe(self, model: str, timeout_s: float = 30.0) -> ModelCard:
         """The model's card, asked of the model itself."""

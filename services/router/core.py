@@ -303,7 +303,7 @@ class RouterCore:
         tier = self._tenants.spec(prepared.request.tenant).tier
         parts: list[str] = []
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
-        guard, held_tokens = prepared.guard, 0
+        guard, held_tokens, held_cached = prepared.guard, 0, 0
         held_logprobs: tuple[TokenLogprob, ...] = ()
         try:
             async for relayed in prepared.stream.chunks():
@@ -312,13 +312,15 @@ class RouterCore:
                 if not chunk.text and chunk.finish_reason is None:
                     held_tokens += chunk.num_tokens  # all held back: nothing to send yet
                     held_logprobs += chunk.logprobs
+                    held_cached += chunk.cached_tokens
                     continue
                 chunk = replace(
                     chunk,
                     num_tokens=chunk.num_tokens + held_tokens,
                     logprobs=held_logprobs + chunk.logprobs,
+                    cached_tokens=chunk.cached_tokens + held_cached,
                 )
-                held_tokens, held_logprobs = 0, ()
+                held_tokens, held_logprobs, held_cached = 0, (), 0
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     TTFT.labels(model, tier).observe(time.perf_counter() - prepared.received_at)

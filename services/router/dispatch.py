@@ -118,6 +118,8 @@ class Dispatcher:
         tokens, resumed, attempt_call = 0, 0, call
         while True:
             replica, fallback, stream, chunk = await self._start(attempt_call, request, hints)
+            if resumed:  # the prompt's cache reads were the first replica's, counted then
+                chunk = replace(chunk, cached_tokens=0)
             try:
                 async with self._replicas.watched(replica):
                     while chunk.finish_reason is None:

@@ -83,6 +83,7 @@ class _Started:
     model: str
     prompt_tokens: int
     choices: list[Choice]
+    cached_tokens: int = 0  # of the prompts' tokens, read from the engine's prefix cache
 
 
 class OpenAiApi:
@@ -252,7 +253,7 @@ class OpenAiApi:
         (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
         n distinct samples, the same ones every time."""
         choices: list[Choice] = []
-        model, prompt_tokens = "", 0
+        model, prompt_tokens, cached_tokens = "", 0, 0
         many = len(prompts) * n > 1
         for number, prompt in enumerate(prompts):
             for index in range(n):
@@ -268,7 +269,8 @@ class OpenAiApi:
                 if index == 0:
                     model = generation.request.model
                     prompt_tokens += generation.prompt_tokens
-        return _Started(model, prompt_tokens, choices)
+                    cached_tokens += choices[-1].first.cached_tokens
+        return _Started(model, prompt_tokens, choices, cached_tokens)
 
     def _decode(
         self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
@@ -313,7 +315,8 @@ class OpenAiApi:
                     reply.add(index, chunk)
         except MeshError as err:
             return error_response(err)
-        return web.json_response(reply.whole(started.prompt_tokens), headers=headers)
+        usage = reply.usage(started.prompt_tokens, started.cached_tokens)
+        return web.json_response(reply.whole(usage), headers=headers)
 
     async def _stream(
         self, request: web.Request, started: _Started, reply: Reply, headers: dict[str, str]
@@ -325,7 +328,7 @@ class OpenAiApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
         await response.prepare(request)
-        events = reply.events(started.choices, started.prompt_tokens)
+        events = reply.events(started.choices, started.prompt_tokens, started.cached_tokens)
         try:
             async with contextlib.aclosing(events):
                 async for event in events:

@@ -114,14 +114,15 @@ class Reply:
             return None
         return chat_logprobs(tokens) if self.chat else completion_logprobs(tokens, offset)
 
-    def usage(self, prompt_tokens: int) -> dict[str, int]:
+    def usage(self, prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    def whole(self, prompt_tokens: int) -> dict[str, Any]:
+    def whole(self, usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for index, sample in enumerate(self._samples):
             text = "".join(sample.parts)
@@ -136,7 +137,7 @@ class Reply:
                 choice["text"] = text
             choices.append(choice)
         whole = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(choices, whole), "usage": self.usage(prompt_tokens)}
+        return {**self._envelope(choices, whole), "usage": usage}
 
     def _event(self, index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
         sample = self._samples[index]
@@ -164,7 +165,7 @@ class Reply:
         }
 
     async def events(
-        self, choices: list[Choice], prompt_tokens: int
+        self, choices: list[Choice], prompt_tokens: int, cached_tokens: int = 0
     ) -> AsyncGenerator[bytes, None]:
         """Every choice's chunks as they come (interleaved, each with its index), then the
         usage if asked, then ``[DONE]``."""
@@ -176,7 +177,8 @@ class Reply:
                     yield sse(self._event(index, chunk, not started[index]))
                     started[index] = True
         if self.include_usage:
-            yield sse({**self._envelope([]), "usage": self.usage(prompt_tokens)})
+            usage = self.usage(prompt_tokens, cached_tokens)
+            yield sse({**self._envelope([]), "usage": usage})
         yield sse("[DONE]")
 
 

@@ -224,9 +224,11 @@ class ResponsesApi:
             session_use=use,
         )
 
-    async def _finish(self, generation: Generation, draft: ResponseDraft, tokens: int) -> None:
+    async def _finish(
+        self, generation: Generation, draft: ResponseDraft, tokens: int, cached: int
+    ) -> None:
         """The usage, and with ``store`` the record, before the client hears the end."""
-        draft.finish(generation.prompt_tokens, tokens)
+        draft.finish(generation.prompt_tokens, tokens, cached)
         if not draft.settings["store"]:
             return
         history = generation.history
@@ -245,7 +247,7 @@ class ResponsesApi:
             async for chunk in first.chunks():
                 draft.add(chunk)
                 tokens += chunk.num_tokens
-            await self._finish(generation, draft, tokens)
+            await self._finish(generation, draft, tokens, first.first.cached_tokens)
         except MeshError as err:
             return error_response(err)
         return web.json_response(draft.object(), headers=headers)
@@ -271,7 +273,7 @@ class ResponsesApi:
                 tokens += chunk.num_tokens
                 if chunk.text:
                     await response.write(draft.delta(chunk.text))
-            await self._finish(generation, draft, tokens)
+            await self._finish(generation, draft, tokens, first.first.cached_tokens)
             for event in draft.closing():
                 await response.write(event)
         except MeshError as err:  # after the headers: the error ends the events

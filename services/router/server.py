@@ -99,9 +99,10 @@ def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
 
 async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """Chunks as public responses: ids on the first, finish reason and usage on the last."""
-    first, completion_tokens = True, 0
+    first, completion_tokens, cached_tokens = True, 0, 0
     async for chunk in generation.chunks:
         completion_tokens += chunk.num_tokens
+        cached_tokens += chunk.cached_tokens
         response = generation_pb2.GenerateResponse(
             text=chunk.text, logprobs=logprobs_to_pb(chunk.logprobs)
         )
@@ -115,7 +116,9 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
             response.finish_reason = finish_reason_to_pb(chunk.finish_reason)
             response.usage.CopyFrom(
                 common_pb2.Usage(
-                    prompt_tokens=generation.prompt_tokens, completion_tokens=completion_tokens
+                    prompt_tokens=generation.prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=cached_tokens,
                 )
             )
             if chunk.route is not None:

@@ -388,6 +388,7 @@ class ReplicaClient:
                     num_tokens=reply.num_output_tokens - seen,
                     finish_reason=finish_reason_from_pb(reply.finish_reason),
                     logprobs=logprobs_from_pb(reply.logprobs),
+                    cached_tokens=reply.cached_tokens,
                 )
                 seen, finished = reply.num_output_tokens, chunk.finish_reason is not None
                 yield chunk

@@ -346,3 +346,28 @@ def test_a_list_of_prompts_is_answered_in_order(client: openai.OpenAI) -> None:
     ]
     assert [c.text for c in reply.choices] == each
     assert reply.usage is not None and reply.usage.prompt_tokens == sum(len(p) + 1 for p in prompts)
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI) -> None:
+    """The engine's count, through Triton, the inference service and the router: none for
+    a prompt never seen, whole 16-token blocks of it once seen, streamed or not."""
+    system = f"You are assistant {uuid.uuid4().hex}. " * 4
+    chat: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "hi"},
+    ]
+    first = client.chat.completions.create(model="llm", messages=chat, max_tokens=2)
+    again = client.chat.completions.create(
+        model="llm",
+        messages=chat,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = list(again)[-1].usage
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached % 16 == 0
+    assert usage.prompt_tokens - 16 < cached < usage.prompt_tokens

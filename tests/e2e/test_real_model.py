@@ -85,7 +85,9 @@ def test_a_second_turn_reads_the_first_from_the_prefix_cache(
     assert second[0].context.history_turns == 2
     # The first turn's prompt is at least 3 blocks of 16 in the model's tokens (ChatML
     # with the default system prompt): the second turn reads them from the cache.
-    assert engine_metric(stack, "llm_engine_prefix_cache_hit_tokens_total") - hits >= 32
+    read = engine_metric(stack, "llm_engine_prefix_cache_hit_tokens_total") - hits
+    assert read >= 32
+    assert second[-1].usage.cached_tokens == read  # the engine's count, in the usage
 
 
 def test_chat_completions_speak_the_models_template(stack: Stack) -> None:

@@ -122,6 +122,8 @@ def test_three_turns_by_previous_response_id_and_a_branch(tenants: Tenants) -> N
     )
     assert first.usage and second.usage and third.usage
     assert first.usage.input_tokens < second.usage.input_tokens < third.usage.input_tokens
+    # Turn 3's prompt starts with turn 2's prompt and answer: read from the prefix cache.
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens - 16
     stored = tenants.session(third.id)
     assert stored is not None
     assert [t.text for t in stored.turns] == [

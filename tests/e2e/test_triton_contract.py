@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import uuid
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from llmmesh.launcher import Stack
 
 BASIC_OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
-EXTRA_OUTPUTS = ("logprobs", "cumulative_logprob", "num_input_tokens")
+EXTRA_OUTPUTS = ("logprobs", "cumulative_logprob", "num_input_tokens", "num_cached_tokens")
 
 
 def _tensor(name: str, value: Any, dtype: str) -> triton_grpc.InferInput:
@@ -135,3 +136,23 @@ def test_logprobs_and_the_optional_outputs_as_the_vllm_backend_sends_them(stack:
     cumulative = float(items[-1].as_numpy("cumulative_logprob")[0])
     assert cumulative == pytest.approx(sum(sampled), rel=1e-5)
     assert int(items[-1].as_numpy("num_input_tokens")[0]) == len("Hello") + 1  # and BOS
+
+
+def test_the_first_response_says_what_the_prefix_cache_held(stack: Stack) -> None:
+    """The engine's own optional output: on the first response, the prompt's tokens read
+    from the prefix cache (whole blocks of 16); a prompt seen before is mostly cached."""
+    prompt = f"{uuid.uuid4().hex} " * 4  # 132 characters: never seen, 8 full blocks later
+    sampling = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    flags = ("return_num_cached_tokens",)
+
+    def cached() -> list[int]:
+        items = _stream(stack, prompt, sampling, flags, (*BASIC_OUTPUTS, "num_cached_tokens"))
+        assert all(not isinstance(i, Exception) for i in items)
+        return [
+            int(i.as_numpy("num_cached_tokens")[0])
+            for i in items
+            if i.as_numpy("num_cached_tokens") is not None
+        ]
+
+    assert cached()[:1] == [0]
+    assert cached()[:1] == [128]  # 133 tokens with BOS: 8 blocks, one token left to compute

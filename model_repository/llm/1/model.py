@@ -318,6 +318,7 @@ def _parse(request: Any) -> GenerationRequest:
         return_logprobs=_flag(request, "return_logprobs"),
         return_cumulative_logprob=_flag(request, "return_cumulative_logprob"),
         return_num_input_tokens=_flag(request, "return_num_input_tokens"),
+        return_num_cached_tokens=_flag(request, "return_num_cached_tokens"),
     )
 
 
@@ -361,7 +362,8 @@ def _response(text: str, finish_reason: str, num_tokens: int, details: Details |
 def _detail_tensors(details: Details) -> list[Any]:
     """The vLLM backend's optional outputs: ``logprobs`` as JSON, one entry per token of
     this response ({token id: {logprob, rank, decoded_token}}, the sampled token and the
-    most likely ones), ``cumulative_logprob``, ``num_input_tokens``."""
+    most likely ones), ``cumulative_logprob``, ``num_input_tokens``; and the engine's
+    ``num_cached_tokens``."""
     tensors = []
     if details.logprobs is not None:
         entries = [logprob_entry(t) for t in details.logprobs]
@@ -373,4 +375,7 @@ def _detail_tensors(details: Details) -> list[Any]:
     if details.num_input_tokens is not None:
         value = np.array([details.num_input_tokens], dtype=np.uint32)
         tensors.append(pb_utils.Tensor("num_input_tokens", value))
+    if details.num_cached_tokens is not None:
+        value = np.array([details.num_cached_tokens], dtype=np.uint32)
+        tensors.append(pb_utils.Tensor("num_cached_tokens", value))
     return tensors

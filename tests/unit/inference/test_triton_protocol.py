@@ -95,6 +95,25 @@ def test_logprobs_are_asked_for_only_when_the_call_wants_them() -> None:
     assert params["logprobs"] == 2
 
 
+def test_cached_tokens_are_asked_for_only_of_a_model_that_declares_them() -> None:
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2))
+    assert "return_num_cached_tokens" not in {i.name for i in build_request(call).inputs}
+    asked = build_request(call, cached_tokens=True)
+    assert "return_num_cached_tokens" in {i.name for i in asked.inputs}
+    assert "num_cached_tokens" in {o.name for o in asked.outputs}
+    response = service_pb2.ModelInferResponse()
+    for name, raw in (
+        ("text_output", bytes_tensor(b"a")),
+        ("num_output_tokens", struct.pack("<I", 1)),
+        ("num_cached_tokens", struct.pack("<I", 48)),
+    ):
+        response.outputs.add(name=name)
+        response.raw_output_contents.append(raw)
+    assert parse_response(response).cached_tokens == 48
+    del response.outputs[-1], response.raw_output_contents[-1]
+    assert parse_response(response).cached_tokens == 0  # a later response, or vLLM's
+
+
 def test_the_vllm_logprobs_output_is_read_with_the_top_tokens_in_rank_order() -> None:
     # The sampled token first (here the 5th most likely), then the two most likely.
     raw = json.dumps(

@@ -537,6 +537,28 @@ class TestEngine:
         uncached = run(make_engine(block_size=4), prefix + "second", max_tokens=2, temperature=0.0)
         assert second.text == uncached.text
 
+    def test_the_first_response_says_how_much_of_the_prompt_was_cached(self) -> None:
+        """Once, on the first response: the prompt's full blocks found in the cache (a
+        preemption's recompute, which hits the sequence's own blocks, is not counted)."""
+        engine = make_engine(block_size=4)
+        prefix = "a long shared system prompt " * 3  # with BOS: 85 tokens, 21 full blocks
+
+        def reported(prompt: str) -> list[int]:
+            sink = RecordingSink()
+            sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+            request = GenerationRequest(prompt, sampling=sampling, return_num_cached_tokens=True)
+            engine.submit(request, sink)
+            drain(engine)
+            return [
+                d.num_cached_tokens for d in sink.details if d and d.num_cached_tokens is not None
+            ]
+
+        assert reported(prefix + "first") == [0]
+        assert reported(prefix + "second") == [84]
+        assert reported(prefix + "first") == [88]  # its first answer's blocks too
+        plain = run(engine, prefix + "third", max_tokens=2)  # not asked: not reported
+        assert all(d is None or d.num_cached_tokens is None for d in plain.details)
+
     def test_idle_cached_blocks_are_evicted_when_needed(self) -> None:
         engine = make_engine(kv_blocks=12, block_size=4)
         for i in range(10):

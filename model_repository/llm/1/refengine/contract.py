@@ -46,6 +46,8 @@ class GenerationRequest:
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
     return_num_input_tokens: bool = False
+    # The engine's own: the prompt tokens read from the prefix cache (first response).
+    return_num_cached_tokens: bool = False
 
 
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them

@@ -276,6 +276,8 @@ class Engine:
         if seq.generated == 0:
             self.stats.prompt_tokens += seq.prompt_len
             self.stats.prefix_hit_tokens += seq.computed
+        if seq.cached_tokens < 0:  # a recompute after preemption hits its own blocks
+            seq.cached_tokens = seq.computed
         return True
 
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:

@@ -32,11 +32,13 @@ class TokenLogprob:
 class Details:
     """What a response carries besides text, each only when the request asked for it:
     its tokens' log probabilities, the generation's cumulative log probability so far,
-    the prompt's token count."""
+    the prompt's token count, and (on the first response) how many of the prompt's tokens
+    were read from the prefix cache."""
 
     logprobs: tuple[TokenLogprob, ...] | None = None
     cumulative_logprob: float | None = None
     num_input_tokens: int | None = None
+    num_cached_tokens: int | None = None
 
     def then(self, later: Details | None) -> Details:
         """This response's details followed by a later one's, as one response."""
@@ -45,7 +47,10 @@ class Details:
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or ()) + (later.logprobs or ())
-        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens)
+        cached = later.num_cached_tokens
+        if cached is None:
+            cached = self.num_cached_tokens
+        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens, cached)
 
 
 def logprob_entry(token: TokenLogprob) -> dict[str, dict[str, object]]:
@@ -99,6 +104,8 @@ class Sequence:
     text: list[str] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    cached_tokens: int = -1  # prompt tokens its first admission found cached (-1: not yet)
+    cached_reported: bool = False
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
 
@@ -115,7 +122,15 @@ class Sequence:
     def details(self) -> Details | None:
         """The details its next response carries (taking the unsent log probabilities)."""
         r = self.request
-        if not (r.return_logprobs or r.return_cumulative_logprob or r.return_num_input_tokens):
+        cached = None  # reported once, on the first response
+        if r.return_num_cached_tokens and not self.cached_reported and self.cached_tokens >= 0:
+            cached, self.cached_reported = self.cached_tokens, True
+        if not (
+            r.return_logprobs
+            or r.return_cumulative_logprob
+            or r.return_num_input_tokens
+            or cached is not None
+        ):
             return None
         logprobs = tuple(self.unsent_logprobs) if r.return_logprobs else None
         self.unsent_logprobs.clear()
@@ -123,6 +138,7 @@ class Sequence:
             logprobs,
             self.cumulative_logprob if r.return_cumulative_logprob else None,
             self.prompt_len if r.return_num_input_tokens else None,
+            cached,
         )
 
     @property
