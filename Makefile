@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario sidecars --concurrency 1,16 --num-prompts 48 --rounds 3
 	$(BENCH) --scenario decode --rounds 3
 	$(BENCH) --scenario quantization
+	$(BENCH) --scenario inference-perf --duration 20
 
 setup: $(STAMP)
 

@@ -69,6 +69,7 @@ def add_bench_parser(commands: Any) -> None:
             "sidecars",
             "decode",
             "quantization",
+            "inference-perf",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -89,7 +90,10 @@ def add_bench_parser(commands: Any) -> None:
         "Triton it starts itself; quantization: smollm2's int8 and 4-bit variants against "
         "float32: engine memory, TTFT and TPOT at 1 and 16 streams, and KL divergence, "
         "same top token and perplexity on the float32 variant's answers to 64 chat prompts "
-        "and on a public-domain text, as llama.cpp's llama-perplexity reports them",
+        "and on a public-domain text, as llama.cpp's llama-perplexity reports them; "
+        "inference-perf: that tool (from PyPI, in a venv of its own) run unmodified "
+        "against the router of a stack it starts itself (--model, default smollm2), "
+        "completions and chat, streamed, for --duration seconds each",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -170,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         return _decode(args)
     if args.scenario == "quantization":
         return _quantization(args)
+    if args.scenario == "inference-perf":
+        return _inference_perf(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -414,6 +420,40 @@ def _quantization(args: argparse.Namespace) -> int:
         result.table(),
     )
     return 0
+
+
+def _inference_perf(args: argparse.Namespace) -> int:
+    from bench import inference_perf as tool
+    from llmmesh.launcher import Stack, StackPorts
+    from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
+
+    command = tool.tool_command()
+    model = args.model or "smollm2"
+    seconds = int(args.duration)
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        root = Path(workdir)
+        print("starting a local stack ...", file=sys.stderr)
+        with Stack(root / "stack", StackPorts.free(), models=[model]) as stack:
+            tokenizers = write_tokenizer_dirs(
+                stack.address("inference"), stack.internal_token, [model], root / "tokenizers"
+            )
+            server = tool.Server(stack.openai_base_url, stack.api_key, model, tokenizers[model])
+            runs = []
+            for api in ("completion", "chat"):
+                settings = tool.config(server, api, out=root / api / "reports", seconds=seconds)
+                runs.append(tool.run_tool(command, settings, root / api))
+    result = tool.table(runs)
+    print(result)
+    _record(
+        args,
+        _section(args, "inference-perf"),
+        f"; {tool.TOOL} {tool.VERSION}, unmodified, its vllm client against the router's "
+        f"OpenAI API, {model}, one request a second for {seconds} s per API, streamed, "
+        "ignore_eos; completions: random prompts of 20-80 tokens, 8-24 output tokens; "
+        "chat: 2 shared system prompts of 64 tokens, 16-token questions, 16 output tokens.",
+        result,
+    )
+    return 1 if any(r.failures or not r.successes for r in runs) else 0
 
 
 def _command() -> str:

@@ -171,7 +171,7 @@ class OpenAiApi:
                 text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
             tokens = speech.codec.encode(text)
             bos = speech.codec.bos_id
-            if body.add_special_tokens and bos is not None:
+            if body.special_tokens() and bos is not None:
                 tokens.insert(0, bos)
             pieces = speech.codec.pieces(tokens) if body.return_token_strs else None
         except MeshError as err:

@@ -220,15 +220,25 @@ class TokenizeBody(_Strict):
     prompt: str | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
-    add_special_tokens: bool = Field(
-        default=True, description="the tokens the engine adds to a prompt (its BOS, if any)"
+    continue_final_message: bool = _no_op(False, "the last message is always closed")
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="the tokens the engine adds to a prompt (its BOS, if any); default: "
+        "true for a prompt, false for messages (their template writes its own), as vLLM",
     )
     return_token_strs: bool = False
 
     def text_or_messages(self) -> str | list[Message]:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidArgument("prompt", "give either prompt or messages")
+        if self.continue_final_message:
+            raise InvalidArgument("continue_final_message", "not supported")
         return self.prompt if self.prompt is not None else self.messages or []
+
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.prompt is not None
 
 
 class DetokenizeBody(_Strict):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from pydantic import BaseModel, ConfigDict
 
 from services.router.config import HttpSettings
 from services.router.openai_api import OpenAiApi
@@ -217,12 +218,17 @@ def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
                 ("/detokenize", {"model": "llm", "tokens": [104, 105]}),
                 ("/detokenize", {"tokens": [104, 300]}),
                 ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}),
+                ("/tokenize", {"messages": HI, "add_special_tokens": True}),
+                ("/tokenize", {"messages": HI, "continue_final_message": True}),
             ):
                 response = await client.post(path, json=doc)
                 replies.append((response.status, await response.json()))
             return replies
 
-    with_bos, plain, chat, text, bad_id, both = asyncio.run(scenario())
+    with_bos, plain, chat, text, bad_id, both, chat_bos, open_end = asyncio.run(scenario())
+    for reply in (with_bos, plain, chat, chat_bos):  # vLLM's documented shapes, exactly
+        VllmTokenizeResponse.model_validate(reply[1])
+    VllmDetokenizeResponse.model_validate(text[1])
     # The byte-level model: a token per UTF-8 byte, and its BOS (256) before a prompt.
     assert with_bos == (
         200,
@@ -234,11 +240,33 @@ def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
         },
     )
     assert plain[1]["tokens"] == [104, 105] and plain[1]["token_strs"] is None
-    # Messages as the model's layout writes them, with the cue for the answer.
-    assert bytes(chat[1]["tokens"][1:]).decode() == "<|user|>\nhi\n<|assistant|>\n"
+    # Messages as the model's layout writes them, with the cue for the answer; as vLLM,
+    # without the engine's special tokens unless asked (a template writes its own).
+    assert bytes(chat[1]["tokens"]).decode() == "<|user|>\nhi\n<|assistant|>\n"
+    assert chat_bos[1]["tokens"] == [256, *chat[1]["tokens"]]
+    assert open_end[0] == 400 and open_end[1]["error"]["param"] == "continue_final_message"
     assert text == (200, {"prompt": "hi"})
     assert bad_id[0] == 400 and bad_id[1]["error"]["param"] == "tokens[1]"
     assert both[0] == 400 and both[1]["error"]["param"] == "prompt"
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+class VllmTokenizeResponse(BaseModel):
+    """vLLM's documented ``/tokenize`` response, strict: no field missing, none more, none
+    of another type."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class VllmDetokenizeResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str
 
 
 def test_health_version_and_metrics() -> None:
