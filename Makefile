@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario decode --rounds 3
 	$(BENCH) --scenario quantization
 	$(BENCH) --scenario inference-perf --duration 20
+	$(BENCH) --scenario paired --target router --target openai --num-prompts 1000 --output-len 4 --section http-paired
 
 setup: $(STAMP)
 

@@ -39,7 +39,7 @@ from bench.routing import (
     picker_decision_time,
     routing_fleet,
 )
-from bench.scenarios import Comparison, head_of_line, prefix_cache
+from bench.scenarios import Comparison, Paired, head_of_line, paired_ttft, prefix_cache
 from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget
 from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
@@ -61,6 +61,7 @@ def add_bench_parser(commands: Any) -> None:
             "load",
             "hol",
             "prefix",
+            "paired",
             "engine",
             "routing",
             "admission",
@@ -73,7 +74,9 @@ def add_bench_parser(commands: Any) -> None:
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
-        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; engine: the "
+        "generations run vs idle; prefix: TTFT with a 90%% cached prefix vs none; paired: "
+        "the two --target's TTFT request by request, --num-prompts pairs, order alternating "
+        "(the median of the per-pair differences with a bootstrap interval); engine: the "
         "reference engine alone in this process at each --concurrency, prefill and decode "
         "steps timed (no Triton, no mesh); routing: "
         "the LLM-aware picker vs round-robin over 4 replicas it starts itself, with "
@@ -236,7 +239,37 @@ def _comparisons(args: argparse.Namespace, runs: list[Run]) -> str:
     return "\n\n".join(tables) if tables else scaling_table(runs)
 
 
+def _paired(args: argparse.Namespace) -> int:
+    async def measure() -> Paired:
+        targets = _targets(args)
+        if len(targets) != 2:
+            raise SystemExit("--scenario paired takes two --target (baseline, candidate)")
+        try:
+            return await paired_ttft(
+                *targets,
+                pairs=args.num_prompts,
+                prompt_len=args.input_len,
+                max_tokens=args.output_len,
+                seed=args.seed,
+            )
+        finally:
+            for target in targets:
+                await target.close()
+
+    paired = asyncio.run(measure())
+    print(paired.table())
+    details = (
+        f", {args.num_prompts} pairs of {args.input_len}-character prompts, "
+        f"{args.output_len} output tokens, {args.model or 'llm'}, concurrency 1."
+    )
+    _record(args, _section(args, "paired"), details, paired.table())
+    return 0
+
+
 def _scenario(args: argparse.Namespace) -> int:
+    if args.scenario == "paired":
+        return _paired(args)
+
     async def measure() -> Comparison:
         (target,) = _targets(args)[:1]
         try:

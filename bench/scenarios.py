@@ -4,6 +4,8 @@
   against the same requests on an idle engine (head-of-line blocking).
 - ``prefix``: time to first token of prompts whose first 90% is already in the prefix
   cache, against prompts of the same length that share nothing.
+- ``paired``: two targets' time to first token, request by request in pairs (the HTTP
+  API against gRPC: a difference of a millisecond, which separate runs cannot resolve).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
 
 from bench.metrics import RequestRecord
 from bench.targets import Target
@@ -113,3 +118,70 @@ async def prefix_cache(
     return Comparison(
         "prefix", "uncached prompt", uncached, f"first {cached_share:.0%} cached", cached
     )
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two targets' TTFT, request by request in pairs: each pair the same prompt length
+    (a fresh prefix each, so neither reads the other's cache), the order alternating, so
+    the machine's drift falls on both alike. The difference is judged per pair."""
+
+    baseline_label: str
+    candidate_label: str
+    baseline_s: list[float]
+    candidate_s: list[float]
+
+    @property
+    def differences_s(self) -> list[float]:
+        return [c - b for b, c in zip(self.baseline_s, self.candidate_s, strict=True)]
+
+    def median_difference_ci(self, confidence: float = 0.95) -> tuple[float, float, float]:
+        """The median of the per-pair differences and its bootstrap interval."""
+        differences = np.array(self.differences_s)
+        interval = stats.bootstrap(
+            (differences,), np.median, confidence_level=confidence, random_state=0
+        ).confidence_interval
+        return float(np.median(differences)), interval.low, interval.high
+
+    def table(self) -> str:
+        median, low, high = (v * 1000 for v in self.median_difference_ci())
+        rows = [
+            "| target | requests | TTFT p50 (ms) | TTFT p90 (ms) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for label, values in (
+            (self.baseline_label, self.baseline_s),
+            (self.candidate_label, self.candidate_s),
+        ):
+            p50, p90 = np.percentile(values, [50, 90]) * 1000
+            rows.append(f"| {label} | {len(values)} | {p50:.2f} | {p90:.2f} |")
+        summary = (
+            f"Median of the per-pair differences ({self.candidate_label} - "
+            f"{self.baseline_label}): {median:+.2f} ms, 95% bootstrap interval "
+            f"[{low:+.2f}, {high:+.2f}] ms, over {len(self.baseline_s)} pairs."
+        )
+        return "\n".join(rows) + "\n\n" + summary
+
+
+async def paired_ttft(
+    baseline: Target,
+    candidate: Target,
+    *,
+    pairs: int = 200,
+    prompt_len: int = 128,
+    max_tokens: int = 4,
+    seed: int = 0,
+) -> Paired:
+    rng = random.Random(seed)
+
+    def request() -> BenchRequest:
+        salt = new_salt()
+        return BenchRequest(salt + text_of_length(rng, prompt_len - len(salt)), max_tokens)
+
+    first, second = [], []
+    for i in range(pairs):
+        ordered = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
+        times = {id(target): await _ttft(target, request()) for target in ordered}
+        first.append(times[id(baseline)])
+        second.append(times[id(candidate)])
+    return Paired(baseline.name, candidate.name, first, second)
