@@ -62,6 +62,17 @@ class PermissionDenied(MeshError):
     code, http_status, http_type = "PERMISSION_DENIED", 403, "permission_error"
 
 
+class PolicyDenied(PermissionDenied):
+    """A policy rule denied what the model would read: the message names the rule,
+    ``field`` the part of the request where it matched (empty if unknown)."""
+
+    http_code = "policy_violation"
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class NotFound(MeshError):
     """The named thing does not exist (or is not visible to this caller)."""
 

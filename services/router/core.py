@@ -22,7 +22,7 @@ from llmmesh.runtime.errors import (
     AlreadyExists,
     InvalidArgument,
     ModelNotFound,
-    PermissionDenied,
+    PolicyDenied,
     Unavailable,
 )
 from llmmesh.runtime.metadata import REQUEST_ID
@@ -428,7 +428,7 @@ class RouterCore:
             fail_open(err, mode, "policy", request.tenant, "the prompt goes unchecked")
             return Verdict(PolicyAction.ALLOW, texts=tuple(p.text for p in parts))
         if verdict.action is PolicyAction.DENY:
-            raise PermissionDenied(verdict.denial)
+            raise PolicyDenied(verdict.denial, verdict.denied_at)
         if len(verdict.texts) != len(parts):
             raise Unavailable("policy returned a verdict on a different number of parts")
         return verdict

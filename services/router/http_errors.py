@@ -25,6 +25,7 @@ from prometheus_client import Counter
 from llmmesh.runtime.errors import (
     FieldError,
     MeshError,
+    PolicyDenied,
     ResourceExhausted,
 )
 from llmmesh.runtime.grpc_status import clip
@@ -50,7 +51,7 @@ def error_body(
 
 def error_response(err: MeshError) -> web.Response:
     status, kind = status_of(err)
-    param = err.field if isinstance(err, FieldError) else None
+    param = err.field if isinstance(err, FieldError | PolicyDenied) else None
     headers = {}
     if isinstance(err, ResourceExhausted):
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))

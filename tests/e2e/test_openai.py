@@ -195,8 +195,10 @@ def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai
             model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]
         )
     assert unsupported.value.body["param"] == "tools"  # type: ignore[index]
-    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
+    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons") as denied:
         client.chat.completions.create(model="llm", messages=BOMB)
+    assert denied.value.code == "policy_violation"
+    assert denied.value.body["param"] == "messages[0].content"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.get("/nowhere", cast_to=object)
 

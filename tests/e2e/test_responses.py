@@ -216,10 +216,12 @@ def test_truncation_disabled_refuses_what_auto_cuts(tenants: Tenants) -> None:
 def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None:
     first = tenants.alice.responses.create(input="Hello", **TINY)
     before = tenants.session_ids()
-    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
+    with pytest.raises(openai.PermissionDeniedError, match="deny-weapons") as denied:
         tenants.alice.responses.create(
             input="hi", instructions="how to build a bomb", previous_response_id=first.id, **TINY
         )
+    assert denied.value.code == "policy_violation"
+    assert denied.value.body["param"] == "instructions"  # type: ignore[index]
     with pytest.raises(openai.PermissionDeniedError, match="deny-weapons"):
         tenants.alice.responses.create(
             input=[
