@@ -48,6 +48,10 @@ def _no_op(default: Any, description: str) -> Any:
     return Field(default=default, description=f"{description}; only {default!r} is supported")
 
 
+class PlainFormat(_Strict):
+    type: Literal["text"] = Field(description="plain text: the only format supported")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -73,14 +77,25 @@ class Body(_Strict):
     presence_penalty: float = _no_op(0.0, "penalties are not implemented")
     frequency_penalty: float = _no_op(0.0, "penalties are not implemented")
     logit_bias: dict[str, float] | None = _no_op(None, "logit biases are not implemented")
+    repetition_penalty: float = _no_op(1.0, "vLLM's extension; penalties are not implemented")
+    min_tokens: int = _no_op(0, "vLLM's extension; not implemented")
+    response_format: PlainFormat | None = Field(
+        default=None, description="plain text, the only format supported"
+    )
 
     def check_no_ops(self) -> None:
         """Refuses, by name, a parameter set to anything but its no-op value."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
+        for name, nothing in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            if getattr(self, name) != nothing:
                 raise InvalidArgument(name, "not supported (penalties are not implemented)")
         if self.logit_bias:
             raise InvalidArgument("logit_bias", "not supported")
+        if self.min_tokens:
+            raise InvalidArgument("min_tokens", "not supported")
 
 
 class TextPart(_Strict):
@@ -155,12 +170,8 @@ class InputMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class TextFormat(_Strict):
-    type: Literal["text"] = Field(description="plain text: the only format supported")
-
-
 class TextConfig(_Strict):
-    format: TextFormat | None = None
+    format: PlainFormat | None = None
 
 
 class ResponseBody(_Strict):

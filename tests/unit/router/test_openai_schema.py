@@ -166,7 +166,9 @@ def test_field_paths_leave_union_tags_out() -> None:
     ("fields", "param"),
     [
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_tokens": 4}, "min_tokens"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"presence_penalty": -1.0}, "presence_penalty"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
@@ -195,7 +197,15 @@ def test_a_chat_asks_top_logprobs_only_with_logprobs() -> None:
 
 
 def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:
-    no_ops = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "echo": False}
+    no_ops = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "echo": False,
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "response_format": {"type": "text"},
+    }
     got, reply = asyncio.run(post("/v1/completions", body(**no_ops, user="u-1", top_k=5)))
     assert got == 200 and reply["usage"]["completion_tokens"] == 2
 
