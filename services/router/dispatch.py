@@ -30,6 +30,7 @@ from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import NotFound, ResourceExhausted, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Route
 from services.router.affinity import prefix_hashes
+from services.router.canary_watch import CanaryWatch
 from services.router.config import PoolSettings
 from services.router.replicas import Replica, ReplicaSet
 from services.router.routing import PolicyHolder
@@ -65,12 +66,16 @@ class Dispatcher:
         settings: PoolSettings,
         scheduler: Scheduler,
         rng: random.Random | None = None,
+        *,
+        watch: CanaryWatch | None = None,
     ) -> None:
+        """``watch``: where each attempt's outcome goes, by subset (the canary's gates)."""
         self._replicas = replicas
         self._routing = routing
         self._settings = settings
         self._scheduler = scheduler
         self._rng = rng or random.Random()
+        self._watch = watch
 
     def saturated(self) -> bool:
         return self._replicas.saturated(self._routing.current.saturation)
@@ -196,11 +201,17 @@ class Dispatcher:
             if isinstance(err, REPLICA_FAILURES):
                 self._replicas.failed(replica, model, tier, err)
                 failed.add(replica.address)
+                self._attempted(model, replica, succeeded=False)
             else:  # the client went away, or the replica refused the request itself
                 self._replicas.abandoned(replica, model)
             raise
         self._replicas.first_chunk(replica, model, tokens, ok=True)
+        self._attempted(model, replica, succeeded=True)
         return replica, decision.fallback, stream, first
+
+    def _attempted(self, model: str, replica: Replica, succeeded: bool) -> None:
+        if self._watch is not None:
+            self._watch.attempt(model, replica.endpoint.version, succeeded)
 
 
 async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:

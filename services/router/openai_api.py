@@ -25,6 +25,7 @@ from llmmesh.runtime.errors import InvalidArgument, MeshError, Unauthenticated, 
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import History, Role, Sampling, Turn
+from services.router.canary_watch import CanaryWatch
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
@@ -97,10 +98,12 @@ class OpenAiApi:
         serving: Callable[[], bool] = lambda: True,
         metrics_token: str = "",
         responses: ResponsesApi | None = None,
+        canary: CanaryWatch | None = None,
     ) -> None:
         """``serving``: whether some replica of some model can serve now (``/health``);
-        ``metrics_token``: what ``/metrics`` asks for (the mesh's internal token);
-        ``responses``: the Responses API, served alongside."""
+        ``metrics_token``: what ``/metrics`` and ``/internal/canary`` ask for (the mesh's
+        internal token); ``responses``: the Responses API, served alongside; ``canary``:
+        what the canary analysis reads (``/internal/canary``)."""
         self._core = core
         self._tenants = tenants
         self._models = models
@@ -108,6 +111,7 @@ class OpenAiApi:
         self._serving = serving
         self._metrics_token = metrics_token
         self._responses = responses
+        self._canary = canary
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -125,6 +129,8 @@ class OpenAiApi:
         app.router.add_get("/openapi.json", self.openapi)
         if self._responses is not None:
             self._responses.add_routes(app)
+        if self._canary is not None:
+            app.router.add_get("/internal/canary", self.canary)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -140,16 +146,36 @@ class OpenAiApi:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": llmmesh.__version__})
 
+    def _mesh_only(self, request: web.Request, what: str) -> web.Response | None:
+        """A refusal unless the caller presents the mesh's token (``x-mesh-token``, or as
+        the bearer token)."""
+        if not self._metrics_token:
+            return None
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = request.headers.get(INTERNAL_TOKEN) or bearer
+        if hmac.compare_digest(given.encode(), self._metrics_token.encode()):
+            return None
+        return error_response(Unauthenticated(f"{what} need the mesh's token (x-mesh-token)"))
+
+    async def canary(self, request: web.Request) -> web.Response:
+        """What the canary analysis reads: samples and drift since ``since`` (Unix
+        seconds), for the rollout controller (it names tenants' traffic: the mesh's only)."""
+        refused = self._mesh_only(request, "the canary observations")
+        if refused is not None or self._canary is None:
+            return refused or error_response(Unavailable("no canary observations here"))
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            return error_response(InvalidArgument("since", "Unix seconds"))
+        return web.json_response(self._canary.snapshot(since))
+
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's Prometheus registry, as on its metrics port, for a caller that
-        presents the mesh's token (``x-mesh-token``, or as the bearer token): its labels
-        name tenants, which one tenant must not learn of another."""
-        if self._metrics_token:
-            bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            given = request.headers.get(INTERNAL_TOKEN) or bearer
-            if not hmac.compare_digest(given.encode(), self._metrics_token.encode()):
-                refused = Unauthenticated("the metrics need the mesh's token (x-mesh-token)")
-                return error_response(refused)
+        presents the mesh's token: its labels name tenants, which one tenant must not
+        learn of another."""
+        refused = self._mesh_only(request, "the metrics")
+        if refused is not None:
+            return refused
         response = web.Response(body=generate_latest(REGISTRY))
         response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         response.charset = "utf-8"

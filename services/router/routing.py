@@ -61,6 +61,16 @@ class Saturation(_Document):
     excess_load: float = Field(default=4.0, gt=0)
 
 
+class MirrorSpec(_Document):
+    """Shadow traffic: a copy of ``percent`` of the requests stable serves goes to
+    ``subset`` too (its answer never reaches the client), for the canary analysis."""
+
+    subset: str = Field(min_length=1)
+    percent: float = Field(gt=0, le=100)
+    max_in_flight: int = Field(default=4, ge=1)  # shadows at once; more are dropped
+    top_logprobs: int = Field(default=5, ge=1, le=20)  # per position, both answers
+
+
 class RoutingPolicy(_Document):
     revision: str = ""  # free-form label, logged when the document is applied
     algorithm: Literal["llm_aware", "round_robin"] = "llm_aware"
@@ -79,6 +89,7 @@ class RoutingPolicy(_Document):
     # The scheduling plugins by name (services/router/scheduling/); empty: the profile
     # ``algorithm``, ``weights`` and ``saturation`` describe.
     scheduling: SchedulingSpec | None = None
+    mirror: MirrorSpec | None = None
 
     @model_validator(mode="after")
     def _profile_builds(self) -> RoutingPolicy:

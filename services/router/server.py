@@ -31,6 +31,7 @@ from llmmesh.runtime.watch import watch_file
 from llmmesh.types import History
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.admission import AdmissionQueue
+from services.router.canary_watch import CanaryWatch
 from services.router.config import RouterConfig
 from services.router.connector import GrpcConnector
 from services.router.consul import ConsulDiscovery
@@ -38,6 +39,7 @@ from services.router.core import RouterCore
 from services.router.dispatch import Dispatcher
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
+from services.router.mirror import Mirror
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
 from services.router.replicas import ReplicaSet
@@ -189,7 +191,11 @@ class Upstreams:
             config.region,
         )
         scheduler = Scheduler(SchedulingState(config.region), default=config.scheduling)
-        self.inference = Dispatcher(self.replicas, self.routing, config.pool, scheduler)
+        self.canary = CanaryWatch()
+        dispatcher = Dispatcher(
+            self.replicas, self.routing, config.pool, scheduler, watch=self.canary
+        )
+        self.inference = Mirror(dispatcher, self.routing, self.canary)
         self._documents = [
             (offer, source)
             for offer, source in ((self.routing.offer, routing), (self.tenants.offer, tenants))
@@ -206,6 +212,7 @@ class Upstreams:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.inference.close()
         await self.replicas.close()
         await self.policy.close()
         for ch in self.channels:
@@ -275,6 +282,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         serving=serving,
         metrics_token=token,
         responses=responses,
+        canary=upstreams.canary,
     )
     http = HttpFront(config, api)
 
