@@ -2,7 +2,8 @@
 position, whether the two models' likeliest tokens agree, how their confidence and the
 spread of their top-k distributions differ, and the KL divergence between those
 distributions; per pair, where the texts diverge, whether they match, ROUGE-L and the
-length ratio; over a window, the means the rollout's drift gates judge.
+length ratio (pairs.py compares two answers); over a window, the sums and means the
+rollout's drift gates judge.
 
 Positions are compared while both answers share their prefix: at position i both models
 have read the same prompt and the same i tokens, so their distributions there are
@@ -22,11 +23,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rouge_score import rouge_scorer
-
-from llmmesh.types import TokenLogprob
-
-_ROUGE = rouge_scorer.RougeScorer(["rougeL"])
 _FLOOR = 1e-10  # a probability never taken as zero (a log of it stays finite)
 _REST = -1  # the bucket for the mass outside a side's top-k
 Top = Sequence[tuple[int, str, float]]  # a position's likeliest (token, text, log probability)
@@ -85,44 +81,6 @@ def entropy(top: Top) -> float:
     probs = [math.exp(logprob) for _, _, logprob in top]
     total = sum(probs)
     return -sum(p / total * math.log(p / total) for p in probs if p > 0) if total else 0.0
-
-
-def _position(stable: TokenLogprob, canary: TokenLogprob) -> PositionDiff:
-    return PositionDiff(
-        agree=bool(stable.top and canary.top) and stable.top[0][0] == canary.top[0][0],
-        confidence_shift=_top1(canary) - _top1(stable),
-        stable_entropy=entropy(stable.top),
-        canary_entropy=entropy(canary.top),
-        kl=kl_divergence(stable.top, canary.top),
-    )
-
-
-def _top1(token: TokenLogprob) -> float:
-    return math.exp(token.top[0][2]) if token.top else math.exp(token.logprob)
-
-
-def compare(
-    stable: Sequence[TokenLogprob],
-    canary: Sequence[TokenLogprob],
-    stable_text: str,
-    canary_text: str,
-) -> PairDiff:
-    """The two answers to one request, token by token while they share their prefix."""
-    positions: list[PositionDiff] = []
-    divergence = None
-    for index, (s, c) in enumerate(zip(stable, canary, strict=False)):
-        positions.append(_position(s, c))
-        if s.token != c.token:
-            divergence = index
-            break
-    rouge = _ROUGE.score(stable_text, canary_text)["rougeL"].fmeasure
-    return PairDiff(
-        positions=tuple(positions),
-        divergence=divergence,
-        exact_match=stable_text == canary_text,
-        rouge_l=rouge,
-        length_ratio=len(canary) / max(len(stable), 1),
-    )
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from llmmesh.runtime.config import ServiceConfig
+from services.inference.faults import FaultSettings
 
 SERVICE = "inference"
 
@@ -30,3 +31,5 @@ class InferenceConfig(ServiceConfig):
     # health.py). Idle models are probed this often.
     stall_timeout_s: float = Field(default=15.0, gt=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
+    # For drills and tests only: faults this replica injects into its generations.
+    faults: FaultSettings = Field(default_factory=FaultSettings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
@@ -16,10 +17,13 @@ from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
-from services.inference.core import InferenceCore
+from services.inference.core import GenerationBackend, InferenceCore
+from services.inference.faults import FaultyBackend
 from services.inference.health import HealthKeeper, ModelHealth
 from services.inference.load import LoadMonitor, LoadSnapshot
 from services.inference.triton import TritonBackend
+
+log = logging.getLogger(__name__)
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 
@@ -103,8 +107,12 @@ def build_service(config: InferenceConfig) -> GrpcService:
     health = ModelHealth(config.stall_timeout_s)
     served_models = set(config.model_aliases.values()) or set(config.models)
     keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)
+    generating: GenerationBackend = backend
+    if config.faults.active:
+        log.warning("this replica injects faults", extra={"fields": config.faults.model_dump()})
+        generating = FaultyBackend(backend, config.faults)
     core = InferenceCore(
-        backend, config.max_tokens_limit, config.model_aliases, health, keeper.failed
+        generating, config.max_tokens_limit, config.model_aliases, health, keeper.failed
     )
 
     metrics_page = MetricsPage(config.triton_metrics_url)

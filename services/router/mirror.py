@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 
-from llmmesh.analysis.drift import compare
+from llmmesh.analysis.pairs import compare
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import SEED_LIMIT, Chunk, InferenceCall, ModelCard, TokenLogprob
 from services.router.canary_watch import CanaryWatch

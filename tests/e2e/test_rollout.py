@@ -5,14 +5,18 @@ back to 0 in the interval that saw it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import yaml
 
 from llmmesh.client import authorized_channel
@@ -59,11 +63,26 @@ class Load:
                 self.subsets.append(last.served.subset)
 
 
-def rollout(stack: Stack, tmp: Path, endpoints: list[dict[str, str]], steps: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Router:
+    """One router for the module's rollouts: each writes its routing and endpoints files
+    (watched every 0.1 s) and asks for what came since its own steps began."""
+
+    workdir: Path
+    ports: StackPorts
+
+    @property
+    def routing(self) -> Path:
+        return self.workdir / "routing.yaml"
+
+
+@pytest.fixture(scope="module")
+def router(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    tmp = tmp_path_factory.mktemp("rollout")
     (tmp / "routing.yaml").write_text(ROUTING)
-    (tmp / "endpoints.json").write_text(json.dumps({"endpoints": endpoints}))
+    (tmp / "endpoints.json").write_text(json.dumps({"endpoints": stack_endpoints(stack)}))
     ports = StackPorts.free()
-    router = start_service(
+    child = start_service(
         stack,
         "router",
         ports.router,
@@ -74,20 +93,41 @@ def rollout(stack: Stack, tmp: Path, endpoints: list[dict[str, str]], steps: str
         watch_interval_s="0.1",
     )
     try:
-        with Load(f"127.0.0.1:{ports.router}", stack.api_key) as load:
-            done = subprocess.run(
-                [
-                    sys.executable, "-m", "llmmesh.cli", "canary", "rollout", "--model", "llm",
-                    "--steps", steps, *FAST, "--routing-file", str(tmp / "routing.yaml"),
-                    "--router-http", f"127.0.0.1:{ports.router_http}",
-                    "--token-file", str(stack.internal_token_file),
-                ],
-                capture_output=True, text=True, timeout=120, check=False,
-            )  # fmt: skip
+        yield Router(tmp, ports)
     finally:
-        router.terminate(5)
-    status = json.loads((tmp / "routing.yaml.rollout.json").read_text())
-    split = yaml.safe_load((tmp / "routing.yaml").read_text())["split"]
+        child.terminate(5)
+
+
+def stack_endpoints(stack: Stack) -> list[dict[str, str]]:
+    return [
+        _endpoint(stack.address("inference"), "stable"),
+        _endpoint(stack.address("inference_canary"), "canary"),  # another seed's weights
+    ]
+
+
+def rollout(
+    stack: Stack,
+    router: Router,
+    endpoints: list[dict[str, str]],
+    steps: str,
+    *extra: str,
+) -> dict[str, Any]:
+    router.routing.write_text(ROUTING)
+    (router.workdir / "endpoints.json").write_text(json.dumps({"endpoints": endpoints}))
+    status_file = router.workdir / "routing.yaml.rollout.json"
+    status_file.unlink(missing_ok=True)
+    with Load(f"127.0.0.1:{router.ports.router}", stack.api_key) as load:
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "llmmesh.cli", "canary", "rollout", "--model", "llm",
+                "--steps", steps, *FAST, *extra, "--routing-file", str(router.routing),
+                "--router-http", f"127.0.0.1:{router.ports.router_http}",
+                "--token-file", str(stack.internal_token_file),
+            ],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    status = json.loads(status_file.read_text())
+    split = yaml.safe_load(router.routing.read_text())["split"]
     return {"code": done.returncode, "out": done.stdout + done.stderr, "status": status,
             "split": split, "subsets": load.subsets}  # fmt: skip
 
@@ -96,18 +136,27 @@ def _endpoint(address: str, version: str) -> dict[str, str]:
     return {"address": address, "version": version, "region": "local"}
 
 
-def test_a_canary_with_stables_weights_is_promoted(stack: Stack, tmp_path: Path) -> None:
-    """The canary replica here serves the stable model itself: same answers, agreement 1."""
+@contextlib.contextmanager
+def twin(stack: Stack, tmp: Path, **faults: str) -> Iterator[list[dict[str, str]]]:
+    """Endpoints whose canary replica serves stable's own model (same answers, agreement
+    1), with the faults it is given."""
     port = StackPorts.free().inference
-    twin = start_service(stack, "inference", port, tmp_path)
+    settings = {f"faults__{name}": value for name, value in faults.items()}
+    replica = start_service(stack, "inference", port, tmp, **settings)
     try:
-        endpoints = [
+        yield [
             _endpoint(stack.address("inference"), "stable"),
             _endpoint(f"127.0.0.1:{port}", "canary"),
         ]
-        result = rollout(stack, tmp_path, endpoints, "50,100")
     finally:
-        twin.terminate(5)
+        replica.terminate(5)
+
+
+def test_a_canary_with_stables_weights_is_promoted(
+    stack: Stack, router: Router, tmp_path: Path
+) -> None:
+    with twin(stack, tmp_path) as endpoints:
+        result = rollout(stack, router, endpoints, "50,100")
     assert result["code"] == 0, result["out"]
     assert result["split"]["canary"] == 100 and result["split"]["stable"] == 0
     states = [h["state"] for h in result["status"]["history"]]
@@ -117,12 +166,32 @@ def test_a_canary_with_stables_weights_is_promoted(stack: Stack, tmp_path: Path)
     assert "canary" in result["subsets"]  # it served real traffic at 50%
 
 
-def test_a_canary_that_answers_otherwise_is_rolled_back(stack: Stack, tmp_path: Path) -> None:
-    endpoints = [
-        _endpoint(stack.address("inference"), "stable"),
-        _endpoint(stack.address("inference_canary"), "canary"),  # another seed's weights
-    ]
-    result = rollout(stack, tmp_path, endpoints, "25,50,100")
+def test_a_slow_canary_is_rolled_back_by_its_ttft(
+    stack: Stack, router: Router, tmp_path: Path
+) -> None:
+    with twin(stack, tmp_path, first_token_delay_s="0.3") as endpoints:
+        result = rollout(stack, router, endpoints, "50,100")
+    assert result["code"] == 4, result["out"]
+    assert result["split"]["canary"] == 0
+    failed = {g["gate"] for g in result["status"]["gates"] if g["verdict"] == "fail"}
+    assert failed == {"ttft_p99"}, result["status"]["gates"]
+
+
+def test_a_failing_canary_is_rolled_back_by_its_errors(
+    stack: Stack, router: Router, tmp_path: Path
+) -> None:
+    """The router's breaker keeps most requests off a failing replica: the canary's own
+    attempts come slowly, so this rollout asks for three of them, not five."""
+    with twin(stack, tmp_path, error_rate="0.7") as endpoints:
+        result = rollout(stack, router, endpoints, "50,100", "--min-samples", "3")
+    assert result["code"] == 4, result["out"]
+    assert result["split"]["canary"] == 0
+    failed = {g["gate"] for g in result["status"]["gates"] if g["verdict"] == "fail"}
+    assert "error_rate" in failed, result["status"]["gates"]
+
+
+def test_a_canary_that_answers_otherwise_is_rolled_back(stack: Stack, router: Router) -> None:
+    result = rollout(stack, router, stack_endpoints(stack), "25,50,100")
     assert result["code"] == 4, result["out"]
     assert result["split"]["canary"] == 0 and result["split"]["stable"] == 100
     status = result["status"]

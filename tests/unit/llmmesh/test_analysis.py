@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from llmmesh.analysis.drift import DriftWindow, compare, entropy, kl_divergence
+from llmmesh.analysis.drift import DriftWindow, entropy, kl_divergence
 from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate, Verdict, overall
+from llmmesh.analysis.pairs import compare
 from llmmesh.types import TokenLogprob
 
 
