@@ -71,6 +71,7 @@ def add_bench_parser(commands: Any) -> None:
             "decode",
             "quantization",
             "inference-perf",
+            "drift",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -96,7 +97,9 @@ def add_bench_parser(commands: Any) -> None:
         "and on a public-domain text, as llama.cpp's llama-perplexity reports them; "
         "inference-perf: that tool (from PyPI, in a venv of its own) run unmodified "
         "against the router of a stack it starts itself (--model, default smollm2), "
-        "completions and chat, streamed, for --duration seconds each",
+        "completions and chat, streamed, for --duration seconds each; drift: the canary "
+        "analysis's online drift of smollm2's variants (stable's own weights, int8, 4-bit), "
+        "every request mirrored, --num-prompts greedy chat questions, --output-len tokens",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -179,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         return _quantization(args)
     if args.scenario == "inference-perf":
         return _inference_perf(args)
+    if args.scenario == "drift":
+        return _drift(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -487,6 +492,22 @@ def _inference_perf(args: argparse.Namespace) -> int:
         result,
     )
     return 1 if any(r.failures or not r.successes for r in runs) else 0
+
+
+def _drift(args: argparse.Namespace) -> int:
+    from bench.drift import TOP_LOGPROBS, run, table
+
+    results = run(questions=args.num_prompts, output_len=args.output_len)
+    print(table(results))
+    _record(
+        args,
+        _section(args, "drift"),
+        f"; smollm2, {args.num_prompts} greedy chat questions, {args.output_len} output "
+        f"tokens, every request mirrored to the canary, top-{TOP_LOGPROBS} log "
+        "probabilities per position, compared while the answers share their prefix.",
+        table(results),
+    )
+    return 0
 
 
 def _command() -> str:

@@ -295,7 +295,7 @@ def _canary_status(args: argparse.Namespace) -> int:
 
 def _print_rollout(args: argparse.Namespace) -> None:
     from llmmesh.canary import CanaryError
-    from llmmesh.rollout import FileStatus, status_lines
+    from llmmesh.rollout_status import FileStatus, status_lines
 
     try:
         status_file, _ = _rollout_files(args)

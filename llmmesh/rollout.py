@@ -20,8 +20,6 @@ import contextlib
 import enum
 import fcntl
 import json
-import os
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +37,10 @@ from llmmesh.analysis.gates import (
     overall,
 )
 from llmmesh.canary import CanaryError, RoutingStore
+from llmmesh.rollout_status import FileStatus, status_lines
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
+
+__all__ = ["FileStatus", "Outcome", "Rollout", "RolloutSettings", "status_lines"]
 
 
 class Outcome(enum.Enum):
@@ -136,27 +137,6 @@ class StatusSink(Protocol):
     def read(self) -> dict[str, Any] | None: ...
 
 
-class FileStatus:
-    """The status document beside the routing file, replaced whole."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, status: dict[str, Any]) -> None:
-        with tempfile.NamedTemporaryFile(
-            "w", dir=self.path.parent, prefix=".rollout-", delete=False
-        ) as tmp:
-            json.dump(status, tmp, indent=2)
-        os.replace(tmp.name, self.path)
-
-    def read(self) -> dict[str, Any] | None:
-        try:
-            status: dict[str, Any] = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        return status
-
-
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
     """One controller at a time: an exclusive lock on ``path``, or CanaryError."""
@@ -251,26 +231,3 @@ class Rollout:
                 "history": self.history,
             }
         )
-
-
-def status_lines(status: dict[str, Any]) -> list[str]:
-    """The rollout's status as ``canary status`` prints it."""
-    lines = [
-        f"rollout of {status['settings']['canary']} ({status['settings']['model']}): "
-        f"{status['state']} at step {status['step']}, weight {status['weight']:g}%"
-        f" - {status['why']}"
-    ]
-    for gate in status.get("gates", []):
-        value = "-" if gate["value"] is None else f"{gate['value']:.4g}"
-        lines.append(
-            f"  {gate['gate']:<17} {gate['verdict']:<6} {value:>10} "
-            f"(threshold {gate['threshold']:g}) {gate['detail']}"
-        )
-    lines.append("  history:")
-    for entry in status.get("history", []):
-        stamp = time.strftime("%H:%M:%S", time.gmtime(entry["time"]))
-        lines.append(
-            f"    {stamp} step {entry['step']} {entry['weight']:g}% {entry['state']}: "
-            f"{entry['why']}"
-        )
-    return lines

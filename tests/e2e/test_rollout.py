@@ -19,8 +19,11 @@ import grpc
 import pytest
 import yaml
 
+from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate
+from llmmesh.canary import FileRouting
 from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack, StackPorts
+from llmmesh.rollout import FileStatus, Rollout, RolloutSettings, RouterObservations
 from tests.conftest import collect, start_service
 
 ROUTING = """\
@@ -28,7 +31,8 @@ split: {stable: 100, canary: 0}
 colors: {stable: stable, canary: canary}
 mirror: {subset: canary, percent: 100, max_in_flight: 4}
 """
-# Small windows: the gates' logic is the same as at 50 samples, the test is seconds long.
+# Small windows: the gates' logic is the same as at 50 samples, the test is seconds long
+# (in_process below gives the same settings).
 FAST = [
     "--interval", "1s", "--min-samples", "5", "--min-pairs", "5", "--max-wait", "20",
     "--latency-tolerance", "1.0", "--error-tolerance", "0.2",
@@ -105,31 +109,55 @@ def stack_endpoints(stack: Stack) -> list[dict[str, str]]:
     ]
 
 
+def in_process(steps: tuple[float, ...], min_samples: int = 5) -> RolloutSettings:
+    """The settings FAST gives the command line, for rollouts run in the test's process
+    (the controller's own code, without a second interpreter's start)."""
+    return RolloutSettings(
+        model="llm",
+        steps=steps,
+        interval_s=1.0,
+        max_wait=20,
+        drift=DriftGates(min_pairs=5),
+        ttft=LatencyGate("ttft", tolerance=1.0, min_samples=min_samples),
+        tpot=LatencyGate("tpot", tolerance=1.0, min_samples=min_samples),
+        errors=ErrorGate(0.2, min_samples=min_samples),
+    )
+
+
 def rollout(
     stack: Stack,
     router: Router,
     endpoints: list[dict[str, str]],
-    steps: str,
-    *extra: str,
+    steps: str | RolloutSettings,
 ) -> dict[str, Any]:
+    """A rollout to its end under load: by the command line (``steps`` as it takes them),
+    or in this process (``steps`` as settings); its exit code, status and split."""
     router.routing.write_text(ROUTING)
     (router.workdir / "endpoints.json").write_text(json.dumps({"endpoints": endpoints}))
     status_file = router.workdir / "routing.yaml.rollout.json"
     status_file.unlink(missing_ok=True)
+    http = f"127.0.0.1:{router.ports.router_http}"
     with Load(f"127.0.0.1:{router.ports.router}", stack.api_key) as load:
-        done = subprocess.run(
-            [
-                sys.executable, "-m", "llmmesh.cli", "canary", "rollout", "--model", "llm",
-                "--steps", steps, *FAST, *extra, "--routing-file", str(router.routing),
-                "--router-http", f"127.0.0.1:{router.ports.router_http}",
-                "--token-file", str(stack.internal_token_file),
-            ],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+        if isinstance(steps, RolloutSettings):
+            url = f"http://{http}/internal/canary"
+            observations = RouterObservations([url], stack.internal_token)
+            outcome = Rollout(
+                steps, FileRouting(router.routing), observations, FileStatus(status_file)
+            ).run()
+            code, out = {"promoted": 0, "paused": 3}.get(outcome.value, 4), outcome.value
+        else:
+            done = subprocess.run(
+                [
+                    sys.executable, "-m", "llmmesh.cli", "canary", "rollout", "--model", "llm",
+                    "--steps", steps, *FAST, "--routing-file", str(router.routing),
+                    "--router-http", http, "--token-file", str(stack.internal_token_file),
+                ],
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            code, out = done.returncode, done.stdout + done.stderr
     status = json.loads(status_file.read_text())
     split = yaml.safe_load(router.routing.read_text())["split"]
-    return {"code": done.returncode, "out": done.stdout + done.stderr, "status": status,
-            "split": split, "subsets": load.subsets}  # fmt: skip
+    return {"code": code, "out": out, "status": status, "split": split, "subsets": load.subsets}
 
 
 def _endpoint(address: str, version: str) -> dict[str, str]:
@@ -170,7 +198,7 @@ def test_a_slow_canary_is_rolled_back_by_its_ttft(
     stack: Stack, router: Router, tmp_path: Path
 ) -> None:
     with twin(stack, tmp_path, first_token_delay_s="0.3") as endpoints:
-        result = rollout(stack, router, endpoints, "50,100")
+        result = rollout(stack, router, endpoints, in_process((50, 100)))
     assert result["code"] == 4, result["out"]
     assert result["split"]["canary"] == 0
     failed = {g["gate"] for g in result["status"]["gates"] if g["verdict"] == "fail"}
@@ -183,7 +211,7 @@ def test_a_failing_canary_is_rolled_back_by_its_errors(
     """The router's breaker keeps most requests off a failing replica: the canary's own
     attempts come slowly, so this rollout asks for three of them, not five."""
     with twin(stack, tmp_path, error_rate="0.7") as endpoints:
-        result = rollout(stack, router, endpoints, "50,100", "--min-samples", "3")
+        result = rollout(stack, router, endpoints, in_process((50, 100), min_samples=3))
     assert result["code"] == 4, result["out"]
     assert result["split"]["canary"] == 0
     failed = {g["gate"] for g in result["status"]["gates"] if g["verdict"] == "fail"}
@@ -191,7 +219,7 @@ def test_a_failing_canary_is_rolled_back_by_its_errors(
 
 
 def test_a_canary_that_answers_otherwise_is_rolled_back(stack: Stack, router: Router) -> None:
-    result = rollout(stack, router, stack_endpoints(stack), "25,50,100")
+    result = rollout(stack, router, stack_endpoints(stack), in_process((25, 50, 100)))
     assert result["code"] == 4, result["out"]
     assert result["split"]["canary"] == 0 and result["split"]["stable"] == 100
     status = result["status"]
