@@ -34,7 +34,7 @@ mirror: {subset: canary, percent: 100, max_in_flight: 4}
 # Small windows: the gates' logic is the same as at 50 samples, the test is seconds long
 # (in_process below gives the same settings).
 FAST = [
-    "--interval", "1s", "--min-samples", "5", "--min-pairs", "5", "--max-wait", "20",
+    "--interval", "0.5s", "--min-samples", "5", "--min-pairs", "5", "--max-wait", "40",
     "--latency-tolerance", "1.0", "--error-tolerance", "0.2",
 ]  # fmt: skip
 
@@ -115,8 +115,8 @@ def in_process(steps: tuple[float, ...], min_samples: int = 5) -> RolloutSetting
     return RolloutSettings(
         model="llm",
         steps=steps,
-        interval_s=1.0,
-        max_wait=20,
+        interval_s=0.5,
+        max_wait=40,
         drift=DriftGates(min_pairs=5),
         ttft=LatencyGate("ttft", tolerance=1.0, min_samples=min_samples),
         tpot=LatencyGate("tpot", tolerance=1.0, min_samples=min_samples),
