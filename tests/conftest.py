@@ -37,6 +37,29 @@ def wait_for(
 SIDECARS = os.environ.get("LLM_MESH_TEST_SIDECARS") == "1"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a stack gets the warnings and errors its services logged
+    (the logs stay in pytest's temporary directory, which a CI run does not keep)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    used = getattr(item, "funcargs", {}).get("stack")
+    if report.failed and isinstance(used, Stack):
+        report.sections.append(("stack logs: warnings and errors", stack_complaints(used)))
+
+
+def stack_complaints(stack: Stack, last: int = 12) -> str:
+    lines = []
+    for log in sorted((stack.workdir / "logs").glob("*.log")):
+        said = [
+            line[:400]
+            for line in log.read_text(errors="replace").splitlines()
+            if '"level": "WARNING"' in line or '"level": "ERROR"' in line
+        ]
+        lines += [f"{log.name}: {line}" for line in said[-last:]]
+    return "\n".join(lines) or "none"
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir: Path = tmp_path_factory.mktemp("stack")

@@ -10,7 +10,7 @@ after some chunks, or by refusing the request. It never ships in the product.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from llmmesh.runtime.errors import MeshError, Unavailable
@@ -39,6 +39,8 @@ class MemoryReplica:
     reports: asyncio.Queue[LoadReport] = field(default_factory=asyncio.Queue)
     closed: bool = False
     card_error: MeshError | None = None  # set: describe() fails with it
+    watches: int = 0  # load report streams opened so far
+    watch_errors: list[Exception] = field(default_factory=list)  # raised by the next ones
 
     def fail_next(self, *plan: int | Hang | MeshError | None) -> None:
         self.script.extend(plan)
@@ -58,7 +60,10 @@ class MemoryReplica:
             last = i == call.sampling.max_tokens - 1
             yield Chunk(TEXT[start + i], 1, FinishReason.LENGTH if last else None)
 
-    async def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
+    async def watch_load(self, max_interval_s: float) -> AsyncGenerator[LoadReport, None]:
+        self.watches += 1
+        if self.watch_errors:
+            raise self.watch_errors.pop(0)
         while True:
             yield await self.reports.get()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor, message, message_factory
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
@@ -81,9 +82,19 @@ def _traced(
         async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             _bind_callers_request_id(context)
             parent = tracing.incoming(context.invocation_metadata() or ())
-            with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
+            span = tracing.tracer.start_span(name, context=parent, kind=kind)
+            # Current for the rest of the call's own task and never detached: a stream
+            # the client cancels is closed from another context, where a detach fails.
+            otel_context.attach(trace.set_span_in_context(span, parent))
+            try:
                 async for response in behaviour(request, context):
                     yield response
+            except Exception as err:
+                span.record_exception(err)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+                raise
+            finally:
+                span.end()
 
         return streaming
 

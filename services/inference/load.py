@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+
+log = logging.getLogger(__name__)
 
 _ENGINE_METRICS = {
     "llm_engine_running_sequences": "running",
@@ -133,11 +136,11 @@ class LoadMonitor:
     async def watch(self, max_interval_s: float) -> AsyncIterator[LoadSnapshot]:
         """The current load now, then on every change and at least every ``max_interval_s``."""
         self._watchers += 1
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._poll())
         try:
             await self._refresh()
             while True:
+                if self._poller is None or self._poller.done():
+                    self._poller = asyncio.create_task(self._poll())
                 yield self._snapshot
                 async with self._changed:
                     with contextlib.suppress(TimeoutError):
@@ -151,7 +154,10 @@ class LoadMonitor:
 
     async def _poll(self) -> None:
         while self._watchers > 0:
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception:  # a poller that died would leave watchers its last snapshot
+                log.exception("reading the engine's load failed")
             await asyncio.sleep(self._interval)  # the polling period, not synchronisation
 
     async def _refresh(self) -> None:

@@ -1,4 +1,7 @@
-"""Per-replica circuit breaker: open after consecutive failures, then probe one request."""
+"""Per-replica circuit breaker: open after consecutive failures, then probe one request.
+
+A probe that has had no verdict for another cool-down lets the next request probe too:
+a request that never reports back must not keep the replica out for good."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ class CircuitBreaker:
         self._open_s = open_s
         self._failures = 0
         self._opened_at: float | None = None
-        self._probing = False
+        self._probe_since: float | None = None  # when the probe in flight was sent
 
     def state(self, now: float) -> BreakerState:
         if self._opened_at is None:
@@ -29,22 +32,22 @@ class CircuitBreaker:
     def available(self, now: float) -> bool:
         """Whether a request may go to the replica now."""
         state = self.state(now)
-        return state is BreakerState.CLOSED or (
-            state is BreakerState.HALF_OPEN and not self._probing
-        )
+        if state is not BreakerState.HALF_OPEN:
+            return state is BreakerState.CLOSED
+        return self._probe_since is None or now - self._probe_since >= self._open_s
 
     def on_pick(self, now: float) -> None:
         if self.state(now) is BreakerState.HALF_OPEN:
-            self._probing = True
+            self._probe_since = now
 
     def on_success(self) -> None:
-        self._failures, self._opened_at, self._probing = 0, None, False
+        self._failures, self._opened_at, self._probe_since = 0, None, None
 
     def on_failure(self, now: float) -> None:
         self._failures += 1
-        if self._probing or self._failures >= self._threshold:
-            self._opened_at, self._probing = now, False
+        if self._probe_since is not None or self._failures >= self._threshold:
+            self._opened_at, self._probe_since = now, None
 
     def on_abandon(self) -> None:
         """The request ended with no verdict on the replica (the client went away)."""
-        self._probing = False
+        self._probe_since = None

@@ -8,7 +8,7 @@ endpoint named in ``x-gateway-destination-endpoint``); tests use an in-memory on
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,9 +42,9 @@ class ReplicaLink(Protocol):
         Raises Unavailable (the replica failed) or the replica's own refusal."""
         ...
 
-    def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
+    def watch_load(self, max_interval_s: float) -> AsyncGenerator[LoadReport, None]:
         """Reports on every change, at least every ``max_interval_s``; ends (or raises
-        Unavailable) when the stream breaks."""
+        Unavailable) when the stream breaks; closing it ends the stream."""
         ...
 
     async def describe(self, model: str) -> ModelCard:
@@ -85,7 +85,7 @@ class GrpcLink:
     def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         return self._client.generate(call)
 
-    async def watch_load(self, max_interval_s: float) -> AsyncIterator[LoadReport]:
+    async def watch_load(self, max_interval_s: float) -> AsyncGenerator[LoadReport, None]:
         request = inference_pb2.WatchLoadRequest(max_interval_ms=int(max_interval_s * 1000))
         try:
             async for report in self._stub.WatchLoad(request, metadata=self._metadata):

@@ -150,8 +150,10 @@ class Dispatcher:
                     extra={"fields": {"failed": replica.address, "sent_tokens": tokens}},
                 )
             finally:
-                await stream.aclose()  # a generation cut short is cancelled at the replica now
-                self._replicas.release(replica, call.model)
+                try:
+                    await stream.aclose()  # a generation cut short is cancelled there now
+                finally:
+                    self._replicas.release(replica, call.model)
 
     def _route(self, replica: Replica, fallback: bool) -> Route:
         endpoint = replica.endpoint
@@ -195,8 +197,9 @@ class Dispatcher:
             async with self._replicas.watched(replica):
                 first = await _next_chunk(stream)
         except BaseException as err:
+            # The books first: closing the stream may be interrupted (a second
+            # cancellation), and a breaker's probe left without a verdict blocks it.
             self._replicas.first_chunk(replica, model, tokens, ok=False)
-            await stream.aclose()
             self._replicas.release(replica, call.model)
             if isinstance(err, REPLICA_FAILURES):
                 self._replicas.failed(replica, model, tier, err)
@@ -204,6 +207,7 @@ class Dispatcher:
                 self._attempted(model, replica, succeeded=False)
             else:  # the client went away, or the replica refused the request itself
                 self._replicas.abandoned(replica, model)
+            await stream.aclose()
             raise
         self._replicas.first_chunk(replica, model, tokens, ok=True)
         self._attempted(model, replica, succeeded=True)

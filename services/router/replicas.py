@@ -261,14 +261,30 @@ class ReplicaSet:
         return replica
 
     async def _follow_load(self, replica: Replica) -> None:
-        """Keeps the replica's latest per-model load, reconnecting when the stream breaks."""
+        """Keeps the replica's latest per-model load, redialing when the stream breaks or
+        brings nothing for ``silent_after_s`` (a stream stuck open would otherwise leave
+        the replica's last report standing, and the replica out, for good)."""
         while True:
-            with contextlib.suppress(MeshError):
-                async for report in replica.link.watch_load(self._settings.report_interval_s):
-                    self._reported(replica, report)
+            try:
+                await self._read_reports(replica)
+            except (MeshError, TimeoutError):
+                pass
+            except Exception:  # whatever it was, the reports must go on
+                where = {"endpoint": replica.address}
+                log.exception("load reports failed", extra={"fields": where})
             if replica.last_report_at is not None:  # it was there and went away
                 replica.down, replica.last_report_at = True, None
             await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))  # reconnect pacing
+
+    async def _read_reports(self, replica: Replica) -> None:
+        reports = replica.link.watch_load(self._settings.report_interval_s)
+        async with contextlib.aclosing(reports):
+            while True:
+                async with asyncio.timeout(self._settings.silent_after_s):
+                    report = await anext(reports, None)
+                if report is None:
+                    return
+                self._reported(replica, report)
 
     def _reported(self, replica: Replica, report: LoadReport) -> None:
         replica.reports = report.models

@@ -308,3 +308,29 @@ def test_a_models_card_comes_from_the_next_replica_when_one_cannot_describe_it()
             await f.dispatcher.describe("llm")
 
     run(scenario)
+
+
+def test_a_report_stream_stuck_open_or_failing_oddly_is_dialed_again() -> None:
+    """Reports that stop on a stream still open, or a stream that fails with something
+    unforeseen, must not leave the replica's last report standing for good."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1",), report_interval_s=0.01, silent_after_s=0.2)
+        f["a:1"].watch_errors.append(RuntimeError("not a status at all"))
+        await f.replicas.start()
+        try:
+
+            async def redialed_twice() -> bool:
+                return f["a:1"].watches >= 3  # after the odd failure, and after the silence
+
+            assert await poll_until_async(redialed_twice, 5)
+            f["a:1"].reports.put_nowait(LoadReport({"llm": {}}))
+
+            async def healthy() -> bool:
+                return f.replicas.can_serve("llm") and f.replicas["a:1"].last_report_at is not None
+
+            assert await poll_until_async(healthy, 5)
+        finally:
+            await f.replicas.close()
+
+    run(scenario)

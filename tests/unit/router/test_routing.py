@@ -123,6 +123,17 @@ def test_an_abandoned_probe_frees_the_probe_slot() -> None:
     assert breaker.available(1.6)
 
 
+def test_a_probe_that_never_reports_back_lets_another_probe_after_a_cool_down() -> None:
+    breaker = CircuitBreaker(failure_threshold=1, open_s=1.0)
+    breaker.on_failure(0.0)
+    breaker.on_pick(1.5)  # its request never says how it went
+    assert not breaker.available(2.4)
+    assert breaker.available(2.5)
+    breaker.on_pick(2.5)
+    breaker.on_success()
+    assert breaker.state(2.6) is BreakerState.CLOSED
+
+
 def test_dns_discovery_lists_every_address_of_each_subsets_name() -> None:
     async def scenario() -> list[Endpoint]:
         discovery = DnsDiscovery(
