@@ -143,12 +143,20 @@ class ConsulRouting:
         raise CanaryError(f"{self.where} kept changing under us; try again")
 
 
+def consul_client(consul_address: str) -> consul.Consul | None:
+    """A client of the given address, or of CONSUL_HTTP_ADDR; None when neither is set."""
+    address = consul_address or os.environ.get("CONSUL_HTTP_ADDR", "")
+    if not address:
+        return None
+    host, port, scheme = location(address)
+    return consul.Consul(host=host, port=port, scheme=scheme)
+
+
 def routing_store(consul_address: str, routing_file: Path | None) -> RoutingStore:
     """Consul when an address is given (or CONSUL_HTTP_ADDR is set), else the file."""
-    address = consul_address or os.environ.get("CONSUL_HTTP_ADDR", "")
-    if address:
-        host, port, scheme = location(address)
-        return ConsulRouting(consul.Consul(host=host, port=port, scheme=scheme))
+    client = consul_client(consul_address)
+    if client is not None:
+        return ConsulRouting(client)
     if routing_file is None:
         raise CanaryError("no Consul address and no routing file (run `llm-mesh up` first?)")
     return FileRouting(routing_file)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
@@ -13,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from llmmesh.canary_cli import add_canary_parser
 from llmmesh.client import (
     DEFAULT_STATE_FILE,
     StreamStats,
@@ -109,201 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=2.0, help="seconds")
     health.set_defaults(func=_health)
 
-    _add_canary_parser(commands)
+    add_canary_parser(commands)
 
     from bench.cli import add_bench_parser
 
     add_bench_parser(commands)
     return parser
-
-
-def _add_canary_parser(commands: Any) -> None:
-    canary = commands.add_parser(
-        "canary", help="shift the canary split; compare it with the traffic the router sent"
-    )
-    actions = canary.add_subparsers(required=True, metavar="ACTION")
-    set_ = actions.add_parser("set", help="write new weights into the routing document")
-    set_.add_argument(
-        "--weight",
-        action="append",
-        required=True,
-        metavar="SUBSET=PERCENT",
-        help="e.g. canary=10; subsets not named share the rest (repeatable)",
-    )
-    set_.set_defaults(func=_canary_set)
-    status = actions.add_parser("status", help="configured weights beside observed shares")
-    status.add_argument(
-        "--window", type=float, default=0.0, help="observe for this many seconds (0: since start)"
-    )
-    status.add_argument("--router-metrics", help="router metrics URL (default: state file)")
-    status.set_defaults(func=_canary_status)
-    rollout = actions.add_parser(
-        "rollout", help="raise the canary's weight step by step, judged by its gates"
-    )
-    _add_rollout_arguments(rollout)
-    rollout.set_defaults(func=_canary_rollout)
-    for action in (set_, status, rollout):
-        action.add_argument("--consul", default="", help="Consul address (or CONSUL_HTTP_ADDR)")
-        action.add_argument("--routing-file", type=Path, help="default: the state file's")
-        action.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE)
-
-
-def _duration_s(text: str) -> float:
-    """``60``, ``60s``, ``2m``: seconds."""
-    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:], 0.0)
-    try:
-        return float(text[:-1]) * scale if scale else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds, or 30s, 2m, 1h") from None
-
-
-def _percentages(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(step) for step in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated percentages") from None
-
-
-def _add_rollout_arguments(rollout: argparse.ArgumentParser) -> None:
-    add = rollout.add_argument
-    add("--model", required=True, help="the model whose canary is judged")
-    add("--steps", type=_percentages, default=(1.0, 5.0, 25.0, 50.0, 100.0))
-    add("--interval", type=_duration_s, default=60.0, help="between judgements: 60s, 2m")
-    add("--canary", default="canary", help="the canary's subset")
-    add("--stable", default="stable", help="the subset it is compared with")
-    add("--router-http", action="append", help="a router's HTTP address (repeatable)")
-    add("--token-file", type=Path, help="the mesh's token (default: beside the state file)")
-    add("--max-wait", type=int, default=10, help="intervals a step waits for samples")
-    add("--min-samples", type=int, default=50, help="per subset, before a latency verdict")
-    add("--min-pairs", type=int, default=50, help="mirrored pairs before a drift verdict")
-    add("--max-kl", type=float, default=0.1, help="mean KL per position: above, rollback")
-    add("--min-agreement", type=float, default=0.8, help="top-1 agreement: below, rollback")
-    add("--max-confidence-shift", type=float, default=0.08, help="above: pause")
-    add("--max-entropy-change", type=float, default=0.15, help="relative; above: pause")
-    add("--latency-tolerance", type=float, default=0.2, help="p99 over stable's: rollback")
-    add("--error-tolerance", type=float, default=0.02, help="error rate over stable's")
-
-
-def _rollout_settings(args: argparse.Namespace) -> Any:
-    from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate
-    from llmmesh.rollout import RolloutSettings
-
-    latency = {"tolerance": args.latency_tolerance, "min_samples": args.min_samples}
-    return RolloutSettings(
-        model=args.model,
-        steps=args.steps,
-        interval_s=args.interval,
-        canary=args.canary,
-        stable=args.stable,
-        max_wait=args.max_wait,
-        drift=DriftGates(
-            args.max_confidence_shift,
-            args.max_entropy_change,
-            args.max_kl,
-            args.min_agreement,
-            args.min_pairs,
-        ),
-        ttft=LatencyGate("ttft", **latency),
-        tpot=LatencyGate("tpot", **latency),
-        errors=ErrorGate(args.error_tolerance, min_samples=args.min_samples),
-    )
-
-
-def _rollout_files(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The status document and the lock, beside the routing file."""
-    from llmmesh.canary import CanaryError
-
-    routing_file = args.routing_file or _state(args.state_file).get("routing_file")
-    if not routing_file:
-        raise CanaryError("no routing file (run `llm-mesh up` first, or --routing-file)")
-    base = Path(routing_file)
-    return base.with_name(base.name + ".rollout.json"), base.with_name(base.name + ".rollout.lock")
-
-
-def _canary_rollout(args: argparse.Namespace) -> int:
-    from llmmesh.canary import CanaryError
-    from llmmesh.rollout import FileStatus, Rollout, RouterObservations, file_lock
-
-    state = _state(args.state_file)
-    routers = args.router_http or [state.get("router_http", "127.0.0.1:8080")]
-    urls = [f"http://{address}/internal/canary" for address in routers]
-    token_file = args.token_file or args.state_file.parent / "internal_token"
-    try:
-        settings = _rollout_settings(args)
-        status_file, lock_file = _rollout_files(args)
-        token = token_file.read_text().strip()
-        with file_lock(lock_file):
-            run = Rollout(
-                settings,
-                _routing_store(args),
-                RouterObservations(urls, token),
-                FileStatus(status_file),
-            )
-            outcome = run.run()
-    except (CanaryError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for entry in run.history:
-        print(f"step {entry['step']} {entry['weight']:g}% {entry['state']}: {entry['why']}")
-    print(f"rollout {outcome.value}; status in {status_file}")
-    return {"promoted": 0, "paused": 3}.get(outcome.value, 4)
-
-
-def _routing_store(args: argparse.Namespace) -> Any:
-    from llmmesh.canary import routing_store
-
-    routing_file = args.routing_file or _state(args.state_file).get("routing_file")
-    return routing_store(args.consul, Path(routing_file) if routing_file else None)
-
-
-def _state(path: Path) -> dict[str, Any]:
-    return dict(json.loads(path.read_text())) if path.exists() else {}
-
-
-def _canary_set(args: argparse.Namespace) -> int:
-    from llmmesh.canary import CanaryError, parse_weights
-
-    try:
-        store = _routing_store(args)
-        doc = store.update(parse_weights(args.weight))
-    except CanaryError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    split = ", ".join(f"{s}={w:g}" for s, w in doc["split"].items())
-    print(f"split {split} written to {store.where}")
-    return 0
-
-
-def _canary_status(args: argparse.Namespace) -> int:
-    from llmmesh.canary import CanaryError, observed_over, status_table
-
-    try:
-        store = _routing_store(args)
-        split = store.read().get("split") or {}
-    except CanaryError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    url = (
-        args.router_metrics
-        or f"http://{_state(args.state_file).get('router_metrics', '127.0.0.1:9100')}/metrics"
-    )
-    print(f"configured in {store.where}; observed at {url}")
-    print(status_table(split, observed_over(url, args.window)))
-    _print_rollout(args)
-    return 0
-
-
-def _print_rollout(args: argparse.Namespace) -> None:
-    from llmmesh.canary import CanaryError
-    from llmmesh.rollout_status import FileStatus, status_lines
-
-    try:
-        status_file, _ = _rollout_files(args)
-    except CanaryError:
-        return
-    status = FileStatus(status_file).read()
-    if status is not None:
-        print("\n".join(status_lines(status)))
 
 
 def _report_rpc_error(err: grpc.RpcError) -> int:

@@ -25,7 +25,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
+
+import yaml
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from llmmesh.analysis.drift import DriftWindow
 from llmmesh.analysis.gates import (
@@ -40,7 +44,36 @@ from llmmesh.canary import CanaryError, RoutingStore
 from llmmesh.rollout_status import FileStatus, status_lines
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 
-__all__ = ["FileStatus", "Outcome", "Rollout", "RolloutSettings", "status_lines"]
+__all__ = ["FileStatus", "Outcome", "Rollout", "RolloutDocument", "RolloutSettings", "status_lines"]
+
+
+_ROLLOUT = ["model", "canary"]
+WEIGHT = Gauge("llm_canary_rollout_weight", "The canary's weight the rollout set, %", _ROLLOUT)
+STEP = Gauge("llm_canary_rollout_step", "The rollout's step (1 is the first)", _ROLLOUT)
+GATE_VALUE = Gauge("llm_canary_gate_value", "Each gate's last measured value", [*_ROLLOUT, "gate"])
+GATE_THRESHOLD = Gauge("llm_canary_gate_threshold", "Each gate's threshold", [*_ROLLOUT, "gate"])
+GATE_VERDICT = Gauge(
+    "llm_canary_gate_verdict", "1 for each gate's last verdict", [*_ROLLOUT, "gate", "verdict"]
+)
+VERDICTS = Counter(
+    "llm_canary_rollout_verdicts_total", "The rollout's judgements by state", [*_ROLLOUT, "state"]
+)
+
+
+def _export(settings: RolloutSettings, step: int, weight: float, state: str,
+            results: Sequence[GateResult]) -> None:  # fmt: skip
+    """The rollout's state as metrics (a controller serves them on /metrics)."""
+    labels = (settings.model, settings.canary)
+    WEIGHT.labels(*labels).set(weight)
+    STEP.labels(*labels).set(step)
+    VERDICTS.labels(*labels, state).inc()
+    for result in results:
+        gate = (*labels, result.gate)
+        if result.value is not None:
+            GATE_VALUE.labels(*gate).set(result.value)
+        GATE_THRESHOLD.labels(*gate).set(result.threshold)
+        for verdict in Verdict:
+            GATE_VERDICT.labels(*gate, verdict.value).set(int(verdict is result.verdict))
 
 
 class Outcome(enum.Enum):
@@ -69,6 +102,73 @@ class RolloutSettings:
             raise CanaryError("--steps: in increasing order")
         if self.interval_s <= 0 or self.max_wait < 1:
             raise CanaryError("--interval above 0, --max-wait at least 1")
+
+
+def _seconds(value: object) -> object:
+    """``60``, ``"60s"``, ``"2m"``, ``"1h"``: seconds."""
+    if not isinstance(value, str):
+        return value
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(value[-1:], 0.0)
+    try:
+        return float(value[:-1]) * scale if scale else float(value)
+    except ValueError:
+        raise ValueError("seconds, or a duration such as 30s, 2m, 1h") from None
+
+
+class RolloutDocument(BaseModel):
+    """A rollout as written down: the command line's flags, or the document in Consul KV
+    (``llm-mesh/rollout``) that an always-on controller runs. Every default is here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)
+    interval: Annotated[float, BeforeValidator(_seconds), Field(gt=0)] = 60.0
+    canary: str = "canary"
+    stable: str = "stable"
+    routers: tuple[str, ...] = ()  # the routers' HTTP addresses, whose observations count
+    max_wait: int = Field(default=10, ge=1)
+    min_samples: int = Field(default=50, ge=1)
+    min_pairs: int = Field(default=50, ge=1)
+    max_kl: float = Field(default=0.1, ge=0)
+    min_agreement: float = Field(default=0.8, ge=0, le=1)
+    max_confidence_shift: float = Field(default=0.08, ge=0)
+    max_entropy_change: float = Field(default=0.15, ge=0)
+    latency_tolerance: float = Field(default=0.2, ge=0)
+    error_tolerance: float = Field(default=0.02, ge=0)
+
+    @classmethod
+    def parse(cls, text: str | bytes, where: str) -> RolloutDocument:
+        """The document in ``text`` (YAML or JSON), or CanaryError naming the field."""
+        try:
+            return cls.model_validate(yaml.safe_load(text) or {})
+        except yaml.YAMLError as err:
+            raise CanaryError(f"{where} is not YAML or JSON: {err}") from None
+        except ValidationError as err:
+            first = err.errors()[0]
+            field_name = ".".join(str(p) for p in first["loc"]) or "document"
+            raise CanaryError(f"{where}: {field_name}: {first['msg']}") from None
+
+    def settings(self) -> RolloutSettings:
+        tolerance, samples = self.latency_tolerance, self.min_samples
+        return RolloutSettings(
+            model=self.model,
+            steps=self.steps,
+            interval_s=self.interval,
+            canary=self.canary,
+            stable=self.stable,
+            max_wait=self.max_wait,
+            drift=DriftGates(
+                self.max_confidence_shift,
+                self.max_entropy_change,
+                self.max_kl,
+                self.min_agreement,
+                self.min_pairs,
+            ),
+            ttft=LatencyGate("ttft", tolerance=tolerance, min_samples=samples),
+            tpot=LatencyGate("tpot", tolerance=tolerance, min_samples=samples),
+            errors=ErrorGate(self.error_tolerance, min_samples=samples),
+        )
 
 
 class Observations(Protocol):
@@ -164,9 +264,16 @@ class Rollout:
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep  # the interval between judgements
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Whether this controller still holds the lock: checked before every write, so one
+    # that lost it (its Consul session expired) stops instead of racing its successor.
+    holds_lock: Callable[[], bool] = lambda: True
 
-    def run(self) -> Outcome:
+    def run(self, first_step: int = 0) -> Outcome:
+        """Runs the steps from ``first_step`` (0: the first; a controller taking over a
+        rollout another one left resumes at that one's step)."""
         for index, weight in enumerate(self.settings.steps):
+            if index < first_step:
+                continue
             self._weigh(weight)
             started = self.clock()
             self._record(index, weight, "running", f"step {index + 1}: canary at {weight:g}%")
@@ -204,7 +311,12 @@ class Rollout:
         self._record(index, weight, Outcome.PAUSED.value, "not enough samples: " + waiting)
         return Outcome.PAUSED
 
+    def _check_lock(self) -> None:
+        if not self.holds_lock():
+            raise CanaryError("the rollout's lock was lost: another controller may run it")
+
     def _weigh(self, weight: float) -> None:
+        self._check_lock()
         self.routing.update({self.settings.canary: weight, self.settings.stable: 100 - weight})
 
     def _record(
@@ -215,7 +327,9 @@ class Rollout:
         why: str,
         results: Sequence[GateResult] = (),
     ) -> None:
+        self._check_lock()
         entry = {"time": self.clock(), "step": index + 1, "weight": weight, "state": state}
+        _export(self.settings, index + 1, weight, state, results)
         self.history.append({**entry, "why": why})
         settings = {
             f.name: getattr(self.settings, f.name)

@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import consul
+
+STATUS_KEY = "llm-mesh/rollout/status"
+
 
 class FileStatus:
     """The status document beside the routing file, replaced whole."""
@@ -32,10 +36,33 @@ class FileStatus:
         return status
 
 
+class ConsulStatus:
+    """The rollout's status document in Consul KV (``canary status`` reads it)."""
+
+    def __init__(self, client: consul.Consul, document_index: int = 0) -> None:
+        self._client = client
+        self.document_index = document_index
+
+    def write(self, status: dict[str, Any]) -> None:
+        status = {**status, "document_index": self.document_index}
+        self._client.kv.put(STATUS_KEY, json.dumps(status, indent=2))
+
+    def read(self) -> dict[str, Any] | None:
+        _, entry = self._client.kv.get(STATUS_KEY)
+        if entry is None:
+            return None
+        try:
+            status: dict[str, Any] = json.loads(entry.get("Value") or b"")
+        except ValueError:
+            return None
+        return status
+
+
 def status_lines(status: dict[str, Any]) -> list[str]:
     """The rollout's status as ``canary status`` prints it."""
+    settings = status.get("settings") or {"canary": "canary", "model": "?"}
     lines = [
-        f"rollout of {status['settings']['canary']} ({status['settings']['model']}): "
+        f"rollout of {settings['canary']} ({settings['model']}): "
         f"{status['state']} at step {status['step']}, weight {status['weight']:g}%"
         f" - {status['why']}"
     ]

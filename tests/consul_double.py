@@ -10,6 +10,13 @@ implements exactly the documented semantics those adapters rely on, and nothing 
   exceeds N or D elapses; every answer carries ``X-Consul-Index``;
 - ``GET /v1/health/service/<name>?passing``, fed by ``PUT /v1/agent/service/register``
   and ``PUT /v1/agent/service/deregister/<id>`` (services without checks are passing);
+- sessions: ``PUT /v1/session/create`` (``TTL``), ``/v1/session/renew/<id>`` (404 once
+  it expired), ``/v1/session/destroy/<id>``; a session past its TTL is invalidated, and
+  an invalidated session's locks are released (behavior ``release``);
+- locks: ``PUT /v1/kv/<key>?acquire=<session>`` takes the key's lock if nobody else
+  holds it (``LockIndex`` counts the acquisitions, ``Session`` names the holder),
+  ``?release=<session>`` lets it go; either answers ``false`` when it cannot. Consul's
+  lock-delay is not implemented: the adapter creates its sessions with none;
 - ``restore_snapshot()`` makes indexes go backwards, as restoring a snapshot can.
 """
 
@@ -22,6 +29,8 @@ import json
 import re
 import socket
 import threading
+import time
+import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -43,6 +52,8 @@ class ConsulDouble:
     def __init__(self) -> None:
         self.index = 1
         self.kv: dict[str, tuple[bytes, int, int]] = {}  # key -> (value, create, modify)
+        self.locks: dict[str, tuple[str, int]] = {}  # key -> (holding session, lock index)
+        self.sessions: dict[str, tuple[float, float]] = {}  # id -> (ttl_s, expires at)
         self.services: dict[str, dict[str, Any]] = {}  # id -> registration
         self.services_index = 1
         self.requests: list[str] = []
@@ -62,6 +73,9 @@ class ConsulDouble:
         app.router.add_get("/v1/kv/{key:.+}", self._kv_get)
         app.router.add_put("/v1/kv/{key:.+}", self._kv_put)
         app.router.add_delete("/v1/kv/{key:.+}", self._kv_delete)
+        app.router.add_put("/v1/session/create", self._session_create)
+        app.router.add_put("/v1/session/renew/{id}", self._session_renew)
+        app.router.add_put("/v1/session/destroy/{id}", self._session_destroy)
         app.router.add_get("/v1/health/service/{name}", self._health)
         app.router.add_put("/v1/agent/service/register", self._register)
         app.router.add_put("/v1/agent/service/deregister/{id}", self._deregister)
@@ -122,14 +136,17 @@ class ConsulDouble:
 
     def _kv_entry(self, key: str) -> dict[str, Any]:
         value, create, modify = self.kv[key]
-        return {
+        self._expire_sessions()
+        holder, lock_index = self.locks.get(key, ("", 0))
+        entry = {
             "Key": key,
             "Flags": 0,
-            "LockIndex": 0,
+            "LockIndex": lock_index,
             "CreateIndex": create,
             "ModifyIndex": modify,
             "Value": base64.b64encode(value).decode(),
         }
+        return entry | ({"Session": holder} if holder else {})
 
     async def _kv_get_prefix(self, request: web.Request, prefix: str) -> web.Response:
         # Any KV change wakes a prefix query (Consul may wake them spuriously too).
@@ -147,6 +164,8 @@ class ConsulDouble:
             cas = int(request.query["cas"])
             if (cas == 0 and existing) or (cas and (not existing or existing[2] != cas)):
                 return web.json_response(False)
+        if not self._lock_op(key, request.query.get("acquire"), request.query.get("release")):
+            return web.json_response(False)
         self.index += 1
         self.kv[key] = (value, existing[1] if existing else self.index, self.index)
         await self._notify()
@@ -156,6 +175,57 @@ class ConsulDouble:
         if self.kv.pop(request.match_info["key"], None) is not None:
             self.index += 1
             await self._notify()
+        return web.json_response(True)
+
+    def _lock_op(self, key: str, acquire: str | None, release: str | None) -> bool:
+        """Applies ``?acquire=`` / ``?release=``; False when the lock cannot change so."""
+        self._expire_sessions()
+        holder, lock_index = self.locks.get(key, ("", 0))
+        if acquire is not None:
+            if acquire not in self.sessions or holder not in ("", acquire):
+                return False
+            self.locks[key] = (acquire, lock_index if holder else lock_index + 1)
+        if release is not None:
+            if holder != release:
+                return False
+            self.locks[key] = ("", lock_index)
+        return True
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        for session, (_, expires) in list(self.sessions.items()):
+            if expires <= now:
+                self._invalidate(session)
+
+    def _invalidate(self, session: str) -> None:
+        self.sessions.pop(session, None)
+        for key, (holder, lock_index) in list(self.locks.items()):
+            if holder == session:
+                self.locks[key] = ("", lock_index)
+                self.index += 1
+                value, create, _ = self.kv[key]
+                self.kv[key] = (value, create, self.index)
+
+    async def _session_create(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        spec = {k.lower(): v for k, v in (json.loads(body) if body else {}).items()}
+        ttl = parse_wait(spec["ttl"]) if spec.get("ttl") else float("inf")
+        session = str(uuid.uuid4())
+        self.sessions[session] = (ttl, time.monotonic() + ttl)
+        return web.json_response({"ID": session})
+
+    async def _session_renew(self, request: web.Request) -> web.Response:
+        self._expire_sessions()
+        session = request.match_info["id"]
+        if session not in self.sessions:
+            return web.Response(status=404, text=f"Session id '{session}' not found")
+        ttl, _ = self.sessions[session]
+        self.sessions[session] = (ttl, time.monotonic() + ttl)
+        return web.json_response([{"ID": session, "TTL": f"{ttl:g}s"}])
+
+    async def _session_destroy(self, request: web.Request) -> web.Response:
+        self._invalidate(request.match_info["id"])
+        await self._notify()
         return web.json_response(True)
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import consul
 import grpc
 import pytest
 import yaml
@@ -24,7 +25,8 @@ from llmmesh.canary import FileRouting
 from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.rollout import FileStatus, Rollout, RolloutSettings, RouterObservations
-from tests.conftest import collect, start_service
+from tests.conftest import collect, start_service, wait_for
+from tests.consul_double import ConsulDoubleThread
 
 ROUTING = """\
 split: {stable: 100, canary: 0}
@@ -231,3 +233,55 @@ def test_a_canary_that_answers_otherwise_is_rolled_back(stack: Stack, router: Ro
     states = [h["state"] for h in status["history"]]
     assert states[0] == "running" and states[-1] == "rolled_back"
     assert set(states[1:-1]) <= {"waiting"}
+
+
+def test_the_always_on_controller_runs_what_is_written_to_consul(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """`llm-mesh canary controller` follows Consul KV llm-mesh/rollout; a router follows
+    the routing document in Consul KV; `canary status --consul` shows the outcome."""
+    with ConsulDoubleThread() as double, twin(stack, tmp_path) as endpoints:
+        host, port = double.address.split(":")
+        client = consul.Consul(host=host, port=int(port))
+        client.kv.put("llm-mesh/routing", json.dumps(yaml.safe_load(ROUTING)))
+        (tmp_path / "endpoints.json").write_text(json.dumps({"endpoints": endpoints}))
+        ports = StackPorts.free()
+        router = start_service(
+            stack, "router", ports.router, tmp_path,
+            routing_source="consul", consul_address=double.address,
+            endpoints_file=str(tmp_path / "endpoints.json"), http_port=str(ports.router_http),
+            metrics_port=str(ports.router_metrics),
+        )  # fmt: skip
+        command = [sys.executable, "-m", "llmmesh.cli", "canary"]
+        consul_flags = ["--consul", double.address]
+        controller = subprocess.Popen(
+            [*command, "controller", *consul_flags, "--token-file", str(stack.internal_token_file)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            with Load(f"127.0.0.1:{ports.router}", stack.api_key) as load:
+                document = {
+                    "model": "llm", "steps": [50, 100], "interval": "0.5s", "max_wait": 40,
+                    "min_samples": 5, "min_pairs": 5, "latency_tolerance": 1.0,
+                    "error_tolerance": 0.2, "routers": [f"127.0.0.1:{ports.router_http}"],
+                }  # fmt: skip
+                client.kv.put("llm-mesh/rollout", json.dumps(document))
+                wait_for(lambda: _consul_state(client) == "promoted", 60, "the promotion")
+            assert "canary" in load.subsets  # the router followed the split in Consul
+            metrics = f"http://127.0.0.1:{ports.router_metrics}/metrics"
+            shown = subprocess.run(
+                [*command, "status", *consul_flags, "--router-metrics", metrics],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert shown.returncode == 0, shown.stdout + shown.stderr
+            assert "promoted at step 2, weight 100%" in shown.stdout, shown.stdout
+        finally:
+            controller.terminate()
+            output, _ = controller.communicate(timeout=30)
+            router.terminate(5)
+    assert controller.returncode == 0, output
+
+
+def _consul_state(client: consul.Consul) -> str:
+    _, entry = client.kv.get("llm-mesh/rollout/status")
+    return str(json.loads(entry["Value"])["state"]) if entry else ""
