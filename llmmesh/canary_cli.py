@@ -49,8 +49,12 @@ def add_canary_parser(commands: Any) -> None:
         "controller",
         help="always on: run each rollout document written to Consul KV llm-mesh/rollout",
     )
-    controller.add_argument("--token-file", type=Path, help="the mesh's token")
+    controller.add_argument("--token-file", type=Path, help="the mesh's token, if it has one")
+    controller.add_argument(
+        "--router-http", action="append", help="routers to observe when a document names none"
+    )
     controller.add_argument("--metrics-port", type=int, default=0, help="serve llm_canary_*")
+    controller.add_argument("--metrics-host", default="127.0.0.1")
     controller.set_defaults(func=_canary_controller)
     for action in (set_, status, rollout, controller):
         action.add_argument("--consul", default="", help="Consul address (or CONSUL_HTTP_ADDR)")
@@ -105,6 +109,7 @@ def _add_rollout_arguments(rollout: argparse.ArgumentParser) -> None:
     add("--router-http", action="append", help="a router's HTTP address (repeatable)")
     add("--token-file", type=Path, help="the mesh's token (default: beside the state file)")
     add("--metrics-port", type=int, default=0, help="serve the llm_canary_* metrics here")
+    add("--metrics-host", default="127.0.0.1")
 
 
 def _rollout_document(args: argparse.Namespace) -> Any:
@@ -131,15 +136,19 @@ def _rollout_files(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def _token(args: argparse.Namespace) -> str:
+    """The mesh's token: the file given, or the local stack's; none in a mesh whose
+    sidecars authenticate the calls instead (docker-compose.yml)."""
     token_file = args.token_file or args.state_file.parent / "internal_token"
+    if not args.token_file and not token_file.exists():
+        return ""
     return str(token_file.read_text().strip())
 
 
-def _serve_metrics(port: int) -> None:
-    if port:
+def _serve_metrics(args: argparse.Namespace) -> None:
+    if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
 
 
 def _canary_rollout(args: argparse.Namespace) -> int:
@@ -153,7 +162,7 @@ def _canary_rollout(args: argparse.Namespace) -> int:
         observations = RouterObservations(
             [f"http://{address}/internal/canary" for address in document.routers], _token(args)
         )
-        _serve_metrics(args.metrics_port)
+        _serve_metrics(args)
         client = consul_client(args.consul)
         if client is not None:
             where: str = f"consul kv {STATUS_KEY}"
@@ -193,14 +202,14 @@ def _canary_controller(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    _serve_metrics(args.metrics_port)
+    _serve_metrics(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
     def observe(document: Any) -> RouterObservations:
-        urls = [f"http://{address}/internal/canary" for address in document.routers]
-        return RouterObservations(urls, token)
+        routers = document.routers or args.router_http or ["127.0.0.1:8080"]
+        return RouterObservations([f"http://{r}/internal/canary" for r in routers], token)
 
     def sleep(seconds: float) -> None:  # an interval between judgements, cut short by a stop
         if stop.wait(seconds):

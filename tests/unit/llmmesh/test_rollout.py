@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from llmmesh.analysis.drift import DriftWindow
 from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate
@@ -108,6 +109,13 @@ def test_a_failed_hard_gate_rolls_back_in_the_interval_that_saw_it(tmp_path: Pat
     assert [h["state"] for h in status["history"]] == ["running", "waiting", "rolled_back"]
     lines = status_lines(status)
     assert "rolled_back" in lines[0] and any("ttft_p99" in line for line in lines)
+    # The same as metrics, for dashboards and alerts.
+    labels = {"model": "m", "canary": "canary"}
+    assert REGISTRY.get_sample_value("llm_canary_rollout_weight", labels) == 0
+    gate = {**labels, "gate": "ttft_p99"}
+    assert REGISTRY.get_sample_value("llm_canary_gate_verdict", {**gate, "verdict": "fail"}) == 1
+    assert REGISTRY.get_sample_value("llm_canary_gate_verdict", {**gate, "verdict": "pass"}) == 0
+    assert REGISTRY.get_sample_value("llm_canary_gate_value", gate) == pytest.approx(5.0)
 
 
 def test_errors_and_drift_fail_too(tmp_path: Path) -> None:

@@ -43,4 +43,4 @@ def test_compose_provisions_prometheus_and_grafana() -> None:
     assert "mesh/grafana/provisioning" in mounts and "mesh/grafana/dashboards" in mounts
     scrape = yaml.safe_load((REPO / "mesh" / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"] for job in scrape["scrape_configs"]}
-    assert jobs == {"router", "policy", "context", "inference", "triton"}
+    assert jobs == {"router", "policy", "context", "inference", "triton", "canary-controller"}
