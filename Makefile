@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario inference-perf --duration 20
 	$(BENCH) --scenario paired --target router --target openai --num-prompts 1000 --output-len 4 --section http-paired
 	$(BENCH) --scenario drift --num-prompts 32 --output-len 32
+	$(BENCH) --scenario canary --concurrency 1,16 --num-prompts 64 --rounds 5 --output-len 32
 
 setup: $(STAMP)
 

@@ -72,6 +72,7 @@ def add_bench_parser(commands: Any) -> None:
             "quantization",
             "inference-perf",
             "drift",
+            "canary",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -99,7 +100,11 @@ def add_bench_parser(commands: Any) -> None:
         "against the router of a stack it starts itself (--model, default smollm2), "
         "completions and chat, streamed, for --duration seconds each; drift: the canary "
         "analysis's online drift of smollm2's variants (stable's own weights, int8, 4-bit), "
-        "every request mirrored, --num-prompts greedy chat questions, --output-len tokens",
+        "every request mirrored, --num-prompts greedy chat questions, --output-len tokens; "
+        "canary: client TTFT and throughput through a router mirroring 10%% of stable's "
+        "requests to a paced canary against one that does not (--concurrency, --rounds, "
+        "alternating), and a bad canary's rollback under the default gates (seconds to "
+        "weight 0, the canary's share of client requests before)",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -184,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         return _inference_perf(args)
     if args.scenario == "drift":
         return _drift(args)
+    if args.scenario == "canary":
+        return _canary(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -508,6 +515,42 @@ def _drift(args: argparse.Namespace) -> int:
         table(results),
     )
     return 0
+
+
+def _canary(args: argparse.Namespace) -> int:
+    from bench.canary import ROLLBACK_INTERVAL_S, ROLLBACK_RATE, mirror_fleet, mirror_table
+    from bench.canary import rollback as bad_canary
+
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        root = Path(workdir)
+        print("starting a stack, a paced canary and two routers ...", file=sys.stderr)
+        (root / "mirror").mkdir()
+        with mirror_fleet(root / "mirror") as fleet:
+
+            async def measure() -> list[Run]:
+                return await _run_all(args, list(fleet.targets()))
+
+            runs = asyncio.run(measure())
+        print("rolling out a canary that answers otherwise ...", file=sys.stderr)
+        (root / "rollback").mkdir()
+        rolled = bad_canary(root / "rollback", ROLLBACK_RATE, ROLLBACK_INTERVAL_S)
+    write_json(args.out, _command(), _config(args), runs)
+    table = (
+        f"{results_table(runs)}\n\n{mirror_table(runs)}\n\n"
+        f"A bad canary (another seed's weights), steps 1,5,25,50,100, judged every "
+        f"{ROLLBACK_INTERVAL_S:g} s, default gates, {ROLLBACK_RATE:g} requests/s (Poisson), "
+        f"mirror 10%:\n\n{rolled.table()}"
+    )
+    print(table)
+    _record(
+        args,
+        _section(args, "canary"),
+        f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
+        f"{args.output_len} output tokens each (ignore_eos); the tiny model.",
+        table,
+    )
+    failed = any(r.summary.failed for r in runs)
+    return 1 if failed or rolled.outcome != "rolled_back" else 0
 
 
 def _command() -> str:

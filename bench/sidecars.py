@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from bench.metrics import percentile
-from bench.targets import RouterTarget
+from bench.targets import RouterTarget, named
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
@@ -33,8 +33,8 @@ class Routers:
     def targets(self) -> list[RouterTarget]:
         """Clients of both (make them inside the event loop that uses them)."""
         return [
-            _named(RouterTarget(self.direct, "", self.api_key), "direct"),
-            _named(RouterTarget(self.sidecars, "", self.api_key), "sidecars"),
+            named(RouterTarget(self.direct, "", self.api_key), "direct"),
+            named(RouterTarget(self.sidecars, "", self.api_key), "sidecars"),
         ]
 
 
@@ -73,11 +73,6 @@ def sidecar_fleet(workdir: Path) -> Iterator[Routers]:
             )
         finally:
             direct.terminate(10)
-
-
-def _named(target: RouterTarget, name: str) -> RouterTarget:
-    target.name = name
-    return target
 
 
 async def hop_latency(routers: Routers, calls: int = 1000) -> dict[str, list[float]]:

@@ -49,6 +49,12 @@ class Target(Protocol):
     async def close(self) -> None: ...
 
 
+def named(target: RouterTarget, name: str) -> RouterTarget:
+    """The target under another name (several routers in one run)."""
+    target.name = name
+    return target
+
+
 class RouterTarget:
     name = "router"
 

@@ -330,7 +330,9 @@ class Rollout:
         self._check_lock()
         entry = {"time": self.clock(), "step": index + 1, "weight": weight, "state": state}
         _export(self.settings, index + 1, weight, state, results)
-        self.history.append({**entry, "why": why})
+        # Each judgement keeps what it measured (the promotion's own entry judges nothing).
+        measured = {r.gate: r.value for r in results if r.value is not None}
+        self.history.append({**entry, "why": why} | ({"measured": measured} if measured else {}))
         settings = {
             f.name: getattr(self.settings, f.name)
             for f in fields(self.settings)

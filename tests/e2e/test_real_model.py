@@ -15,13 +15,17 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
+from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate
+from llmmesh.canary import FileRouting
 from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import LOCAL_MODELS
 from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
+from llmmesh.rollout import FileStatus, Outcome, Rollout, RolloutSettings, RouterObservations
 from llmmesh.v1 import common_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 from services.policy.config import DEFAULT_RULES
 from tests.conftest import collect, metric_value, start_service, text_of, wait_for
+from tests.e2e.test_rollout import Load
 from tests.e2e.test_tenants import write_tenants
 
 QUESTION = "What is the capital of France?"
@@ -309,3 +313,57 @@ def test_the_tokenizer_directory_is_the_models_tokenizer(stack: Stack, tmp_path:
         timeout=30,
     ).json()
     assert tokenizer.encode("Hello, world! 2024", add_special_tokens=False).ids == counted["tokens"]
+
+
+def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The local stack's canary (smollm2's int8 weights) rolled out under load with every
+    request mirrored: the drift is measured, small, and passes the default drift gates.
+    The latency gates are given room: on this CPU the int8 weights are expanded to float32
+    for every product, a slower step (docs/benchmarks.md), where a GPU's int8 is faster."""
+    tmp = tmp_path_factory.mktemp("rollout-int8")
+    (tmp / "routing.yaml").write_text(ROLLOUT_ROUTING)
+    ports = StackPorts.free()
+    router = start_service(
+        stack, "router", ports.router, tmp,
+        routing_file=str(tmp / "routing.yaml"), http_port=str(ports.router_http),
+        watch_interval_s="0.1",
+    )  # fmt: skip
+    samples = 4
+    settings = RolloutSettings(
+        model="smollm2",
+        steps=(50, 100),
+        interval_s=0.5,
+        max_wait=120,
+        drift=DriftGates(min_pairs=samples),  # the default thresholds
+        ttft=LatencyGate("ttft", tolerance=5.0, min_samples=samples),
+        tpot=LatencyGate("tpot", tolerance=5.0, min_samples=samples),
+        errors=ErrorGate(0.2, min_samples=samples),
+    )
+    url = f"http://127.0.0.1:{ports.router_http}/internal/canary"
+    status = FileStatus(tmp / "status.json")
+    try:
+        with Load(f"127.0.0.1:{ports.router}", stack.api_key):
+            outcome = Rollout(
+                settings,
+                FileRouting(tmp / "routing.yaml"),
+                RouterObservations([url], stack.internal_token),
+                status,
+            ).run()
+    finally:
+        router.terminate(5)
+    written = status.read()
+    assert written is not None
+    assert outcome is Outcome.PROMOTED, written
+    passed = [h for h in written["history"] if h["state"] == "passed"]
+    assert len(passed) == 1, written["history"]
+    measured = passed[0]["measured"]
+    assert 0 < measured["kl"] < 0.1 and measured["agreement"] >= 0.8, measured
+
+
+ROLLOUT_ROUTING = """\
+split: {stable: 100, canary: 0}
+colors: {stable: stable, canary: canary}
+mirror: {subset: canary, percent: 100, max_in_flight: 2}
+"""

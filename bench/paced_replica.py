@@ -1,0 +1,99 @@
+"""A benchmark harness, never part of the product: an inference replica whose engine is a
+clock. The real inference service (its servicer, core, load reports) runs over a backend
+that streams one byte-level token every ``itl_ms`` after ``ttft_ms``, with made-up top-k
+log probabilities when asked, so that what is measured through it is the mesh's own cost:
+the upstream is never the bottleneck, and it takes no CPU from the engine of a replica it
+stands beside (a canary on hardware of its own, say).
+
+Run as ``python -m bench.paced_replica`` with the inference service's settings
+(``LLM_MESH_INFERENCE_GRPC_PORT``, ...) and ``LLM_MESH_PACED_TTFT_MS``,
+``LLM_MESH_PACED_ITL_MS``, ``LLM_MESH_PACED_MAX_CONTEXT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+from collections.abc import AsyncIterator
+
+from llmmesh.runtime import GrpcService, service_main
+from llmmesh.runtime.registration import add_servicer
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, TokenLogprob
+from services.inference.config import SERVICE, InferenceConfig
+from services.inference.core import InferenceCore
+from services.inference.load import LoadMonitor
+from services.inference.server import SERVICE as INFERENCE
+from services.inference.server import InferenceServicer
+
+ALPHABET = "etaoinshrdlu "
+
+
+class PacedBackend:
+    """Tokens on a clock: the first after ``ttft_s``, then one every ``itl_s``."""
+
+    def __init__(self, ttft_s: float, itl_s: float, max_context: int) -> None:
+        self._ttft = ttft_s
+        self._itl = itl_s
+        self._max_context = max_context
+        self.running = 0
+
+    async def describe(self, model: str) -> ModelCard:
+        return ModelCard(model, self._max_context)  # byte-level tokens, as the tiny model
+
+    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+        rng = random.Random(call.sampling.seed)
+        self.running += 1
+        try:
+            await asyncio.sleep(self._ttft)  # the simulated prefill
+            total = call.sampling.max_tokens
+            for n in range(1, total + 1):
+                text = rng.choice(ALPHABET)
+                scored = _scored(text, rng, call.sampling.logprobs)
+                last = FinishReason.LENGTH if n == total else None
+                yield Chunk(text, 1, last, logprobs=scored)
+                if last is None:
+                    await asyncio.sleep(self._itl)  # the simulated decode step
+        finally:
+            self.running -= 1
+
+
+def _scored(text: str, rng: random.Random, top: int | None) -> tuple[TokenLogprob, ...]:
+    if top is None:
+        return ()
+    weights = sorted((rng.random() for _ in range(max(top, 1))), reverse=True)
+    norm = sum(weights) * 1.25  # a quarter of the mass outside the top k
+    alternatives = tuple(
+        (ord(c), c, math.log(w / norm)) for c, w in zip(ALPHABET, weights, strict=False)
+    )
+    logprob = next((lp for _, t, lp in alternatives if t == text), math.log(0.01))
+    return (TokenLogprob(ord(text), text, logprob, 1, alternatives[:top]),)
+
+
+def build(config: InferenceConfig) -> GrpcService:
+    backend = PacedBackend(
+        float(os.environ.get("LLM_MESH_PACED_TTFT_MS", "20")) / 1000,
+        float(os.environ.get("LLM_MESH_PACED_ITL_MS", "10")) / 1000,
+        int(os.environ.get("LLM_MESH_PACED_MAX_CONTEXT", "2048")),
+    )
+    core = InferenceCore(backend, config.max_tokens_limit)
+    models = config.models
+
+    async def engine_page() -> str:  # the gauges a Triton engine would publish
+        return "\n".join(
+            f'llm_engine_running_sequences{{model="{m}"}} {backend.running}' for m in models
+        )
+
+    monitor = LoadMonitor(engine_page, lambda: core.in_flight, core.latency)
+    servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
+    return GrpcService(
+        config,
+        [INFERENCE.full_name],
+        lambda server: add_servicer(server, servicer, INFERENCE),
+        cleanup=monitor.close,
+    )
+
+
+if __name__ == "__main__":
+    service_main(SERVICE, InferenceConfig, build)

@@ -1,0 +1,37 @@
+"""The paced replica's backend (a benchmark harness): tokens on its clock, scored as asked,
+the same text for the same seed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from bench.paced_replica import PacedBackend
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
+
+
+def generate(backend: PacedBackend, seed: int, logprobs: int | None = None) -> list[Chunk]:
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=5, seed=seed, logprobs=logprobs))
+
+    async def collect() -> list[Chunk]:
+        return [chunk async for chunk in backend.generate(call)]
+
+    return asyncio.run(collect())
+
+
+def test_tokens_come_one_a_chunk_and_the_last_says_why() -> None:
+    backend = PacedBackend(ttft_s=0.0, itl_s=0.0, max_context=2048)
+    chunks = generate(backend, seed=1)
+    assert [c.num_tokens for c in chunks] == [1] * 5 and all(not c.logprobs for c in chunks)
+    assert [c.finish_reason for c in chunks] == [None] * 4 + [FinishReason.LENGTH]
+    assert "".join(c.text for c in generate(backend, seed=1)) == "".join(c.text for c in chunks)
+    assert backend.running == 0
+
+
+def test_logprobs_name_the_token_and_its_top_alternatives() -> None:
+    chunks = generate(PacedBackend(0.0, 0.0, 2048), seed=2, logprobs=3)
+    for chunk in chunks:
+        [scored] = chunk.logprobs
+        assert scored.text == chunk.text and len(scored.top) == 3
+        probabilities = [math.exp(lp) for _, _, lp in scored.top]
+        assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) < 1
