@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
@@ -116,12 +117,17 @@ def _rollout_document(args: argparse.Namespace) -> Any:
     from llmmesh.rollout import RolloutDocument
 
     given = {name: getattr(args, name) for name in _ROLLOUT_FLAGS}
-    given["routers"] = args.router_http or [
-        _state(args.state_file).get("router_http", "127.0.0.1:8080")
-    ]
+    given["routers"] = args.router_http or _state_routers(_state(args.state_file))
     return RolloutDocument.parse(
         json.dumps({k: v for k, v in given.items() if v is not None}), "the command line"
     )
+
+
+def _state_routers(state: dict[str, Any]) -> list[str]:
+    """Every router's HTTP address in the state file: each router's own when the stack
+    runs several (their front would ask only one of them)."""
+    each = [v for k, v in sorted(state.items()) if re.fullmatch(r"router_\d+_http", k)]
+    return each or [state.get("router_http", "127.0.0.1:8080")]
 
 
 def _rollout_files(args: argparse.Namespace) -> tuple[Path, Path]:

@@ -79,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
         help="where sessions live: a SQLite file, or a Redis server the stack runs "
         "(Debian's redis-server; default: %(default)s)",
     )
+    up.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="routers to run: more than one share their state through the stack's Redis, "
+        "behind an Envoy front on the router's ports (default: %(default)s)",
+    )
     up.set_defaults(func=_up)
 
     gen = commands.add_parser("generate", help="stream a generation through the router")
@@ -190,6 +197,7 @@ def _up(args: argparse.Namespace) -> int:
         sidecars=args.sidecars,
         context_store=args.context_store,
         models=[m for m in args.models.split(",") if m],
+        routers=args.routers,
     )
     print(
         f"starting Triton and the mesh services (logs in {stack.workdir / 'logs'}) ...",

@@ -108,6 +108,12 @@ def write_configs(
 def start_sidecar(
     process: str, config: Path, log_path: Path, cwd: Path, *, append: bool = False
 ) -> Child:
+    return start_envoy(f"sidecar-{process}", config, log_path, cwd, append=append)
+
+
+def start_envoy(
+    name: str, config: Path, log_path: Path, cwd: Path, *, append: bool = False
+) -> Child:
     command = [
         envoy_binary(),
         "--config-path", str(config),
@@ -115,7 +121,6 @@ def start_sidecar(
         "--concurrency", "1",
         "--log-level", "warn",
     ]  # fmt: skip
-    name = f"sidecar-{process}"
     return Child.spawn(name, command, dict(os.environ), log_path, cwd, append=append)
 
 

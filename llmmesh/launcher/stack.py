@@ -15,6 +15,7 @@ from types import TracebackType
 
 from llmmesh.launcher.process import Child, StackError, free_ports
 from llmmesh.launcher.redis import start_redis
+from llmmesh.launcher.routers import FRONT, RouterFleetPorts, start_front, write_front_config
 from llmmesh.launcher.sidecars import SidecarPorts, start_sidecar, wait_ready, write_configs
 from llmmesh.launcher.triton import start_triton, wait_until_ready
 from llmmesh.runtime.internal_auth import new_token_file, read_token
@@ -102,9 +103,14 @@ class Stack:
         sidecars: bool = False,
         context_store: str = "sqlite",
         models: Sequence[str] = TEST_MODELS,
+        routers: int = 1,
     ) -> None:
+        """``routers``: more than one runs that many routers sharing their state through
+        the stack's Redis, behind an Envoy front on the router's ports."""
         if context_store not in CONTEXT_STORES:
             raise StackError(f"context_store: {context_store!r} is not one of {CONTEXT_STORES}")
+        if routers < 1 or (routers > 1 and sidecars):
+            raise StackError("routers: at least 1, and one only with sidecars")
         self.workdir = workdir.resolve()
         self.context_store = context_store
         self.models = tuple(models)
@@ -116,6 +122,9 @@ class Stack:
         self._sidecar_configs: dict[str, Path] = {}
         # With sidecars: a real Envoy beside every service (launcher/sidecars.py).
         self.sidecar_ports = SidecarPorts.free(exclude=astuple(self.ports)) if sidecars else None
+        self.router_fleet = (
+            RouterFleetPorts.free(routers, exclude=astuple(self.ports)) if routers > 1 else None
+        )
 
     def address(self, name: str) -> str:
         return f"{self.host}:{getattr(self.ports, name)}"
@@ -125,8 +134,17 @@ class Stack:
         return f"http://{self.address('router_http')}/v1"
 
     def endpoints(self) -> dict[str, str]:
-        """Every endpoint as host:port, as written to the state file."""
+        """Every endpoint as host:port, as written to the state file (with several
+        routers, ``router`` and ``router_http`` are their front's)."""
         found = {name: self.address(name) for name in self._used_ports()}
+        if self.router_fleet is not None:
+            del found["router_metrics"]  # each router has its own
+            for name in self.router_fleet.names():
+                replica = self.router_fleet.of(name)
+                key = name.replace("-", "_")
+                found[key] = f"{self.host}:{replica.grpc}"
+                found[f"{key}_http"] = f"{self.host}:{replica.http}"
+                found[f"{key}_metrics"] = f"{self.host}:{replica.metrics}"
         if self.sidecar_ports is not None:
             sidecars = self.sidecar_ports
             for process, port in sidecars.inbound.items():
@@ -150,20 +168,48 @@ class Stack:
             self._start_redis()
             self._start_triton()
             self._start_sidecars(time.monotonic() + timeout_s)
-            for name in PROCESSES:
+            for name in self.process_names:
                 self._children[name] = self._spawn_service(name)
             deadline = time.monotonic() + timeout_s
             self._wait_triton(deadline)
-            for name in PROCESSES:
-                self._children[name].wait_serving(self.address(name), deadline)
+            for name in self.process_names:
+                self._children[name].wait_serving(self.service_address(name), deadline)
+            self._start_front(deadline)
         except BaseException:
             self.stop()
             raise
 
+    @property
+    def process_names(self) -> list[str]:
+        """The services' processes: with several routers, theirs instead of one."""
+        if self.router_fleet is None:
+            return list(PROCESSES)
+        return [*(p for p in PROCESSES if p != "router"), *self.router_fleet.names()]
+
+    def service_address(self, name: str) -> str:
+        if self.router_fleet is not None and name.startswith("router-"):
+            return f"{self.host}:{self.router_fleet.of(name).grpc}"
+        return self.address(name)
+
+    def _start_front(self, deadline: float) -> None:
+        if self.router_fleet is None:
+            return
+        config = write_front_config(
+            self.workdir / "mesh",
+            self.router_fleet,
+            self.ports.router,
+            self.ports.router_http,
+            self.host,
+        )
+        self._children[FRONT] = start_front(config, self.log_path(FRONT), self.workdir)
+        wait_ready(self._children[FRONT], self.router_fleet.front_admin, deadline)
+        self._children[FRONT].wait_serving(self.address("router"), deadline)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM in order, each given ``grace_s`` to drain, then SIGKILL of its group;
         sidecars last, so that draining services can still reach their upstreams."""
-        order = [*STOP_ORDER, *(f"sidecar-{p}" for p in PROCESSES)]
+        routers = self.router_fleet.names() if self.router_fleet is not None else []
+        order = [FRONT, *routers, *STOP_ORDER, *(f"sidecar-{p}" for p in PROCESSES)]
         for name in order:
             child = self._children.pop(name, None)
             if child is not None:
@@ -181,6 +227,13 @@ class Stack:
             self._wait_triton(deadline)
         elif name == "redis":
             self._start_redis(append=True)  # recovers every acknowledged write from its AOF
+        elif name == FRONT:
+            assert self.router_fleet is not None
+            config = self.workdir / "mesh" / "envoy-router-front.json"
+            self._children[name] = start_front(
+                config, self.log_path(name), self.workdir, append=True
+            )
+            wait_ready(self._children[name], self.router_fleet.front_admin, deadline)
         elif name.startswith("sidecar-"):
             process = name.removeprefix("sidecar-")
             assert self.sidecar_ports is not None
@@ -191,14 +244,15 @@ class Stack:
             wait_ready(self._children[name], self.sidecar_ports.admin[process], deadline)
         else:
             self._children[name] = self._spawn_service(name, append=True)
-            self._children[name].wait_serving(self.address(name), deadline)
+            self._children[name].wait_serving(self.service_address(name), deadline)
 
     def exit_code(self, name: str) -> int | None:
         return self._children[name].process.poll()
 
     def _spawn_service(self, name: str, *, append: bool = False) -> Child:
         env, log = self.service_env(name), self.log_path(name)
-        return Child.service(name, env, log, self.workdir, PROCESSES[name], append=append)
+        service = "router" if name.startswith("router-") else PROCESSES[name]
+        return Child.service(name, env, log, self.workdir, service, append=append)
 
     def _start_sidecars(self, deadline: float) -> None:
         if self.sidecar_ports is None:
@@ -260,14 +314,19 @@ class Stack:
     ) -> None:
         self.stop()
 
+    @property
+    def runs_redis(self) -> bool:
+        """For the context service's sessions, or for the routers' shared state."""
+        return self.context_store == "redis" or self.router_fleet is not None
+
     def _used_ports(self) -> dict[str, int]:
         ports = asdict(self.ports)
-        if self.context_store != "redis":
+        if not self.runs_redis:
             del ports["redis"]
         return ports
 
     def _start_redis(self, *, append: bool = False) -> None:
-        if self.context_store == "redis":
+        if self.runs_redis:
             self._children["redis"] = start_redis(
                 self.workdir / "redis", self.ports.redis, self.log_path("redis"), append=append
             )
@@ -343,6 +402,8 @@ class Stack:
         return self.sidecar_ports.inbound_address(process, self.host)
 
     def service_env(self, name: str) -> dict[str, str]:
+        if self.router_fleet is not None and name.startswith("router-"):
+            return self._router_replica_env(name)
         prefix = f"LLM_MESH_{PROCESSES.get(name, name).upper()}_"
         env = {
             **os.environ,
@@ -379,6 +440,18 @@ class Stack:
             env[f"{prefix}REGION"] = "local"
             env[f"{prefix}MODELS"] = json.dumps(self.triton_models)
         return env
+
+    def _router_replica_env(self, name: str) -> dict[str, str]:
+        """One router of several: its own ports, the fleet's state in the stack's Redis."""
+        assert self.router_fleet is not None
+        ports, prefix = self.router_fleet.of(name), "LLM_MESH_ROUTER_"
+        return self.service_env("router") | {
+            f"{prefix}GRPC_PORT": str(ports.grpc),
+            f"{prefix}HTTP_PORT": str(ports.http),
+            f"{prefix}METRICS_PORT": str(ports.metrics),
+            f"{prefix}STATE": "redis",
+            f"{prefix}REDIS_URL": f"redis://{self.address('redis')}/1",
+        }
 
     def _upstream(self, service: str) -> str:
         """How the router reaches ``service``: its sidecar's listener, or directly."""

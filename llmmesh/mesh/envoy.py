@@ -53,7 +53,7 @@ def bootstrap(sidecar: Sidecar) -> dict[str, Any]:
         clusters.insert(0, _local_app_cluster(sidecar.app_port))
     return {
         "node": {"id": f"{sidecar.identity.service}-sidecar", "cluster": sidecar.identity.service},
-        "admin": {"address": _address(LOOPBACK, sidecar.admin_port)},
+        "admin": {"address": address(LOOPBACK, sidecar.admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "overload_manager": {
             "resource_monitors": [
@@ -70,7 +70,7 @@ def bootstrap(sidecar: Sidecar) -> dict[str, Any]:
     }
 
 
-def _address(host: str, port: int) -> dict[str, Any]:
+def address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
@@ -155,7 +155,7 @@ def _inbound_listener(sidecar: Sidecar) -> dict[str, Any]:
     assert sidecar.inbound_port is not None
     return {
         "name": "public",
-        "address": _address(LOOPBACK, sidecar.inbound_port),
+        "address": address(LOOPBACK, sidecar.inbound_port),
         "filter_chains": [
             {
                 "transport_socket": {
@@ -180,14 +180,14 @@ def _inbound_listener(sidecar: Sidecar) -> dict[str, Any]:
 def _outbound_listener(upstream: Upstream) -> dict[str, Any]:
     return {
         "name": f"upstream-{upstream.service}",
-        "address": _address(LOOPBACK, upstream.local_port),
+        "address": address(LOOPBACK, upstream.local_port),
         "filter_chains": [
             {"filters": [_http_manager(f"upstream_{upstream.service}", upstream.service, [])]}
         ],
     }
 
 
-def _http2() -> dict[str, Any]:
+def http2_options() -> dict[str, Any]:
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": f"{_TYPES}.upstreams.http.v3.HttpProtocolOptions",
@@ -201,19 +201,19 @@ def _local_app_cluster(app_port: int) -> dict[str, Any]:
         "name": "local_app",
         "type": "STATIC",
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": _http2(),
-        "load_assignment": _endpoints("local_app", [f"{LOOPBACK}:{app_port}"]),
+        "typed_extension_protocol_options": http2_options(),
+        "load_assignment": endpoints("local_app", [f"{LOOPBACK}:{app_port}"]),
     }
 
 
-def _endpoints(cluster: str, targets: Sequence[str]) -> dict[str, Any]:
+def endpoints(cluster: str, targets: Sequence[str]) -> dict[str, Any]:
     hosts = [t.rsplit(":", 1) for t in targets]
     return {
         "cluster_name": cluster,
         "endpoints": [
             {
                 "lb_endpoints": [
-                    {"endpoint": {"address": _address(host, int(port))}} for host, port in hosts
+                    {"endpoint": {"address": address(host, int(port))}} for host, port in hosts
                 ]
             }
         ],
@@ -240,7 +240,7 @@ def _upstream_cluster(upstream: Upstream, identity: Identity) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": upstream.service,
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": _http2(),
+        "typed_extension_protocol_options": http2_options(),
         "transport_socket": tls,
     }
     if upstream.by_header:
@@ -255,6 +255,6 @@ def _upstream_cluster(upstream: Upstream, identity: Identity) -> dict[str, Any]:
     else:
         cluster |= {
             "type": "STATIC",
-            "load_assignment": _endpoints(upstream.service, upstream.targets),
+            "load_assignment": endpoints(upstream.service, upstream.targets),
         }
     return cluster

@@ -116,7 +116,19 @@ class AdmissionQueue:
         self._releases = RecentEvents(RATE_WINDOW_S)
         self._demand = {tier: TierDemand(RATE_WINDOW_S) for tier in TIERS}
         self._decreased_at = -math.inf  # when the window last shrank
+        self._share = 1.0  # of the fleet's window: 1/N with N routers sharing the fleet
         LIMIT.set(self.limit)
+
+    def set_share(self, share: float) -> None:
+        """This router's share of the fleet's window (1/N of N routers): the window and
+        its bounds scale with it, so that N routers together keep to the fleet's."""
+        scaled, self._share = self.limit * share / self._share, share
+        self.limit = min(max(scaled, 1.0), self._bound("max_limit"))
+        LIMIT.set(self.limit)
+        self._dispatch()
+
+    def _bound(self, name: str) -> float:
+        return max(1.0, float(getattr(self.settings, name)) * self._share)
 
     async def acquire(self, tenant: str, tier: str, cost: int, deadline: float | None) -> Slot:
         """Waits for a slot; ResourceExhausted when shed, DeadlineExceeded at the deadline.
@@ -192,10 +204,10 @@ class AdmissionQueue:
             # strictest tier itself holds, it would only queue that tier behind its own
             # generations.
             if displaceable > 0 and ticket.granted_at >= self._decreased_at:
-                self.limit = max(s.min_limit, held, self.limit * s.decrease)
+                self.limit = max(self._bound("min_limit"), held, self.limit * s.decrease)
                 self._decreased_at = self._clock()
         elif not self._saturated() and self.in_flight + 1 >= self.limit:
-            self.limit = min(s.max_limit, self.limit + 1 / self.limit)  # +1 per window
+            self.limit = min(self._bound("max_limit"), self.limit + 1 / self.limit)  # +1/window
         LIMIT.set(self.limit)
 
     def _grant(self, ticket: Ticket) -> None:

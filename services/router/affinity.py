@@ -8,6 +8,7 @@ a replica is remembered for it, least recently used first out.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -16,12 +17,15 @@ MAX_BLOCKS = 64  # prefixes beyond 4096 characters gain nothing more
 
 
 def prefix_hashes(prompt: str) -> list[int]:
-    """Chained hashes of the prompt's full blocks: the i-th names characters [0, 64*(i+1))."""
-    hashes, parent = [], 0
+    """Chained hashes of the prompt's full blocks: the i-th names characters [0, 64*(i+1)).
+    BLAKE2b, not ``hash()``: every router must name a prefix alike (Python salts str
+    hashes per process); 64 blocks take about 30 us."""
+    hashes, parent = [], b""
     full = min(len(prompt) // BLOCK_CHARS, MAX_BLOCKS)
     for start in range(0, full * BLOCK_CHARS, BLOCK_CHARS):
-        parent = hash((parent, prompt[start : start + BLOCK_CHARS]))
-        hashes.append(parent)
+        block = prompt[start : start + BLOCK_CHARS].encode("utf-8", "surrogatepass")
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
     return hashes
 
 
@@ -61,17 +65,23 @@ class PrefixIndex:
 
 
 class SessionTable:
-    """Session key -> the replica serving that conversation, bounded LRU."""
+    """Session key -> the replica serving that conversation and its subset (the version
+    it talks to), bounded LRU."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._capacity = capacity
-        self._where: OrderedDict[str, str] = OrderedDict()
+        self._where: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     def get(self, key: str) -> str | None:
-        return self._where.get(key)
+        found = self._where.get(key)
+        return found[0] if found else None
 
-    def set(self, key: str, address: str) -> None:
-        self._where[key] = address
+    def subset(self, key: str) -> str | None:
+        found = self._where.get(key)
+        return found[1] if found else None
+
+    def set(self, key: str, address: str, subset: str = "") -> None:
+        self._where[key] = (address, subset)
         self._where.move_to_end(key)
         if len(self._where) > self._capacity:
             self._where.popitem(last=False)

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from llmmesh.runtime.config import ServiceConfig
 from services.router.admission import AdmissionSettings
 from services.router.scheduling import SchedulingSpec
+from services.router.shared.settings import SharedSettings
 
 SERVICE = "router"
 
@@ -119,6 +120,18 @@ class RouterConfig(ServiceConfig):
     model_context_tokens: int | None = Field(default=None, ge=1)
     # Deadline for each policy and context call.
     upstream_timeout_s: float = 2.0
+    # What this router shares with the others of its fleet (services/router/shared/):
+    # "memory" (one router: budgets, sessions and the admission window are its own) or
+    # "redis" (any number of routers over the Redis at redis_url, limits held as one).
+    state: Literal["memory", "redis"] = "memory"
+    redis_url: str = ""
+    shared: SharedSettings = SharedSettings()
+
+    @model_validator(mode="after")
+    def _redis_named(self) -> RouterConfig:
+        if self.state == "redis" and not self.redis_url:
+            raise ValueError("state redis needs redis_url (redis://host:port/db)")
+        return self
 
     @model_validator(mode="after")
     def _dns_names_given(self) -> RouterConfig:

@@ -221,7 +221,7 @@ class RouterCore:
         call, prompt_tokens = self._build_call(request, history, user_text, speech)
         user_tokens = speech.count(user_text)
         new_turns = _new_turns(request, history, speech)
-        lease = self._tenants.admit(request.tenant, request.model, prompt_tokens)
+        lease = await self._tenants.admit(request.tenant, request.model, prompt_tokens)
         try:
             with tracing.tracer.start_as_current_span("admission.wait"):
                 slot = await self._admission.acquire(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
@@ -68,8 +68,11 @@ class Dispatcher:
         rng: random.Random | None = None,
         *,
         watch: CanaryWatch | None = None,
+        session_home: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        """``watch``: where each attempt's outcome goes, by subset (the canary's gates)."""
+        """``watch``: where each attempt's outcome goes, by subset (the canary's gates);
+        ``session_home``: learns where another router placed a session, before a pick."""
+        self._session_home = session_home
         self._replicas = replicas
         self._routing = routing
         self._settings = settings
@@ -111,6 +114,8 @@ class Dispatcher:
         raise Unavailable(f"no replica of model '{model}' could describe it: {why}")
 
     async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
+        if hints.session_key and self._session_home is not None:
+            await self._session_home(hints.session_key)
         request = PickRequest(
             model=call.model,
             prefix=prefix_hashes(call.prompt),

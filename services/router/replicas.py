@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge
 
@@ -46,6 +47,11 @@ SILENT_ENDED = Counter(
     "llm_router_silent_replica_streams_total",
     "Streams moved off a replica that fell silent (no load report for silent_after_s)",
 )
+
+
+class PeerInFlight(Protocol):
+    def in_flight(self, address: str) -> int: ...
+
 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
@@ -90,7 +96,12 @@ class ReplicaSet:
         settings: PoolSettings,
         local_region: str,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        peers: PeerInFlight | None = None,
     ) -> None:
+        """``peers``: the streams the fleet's other routers have open on each replica,
+        counted with this router's own (several routers over one fleet)."""
+        self._peers = peers
         self._discovery = discovery
         self._connector = connector
         self._settings = settings
@@ -153,11 +164,12 @@ class ReplicaSet:
         out = []
         for r in self._replicas.values():
             alive = reports_alive(r.last_report_at, r.down, now, s.stale_after_s)
+            elsewhere = self._peers.in_flight(r.address) if self._peers is not None else 0
             out.append(
                 Candidate(
                     endpoint=r.endpoint,
                     region=r.endpoint.region or self._region,
-                    in_flight=r.in_flight,
+                    in_flight=r.in_flight + elsewhere,
                     ended=r.ended.get(model, 0),
                     prefilling=r.prefilling,
                     load=r.reports.get(model) if self._fresh(r, now) else None,
@@ -168,6 +180,10 @@ class ReplicaSet:
                 )
             )
         return out
+
+    def in_flight_counts(self) -> dict[str, int]:
+        """Streams this router has open, per replica that has any."""
+        return {a: r.in_flight for a, r in self._replicas.items() if r.in_flight}
 
     def can_serve(self, model: str) -> bool:
         """Some healthy replica serves ``model`` now."""

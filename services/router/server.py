@@ -47,6 +47,7 @@ from services.router.request import GenerateInput, Generation
 from services.router.responses_api import ResponsesApi
 from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
+from services.router.shared import build_shared_state
 from services.router.speech import CardSpeeches
 from services.router.tenants import Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyService
@@ -176,8 +177,16 @@ class Upstreams:
             config.tenants_file,
             config.watch_interval_s,
         )
+        self.shared = build_shared_state(
+            config.state,
+            config.redis_url,
+            config.shared,
+            lambda routers: self.admission.set_share(1 / routers),
+        )
         # With a source configured, nobody is let in before its first document.
-        self.tenants = Tenants(config.default_tenant, enabled=tenants is not None)
+        self.tenants = Tenants(
+            config.default_tenant, enabled=tenants is not None, budgets=self.shared.budgets
+        )
         if config.tenants_file and config.tenants_source == "file":
             # Read now, so the service starts with its tenants or not at all.
             try:
@@ -189,13 +198,22 @@ class Upstreams:
             GrpcConnector(config.pool.via, auth),
             config.pool,
             config.region,
+            peers=self.shared.peers,
         )
-        scheduler = Scheduler(SchedulingState(config.region), default=config.scheduling)
+        scheduling = SchedulingState(config.region)
+        self.shared.share_scheduling(scheduling, self.replicas.in_flight_counts)
+        scheduler = Scheduler(scheduling, default=config.scheduling)
         self.canary = CanaryWatch()
         dispatcher = Dispatcher(
-            self.replicas, self.routing, config.pool, scheduler, watch=self.canary
+            self.replicas,
+            self.routing,
+            config.pool,
+            scheduler,
+            watch=self.canary,
+            session_home=self.shared.session_home,
         )
         self.inference = Mirror(dispatcher, self.routing, self.canary)
+        self.admission = AdmissionQueue(config.admission, self.inference.saturated)
         self._documents = [
             (offer, source)
             for offer, source in ((self.routing.offer, routing), (self.tenants.offer, tenants))
@@ -204,6 +222,7 @@ class Upstreams:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        await self.shared.start()
         await self.replicas.start()
         for offer, (name, documents) in self._documents:
             self._tasks.append(asyncio.create_task(_follow(offer, name, documents)))
@@ -214,6 +233,7 @@ class Upstreams:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.inference.close()
         await self.replicas.close()
+        await self.shared.close()
         await self.policy.close()
         for ch in self.channels:
             await ch.close()
@@ -265,7 +285,7 @@ def build_service(config: RouterConfig) -> GrpcService:
         upstreams.inference,
         CardSpeeches(upstreams.inference),
         tenants=upstreams.tenants,
-        admission=AdmissionQueue(config.admission, upstreams.inference.saturated),
+        admission=upstreams.admission,
     )
     servicer = GenerationServicer(core, upstreams.tenants)
 

@@ -2,19 +2,20 @@
 
 Only SHA-256 hashes of API keys are stored. Budgets are token buckets that refill
 continuously: requests per minute, and tokens per minute charged as they happen (the
-prompt at admission, every generated token as it is relayed), so one long stream cannot
-overshoot a budget by more than the chunk in flight.
+prompt at admission, generated tokens as they are relayed), kept in this router's
+memory or shared by every router through Redis (services/router/shared/).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Coroutine
+from typing import Any, Literal
 
 import yaml
 from prometheus_client import Gauge
@@ -29,6 +30,8 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.types import Truncation
 from services.router.admission import ADMISSION_OUTCOMES
+from services.router.shared.budgets import Budgets, Limits, Refusal
+from services.router.shared.resilient import SharedBudgets
 
 log = logging.getLogger(__name__)
 
@@ -100,75 +103,101 @@ def parse_tenants(text: str | bytes) -> TenantsDocument:
         raise ValueError(str(err)) from None
 
 
-@dataclass
-class TokenBucket:
-    """``capacity`` per minute, refilled continuously; the level may go below zero when a
-    charge arrives after the fact (tokens already generated)."""
-
-    capacity: float
-    level: float
-    updated: float = field(default_factory=time.monotonic)
-
-    @property
-    def rate_per_s(self) -> float:
-        return self.capacity / 60.0
-
-    def refill(self, now: float) -> float:
-        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate_per_s)
-        self.updated = now
-        return self.level
-
-    def seconds_until(self, amount: float, now: float) -> float:
-        return max(0.0, (amount - self.refill(now)) / self.rate_per_s)
-
-
-@dataclass
-class TenantState:
-    spec: TenantSpec
-    requests: TokenBucket | None = None
-    tokens: TokenBucket | None = None
-    streams: int = 0
-
-    def resize(self, spec: TenantSpec) -> None:
-        """Applies a changed spec, keeping what was spent."""
-        self.spec = spec
-        self.requests = _bucket(spec.requests_per_minute, self.requests)
-        self.tokens = _bucket(spec.tokens_per_minute, self.tokens)
-
-
-def _bucket(per_minute: float | None, old: TokenBucket | None) -> TokenBucket | None:
-    if per_minute is None:
-        return None
-    if old is None:
-        return TokenBucket(per_minute, per_minute)
-    return TokenBucket(per_minute, min(old.level, per_minute), old.updated)
-
-
 class Lease:
-    """A stream admitted for a tenant: charges its tokens, frees its slot once."""
+    """A stream admitted for a tenant: charges its generated tokens to the store that
+    admitted it, and frees its stream slot there once.
 
-    def __init__(self, tenant: TenantState) -> None:
-        self._tenant = tenant
+    A store that can charge at once (this router's memory) is charged with every chunk.
+    A shared one (Redis) is charged at most every ``charge_interval_s``, in the
+    background: between charges the stream counts against the tenant's tokens left as
+    of the last answer, so N routers overshoot a budget by at most one interval's tokens.
+    """
+
+    def __init__(
+        self,
+        spec: TenantSpec,
+        store: Budgets,
+        tokens_left: float | None,
+        charge_interval_s: float = 0.0,
+    ) -> None:
+        self._spec = spec
+        self._limits = limits_of(spec)
+        self._store = store
+        self._left = tokens_left
+        self._interval = charge_interval_s
+        self._pending = 0
+        self._charged_at = time.monotonic()
+        self._charging: asyncio.Task[None] | None = None
         self._released = False
 
     @property
     def tenant(self) -> TenantSpec:
-        return self._tenant.spec
+        return self._spec
 
     def charge(self, tokens: int) -> bool:
         """Charges generated tokens; False when the stream must finish for the budget."""
-        bucket = self._tenant.tokens
-        if bucket is None or tokens <= 0:
+        if self._left is None or tokens <= 0:
             return True
-        bucket.refill(time.monotonic())
-        bucket.level -= tokens
-        BUDGET_REMAINING.labels(self.tenant.id).set(max(bucket.level, 0.0))
-        return bucket.level > 0 or self.tenant.on_budget_exhausted == "complete"
+        charge_now = getattr(self._store, "charge_now", None)
+        if charge_now is not None:
+            self._left = charge_now(self._spec.id, self._limits, tokens)
+        else:
+            self._left -= tokens
+            self._pending += tokens
+            if time.monotonic() - self._charged_at >= self._interval:
+                self._flush()
+        BUDGET_REMAINING.labels(self._spec.id).set(max(self._left or 0.0, 0.0))
+        return (self._left or 0.0) > 0 or self._spec.on_budget_exhausted == "complete"
+
+    def _flush(self) -> None:
+        if self._charging is not None and not self._charging.done():
+            return  # the next chunk sends what came meanwhile
+        tokens, self._pending, self._charged_at = self._pending, 0, time.monotonic()
+        self._charging = _background(self._charge(tokens))
+
+    async def _charge(self, tokens: int) -> None:
+        left = await self._store.charge(self._spec.id, self._limits, tokens)
+        if left is not None and self._left is not None:
+            self._left = left - self._pending  # what this stream spent since it asked
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._tenant.streams -= 1
+        if self._released:
+            return
+        self._released = True
+        release_now = getattr(self._store, "release_now", None)
+        if release_now is not None:
+            release_now(self._spec.id)
+            return
+        pending, self._pending = self._pending, 0
+
+        async def settle() -> None:
+            if pending:
+                await self._store.charge(self._spec.id, self._limits, pending)
+            await self._store.release(self._spec.id)
+
+        _background(settle())
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Runs ``work`` on its own; a failure is logged (the store falls back by itself)."""
+    task = asyncio.get_running_loop().create_task(work)
+    _BACKGROUND.add(task)
+
+    def done(finished: asyncio.Task[None]) -> None:
+        _BACKGROUND.discard(finished)
+        error = None if finished.cancelled() else finished.exception()
+        if error is not None:
+            log.warning("a budget charge failed", extra={"fields": {"error": repr(error)}})
+
+    task.add_done_callback(done)
+    return task
+
+
+def limits_of(spec: TenantSpec) -> Limits:
+    return Limits(spec.requests_per_minute, spec.tokens_per_minute, spec.max_concurrent_streams)
 
 
 class Tenants:
@@ -176,23 +205,25 @@ class Tenants:
     unlimited (a development setup); enabled, every call needs a known API key (and none
     is known until a document is applied)."""
 
-    def __init__(self, default_tenant: str = "default", *, enabled: bool = False) -> None:
-        self._default = TenantState(TenantSpec(id=default_tenant))
+    def __init__(
+        self,
+        default_tenant: str = "default",
+        *,
+        enabled: bool = False,
+        budgets: SharedBudgets | None = None,
+    ) -> None:
+        self._default = TenantSpec(id=default_tenant)
         self._enabled = enabled
-        self._states: dict[str, TenantState] = {}
+        self._specs: dict[str, TenantSpec] = {}
         self._by_key_hash: dict[str, str] = {}
+        self._budgets = budgets or SharedBudgets.local()
 
     def apply(self, document: TenantsDocument) -> None:
-        """Replaces the directory; a tenant that stays keeps its budgets and streams."""
-        states = {}
-        for spec in document.tenants:
-            state = self._states.get(spec.id) or TenantState(spec)
-            state.resize(spec)
-            states[spec.id] = state
-        self._states = states
+        """Replaces the directory; budgets and open streams stay with their tenant ids."""
+        self._specs = {spec.id: spec for spec in document.tenants}
         self._by_key_hash = {h: t.id for t in document.tenants for h in t.api_key_hashes}
         self._enabled = True
-        log.info("tenants applied", extra={"fields": {"tenants": sorted(states)}})
+        log.info("tenants applied", extra={"fields": {"tenants": sorted(self._specs)}})
 
     def offer(self, text: str | bytes, source: str) -> bool:
         """Applies a document if it is valid; otherwise logs, counts and keeps the current
@@ -202,7 +233,7 @@ class Tenants:
     def authenticate(self, authorization: str | None) -> str:
         """The tenant id behind an ``authorization: Bearer <key>`` value."""
         if not self._enabled:
-            return self._default.spec.id
+            return self._default.id
         if not authorization or not authorization.lower().startswith(BEARER):
             raise Unauthenticated("missing credentials: send 'authorization: Bearer <api key>'")
         key = authorization[len(BEARER) :].strip()
@@ -210,33 +241,42 @@ class Tenants:
             raise Unauthenticated("malformed API key: expected 1-512 printable ASCII characters")
         digest = hash_key(key)
         tenant = self._by_key_hash.get(digest)
-        known = self._states[tenant].spec.api_key_hashes if tenant else ()
+        known = self._specs[tenant].api_key_hashes if tenant else ()
         if tenant is None or not any(hmac.compare_digest(digest, h) for h in known):
             raise Unauthenticated("unknown API key")
         return tenant
 
     def spec(self, tenant: str) -> TenantSpec:
-        return self._state(tenant).spec
+        if not self._enabled:
+            return self._default
+        spec = self._specs.get(tenant)
+        if spec is None:  # removed since it authenticated
+            raise Unauthenticated("unknown API key")
+        return spec
 
-    def admit(self, tenant: str, model: str, prompt_tokens: int) -> Lease:
+    async def admit(self, tenant: str, model: str, prompt_tokens: int) -> Lease:
         """Checks model, concurrency and budgets; charges the request and its prompt."""
-        state = self._state(tenant)
-        spec, now = state.spec, time.monotonic()
+        spec = self.spec(tenant)
         try:
-            self._check(state, model, prompt_tokens, now)
+            self.may_use(tenant, model)
+            if spec.tokens_per_minute is not None and prompt_tokens > spec.tokens_per_minute:
+                raise InvalidArgument(
+                    "prompt",
+                    f"{prompt_tokens} tokens exceed the tenant's budget of "
+                    f"{spec.tokens_per_minute:g} tokens per minute",
+                )
+            store, outcome = await self._budgets.admit(spec.id, limits_of(spec), prompt_tokens)
+            if isinstance(outcome, Refusal):
+                raise _exhausted(spec, outcome)
         except PermissionDenied:
             ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "model_denied").inc()
             raise
         except (ResourceExhausted, InvalidArgument):
             ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "over_budget").inc()
             raise
-        if state.requests is not None:
-            state.requests.level -= 1
-        if state.tokens is not None:
-            state.tokens.level -= prompt_tokens
-            BUDGET_REMAINING.labels(spec.id).set(max(state.tokens.level, 0.0))
-        state.streams += 1
-        return Lease(state)
+        if outcome.tokens_left is not None:
+            BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
+        return Lease(spec, store, outcome.tokens_left, self._budgets.charge_interval_s)
 
     def may_use(self, tenant: str, model: str) -> None:
         """PermissionDenied unless the tenant may use the model."""
@@ -244,31 +284,10 @@ class Tenants:
         if spec.models and model not in spec.models:
             raise PermissionDenied(f"tenant '{spec.id}' may not use model '{model}'")
 
-    def _check(self, state: TenantState, model: str, prompt_tokens: int, now: float) -> None:
-        spec = state.spec
-        self.may_use(spec.id, model)
-        if spec.max_concurrent_streams is not None and state.streams >= spec.max_concurrent_streams:
-            raise ResourceExhausted(
-                f"tenant '{spec.id}' has {state.streams} streams open, its limit", 1.0
-            )
-        if state.requests is not None and state.requests.refill(now) < 1:
-            wait = state.requests.seconds_until(1, now)
-            raise ResourceExhausted(f"tenant '{spec.id}' is over its requests per minute", wait)
-        if state.tokens is not None:
-            if prompt_tokens > state.tokens.capacity:
-                raise InvalidArgument(
-                    "prompt",
-                    f"{prompt_tokens} tokens exceed the tenant's budget of "
-                    f"{state.tokens.capacity:g} tokens per minute",
-                )
-            if state.tokens.refill(now) < prompt_tokens:
-                wait = state.tokens.seconds_until(prompt_tokens, now)
-                raise ResourceExhausted(f"tenant '{spec.id}' is over its tokens per minute", wait)
 
-    def _state(self, tenant: str) -> TenantState:
-        if not self._enabled:
-            return self._default
-        state = self._states.get(tenant)
-        if state is None:  # removed since it authenticated
-            raise Unauthenticated("unknown API key")
-        return state
+def _exhausted(spec: TenantSpec, refusal: Refusal) -> ResourceExhausted:
+    wait = refusal.retry_after_s
+    if refusal.limit == "streams":
+        return ResourceExhausted(f"tenant '{spec.id}' has {refusal.detail}, its limit", wait)
+    per_minute = "requests" if refusal.limit == "requests" else "tokens"
+    return ResourceExhausted(f"tenant '{spec.id}' is over its {per_minute} per minute", wait)

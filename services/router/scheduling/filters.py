@@ -41,9 +41,12 @@ def split_point(session_key: str, rng: random.Random) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def subset_order(request: PickRequest, policy: RoutingPolicy) -> tuple[list[str | None], str]:
+def subset_order(
+    request: PickRequest, policy: RoutingPolicy, session_subset: str | None = None
+) -> tuple[list[str | None], str]:
     """Subsets to try in order (None: any), and why the first was chosen: the color pins
-    one, or the split draws one by weight (the other weighted subsets fall back)."""
+    one; a conversation keeps the subset it talked to while that still has weight; else
+    the split draws one by weight (the other weighted subsets fall back)."""
     if request.color:
         return [policy.colors.get(request.color, request.color)], "color"
     weighted = [(s, w) for s, w in policy.split.items() if w > 0]
@@ -56,6 +59,8 @@ def subset_order(request: PickRequest, policy: RoutingPolicy) -> tuple[list[str 
             chosen = subset
             break
         point -= weight
+    if session_subset and policy.split.get(session_subset, 0) > 0:
+        chosen = session_subset  # a weight change does not move a conversation mid-way
     if chosen in policy.fallback:
         return [chosen, *policy.fallback[chosen]], "split"
     fallbacks = sorted((s for s, _ in weighted if s != chosen), key=lambda s: -policy.split[s])
@@ -69,7 +74,10 @@ class Subset(Filter):
     fallback subsets for it, or else to the other weighted subsets in weight order."""
 
     def filter(self, ctx: PickContext, candidates: list[Candidate]) -> list[Candidate]:
-        subsets, why = subset_order(ctx.request, self.policy)
+        key = ctx.request.session_key
+        subsets, why = subset_order(
+            ctx.request, self.policy, ctx.state.sessions.subset(key) if key else None
+        )
         for n, subset in enumerate(subsets):
             chosen = [c for c in candidates if subset is None or c.endpoint.version == subset]
             if chosen:

@@ -18,6 +18,7 @@ from services.router.scheduling.types import (
     Candidate,
     Decision,
     PickContext,
+    Picked,
     PickRequest,
     SchedulingState,
 )
@@ -68,10 +69,11 @@ class Scheduler:
             (s.reason for s, _ in profile.scorers if s.reason and s.explains(ctx, chosen)),
             profile.picker.reason,
         )
-        if request.session_key:
-            self.state.sessions.set(request.session_key, chosen.address)
-        self.state.prefixes.record(request.prefix, chosen.address)
         subset = ctx.subset or chosen.endpoint.version
+        picked = Picked(chosen.address, subset, request.session_key, request.prefix)
+        self.state.learn(picked)
+        if self.state.on_pick is not None:
+            self.state.on_pick(picked)
         return Decision(chosen, ctx.uncached_tokens(chosen), subset, (*ctx.reasons, why))
 
     @staticmethod

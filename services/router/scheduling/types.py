@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,16 @@ class Decision:
         return "fallback" in self.reasons
 
 
+@dataclass(frozen=True)
+class Picked:
+    """Where one request went: what the other routers of a fleet learn of each pick."""
+
+    address: str
+    subset: str
+    session_key: str = ""
+    prefix: Sequence[int] = ()
+
+
 @dataclass
 class SchedulingState:
     """What scheduling remembers between requests."""
@@ -90,6 +100,14 @@ class SchedulingState:
     rng: random.Random = field(default_factory=random.Random)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     sessions: SessionTable = field(default_factory=SessionTable)
+    # Told of every pick, to share it (services/router/shared/sync.py); None: one router.
+    on_pick: Callable[[Picked], None] | None = None
+
+    def learn(self, picked: Picked) -> None:
+        """A pick, this router's or another's: where the session and the prefix went."""
+        if picked.session_key:
+            self.sessions.set(picked.session_key, picked.address, picked.subset)
+        self.prefixes.record(picked.prefix, picked.address)
 
 
 @dataclass

@@ -224,3 +224,16 @@ def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need() -> None
             slot.release(None)
 
     asyncio.run(scenario())
+
+
+def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
+    """With N routers, each holds 1/N of the window, and its bounds: rebalanced when a
+    router joins or leaves."""
+    q = queue(limit=32)
+    q.set_share(1 / 2)  # a second router joined
+    assert q.limit == 16
+    q.set_share(1 / 4)
+    assert q.limit == 8
+    q.limit = 64 / 4  # at the top of its share of the bounds (max_limit 64)
+    q.set_share(1)  # the others left: the whole window again
+    assert q.limit == 64

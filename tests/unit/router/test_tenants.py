@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from llmmesh.runtime.errors import (
@@ -10,7 +12,8 @@ from llmmesh.runtime.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from services.router.tenants import Tenants, TenantsDocument, TenantSpec, TokenBucket, hash_key
+from services.router.shared.budgets import Admitted, Limits, TokenBucket
+from services.router.tenants import Lease, Tenants, TenantsDocument, TenantSpec, hash_key
 
 KEY = "s3cret-key-42"
 
@@ -21,6 +24,11 @@ def directory(**spec: object) -> Tenants:
         TenantsDocument(tenants=(TenantSpec(id="t", api_key_hashes=(hash_key(KEY),), **spec),))  # type: ignore[arg-type]
     )
     return tenants
+
+
+def admit(tenants: Tenants, model: str, prompt_tokens: int) -> Lease:
+    """Admitted by this router's memory: charging and releasing need no event loop."""
+    return asyncio.run(tenants.admit("t", model, prompt_tokens))
 
 
 def test_without_a_document_everyone_is_the_default_tenant() -> None:
@@ -44,46 +52,46 @@ def test_enabled_without_a_document_lets_nobody_in() -> None:
 
 def test_models_are_restricted() -> None:
     tenants = directory(models=("llm",))
-    tenants.admit("t", "llm", 1).release()
+    admit(tenants, "llm", 1).release()
     with pytest.raises(PermissionDenied, match="llm_canary"):
-        tenants.admit("t", "llm_canary", 1)
+        admit(tenants, "llm_canary", 1)
 
 
 def test_concurrent_streams_are_capped_and_released_once() -> None:
     tenants = directory(max_concurrent_streams=1)
-    lease = tenants.admit("t", "llm", 1)
+    lease = admit(tenants, "llm", 1)
     with pytest.raises(ResourceExhausted):
-        tenants.admit("t", "llm", 1)
+        admit(tenants, "llm", 1)
     lease.release()
     lease.release()  # idempotent: does not free a slot twice
-    tenants.admit("t", "llm", 1)
+    admit(tenants, "llm", 1)
     with pytest.raises(ResourceExhausted):
-        tenants.admit("t", "llm", 1)
+        admit(tenants, "llm", 1)
 
 
 def test_request_budget_refuses_with_the_time_until_refill() -> None:
     tenants = directory(requests_per_minute=2)
     for _ in range(2):
-        tenants.admit("t", "llm", 1).release()
+        admit(tenants, "llm", 1).release()
     with pytest.raises(ResourceExhausted) as info:
-        tenants.admit("t", "llm", 1)
+        admit(tenants, "llm", 1)
     assert 0 < info.value.retry_after_s <= 30
 
 
 def test_tokens_are_charged_as_they_stream() -> None:
     tenants = directory(tokens_per_minute=100)
-    lease = tenants.admit("t", "llm", 40)  # the prompt
+    lease = admit(tenants, "llm", 40)  # the prompt
     assert lease.charge(50)
     assert not lease.charge(20)  # 110 > 100: the stream must finish
     lease.release()
     with pytest.raises(ResourceExhausted):
-        tenants.admit("t", "llm", 5)
+        admit(tenants, "llm", 5)
     with pytest.raises(InvalidArgument, match="prompt"):
-        tenants.admit("t", "llm", 101)  # could never pass
+        admit(tenants, "llm", 101)  # could never pass
 
 
 def test_complete_mode_lets_running_streams_finish() -> None:
-    lease = directory(tokens_per_minute=10, on_budget_exhausted="complete").admit("t", "llm", 5)
+    lease = admit(directory(tokens_per_minute=10, on_budget_exhausted="complete"), "llm", 5)
     assert lease.charge(50)
 
 
@@ -97,7 +105,7 @@ def test_bucket_refills_continuously_up_to_capacity() -> None:
 
 def test_a_reload_keeps_what_was_spent_and_open_streams() -> None:
     tenants = directory(tokens_per_minute=100, max_concurrent_streams=2)
-    lease = tenants.admit("t", "llm", 90)
+    lease = admit(tenants, "llm", 90)
     tenants.apply(
         TenantsDocument(
             tenants=(
@@ -113,10 +121,10 @@ def test_a_reload_keeps_what_was_spent_and_open_streams() -> None:
     with pytest.raises(Unauthenticated):
         tenants.authenticate(f"Bearer {KEY}")  # the old key is gone
     with pytest.raises(ResourceExhausted, match="streams"):
-        tenants.admit("t", "llm", 1)  # the open stream still counts
+        admit(tenants, "llm", 1)  # the open stream still counts
     lease.release()
     assert tenants.authenticate("Bearer k2") == "t"
-    tenants.admit("t", "llm", 10)  # what was left carries over: spent stays spent
+    admit(tenants, "llm", 10)  # what was left carries over: spent stays spent
 
 
 def test_invalid_documents_are_refused_whole() -> None:
@@ -141,3 +149,44 @@ def test_an_invalid_tenants_document_is_refused_and_counted() -> None:
     assert not directory.offer("tenants: [{id: 'no spaces'}]", "test")
     assert rejected() == before + 1
     assert directory.spec("ok").id == "ok"  # the valid one stays in force
+
+
+class SlowShared:
+    """A shared budget store that answers later, as Redis would: what it was charged."""
+
+    def __init__(self) -> None:
+        self.charges: list[int] = []
+        self.released = 0
+        self.left = 1000.0
+
+    async def admit(self, tenant: str, limits: Limits, prompt_tokens: int) -> Admitted:
+        return Admitted(self.left)
+
+    async def charge(self, tenant: str, limits: Limits, tokens: int) -> float:
+        self.charges.append(tokens)
+        self.left -= tokens + 100  # another router spent 100 meanwhile
+        return self.left
+
+    async def release(self, tenant: str) -> None:
+        self.released += 1
+
+
+def test_a_shared_budget_is_charged_in_batches_and_learns_what_others_spent() -> None:
+    spec = TenantSpec(id="t", tokens_per_minute=1000)
+
+    async def scenario() -> tuple[SlowShared, list[bool]]:
+        store = SlowShared()
+        lease = Lease(spec, store, 1000.0, charge_interval_s=0)
+        verdicts = [lease.charge(10)]  # sent at once: no charge is on its way
+        await asyncio.sleep(0)  # its answer: 1000 - 10 - the other router's 100
+        # The first 400 goes out; the rest wait for its answer, counted here meanwhile.
+        verdicts += [lease.charge(400) for _ in range(3)]
+        lease.release()  # settles what is pending, then frees the stream
+        for _ in range(4):
+            await asyncio.sleep(0)
+        return store, verdicts
+
+    store, verdicts = asyncio.run(scenario())
+    assert store.charges == [10, 400, 800] and store.released == 1
+    # 890 left after the first answer: 490, 90, then over.
+    assert verdicts == [True, True, True, False]

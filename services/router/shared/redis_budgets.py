@@ -1,0 +1,137 @@
+"""Tenant budgets in Redis, one set for every router: each check-and-charge is one Lua
+script, so N routers enforce one limit.
+
+Per tenant, a hash holds both token buckets (level and when it was last refilled, by
+Redis's own clock, so the routers' clocks do not matter) and one field per router with
+the streams it has open there. A router that dies leaves its field behind: only the
+fields of routers whose heartbeat is fresh (fleet.py) count, and a dead router's is
+deleted by the next admission that sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as redis
+
+from services.router.shared.budgets import Admitted, Limits, Refusal
+
+# KEYS: the tenant's hash, the routers' heartbeats (sorted set, score: ms).
+# ARGV: requests/min, tokens/min, max streams (0: none), prompt tokens, this router's
+# id, heartbeats older than this many ms are dead.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm, max_streams = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local prompt, me, stale_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local function level(name, cap)
+  local l = tonumber(redis.call('HGET', KEYS[1], name .. ':l'))
+  if l == nil then return cap end
+  local u = tonumber(redis.call('HGET', KEYS[1], name .. ':u'))
+  return math.min(cap, l + (now - u) * cap / 60)
+end
+if max_streams > 0 then
+  local fields = redis.call('HGETALL', KEYS[1])
+  local open = 0
+  local alive_after = now * 1000 - stale_ms
+  for i = 1, #fields, 2 do
+    local router = string.match(fields[i], '^s:(.+)$')
+    if router then
+      local beat = tonumber(redis.call('ZSCORE', KEYS[2], router))
+      if router == me or (beat and beat >= alive_after) then
+        open = open + tonumber(fields[i + 1])
+      else
+        redis.call('HDEL', KEYS[1], fields[i])
+      end
+    end
+  end
+  if open >= max_streams then return {'streams', '1', tostring(open)} end
+end
+local rl, tl = nil, nil
+if rpm > 0 then
+  rl = level('r', rpm)
+  if rl < 1 then return {'requests', tostring((1 - rl) * 60 / rpm), ''} end
+end
+if tpm > 0 then
+  tl = level('t', tpm)
+  if tl < prompt then return {'tokens', tostring((prompt - tl) * 60 / tpm), ''} end
+end
+if rl then redis.call('HSET', KEYS[1], 'r:l', tostring(rl - 1), 'r:u', tostring(now)) end
+if tl then redis.call('HSET', KEYS[1], 't:l', tostring(tl - prompt), 't:u', tostring(now)) end
+redis.call('HINCRBY', KEYS[1], 's:' .. me, 1)
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return {'ok', tl and tostring(tl - prompt) or '', ''}
+"""
+# KEYS: the tenant's hash. ARGV: tokens/min, tokens generated.
+_CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local tpm, spent = tonumber(ARGV[1]), tonumber(ARGV[2])
+local l = tonumber(redis.call('HGET', KEYS[1], 't:l'))
+if l == nil then l = tpm else
+  local u = tonumber(redis.call('HGET', KEYS[1], 't:u'))
+  l = math.min(tpm, l + (now - u) * tpm / 60)
+end
+l = l - spent
+redis.call('HSET', KEYS[1], 't:l', tostring(l), 't:u', tostring(now))
+return tostring(l)
+"""
+# KEYS: the tenant's hash. ARGV: this router's id.
+_RELEASE = """
+local left = redis.call('HINCRBY', KEYS[1], 's:' .. ARGV[1], -1)
+if left <= 0 then redis.call('HDEL', KEYS[1], 's:' .. ARGV[1]) end
+return left
+"""
+
+
+class RedisBudgets:
+    """Budgets in Redis under ``prefix``, charged as router ``router_id``."""
+
+    def __init__(
+        self, client: redis.Redis, prefix: str, router_id: str, stale_after_s: float
+    ) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._router = router_id
+        self._stale_ms = int(stale_after_s * 1000)
+        self._admit: Any = client.register_script(_ADMIT)
+        self._charge: Any = client.register_script(_CHARGE)
+        self._release: Any = client.register_script(_RELEASE)
+
+    def _key(self, tenant: str) -> str:
+        return f"{self._prefix}budget:{tenant}"
+
+    @property
+    def heartbeats_key(self) -> str:
+        return f"{self._prefix}routers"
+
+    async def admit(self, tenant: str, limits: Limits, prompt_tokens: int) -> Admitted | Refusal:
+        outcome, value, detail = await self._admit(
+            keys=[self._key(tenant), self.heartbeats_key],
+            args=[
+                limits.requests_per_minute or 0,
+                limits.tokens_per_minute or 0,
+                limits.max_streams or 0,
+                prompt_tokens,
+                self._router,
+                self._stale_ms,
+            ],
+        )
+        outcome, value = _text(outcome), _text(value)
+        if outcome == "ok":
+            return Admitted(float(value) if value else None)
+        detail = _text(detail)
+        return Refusal(outcome, float(value), f"{detail} streams open" if detail else "")
+
+    async def charge(self, tenant: str, limits: Limits, tokens: int) -> float | None:
+        if limits.tokens_per_minute is None:
+            return None
+        left = await self._charge(keys=[self._key(tenant)], args=[limits.tokens_per_minute, tokens])
+        return float(_text(left))
+
+    async def release(self, tenant: str) -> None:
+        await self._release(keys=[self._key(tenant)], args=[self._router])
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,20 @@
+"""The shared state's settings (RouterConfig.shared)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SharedSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Keys in Redis start with this: the context service's sessions may share the server.
+    key_prefix: str = "llm-mesh:router:"
+    # Each router beats this often; one silent for heartbeat_ttl_s is gone.
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=3.0, gt=0)
+    # Generated tokens are charged to the shared budgets at most this often per stream:
+    # N routers overshoot a tokens-per-minute budget by at most this interval's tokens.
+    charge_interval_s: float = Field(default=0.25, ge=0)
+    # Redis slower than this is out: limits fall back to this router's share, locally.
+    timeout_s: float = Field(default=0.25, gt=0)
