@@ -19,6 +19,10 @@ from llmmesh.v1 import context_pb2, context_pb2_grpc
 from tests.conftest import start_service
 from tests.e2e.test_tenants import write_tenants
 
+# What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
+# through its sidecar): run again behind them (make test-sidecars).
+pytestmark = pytest.mark.sidecars
+
 TINY: dict[str, Any] = {"model": "llm", "max_output_tokens": 6, "temperature": 0.0}
 
 
