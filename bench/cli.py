@@ -73,6 +73,7 @@ def add_bench_parser(commands: Any) -> None:
             "inference-perf",
             "drift",
             "canary",
+            "shared-state",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -104,7 +105,10 @@ def add_bench_parser(commands: Any) -> None:
         "canary: client TTFT and throughput through a router mirroring 10%% of stable's "
         "requests to a paced canary against one that does not (--concurrency, --rounds, "
         "alternating), and a bad canary's rollback under the default gates (seconds to "
-        "weight 0, the canary's share of client requests before)",
+        "weight 0, the canary's share of client requests before); shared-state: TTFT "
+        "through a router keeping its state in Redis against one keeping it in memory, "
+        "--num-prompts pairs, and a tenant's token budget held by two Redis routers loaded "
+        "at twice it for --duration seconds",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument(
@@ -116,6 +120,12 @@ def add_bench_parser(commands: Any) -> None:
         "--session-rates",
         default="0.6,0.9,1.2",
         help="routing scenario: session arrival rates per second, comma-separated",
+    )
+    bench.add_argument(
+        "--routers",
+        default="1",
+        help="routing scenario: routers per picker, comma-separated runs (several: state "
+        "in Redis, behind an Envoy front)",
     )
     bench.add_argument(
         "--compare",
@@ -169,28 +179,22 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so that every stack a benchmark started is stopped
     # (Triton's backend stubs outlive a launcher that dies without stopping them).
     signal.signal(signal.SIGTERM, _interrupt)
-    if args.scenario == "engine":
-        return _engine(args)
-    if args.scenario == "routing":
-        return _routing(args)
-    if args.scenario == "admission":
-        return _admission(args)
-    if args.scenario == "policy":
-        return _policy(args)
-    if args.scenario == "context":
-        return _context(args)
-    if args.scenario == "sidecars":
-        return _sidecars(args)
-    if args.scenario == "decode":
-        return _decode(args)
-    if args.scenario == "quantization":
-        return _quantization(args)
-    if args.scenario == "inference-perf":
-        return _inference_perf(args)
-    if args.scenario == "drift":
-        return _drift(args)
-    if args.scenario == "canary":
-        return _canary(args)
+    own_fleet = {  # scenarios that start what they measure
+        "engine": _engine,
+        "routing": _routing,
+        "admission": _admission,
+        "policy": _policy,
+        "context": _context,
+        "sidecars": _sidecars,
+        "decode": _decode,
+        "quantization": _quantization,
+        "inference-perf": _inference_perf,
+        "drift": _drift,
+        "canary": _canary,
+        "shared-state": _shared_state,
+    }.get(args.scenario)
+    if own_fleet is not None:
+        return own_fleet(args)
     if args.start_stack:
         from llmmesh.launcher import Stack, StackPorts
 
@@ -321,12 +325,22 @@ def _engine(args: argparse.Namespace) -> int:
 def _routing(args: argparse.Namespace) -> int:
     spec = SessionSpec(sessions=args.num_prompts, output_len=args.output_len, seed=args.seed)
     rates = [float(r) for r in args.session_rates.split(",")]
-    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
-        print(f"starting {REPLICAS} replicas and a router per picker ...", file=sys.stderr)
-        with routing_fleet(Path(workdir)) as (routers, key):
-            summaries = asyncio.run(compare_pickers(routers, key, spec, rates, args.rounds))
-    result = RoutingResult(summaries, picker_decision_time())
-    print(result.table())
+    tables, failed = [], 0
+    for routers in (int(n) for n in args.routers.split(",")):
+        with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+            print(
+                f"starting {REPLICAS} replicas and {routers} router(s) per picker ...",
+                file=sys.stderr,
+            )
+            with routing_fleet(Path(workdir), routers) as (fronts, key):
+                summaries = asyncio.run(compare_pickers(fronts, key, spec, rates, args.rounds))
+        result = RoutingResult(summaries, picker_decision_time())
+        print(result.table())
+        heading = f"{routers} router{'s' if routers > 1 else ''} per picker"
+        if routers > 1:
+            heading += " (state in Redis, behind an Envoy front)"
+        tables.append(f"**{heading}**\n\n{result.table()}")
+        failed += sum(s.failed for by_picker in summaries.values() for s in by_picker.values())
     _record(
         args,
         _section(args, "routing"),
@@ -336,9 +350,8 @@ def _routing(args: argparse.Namespace) -> int:
         f"{spec.context_len} tokens of its own; every turn asks a {spec.question_len}-token "
         f"question and gets {spec.output_len} tokens back, and the router prepends the "
         "history.",
-        result.table(),
+        "\n\n".join(tables),
     )
-    failed = sum(s.failed for by_picker in summaries.values() for s in by_picker.values())
     return 1 if failed else 0
 
 
@@ -551,6 +564,27 @@ def _canary(args: argparse.Namespace) -> int:
     )
     failed = any(r.summary.failed for r in runs)
     return 1 if failed or rolled.outcome != "rolled_back" else 0
+
+
+def _shared_state(args: argparse.Namespace) -> int:
+    from bench.shared_state import added_ttft, overshoot, shared_state_fleet
+
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack, Redis and three routers ...", file=sys.stderr)
+        with shared_state_fleet(Path(workdir)) as routers:
+            paired = asyncio.run(added_ttft(routers, args.num_prompts))
+            held = overshoot(routers, args.duration)
+    table = f"{paired.table()}\n\n{held.table()}"
+    print(table)
+    _record(
+        args,
+        _section(args, "shared-state"),
+        f"; the tiny model; {args.num_prompts} pairs of 128-token prompts, 4 output tokens, "
+        "a tenant with request and token budgets (every admission checks and charges "
+        f"them); then two Redis routers, 4 streams each, for {args.duration:g} s.",
+        table,
+    )
+    return 0
 
 
 def _command() -> str:

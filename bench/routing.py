@@ -29,6 +29,9 @@ from bench.targets import RouterTarget, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
+from llmmesh.launcher.redis import start_redis
+from llmmesh.launcher.routers import RouterFleetPorts, start_front, write_front_config
+from llmmesh.launcher.sidecars import wait_ready
 from llmmesh.launcher.stack import REPO_MODELS
 from services.router.affinity import prefix_hashes
 from services.router.endpoints import Endpoint
@@ -125,17 +128,24 @@ def build_repository(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
+def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str]]:
     """Starts the fleet; yields router address by algorithm, and the API key of the
     sessions' tenant. The routers run as deployed, admission control included, and the
     tenant is a ``critical`` one, which admission queues rather than sheds: a refused turn
-    has no TTFT, so refusals would leave the slowest turns out of the percentiles."""
+    has no TTFT, so refusals would leave the slowest turns out of the percentiles. With
+    ``routers`` > 1, each algorithm has that many routers sharing their state through a
+    Redis, behind an Envoy front, whose address is the one yielded."""
     stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
     tenants = workdir / "bench-tenants.json"
     api_key = write_tenants(tenants, ["critical"])["critical"]
     children: list[Child] = []
     with stack:
         try:
+            redis_url = ""
+            if routers > 1:
+                port = StackPorts.free().redis
+                children.append(start_redis(workdir / "redis", port))
+                redis_url = f"redis://127.0.0.1:{port}/0"
             replicas = []
             for n in range(REPLICAS):
                 port = StackPorts.free().inference
@@ -146,23 +156,40 @@ def routing_fleet(workdir: Path) -> Iterator[tuple[dict[str, str], str]]:
                 replicas.append(f"127.0.0.1:{port}")
             endpoints = workdir / "endpoints.json"
             endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
-            routers = {}
+            fronts = {}
             for algorithm in ALGORITHMS:
                 routing = workdir / f"routing-{algorithm}.json"
                 routing.write_text(json.dumps({"algorithm": algorithm}))
-                port = StackPorts.free().router
-                children.append(
-                    stack.start_service(
-                        "router",
-                        port,
-                        workdir,
-                        endpoints_file=str(endpoints),
-                        routing_file=str(routing),
-                        tenants_file=str(tenants),
+                settings = {
+                    "endpoints_file": str(endpoints),
+                    "routing_file": str(routing),
+                    "tenants_file": str(tenants),
+                }
+                if routers > 1:
+                    settings |= {
+                        "state": "redis",
+                        "redis_url": redis_url,
+                        "shared__key_prefix": f"bench-{algorithm}/",
+                    }
+                fleet = RouterFleetPorts.free(routers)
+                for ports in fleet.replicas:
+                    http = {"http_port": str(ports.http)} if routers > 1 else {}
+                    children.append(
+                        stack.start_service("router", ports.grpc, workdir, **settings, **http)
                     )
-                )
-                routers[algorithm] = f"127.0.0.1:{port}"
-            yield routers, api_key
+                if routers == 1:
+                    fronts[algorithm] = f"127.0.0.1:{fleet.replicas[0].grpc}"
+                    continue
+                front_ports = StackPorts.free()
+                config = write_front_config(
+                    workdir / algorithm, fleet, front_ports.router, front_ports.router_http,
+                    "127.0.0.1",
+                )  # fmt: skip
+                front = start_front(config, workdir / f"front-{algorithm}.log", workdir)
+                children.append(front)
+                wait_ready(front, fleet.front_admin, time.monotonic() + 60)
+                fronts[algorithm] = f"127.0.0.1:{front_ports.router}"
+            yield fronts, api_key
         finally:
             for child in reversed(children):
                 child.terminate(10)

@@ -23,10 +23,18 @@ def redis_server_binary() -> str:
 
 
 def start_redis(
-    workdir: Path, port: int, log_path: Path | None = None, *, append: bool = False
+    workdir: Path,
+    port: int,
+    log_path: Path | None = None,
+    *,
+    append: bool = False,
+    fsync: str = "always",
 ) -> Child:
     """Starts redis-server keeping its data in ``workdir`` (restarting on the same
-    directory recovers it from the append-only file); returns once it answers PING."""
+    directory recovers it from the append-only file); returns once it answers PING.
+    ``fsync``: "always" (a reply means the write is on disk: sessions) or "everysec"
+    (routers' budgets and affinities, which a second's loss does not hurt, and which an
+    fsync per admission would slow by a millisecond or more)."""
     log_path = log_path or workdir / "redis.log"
     workdir.mkdir(parents=True, exist_ok=True)
     command = [
@@ -35,7 +43,7 @@ def start_redis(
         "--bind", "127.0.0.1",
         "--dir", str(workdir),
         "--appendonly", "yes",
-        "--appendfsync", "always",
+        "--appendfsync", fsync,
         "--save", "",
         "--daemonize", "no",
     ]  # fmt: skip

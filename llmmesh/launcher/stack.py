@@ -327,8 +327,15 @@ class Stack:
 
     def _start_redis(self, *, append: bool = False) -> None:
         if self.runs_redis:
+            # Sessions want every write on disk before it is acknowledged; the routers'
+            # shared state alone does not (llmmesh/launcher/redis.py).
+            fsync = "always" if self.context_store == "redis" else "everysec"
             self._children["redis"] = start_redis(
-                self.workdir / "redis", self.ports.redis, self.log_path("redis"), append=append
+                self.workdir / "redis",
+                self.ports.redis,
+                self.log_path("redis"),
+                append=append,
+                fsync=fsync,
             )
 
     @property

@@ -169,13 +169,7 @@ class Lease:
             release_now(self._spec.id)
             return
         pending, self._pending = self._pending, 0
-
-        async def settle() -> None:
-            if pending:
-                await self._store.charge(self._spec.id, self._limits, pending)
-            await self._store.release(self._spec.id)
-
-        _background(settle())
+        _background(self._store.release(self._spec.id, self._limits, pending))
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()

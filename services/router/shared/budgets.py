@@ -58,8 +58,9 @@ class Budgets(Protocol):
         """Charges generated tokens; the tokens left (None: no token budget)."""
         ...
 
-    async def release(self, tenant: str) -> None:
-        """A stream of the tenant ended."""
+    async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
+        """A stream of the tenant ended, having generated ``tokens`` since its last charge
+        (charged now, with ``limits``)."""
         ...
 
 
@@ -149,7 +150,9 @@ class MemoryBudgets:
         budget.tokens.level -= tokens
         return budget.tokens.level
 
-    async def release(self, tenant: str) -> None:
+    async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
+        if limits is not None and tokens:
+            self.charge_now(tenant, limits, tokens)
         self.release_now(tenant)
 
     def release_now(self, tenant: str) -> None:

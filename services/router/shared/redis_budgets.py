@@ -76,8 +76,20 @@ l = l - spent
 redis.call('HSET', KEYS[1], 't:l', tostring(l), 't:u', tostring(now))
 return tostring(l)
 """
-# KEYS: the tenant's hash. ARGV: this router's id.
+# KEYS: the tenant's hash. ARGV: this router's id, tokens/min (0: none), tokens generated
+# since the last charge: the stream's last charge and its slot back, in one call.
 _RELEASE = """
+local tpm, spent = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and spent > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local l = tonumber(redis.call('HGET', KEYS[1], 't:l'))
+  if l == nil then l = tpm else
+    local u = tonumber(redis.call('HGET', KEYS[1], 't:u'))
+    l = math.min(tpm, l + (now - u) * tpm / 60)
+  end
+  redis.call('HSET', KEYS[1], 't:l', tostring(l - spent), 't:u', tostring(now))
+end
 local left = redis.call('HINCRBY', KEYS[1], 's:' .. ARGV[1], -1)
 if left <= 0 then redis.call('HDEL', KEYS[1], 's:' .. ARGV[1]) end
 return left
@@ -129,8 +141,9 @@ class RedisBudgets:
         left = await self._charge(keys=[self._key(tenant)], args=[limits.tokens_per_minute, tokens])
         return float(_text(left))
 
-    async def release(self, tenant: str) -> None:
-        await self._release(keys=[self._key(tenant)], args=[self._router])
+    async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
+        tpm = (limits.tokens_per_minute or 0) if limits is not None else 0
+        await self._release(keys=[self._key(tenant)], args=[self._router, tpm, tokens])
 
 
 def _text(value: bytes | str) -> str:

@@ -85,6 +85,7 @@ class SchedulingSync:
         self._keepalive = keepalive_s
         self._session_ttl = session_ttl_s
         self._timeout = timeout_s
+        self._own = f'{{"router": {json.dumps(router_id)},'.encode()  # its messages' start
         self._picks: list[Picked] = []
         self._in_flight: Callable[[], Mapping[str, int]] = dict
         self._sent_counts: dict[str, int] = {}
@@ -136,7 +137,7 @@ class SchedulingSync:
             self._sent_counts, self._sent_at = counts, time.monotonic()
 
     async def _send(self, picks: list[Picked], counts: dict[str, int]) -> None:
-        message = {
+        message = {  # "router" first: a router skips its own messages by their start
             "router": self._router,
             "in_flight": counts,
             "picks": [[p.address, p.subset, p.session_key, list(p.prefix)] for p in picks],
@@ -165,7 +166,7 @@ class SchedulingSync:
             await pubsub.subscribe(self._channel)
             while True:
                 message = await pubsub.get_message(timeout=self._keepalive * 4)
-                if message is not None:
+                if message is not None and not message["data"].startswith(self._own):
                     self._apply(json.loads(message["data"]))
         finally:
             with contextlib.suppress(*REDIS_ERRORS):

@@ -167,7 +167,9 @@ class SlowShared:
         self.left -= tokens + 100  # another router spent 100 meanwhile
         return self.left
 
-    async def release(self, tenant: str) -> None:
+    async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
+        if tokens:
+            self.charges.append(tokens)  # the last charge goes with the release
         self.released += 1
 
 
