@@ -7,7 +7,9 @@ No gRPC here: upstreams are reached through the small client interfaces in upstr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -209,19 +211,32 @@ class RouterCore:
         written = _input_parts(request, history)
         speech.check_plain(p for p in written if not p.field.startswith(STORED_PARTS))
         rule_set = self._tenants.spec(request.tenant).policy_set
-        verdict = await self._verdict(request, history, rule_set)
-        if request.sampling.logprobs is not None and verdict.checks_output:
-            raise InvalidArgument(
-                "sampling.logprobs",
-                "not available while output policy checks this tenant's stream "
-                "(the tokens would show what it redacts)",
-            )
-        history, user_text = with_texts(history, verdict.texts)
-        _check_not_reused(history, user_text)
-        call, prompt_tokens = self._build_call(request, history, user_text, speech)
-        user_tokens = speech.count(user_text)
-        new_turns = _new_turns(request, history, speech)
-        lease = await self._tenants.admit(request.tenant, request.model, prompt_tokens)
+        # The budget check (a round trip to Redis when routers share their state) runs
+        # while policy looks at the prompt, on an estimate of the prompt's tokens: the
+        # difference is charged once the prompt is built, and a request that goes no
+        # further gives back what it was charged.
+        estimate = _estimated_tokens(request, history, speech)
+        admitting = asyncio.ensure_future(
+            self._tenants.admit(request.tenant, request.model, estimate)
+        )
+        try:
+            verdict = await self._verdict(request, history, rule_set)
+            if request.sampling.logprobs is not None and verdict.checks_output:
+                raise InvalidArgument(
+                    "sampling.logprobs",
+                    "not available while output policy checks this tenant's stream "
+                    "(the tokens would show what it redacts)",
+                )
+            history, user_text = with_texts(history, verdict.texts)
+            _check_not_reused(history, user_text)
+            call, prompt_tokens = self._build_call(request, history, user_text, speech)
+            user_tokens = speech.count(user_text)
+            new_turns = _new_turns(request, history, speech)
+            lease = await asyncio.shield(admitting)  # a client gone now cancels not it
+        except BaseException:
+            await _undo_admission(admitting, estimate)
+            raise
+        lease.adjust(prompt_tokens - estimate)
         try:
             with tracing.tracer.start_as_current_span("admission.wait"):
                 slot = await self._admission.acquire(
@@ -449,6 +464,33 @@ class RouterCore:
             )
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")
+
+
+def _estimated_tokens(request: GenerateInput, history: History | None, speech: ModelSpeech) -> int:
+    """The prompt's tokens before it is built: the new text's, the history's as stored."""
+    turns = history.turns if history is not None else ()
+    stored = sum(t.token_count or speech.count(t.text) for t in turns)
+    return speech.count(request.prompt) + stored + speech.bos_tokens
+
+
+async def _undo_admission(admitting: asyncio.Future[Lease], estimate: int) -> None:
+    """The request stops before its generation: its admission, once through, is undone
+    before the error goes on (awaited, not cancelled: a charge made in Redis is undone
+    only by its answer). A refusal of the budget's own leaves nothing to undo; it is the
+    request's error only when nothing came first."""
+    try:
+        lease = await asyncio.shield(admitting)
+    except asyncio.CancelledError:  # cancelled again meanwhile: undone when it is through
+        admitting.add_done_callback(functools.partial(_cancel_lease, estimate=estimate))
+        raise
+    except Exception:
+        return
+    lease.cancel(estimate)
+
+
+def _cancel_lease(done: asyncio.Future[Lease], estimate: int) -> None:
+    if not done.cancelled() and done.exception() is None:
+        done.result().cancel(estimate)
 
 
 def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:

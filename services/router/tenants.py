@@ -160,6 +160,31 @@ class Lease:
         if left is not None and self._left is not None:
             self._left = left - self._pending  # what this stream spent since it asked
 
+    def adjust(self, tokens: int) -> None:
+        """Charges (or, negative, gives back) the difference between the prompt's tokens
+        as admitted, an estimate, and as they came out."""
+        if self._left is None or not tokens:
+            return
+        charge_now = getattr(self._store, "charge_now", None)
+        if charge_now is not None:
+            self._left = charge_now(self._spec.id, self._limits, tokens)
+            return
+        self._left -= tokens
+        self._pending += tokens
+        self._flush()
+
+    def cancel(self, prompt_tokens: int) -> None:
+        """The request went no further than admission (refused by policy, say): as if it
+        had never been admitted."""
+        if self._released:
+            return
+        self._released = True
+        cancel_now = getattr(self._store, "cancel_now", None)
+        if cancel_now is not None:
+            cancel_now(self._spec.id, self._limits, prompt_tokens)
+            return
+        _background(self._store.cancel(self._spec.id, self._limits, prompt_tokens))
+
     def release(self) -> None:
         if self._released:
             return

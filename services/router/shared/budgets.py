@@ -63,6 +63,11 @@ class Budgets(Protocol):
         (charged now, with ``limits``)."""
         ...
 
+    async def cancel(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        """An admission undone (the request went no further): its request, its prompt's
+        tokens and its stream slot given back."""
+        ...
+
 
 @dataclass
 class TokenBucket:
@@ -149,6 +154,16 @@ class MemoryBudgets:
         budget.tokens.refill(self._clock())
         budget.tokens.level -= tokens
         return budget.tokens.level
+
+    async def cancel(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        self.cancel_now(tenant, limits, prompt_tokens)
+
+    def cancel_now(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        budget, now = self._budget(tenant, limits), self._clock()
+        for bucket, amount in ((budget.requests, 1), (budget.tokens, prompt_tokens)):
+            if bucket is not None:
+                bucket.level = min(bucket.capacity, bucket.refill(now) + amount)
+        self.release_now(tenant)
 
     async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
         if limits is not None and tokens:

@@ -95,6 +95,25 @@ if left <= 0 then redis.call('HDEL', KEYS[1], 's:' .. ARGV[1]) end
 return left
 """
 
+# KEYS: the tenant's hash. ARGV: this router's id, requests/min, tokens/min (0: none),
+# the prompt's tokens: an admission undone.
+_CANCEL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function give_back(name, cap, amount)
+  local l = tonumber(redis.call('HGET', KEYS[1], name .. ':l'))
+  if cap <= 0 or l == nil then return end
+  local u = tonumber(redis.call('HGET', KEYS[1], name .. ':u'))
+  l = math.min(cap, l + (now - u) * cap / 60 + amount)
+  redis.call('HSET', KEYS[1], name .. ':l', tostring(l), name .. ':u', tostring(now))
+end
+give_back('r', tonumber(ARGV[2]), 1)
+give_back('t', tonumber(ARGV[3]), tonumber(ARGV[4]))
+local left = redis.call('HINCRBY', KEYS[1], 's:' .. ARGV[1], -1)
+if left <= 0 then redis.call('HDEL', KEYS[1], 's:' .. ARGV[1]) end
+return left
+"""
+
 
 class RedisBudgets:
     """Budgets in Redis under ``prefix``, charged as router ``router_id``."""
@@ -109,6 +128,7 @@ class RedisBudgets:
         self._admit: Any = client.register_script(_ADMIT)
         self._charge: Any = client.register_script(_CHARGE)
         self._release: Any = client.register_script(_RELEASE)
+        self._cancel: Any = client.register_script(_CANCEL)
 
     def _key(self, tenant: str) -> str:
         return f"{self._prefix}budget:{tenant}"
@@ -144,6 +164,10 @@ class RedisBudgets:
     async def release(self, tenant: str, limits: Limits | None = None, tokens: int = 0) -> None:
         tpm = (limits.tokens_per_minute or 0) if limits is not None else 0
         await self._release(keys=[self._key(tenant)], args=[self._router, tpm, tokens])
+
+    async def cancel(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
+        await self._cancel(keys=[self._key(tenant)], args=[self._router, rpm, tpm, prompt_tokens])
 
 
 def _text(value: bytes | str) -> str:

@@ -221,6 +221,29 @@ def test_a_denied_prompt_never_reaches_inference(watch_up: bool) -> None:
     asyncio.run(scenario())
 
 
+def test_a_denied_prompt_takes_nothing_of_the_tenants_budget() -> None:
+    """Admission runs while policy looks at the prompt; a denial undoes it: the stream
+    slot, the request and the prompt's tokens are the tenant's again."""
+
+    async def scenario() -> None:
+        tenants = Tenants()
+        tenants.apply(
+            parse_tenants(
+                "tenants: [{id: t, max_concurrent_streams: 1, requests_per_minute: 1, "
+                "tokens_per_minute: 20}]"
+            )
+        )
+        policy, inference = gate(PolicyService(rules(DENY_BOMB))), Inference()
+        core = RouterCore(RouterConfig(), policy, Context(), inference, BYTES, tenants=tenants)
+        for _ in range(3):
+            with pytest.raises(PermissionDenied):
+                await core.prepare(replace(request("how to build a bomb"), tenant="t"))
+        chunks = await run(core, replace(request("hello", max_tokens=2), tenant="t"))
+        assert [c.prompt for c in inference.calls] == ["hello"] and chunks[-1].finish_reason
+
+    asyncio.run(scenario())
+
+
 def test_only_the_redacted_prompt_reaches_inference() -> None:
     async def scenario() -> None:
         policy, inference = gate(PolicyService(rules(REDACT_EMAIL))), Inference()

@@ -172,6 +172,10 @@ class SlowShared:
             self.charges.append(tokens)  # the last charge goes with the release
         self.released += 1
 
+    async def cancel(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
+        self.charges.append(-prompt_tokens)
+        self.released += 1
+
 
 def test_a_shared_budget_is_charged_in_batches_and_learns_what_others_spent() -> None:
     spec = TenantSpec(id="t", tokens_per_minute=1000)
