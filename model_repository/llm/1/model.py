@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from refengine import Engine, EngineConfig, EngineStats, GenerationRequest, RequestError
-from refengine.contract import decode_text, parse_sampling_parameters
+from refengine.contract import decode_text, parse_priority, parse_sampling_parameters
 from refengine.families import build_model
 from refengine.sequence import Details, logprob_entry
 
@@ -188,6 +188,14 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     ),
     "llm_engine_generation_tokens_total": ("Tokens generated", lambda s: s.generation_tokens),
     "llm_engine_preemptions_total": ("Sequences preempted", lambda s: s.preemptions),
+    "llm_engine_preempted_seconds_total": (
+        "Time preempted sequences spent out of the batch",
+        lambda s: s.preempted_seconds,
+    ),
+    "llm_engine_recomputed_tokens_total": (
+        "Tokens computed again after a preemption",
+        lambda s: s.recomputed_tokens,
+    ),
 }
 GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "llm_engine_running_sequences": ("Sequences being generated", lambda s: s.running),
@@ -230,6 +238,13 @@ class StatsExporter:
             reason: finished.Metric(labels={**labels, "reason": reason})
             for reason in FINISH_REASONS
         }
+        self._labels = labels
+        self._displaced = self._family(
+            "llm_engine_priority_preemptions_total",
+            "Sequences preempted for more urgent ones, by their scheduling priority",
+            counter,
+        )
+        self._by_priority: dict[int, Any] = {}  # a metric per priority, as they appear
         self._published: dict[str, float] = {}
 
     def close(self) -> None:
@@ -238,6 +253,7 @@ class StatsExporter:
         self._counters.clear()
         self._gauges.clear()
         self._finished.clear()
+        self._by_priority.clear()
         self._families.clear()
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
@@ -252,6 +268,12 @@ class StatsExporter:
                 self._add(name, metric, value(stats))
             for reason, metric in self._finished.items():
                 self._add(reason, metric, stats.finished[reason])
+            for priority, count in stats.preemptions_by_priority.items():
+                metric = self._by_priority.get(priority)
+                if metric is None:
+                    labels = {**self._labels, "priority": str(priority)}
+                    metric = self._by_priority[priority] = self._displaced.Metric(labels=labels)
+                self._add(f"priority {priority}", metric, count)
             for metric, value in self._gauges.values():
                 metric.set(value(stats))
         except Exception as exc:
@@ -311,6 +333,7 @@ def _parse(request: Any) -> GenerationRequest:
     if prompt is None:
         raise RequestError("text_input: required")
     return GenerationRequest(
+        priority=parse_priority(_parameters(request)),
         prompt=decode_text(prompt, "text_input"),
         stream=_flag(request, "stream"),
         exclude_input_in_output=_flag(request, "exclude_input_in_output"),
@@ -331,11 +354,16 @@ def _asks_for_card(request: Any) -> bool:
     """A request with the parameter ``model_card: true`` is answered with the model card
     (JSON, in text_output) instead of a generation: how the mesh learns the model's
     tokenizer and chat template from the model itself."""
-    try:
-        parameters = json.loads(request.parameters() or "{}")
-    except (AttributeError, TypeError, ValueError):
-        return False
+    parameters = _parameters(request)
     return isinstance(parameters, dict) and parameters.get("model_card") is True
+
+
+def _parameters(request: Any) -> object:
+    """The request's parameters (a JSON object), {} when it has none or they do not parse."""
+    try:
+        return json.loads(request.parameters() or "{}")
+    except (AttributeError, TypeError, ValueError):
+        return {}
 
 
 def _scalar(request: Any, name: str) -> Any:

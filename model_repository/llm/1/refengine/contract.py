@@ -48,6 +48,20 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     # The engine's own: the prompt tokens read from the prefix cache (first response).
     return_num_cached_tokens: bool = False
+    # The request parameter ``scheduling_priority``: lower is more urgent (vLLM's and
+    # Triton's order); a request without one is 0.
+    priority: int = 0
+
+
+def parse_priority(parameters: object) -> int:
+    """``scheduling_priority`` of a request's parameters (JSON object): a non-negative
+    integer, 0 when absent; RequestError naming it otherwise."""
+    if not isinstance(parameters, dict) or "scheduling_priority" not in parameters:
+        return 0
+    value = parameters["scheduling_priority"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"scheduling_priority: must be a non-negative integer, got {value!r}")
+    return value
 
 
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them

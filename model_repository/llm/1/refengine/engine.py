@@ -1,21 +1,27 @@
 """The engine: continuous (iteration-level) batching over a paged KV cache.
 
 ``submit`` only enqueues, so Triton's decoupled ``execute`` returns at once. The engine
-thread then runs steps: each step admits waiting sequences (FIFO, while KV blocks and the
-token budget allow, reusing cached prefix blocks), runs one batched forward pass for the
-prefill of the newly admitted and the next token of every running sequence, samples,
-streams text, and retires finished sequences. When a running sequence needs a block and
-none is left, the newest running sequence is preempted: its blocks are freed and it waits
-at the head of the queue to be recomputed. No sequence is lost or duplicated.
+thread then runs steps: each step admits waiting sequences (most urgent priority first,
+then in arrival order, while KV blocks, running slots and the token budget allow, reusing
+cached prefix blocks), runs one batched forward pass for the prefill of the newly admitted
+and the next token of every running sequence, samples, streams text, and retires finished
+sequences. Preemption frees a running sequence's blocks and puts it back in the queue, to
+be recomputed (its prefix-cached blocks mostly read back): when a running sequence needs
+a block and none is left (the least urgent, newest sequence goes), and, as vLLM's
+priority scheduling does, when the queue's most urgent sequence cannot be admitted and a
+less urgent one runs (unless that one was preempted ``max_preemptions`` times already,
+the bound on its starvation). No sequence is lost or duplicated; its client sees a pause.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -73,6 +79,9 @@ class EngineConfig:
     # running sequences (1 when few run, so a lone stream gets every token at once).
     stream_interval: int = 0
     max_logprobs: int = 20  # most likely tokens a request may ask for per position (OpenAI's cap)
+    # A sequence preempted this many times for more urgent ones is not preempted for them
+    # again (memory pressure may still preempt it: nothing else could run otherwise).
+    max_preemptions: int = 4
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
@@ -84,6 +93,7 @@ class EngineConfig:
             "max_batched_tokens": "max_batched_tokens",
             "stream_interval": "stream_interval",
             "max_logprobs": "max_logprobs",
+            "max_preemptions": "max_preemptions",
         }
         return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
@@ -99,6 +109,9 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens computed in prefill (recomputation included)
     generation_tokens: int = 0
     preemptions: int = 0
+    preemptions_by_priority: Counter[int] = field(default_factory=Counter)
+    preempted_seconds: float = 0.0  # time preempted sequences spent out of the batch
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
     finished: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -129,7 +142,8 @@ class Engine:
         self.stats = EngineStats(kv_blocks_total=self.config.kv_blocks)
         self._on_stats = on_stats or (lambda _: None)
         self._incoming: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
-        self._waiting: deque[Sequence] = deque()
+        self._waiting: list[Sequence] = []  # by Sequence.queue_key
+        self._arrivals = itertools.count()
         self._running: list[Sequence] = []
         self._wake = threading.Event()
         self._stopping = False
@@ -158,6 +172,7 @@ class Engine:
             )
         decoder = self.tokenizer.stream_decoder()
         sequence = Sequence(request, sink, prompt, len(prompt), max_new, decoder, self._masks)
+        sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
 
@@ -199,9 +214,12 @@ class Engine:
     def _take_incoming(self) -> None:
         while True:
             try:
-                self._waiting.append(self._incoming.get_nowait())
+                self._enqueue(self._incoming.get_nowait())
             except queue.Empty:
                 return
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self._waiting, seq, key=lambda s: s.queue_key)
 
     def _drop_cancelled(self) -> None:
         now = time.monotonic()
@@ -234,22 +252,46 @@ class Engine:
                 break
             batch.append((seq, min(len(seq.pending), budget)))
             budget -= batch[-1][1]
-        while self._waiting and len(self._running) < self.config.max_running and budget > 0:
+        while self._waiting:
             seq = self._waiting[0]
-            if not self._admit(seq):
-                break
-            self._waiting.popleft()
+            room = len(self._running) < self.config.max_running and budget > 0
+            if not (room and self._admit(seq)):
+                victim = self._displaceable(seq)
+                if victim is None:
+                    break
+                budget += self._take_out(victim, batch)
+                continue
+            self._waiting.pop(0)
             self._running.append(seq)
             batch.append((seq, min(len(seq.pending), budget)))
             budget -= batch[-1][1]
         return batch
+
+    def _displaceable(self, urgent: Sequence) -> Sequence | None:
+        """The running sequence ``urgent`` may preempt: the least urgent of those less
+        urgent than it (the newest among equals) not preempted too often already."""
+        less = [
+            s
+            for s in self._running
+            if s.priority > urgent.priority and s.preemptions < self.config.max_preemptions
+        ]
+        return max(less, key=lambda s: s.queue_key, default=None)
+
+    def _take_out(self, victim: Sequence, batch: list[tuple[Sequence, int]]) -> int:
+        """Preempts ``victim`` for a more urgent sequence; the tokens it had in this
+        step's batch, given back to the step's budget."""
+        given_back = sum(n for seq, n in batch if seq is victim)
+        batch[:] = [(seq, n) for seq, n in batch if seq is not victim]
+        self._preempt(victim)
+        self.stats.preemptions_by_priority[victim.priority] += 1
+        return given_back
 
     def _grow(self, seq: Sequence) -> bool:
         """Gives a running sequence the blocks its next token needs, preempting the newest
         running sequences when the pool is empty. False if ``seq`` itself was preempted."""
         while len(seq.table) < seq.blocks_needed(self.pool.block_size):
             if self.pool.available() == 0:
-                victim = self._running[-1]
+                victim = max(self._running, key=lambda s: s.queue_key)
                 self._preempt(victim)
                 if victim is seq:
                     return False
@@ -278,6 +320,10 @@ class Engine:
             self.stats.prefix_hit_tokens += seq.computed
         if seq.cached_tokens < 0:  # a recompute after preemption hits its own blocks
             seq.cached_tokens = seq.computed
+        if seq.preempted_at is not None:  # back after a preemption
+            self.stats.preempted_seconds += time.monotonic() - seq.preempted_at
+            self.stats.recomputed_tokens += len(seq.tokens) - seq.computed
+            seq.preempted_at = None
         return True
 
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -298,7 +344,9 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         seq.release(self.pool)
         self._running.remove(seq)
-        self._waiting.appendleft(seq)
+        self._enqueue(seq)  # its arrival keeps its place among its priority's
+        seq.preemptions += 1
+        seq.preempted_at = time.monotonic()
         self.stats.preemptions += 1
 
     # -- running a step -----------------------------------------------------------------

@@ -106,12 +106,24 @@ class Sequence:
     cumulative_logprob: float = 0.0
     cached_tokens: int = -1  # prompt tokens its first admission found cached (-1: not yet)
     cached_reported: bool = False
+    order: int = 0  # its place in arrival order (the engine numbers its requests)
+    preemptions: int = 0
+    preempted_at: float | None = None  # when it was last preempted (None: running, or new)
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.request.sampling, self.masks)
         self.stops = StopMatcher(self.request.sampling.stop)
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """Waiting order: the most urgent first (lowest priority value), then arrival."""
+        return self.request.priority, self.order
 
     @property
     def scores_tokens(self) -> bool:
