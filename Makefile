@@ -49,7 +49,7 @@ bench: $(STAMP)
 	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 5 --section batching
 	$(BENCH) --target triton --scenario hol
 	$(BENCH) --target triton --scenario prefix
-	$(BENCH) --scenario routing --rounds 4 --output-len 96
+	$(BENCH) --scenario routing --routers 1,2 --rounds 3 --output-len 96
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
 	$(BENCH) --scenario context
@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario paired --target router --target openai --num-prompts 1000 --output-len 4 --section http-paired
 	$(BENCH) --scenario drift --num-prompts 32 --output-len 32
 	$(BENCH) --scenario canary --concurrency 1,16 --num-prompts 64 --rounds 5 --output-len 32
+	$(BENCH) --scenario shared-state --num-prompts 600 --duration 30
 
 setup: $(STAMP)
 
