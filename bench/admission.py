@@ -1,9 +1,14 @@
 """Admission benchmark: three tenants in three tiers at twice the fleet's capacity, through
-a router without admission control (FIFO: every request goes straight to the engine) and
-through one with it (adaptive window, tier priority, shedding), in one run.
+three routers in one run: without admission control (FIFO: every request goes straight to
+the engine, without a priority), with it but without engine priority (adaptive window,
+tier shares of it, queue priority, shedding), and with it and engine priority (the tier
+reaches the engine, which preempts a lower tier's generation for a higher one; every tier
+may fill the window).
 
 Capacity is measured first (closed loop, many streams, through the FIFO router); the
-offered load is then Poisson at twice that, a third of it per tier. A request counts
+offered load is then Poisson at twice that, in two mixes: a third of the requests per
+tier, and critical at one sixth (the common case). The floor of each mix is its critical
+requests alone, at their rate in the mix, through the FIFO router. A request counts
 towards goodput when it succeeded within its tier's TTFT target and the TPOT target.
 """
 
@@ -17,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.loadgen import send_one
 from bench.metrics import RequestRecord, percentile
@@ -28,7 +34,25 @@ from llmmesh.launcher.process import Child
 TIERS = ("critical", "standard", "sheddable")
 TTFT_TARGET_S = {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
 TPOT_TARGET_S = 0.1
-ROUTERS = ("fifo", "admission")
+ROUTERS = ("fifo", "admission", "engine priority")
+# Router settings beside the tenants (FIFO also has NO_ADMISSION_CONTROL).
+ROUTER_SETTINGS = {
+    "fifo": {"admission__engine_priority": "false"},
+    "admission": {"admission__engine_priority": "false"},
+    "engine priority": {"admission__engine_priority": "true"},
+}
+# Each mix: the tiers of successive requests, in turn.
+MIXES = {
+    "a third each": TIERS,
+    "critical one sixth": (
+        "critical",
+        "standard",
+        "standard",
+        "sheddable",
+        "sheddable",
+        "sheddable",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,7 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
                 settings = {
                     "tenants_file": str(tenants),
                     "admission__ttft_target_s": json.dumps(TTFT_TARGET_S),
+                    **ROUTER_SETTINGS[name],
                     **(NO_ADMISSION_CONTROL if name == "fifo" else {}),
                 }
                 children.append(stack.start_service("router", port, workdir, **settings))
@@ -181,74 +206,116 @@ async def open_loop(
     return result
 
 
-def plot(results: list[RunResult], path: Path, window_s: float = 5.0) -> None:
-    """TTFT p50 and p99 per tier over time, one panel per run."""
+def plot(runs: list[MixRuns], path: Path, window_s: float = 5.0) -> None:
+    """TTFT p50 and p99 per tier over time: a row per mix, a panel per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), sharey=True)
-    for ax, result in zip(axes, results, strict=True):
-        for tier, color in zip(TIERS, ("tab:red", "tab:blue", "tab:gray"), strict=True):
-            points: dict[int, list[float]] = {}
-            for r in result.of(tier):
-                if r.record.ok:
-                    window = int((r.record.sent_at - result.started) // window_s)
-                    points.setdefault(window, []).append(r.record.ttft)
-            xs = sorted(points)
-            for q, style in ((50, "-"), (99, ":")):
-                ys = [percentile(points[x], q) for x in xs]
-                ax.plot([x * window_s for x in xs], ys, style, color=color, label=f"{tier} p{q}")
-        ax.set_title(f"{result.router}: {result.rate:.1f} req/s offered")
-        ax.set_xlabel("time since start (s)")
-        ax.set_yscale("log")
-    axes[0].set_ylabel("TTFT (s)")
-    axes[-1].legend(fontsize="small")
+    columns = max(len(m.all()) for m in runs)
+    fig, grid = plt.subplots(
+        len(runs), columns, figsize=(5 * columns, 4 * len(runs)), sharey=True, squeeze=False
+    )
+    for row, mix in zip(grid, runs, strict=True):
+        for ax, result in zip(row, mix.all(), strict=False):
+            _panel(ax, result, window_s)
+            ax.set_title(f"{mix.name}: {result.router}", fontsize="medium")
+        row[0].set_ylabel("TTFT (s)")
+    grid[0][-1].legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def table(comparison: AdmissionComparison) -> str:
-    rows = [
-        "| run | tier | requests | failed | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| good share | goodput (req/s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for result in [*comparison.results, comparison.critical_alone]:
+def _panel(ax: Any, result: RunResult, window_s: float) -> None:
+    for tier, color in zip(TIERS, ("tab:red", "tab:blue", "tab:gray"), strict=True):
+        points: dict[int, list[float]] = {}
+        for r in result.of(tier):
+            if r.record.ok:
+                window = int((r.record.sent_at - result.started) // window_s)
+                points.setdefault(window, []).append(r.record.ttft)
+        xs = sorted(points)
+        for q, style in ((50, "-"), (99, ":")):
+            ys = [percentile(points[x], q) for x in xs]
+            ax.plot([x * window_s for x in xs], ys, style, color=color, label=f"{tier} p{q}")
+    ax.set_xlabel("time since start (s)")
+    ax.set_yscale("log")
+
+
+@dataclass
+class MixRuns:
+    """One mix: each router's run, and the floor (its critical requests alone)."""
+
+    name: str
+    runs: dict[str, RunResult]
+    critical_alone: RunResult
+
+    def all(self) -> list[RunResult]:
+        return [*self.runs.values(), self.critical_alone]
+
+
+def _rows(mix: MixRuns) -> list[str]:
+    rows = []
+    for result in mix.all():
         for tier in TIERS:
             recs = result.of(tier)
             if not recs:
                 continue
             ok = [r.record.ttft for r in recs if r.record.ok]
             rows.append(
-                f"| {result.router} | {tier} | {len(recs)} | {len(recs) - len(ok)} "
+                f"| {mix.name} | {result.router} | {tier} | {len(recs)} | {len(recs) - len(ok)} "
                 f"| {percentile(ok, 50) * 1e3:.0f} | {percentile(ok, 99) * 1e3:.0f} "
                 f"| {result.good_share(tier):.0%} | {result.goodput(tier):.2f} |"
             )
-    fifo, admitted = comparison.results
-    unloaded_p99, timeout_s = comparison.unloaded_p99_s, comparison.timeout_s
-    crit = admitted.ttft_p99("critical")
-    alone = comparison.critical_alone
-    floor = alone.ttft_p99("critical")
+    return rows
+
+
+def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float) -> list[str]:
+    fifo, plain, priority = (mix.runs[name] for name in ROUTERS)
+    alone = mix.critical_alone
+    crit, floor = priority.ttft_p99("critical"), alone.ttft_p99("critical")
+    share, floor_share = priority.good_share("critical"), alone.good_share("critical")
+    late = {name: run.late_answers(timeout_s) for name, run in mix.runs.items()}
+    return [
+        f"**{mix.name}** ({priority.rate:.2f} req/s offered):",
+        f"- critical TTFT p99 with engine priority {crit * 1e3:.0f} ms = {crit / floor:.2f}x "
+        f"the floor's {floor * 1e3:.0f} ms (goal <= 1.1x), {crit / unloaded_p99:.2f}x unloaded; "
+        f"good share {share:.0%} against the floor's {floor_share:.0%} (goal: at most 2 "
+        "points below)",
+        f"- overall goodput: engine priority {priority.goodput():.2f} req/s, admission "
+        f"without it {plain.goodput():.2f} ({_ratio(priority, plain):.2f}x, goal >= 1.2x), "
+        f"FIFO {fifo.goodput():.2f} ({_ratio(priority, fifo):.1f}x, goal >= 10x)",
+        f"- answered after their deadline ({timeout_s:.0f} s): "
+        + ", ".join(f"{name} {n}" for name, n in late.items())
+        + " (goal 0)",
+    ]
+
+
+def _ratio(better: RunResult, worse: RunResult) -> float:
+    return better.goodput() / max(worse.goodput(), 1e-9)
+
+
+def table(comparison: AdmissionComparison) -> str:
+    rows = [
+        "| mix | run | tier | requests | failed | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| good share | goodput (req/s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     summary = [
         f"Capacity (closed loop, 32 streams): {comparison.capacity_rps:.2f} req/s; offered "
-        f"{admitted.rate:.2f} req/s. Critical TTFT p99 unloaded: {unloaded_p99 * 1e3:.0f} ms.",
-        f"- critical TTFT p99 under admission control: {crit * 1e3:.0f} ms = "
-        f"{crit / unloaded_p99:.2f}x unloaded (goal <= 2x); critical good share "
-        f"{admitted.good_share('critical'):.0%} (goal >= 95%)",
-        f"- the floor for that p99: the critical requests alone ({alone.rate:.2f} req/s, no "
-        f"other tier, no admission control): {floor * 1e3:.0f} ms = "
-        f"{floor / unloaded_p99:.2f}x unloaded; admission control is at "
-        f"{crit / floor:.2f}x the floor",
-        f"- overall goodput: admission {admitted.goodput():.2f} req/s vs FIFO "
-        f"{fifo.goodput():.2f} req/s = {admitted.goodput() / max(fifo.goodput(), 1e-9):.2f}x "
-        "(goal >= 2x)",
-        f"- answered after their deadline ({timeout_s:.0f} s): FIFO "
-        f"{fifo.late_answers(timeout_s)}, admission {admitted.late_answers(timeout_s)} (goal 0)",
+        f"twice that. Critical TTFT p99 unloaded: {comparison.unloaded_p99_s * 1e3:.0f} ms.",
     ]
+    for mix in comparison.mixes:
+        rows += _rows(mix)
+        summary += ["", *_summary(mix, comparison.unloaded_p99_s, comparison.timeout_s)]
+    sixth = comparison.mixes[-1].runs["engine priority"]
+    crit = sixth.ttft_p99("critical")
+    summary.append(
+        f"- {comparison.mixes[-1].name}: critical TTFT p99 {crit / comparison.unloaded_p99_s:.2f}x "
+        f"unloaded (goal <= 2x), good share {sixth.good_share('critical'):.0%} (goal >= 95%)"
+    )
     return "\n".join(rows) + "\n\n" + "\n".join(summary)
 
 
@@ -256,12 +323,8 @@ def table(comparison: AdmissionComparison) -> str:
 class AdmissionComparison:
     capacity_rps: float
     unloaded_p99_s: float
-    results: list[RunResult]  # FIFO, admission
+    mixes: list[MixRuns]
     timeout_s: float
-    # The critical tier's requests alone, at the rate they have in the mix, through the
-    # FIFO router: the best any admission control could do for them is to remove every
-    # other tier's load, and with no window nothing stands between them and the engine.
-    critical_alone: RunResult
 
     def table(self) -> str:
         return table(self)
@@ -270,28 +333,29 @@ class AdmissionComparison:
 async def compare(
     fleet: Fleet, duration_s: float, shape: Shape, timeout_s: float = 30.0
 ) -> AdmissionComparison:
-    """Capacity, then FIFO and admission at twice capacity."""
+    """Capacity, then per mix every router at twice capacity, and the floor."""
     targets = {
         name: {tier: RouterTarget(address, "llm", fleet.keys[tier], timeout_s) for tier in TIERS}
         for name, address in fleet.routers.items()
     }
-    unloaded = fleet.unloaded_p99_s
     try:
         capacity = await capacity_rps(targets["fifo"]["standard"], shape)
-        results = [
-            await open_loop(name, targets[name], 2 * capacity, duration_s, shape)
-            for name in ROUTERS
-        ]
-        alone = await open_loop(
-            "critical alone",
-            targets["fifo"],
-            2 * capacity / len(TIERS),
-            duration_s,
-            shape,
-            tiers=("critical",),
-        )
+        mixes = []
+        for name, tiers in MIXES.items():
+            runs = {
+                router: await open_loop(
+                    router, targets[router], 2 * capacity, duration_s, shape, tiers=tiers
+                )
+                for router in ROUTERS
+            }
+            critical_rate = 2 * capacity * tiers.count("critical") / len(tiers)
+            alone = await open_loop(
+                "critical alone", targets["fifo"], critical_rate, duration_s, shape,
+                tiers=("critical",),
+            )  # fmt: skip
+            mixes.append(MixRuns(name, runs, alone))
     finally:
         for by_tier in targets.values():
             for target in by_tier.values():
                 await target.close()
-    return AdmissionComparison(capacity, unloaded, results, timeout_s, alone)
+    return AdmissionComparison(capacity, fleet.unloaded_p99_s, mixes, timeout_s)

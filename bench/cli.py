@@ -357,20 +357,21 @@ def _routing(args: argparse.Namespace) -> int:
 
 def _admission(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
-        print("starting a stack and two routers (FIFO, admission) ...", file=sys.stderr)
+        print("starting a stack and three routers (FIFO, admission, engine priority) ...",
+              file=sys.stderr)  # fmt: skip
         shape = AdmissionShape()
         with admission_fleet(Path(workdir), shape) as fleet:
             outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
     plot = _admission_plot(args)
-    plot_admission([*outcome.results, outcome.critical_alone], plot)
+    plot_admission(outcome.mixes, plot)
     print(outcome.table())
     print(f"plot: {plot}", file=sys.stderr)
     _record(
         args,
         _section(args, "admission"),
-        f"; {args.duration:.0f} s per router, "
-        "128-token prompts, 64 output tokens, a third of the requests per tier; then the "
-        "critical requests alone, at their rate in the mix.",
+        f"; {args.duration:.0f} s per router and mix, 128-token prompts, 64 output tokens; "
+        "two mixes (a third of the requests per tier; critical one in six), each followed "
+        "by its critical requests alone, at their rate in the mix.",
         f"{outcome.table()}\n\n![TTFT per tier over time](img/{plot.name})",
     )
     return 0

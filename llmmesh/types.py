@@ -103,6 +103,8 @@ class InferenceCall:
     model: str
     prompt: str
     sampling: Sampling
+    # The engine's scheduling priority, lower is more urgent (None: the engine's default).
+    priority: int | None = None
 
 
 @dataclass(frozen=True)

@@ -233,12 +233,18 @@ class InferenceRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, passed to Triton as the request id."""
     model: _builtins.str
     """Triton model name."""
     prompt: _builtins.str
     """The complete prompt (history included), as the model should see it."""
+    priority: _builtins.int
+    """Scheduling priority in the engine, lower is more urgent (the router sends its
+    tenant's tier: critical 0, standard 1, sheddable 2; a shadow 3); must be >= 0. Unset:
+    the engine's default. Sent to Triton as the request parameter scheduling_priority.
+    """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling controls."""
@@ -250,12 +256,15 @@ class InferenceRequest(_message.Message):
         model: _builtins.str = ...,
         prompt: _builtins.str = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "priority", b"priority", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___InferenceRequest: _TypeAlias = InferenceRequest  # noqa: Y015
 

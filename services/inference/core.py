@@ -52,6 +52,8 @@ class InferenceCore:
             raise InvalidArgument("model", "required")
         if not call.prompt:
             raise InvalidArgument("prompt", "must not be empty")
+        if call.priority is not None and call.priority < 0:
+            raise InvalidArgument("priority", f"must be >= 0 (lower: sooner), got {call.priority}")
         check_sampling(call.sampling, self._limit)
         served = replace(call, model=self._aliases.get(call.model, call.model))
         self.health.check(served.model)

@@ -66,6 +66,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             model=request.model,
             prompt=request.prompt,
             sampling=sampling_from_pb(request.sampling),
+            priority=request.priority if request.HasField("priority") else None,
         )
         total = 0
         async for chunk in self._core.generate(call):

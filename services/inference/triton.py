@@ -37,6 +37,7 @@ TRITON_CHANNEL_OPTIONS = [
 ]
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
+PRIORITY_PARAMETER = "scheduling_priority"
 
 
 def bytes_tensor(value: bytes) -> bytes:
@@ -76,6 +77,8 @@ def build_request(
         request.raw_input_contents.append(raw)
     for name in outputs:
         request.outputs.add(name=name)
+    if call.priority is not None:  # a parameter the model reads (tritonclient reserves "priority")
+        request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
     return request
 
 

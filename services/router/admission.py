@@ -29,6 +29,10 @@ from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
 from services.router.demand import RecentEvents, TierDemand
 
 TIERS = ("critical", "standard", "sheddable")  # highest priority first
+# The engine's scheduling priority of each tier (lower is more urgent, as vLLM and Triton
+# order them), and of a mirrored request, which must never displace a client's.
+TIER_PRIORITY = {"critical": 0, "standard": 1, "sheddable": 2}
+SHADOW_PRIORITY = 3
 RATE_WINDOW_S = 10.0  # the queue's pace: releases over this window
 
 # Every admission outcome, from tenant checks (model_denied, over_budget) to the queue
@@ -68,6 +72,13 @@ class AdmissionSettings(BaseModel):
     # Share of the window a tier may fill: what the lower tiers leave free is headroom for
     # higher ones (a slot, once given, is held for a whole generation).
     window_share: dict[str, float] = _per_tier(1.0, 0.8, 0.5)
+    # The engines order and preempt by each request's priority (its tier): the reference
+    # engine does, and vLLM with --scheduling-policy priority. Every tier may then fill
+    # the whole window (a lower tier's slot is the engine's to take back), and no slots
+    # are held free for the higher tiers; the window, the queue's strict priority and
+    # shedding stay for what the engines cannot absorb. False: the tier shares apply, and
+    # requests go to the engines without a priority.
+    engine_priority: bool = True
 
 
 @dataclass(eq=False)
@@ -225,6 +236,8 @@ class AdmissionQueue:
             ticket.granted.set_result(None)
 
     def _room(self, tier: str) -> bool:
+        if self.settings.engine_priority:
+            return self.in_flight < self.limit
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
 

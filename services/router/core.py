@@ -44,7 +44,7 @@ from llmmesh.types import (
     check_truncation,
     fingerprint,
 )
-from services.router.admission import AdmissionQueue
+from services.router.admission import TIER_PRIORITY, AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.fail_modes import fail_open
 from services.router.prompt import (
@@ -309,7 +309,10 @@ class RouterCore:
             )
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
-        call = InferenceCall(request.request_id, request.model, prompt, request.sampling)
+        priority = None
+        if self._admission.settings.engine_priority:
+            priority = TIER_PRIORITY.get(self._tenants.spec(request.tenant).tier)
+        call = InferenceCall(request.request_id, request.model, prompt, request.sampling, priority)
         return call, speech.count(prompt) + speech.bos_tokens
 
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from llmmesh.analysis.pairs import compare
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import SEED_LIMIT, Chunk, InferenceCall, ModelCard, TokenLogprob
+from services.router.admission import SHADOW_PRIORITY
 from services.router.canary_watch import CanaryWatch
 from services.router.dispatch import Dispatcher
 from services.router.routing import MirrorSpec, PolicyHolder
@@ -151,6 +152,8 @@ class Mirror:
     async def _shadow(self, subset: str, call: InferenceCall, stable: _Answer) -> None:
         model, outcome = call.model, "failed"
         shadow = replace(call, request_id=f"{call.request_id}.shadow")
+        if call.priority is not None:  # never before a client's request in the engine
+            shadow = replace(shadow, priority=SHADOW_PRIORITY)
         hints = RouteHints(color=subset, tier="shadow")
         answer = _Answer()
         try:

@@ -378,6 +378,7 @@ class ReplicaClient:
             model=call.model,
             prompt=call.prompt,
             sampling=sampling_to_pb(call.sampling),
+            priority=call.priority,
         )
         rpc = self._stub.Generate(request, metadata=_metadata(call.request_id) + self._extra)
         seen, finished = 0, False

@@ -65,26 +65,23 @@ def test_engine_scenario_times_prefill_and_decode_steps() -> None:
 
 
 def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
-    from bench.admission import AdmissionComparison, RunResult, TierRecord
+    from bench.admission import AdmissionComparison, MixRuns, RunResult, TierRecord
 
     def run(name: str, rate: float, ttfts: dict[str, float]) -> RunResult:
         records = [TierRecord(t, _record(0.0, ttft, ttft + 1.0, 64)) for t, ttft in ttfts.items()]
         return RunResult(name, rate, 10.0, records)
 
-    tiers = {"critical": 0.2, "standard": 1.5, "sheddable": 3.0}
-    comparison = AdmissionComparison(
-        capacity_rps=30.0,
-        unloaded_p99_s=0.05,
-        results=[run("fifo", 60.0, tiers), run("admission", 60.0, tiers)],
-        timeout_s=30.0,
-        critical_alone=run("critical alone", 20.0, {"critical": 0.4}),
-    )
-    table = comparison.table()
-    assert "| critical alone | critical | 1 |" in table
-    assert "| critical alone | standard" not in table  # tiers it did not send: no row
-    assert "under admission control: 200 ms = 4.00x unloaded" in table
-    assert "(20.00 req/s, no other tier, no admission control): 400 ms = 8.00x unloaded" in table
-    assert "admission control is at 0.50x the floor" in table
+    slow = {"critical": 0.8, "standard": 1.5, "sheddable": 3.0}
+    fast = {"critical": 0.44, "standard": 0.5, "sheddable": 1.0}
+    runs = {"fifo": run("fifo", 60.0, slow), "admission": run("admission", 60.0, slow)}
+    runs["engine priority"] = run("engine priority", 60.0, fast)
+    mix = MixRuns("a third each", runs, run("critical alone", 20.0, {"critical": 0.4}))
+    table = AdmissionComparison(30.0, 0.05, [mix], 30.0).table()
+    assert "| a third each | critical alone | critical | 1 |" in table
+    assert "| a third each | critical alone | standard" not in table  # not sent: no row
+    assert "engine priority 440 ms = 1.10x the floor's 400 ms (goal <= 1.1x)" in table
+    # Good: critical within 0.5 s, standard 1 s, sheddable 2 s (TPOT 1/63 s each).
+    assert "engine priority 0.30 req/s, admission without it 0.00 (" in table
 
 
 def test_an_admission_run_that_records_nothing_leaves_the_documented_plot_alone() -> None:

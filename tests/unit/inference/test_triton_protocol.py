@@ -129,3 +129,11 @@ def test_the_vllm_logprobs_output_is_read_with_the_top_tokens_in_rank_order() ->
     assert token == TokenLogprob(7, " cat", -3.0, 5, ((9, " dog", -0.2), (4, " fox", -1.9)))
     with pytest.raises(Unavailable, match="do not parse"):
         parse_logprobs(b'[{"7": {"rank": 1}}]', top=1)
+
+
+def test_a_priority_travels_as_the_scheduling_priority_parameter() -> None:
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=1))
+    assert "scheduling_priority" not in build_request(call).parameters
+    urgent = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=1), priority=0))
+    assert urgent.parameters["scheduling_priority"].int64_param == 0
+    assert urgent.parameters["scheduling_priority"].HasField("int64_param")

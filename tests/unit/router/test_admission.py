@@ -185,8 +185,10 @@ def test_misses_do_not_shrink_the_window_below_what_the_strictest_tier_holds() -
 
 
 def test_lower_tiers_leave_headroom_for_critical() -> None:
+    """Without engine priority: a lower tier's slot cannot be taken back by the engine."""
+
     async def scenario() -> None:
-        q = queue(limit=10)
+        q = queue(limit=10, engine_priority=False)
         held = [await q.acquire("s", "standard", 1, None) for _ in range(8)]
         standard = asyncio.create_task(q.acquire("s", "standard", 1, None))
         await run_ready_tasks()
@@ -203,7 +205,7 @@ def test_lower_tiers_leave_headroom_for_critical() -> None:
 def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need() -> None:
     async def scenario() -> None:
         now = [0.0]
-        q = queue(limit=20, clock=lambda: now[0])
+        q = queue(limit=20, clock=lambda: now[0], engine_priority=False)
         # Critical traffic at 1 request/s, each holding its slot for 4 s: about 4 at once,
         # 8 with room for bursts, against a window of 20.
         for arrival in range(10):
@@ -237,3 +239,23 @@ def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
     q.limit = 64 / 4  # at the top of its share of the bounds (max_limit 64)
     q.set_share(1)  # the others left: the whole window again
     assert q.limit == 64
+
+
+def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
+    """The engine preempts a lower tier's generation for a higher one: no slot is held
+    free for the higher tiers, and the queue still serves them first."""
+
+    async def scenario() -> None:
+        q = queue(limit=4)
+        held = [await q.acquire("s", "sheddable", 1, None) for _ in range(4)]
+        sheddable = asyncio.create_task(q.acquire("s", "sheddable", 1, None))
+        critical = asyncio.create_task(q.acquire("c", "critical", 1, None))
+        await run_ready_tasks()
+        assert not sheddable.done() and not critical.done()
+        held[0].release(None)
+        await asyncio.wait_for(critical, 5)  # the freed slot goes to the higher tier
+        assert not sheddable.done()
+        held[1].release(None)
+        await asyncio.wait_for(sheddable, 5)
+
+    asyncio.run(scenario())

@@ -37,6 +37,7 @@ from llmmesh.types import (
     request_text,
 )
 from llmmesh.waiting import poll_until_async
+from services.router.admission import AdmissionQueue, AdmissionSettings
 from services.router.chat_layout import MESH_LAYOUT
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
@@ -334,6 +335,24 @@ def test_policy_unreachable_follows_the_tenants_fail_mode(mode: str) -> None:
         else:
             await run(core, request("hello"))
             assert [c.prompt for c in inference.calls] == ["hello"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("engine_priority", "expected"), [(True, 2), (False, None)])
+def test_the_tenants_tier_reaches_the_engine_as_its_priority(
+    engine_priority: bool, expected: int | None
+) -> None:
+    async def scenario() -> None:
+        tenants, inference = Tenants(), Inference()
+        tenants.apply(parse_tenants("tenants: [{id: t, tier: sheddable}]"))
+        admission = AdmissionQueue(AdmissionSettings(engine_priority=engine_priority))
+        core = RouterCore(
+            RouterConfig(), gate(), Context(), inference, BYTES,
+            tenants=tenants, admission=admission,
+        )  # fmt: skip
+        await run(core, request("hello"))
+        assert [c.priority for c in inference.calls] == [expected]
 
     asyncio.run(scenario())
 

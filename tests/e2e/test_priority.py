@@ -1,0 +1,116 @@
+"""A tenant's tier reaches the engine as its scheduling priority, through the router, the
+inference service and real Triton: with the engine full of a sheddable tenant's long
+generations, a critical request preempts one and gets its first token about as fast as
+on an idle engine; the preempted one goes on, and the KV pool ends fully free."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmmesh.client import authorized_channel, build_request
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.stack import REPO_MODELS
+from llmmesh.v1 import generation_pb2_grpc
+from tests.conftest import metric_value, start_service, wait_for
+from tests.e2e.test_tenants import write_tenants
+
+FULL = 15  # running sequences the test's engine takes at once
+
+
+def repository(root: Path) -> Path:
+    """The stack's models, the tiny one's engine taking ``FULL`` sequences at a time."""
+    repo = root / "models"
+    (repo / "llm").mkdir(parents=True)
+    (repo / "llm_canary").symlink_to(REPO_MODELS / "llm_canary", target_is_directory=True)
+    (repo / "llm" / "1").symlink_to(REPO_MODELS / "llm" / "1", target_is_directory=True)
+    config = (REPO_MODELS / "llm" / "config.pbtxt").read_text()
+    config = re.sub(r'("max_running" value: \{ string_value: )"\d+"', rf'\1"{FULL}"', config)
+    (repo / "llm" / "config.pbtxt").write_text(config)
+    return repo
+
+
+@dataclass(frozen=True)
+class Tiers:
+    stack: Stack
+    router: str
+    keys: dict[str, str]
+
+    def engine(self, name: str, **labels: str) -> float:
+        url = f"http://{self.stack.address('triton_metrics')}/metrics"
+        return metric_value(url, name, {"model": "llm", **labels})
+
+
+@pytest.fixture(scope="module")
+def tiers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiers]:
+    tmp = tmp_path_factory.mktemp("priority")
+    with Stack(tmp / "stack", StackPorts.free(), model_repository=repository(tmp)) as stack:
+        keys = write_tenants(
+            tmp / "tenants.json",
+            {tier: {"id": tier, "tier": tier} for tier in ("critical", "sheddable")},
+        )
+        port = StackPorts.free().router
+        router = start_service(stack, "router", port, tmp, tenants_file=str(tmp / "tenants.json"))
+        try:
+            yield Tiers(stack, f"127.0.0.1:{port}", keys)
+        finally:
+            router.terminate(5)
+
+
+def first_token_s(address: str, key: str, prompt: str) -> float:
+    with authorized_channel(address, key) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        stream = stub.Generate(build_request(prompt, max_tokens=4, ignore_eos=True), timeout=60)
+        next(stream)
+        took = time.perf_counter() - started
+        list(stream)
+    return took
+
+
+def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
+    tiers: Tiers,
+) -> None:
+    idle = [first_token_s(tiers.router, tiers.keys["critical"], f"alone {n}") for n in range(5)]
+    preempted_before = tiers.engine("llm_engine_priority_preemptions_total", priority="2")
+    channel = authorized_channel(tiers.router, tiers.keys["sheddable"])
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    long = [
+        stub.Generate(build_request(f"long {n}", max_tokens=1500, ignore_eos=True), timeout=120)
+        for n in range(FULL)
+    ]
+    readers = [threading.Thread(target=_drain, args=(s,), daemon=True) for s in long]
+    for reader in readers:
+        reader.start()
+    try:
+        wait_for(lambda: tiers.engine("llm_engine_running_sequences") == FULL, 30, "a full engine")
+        loaded = [
+            first_token_s(tiers.router, tiers.keys["critical"], f"urgent {n}") for n in range(5)
+        ]
+        preempted = tiers.engine("llm_engine_priority_preemptions_total", priority="2")
+    finally:
+        for stream in long:
+            stream.cancel()
+        for reader in readers:
+            reader.join(30)
+        channel.close()
+    assert preempted - preempted_before >= 5  # each critical request displaced one
+    assert statistics.median(loaded) <= 2 * statistics.median(idle), (idle, loaded)
+    wait_for(lambda: tiers.engine("llm_engine_kv_blocks_used") == 0, 30, "the pool free again")
+
+
+def _drain(stream: grpc.Call) -> None:
+    try:
+        for _ in stream:  # type: ignore[attr-defined]
+            pass
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.CANCELLED:
+            raise
