@@ -380,6 +380,9 @@ class RecordingSink:
         assert self.final is not None
         return sum(n for _, n in self.deltas) + self.final[1]
 
+    def tokens_so_far(self) -> int:
+        return sum(n for _, n in self.deltas) + (self.final[1] if self.final else 0)
+
 
 class BrokenSink(RecordingSink):
     def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
@@ -735,6 +738,24 @@ class TestPriority:
             assert sink.text == alone.text and sink.tokens == 40
         assert engine.stats.recomputed_tokens > 0 and engine.stats.preempted_seconds > 0
         assert engine.pool.stats().used == 0
+
+    def test_an_urgent_prompt_is_prefilled_in_a_step_of_its_own(self) -> None:
+        """Room for it (no preemption): the step that prefills it leaves the less urgent
+        decodes out, which go on in the next one; an equal priority's do not pause."""
+        engine = make_engine()
+        low = [submit_at(engine, f"low {i}", 2, max_tokens=20, ignore_eos=True) for i in (1, 2)]
+        peer = submit_at(engine, "peer", 0, max_tokens=20, ignore_eos=True)
+        for _ in range(3):
+            engine.step()
+        before = [s.tokens_so_far() for s in (*low, peer)]
+        urgent = submit_at(engine, "urgent", 0, max_tokens=2, ignore_eos=True)
+        engine.step()
+        after = [s.tokens_so_far() for s in (*low, peer)]
+        assert urgent.deltas and after[:2] == before[:2] and after[2] == before[2] + 1
+        engine.step()
+        assert [s.tokens_so_far() for s in low] == [b + 1 for b in before[:2]]
+        assert engine.stats.preemptions == 0
+        drain(engine)
 
     def test_the_queue_serves_the_most_urgent_first_then_in_arrival_order(self) -> None:
         engine = make_engine(max_running=1)

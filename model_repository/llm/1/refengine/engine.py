@@ -82,6 +82,10 @@ class EngineConfig:
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
     max_preemptions: int = 4
+    # A step that prefills a sequence's prompt leaves out the decoding of less urgent
+    # ones: its first token comes after a step of its own work, as on an idle engine,
+    # and theirs pause one step (1: on, 0: off).
+    urgent_prefill_alone: int = 1
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
@@ -94,6 +98,7 @@ class EngineConfig:
             "stream_interval": "stream_interval",
             "max_logprobs": "max_logprobs",
             "max_preemptions": "max_preemptions",
+            "urgent_prefill_alone": "urgent_prefill_alone",
         }
         return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
@@ -265,7 +270,20 @@ class Engine:
             self._running.append(seq)
             batch.append((seq, min(len(seq.pending), budget)))
             budget -= batch[-1][1]
-        return batch
+        return self._urgent_first(batch)
+
+    def _urgent_first(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The step without the decodes of sequences less urgent than a prompt it prefills
+        (a first token is the most waited-for token there is)."""
+        prefilling = [seq.priority for seq, _ in batch if seq.generated == 0]
+        if not self.config.urgent_prefill_alone or not prefilling:
+            return batch
+        urgent = min(prefilling)
+        return [
+            (seq, n)
+            for seq, n in batch
+            if not (seq.generated > 0 and len(seq.pending) == 1 and seq.priority > urgent)
+        ]
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
         """The running sequence ``urgent`` may preempt: the least urgent of those less
