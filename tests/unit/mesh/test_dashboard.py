@@ -12,7 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "mesh" / "grafana" / "dashboards" / "llm-mesh.json"
 DEFINED = re.compile(r'(?:Counter|Gauge|Histogram)\(\s*"([a-z_]+)"', re.S)
-ENGINE = re.compile(r'^\s*"(llm_engine_[a-z_]+)": \(', re.M)
+ENGINE = re.compile(r'"(llm_engine_[a-z_]+)"')  # the engine's metric families
 USED = re.compile(r"\b((?:llm|gen_ai)_[a-z_]+)")
 
 
