@@ -237,7 +237,10 @@ class AdmissionQueue:
 
     def _room(self, tier: str) -> bool:
         if self.settings.engine_priority:
-            return self.in_flight < self.limit
+            # Slots that lower tiers hold are the engine's to take back (it preempts their
+            # generations): a tier counts only its own and the higher tiers'.
+            held = sum(self._in_flight_by_tier[t] for t in TIERS[: TIERS.index(tier) + 1])
+            return held < self.limit
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
 
@@ -252,7 +255,7 @@ class AdmissionQueue:
         )
 
     def _dispatch(self) -> None:
-        while self.in_flight < self.limit:
+        while True:
             ticket = self._next()
             if ticket is None:
                 return

@@ -90,7 +90,7 @@ def test_earliest_deadline_first_within_a_tenant() -> None:
 
 def test_a_cancelled_waiter_gives_its_place_up() -> None:
     async def scenario() -> None:
-        q = queue()
+        q = queue(engine_priority=False)  # a critical request waits behind a standard one
         holder = await q.acquire("t", "standard", 1, None)
         gone = asyncio.create_task(q.acquire("a", "critical", 1, None))
         stays = asyncio.create_task(q.acquire("b", "standard", 1, None))
@@ -107,7 +107,10 @@ def test_a_cancelled_waiter_gives_its_place_up() -> None:
 
 def test_a_request_not_served_by_its_deadline_is_told_so() -> None:
     async def scenario() -> None:
-        q = queue(max_queue_wait_s={"critical": 0.05, "standard": 5.0, "sheddable": 1.0})
+        q = queue(
+            max_queue_wait_s={"critical": 0.05, "standard": 5.0, "sheddable": 1.0},
+            engine_priority=False,  # a critical request waits behind a standard one
+        )
         await q.acquire("t", "standard", 1, None)
         with pytest.raises(DeadlineExceeded):
             await q.acquire("c", "critical", 1, None)
@@ -118,7 +121,8 @@ def test_a_request_not_served_by_its_deadline_is_told_so() -> None:
 
 def test_sheddable_is_refused_at_once_when_saturated() -> None:
     async def scenario() -> None:
-        q = AdmissionQueue(AdmissionSettings(initial_limit=1, min_limit=1), lambda: True)
+        settings = AdmissionSettings(initial_limit=1, min_limit=1, engine_priority=False)
+        q = AdmissionQueue(settings, lambda: True)
         await q.acquire("t", "standard", 1, None)
         with pytest.raises(ResourceExhausted) as info:
             await q.acquire("s", "sheddable", 1, None)
@@ -242,20 +246,25 @@ def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
 
 
 def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
-    """The engine preempts a lower tier's generation for a higher one: no slot is held
-    free for the higher tiers, and the queue still serves them first."""
+    """The engine preempts a lower tier's generation for a higher one: sheddable may fill
+    the window, and a critical request still goes straight in (the slots lower tiers hold
+    are the engine's to take back); each tier counts its own and the higher tiers'."""
 
     async def scenario() -> None:
         q = queue(limit=4)
         held = [await q.acquire("s", "sheddable", 1, None) for _ in range(4)]
         sheddable = asyncio.create_task(q.acquire("s", "sheddable", 1, None))
-        critical = asyncio.create_task(q.acquire("c", "critical", 1, None))
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
+        assert q.in_flight == 5 and not sheddable.done()
+        standard = [await q.acquire("t", "standard", 1, None) for _ in range(3)]
+        waiting = asyncio.create_task(q.acquire("t", "standard", 1, None))
         await run_ready_tasks()
-        assert not sheddable.done() and not critical.done()
-        held[0].release(None)
-        await asyncio.wait_for(critical, 5)  # the freed slot goes to the higher tier
+        assert not waiting.done()  # critical and standard hold 4: the window is theirs
+        critical.release(None)
+        await asyncio.wait_for(waiting, 5)  # the freed slot goes to the higher tier
         assert not sheddable.done()
-        held[1].release(None)
+        for slot in [*held, *standard]:
+            slot.release(None)
         await asyncio.wait_for(sheddable, 5)
 
     asyncio.run(scenario())
