@@ -82,9 +82,9 @@ class EngineConfig:
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
     max_preemptions: int = 4
-    # A step that prefills a sequence's prompt leaves out the decoding of less urgent
-    # ones: its first token comes after a step of its own work, as on an idle engine,
-    # and theirs pause one step (1: on, 0: off).
+    # A step that prefills a sequence's prompt leaves out the work of less urgent ones:
+    # its first token comes after a step of its own work, as on an idle engine, and
+    # theirs pause one step (1: on, 0: off).
     urgent_prefill_alone: int = 1
 
     @classmethod
@@ -273,17 +273,14 @@ class Engine:
         return self._urgent_first(batch)
 
     def _urgent_first(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """The step without the decodes of sequences less urgent than a prompt it prefills
-        (a first token is the most waited-for token there is)."""
+        """The step without the work of sequences less urgent than a prompt it prefills,
+        their decodes and their (re)computation alike (a first token is the most
+        waited-for token there is)."""
         prefilling = [seq.priority for seq, _ in batch if seq.generated == 0]
         if not self.config.urgent_prefill_alone or not prefilling:
             return batch
         urgent = min(prefilling)
-        return [
-            (seq, n)
-            for seq, n in batch
-            if not (seq.generated > 0 and len(seq.pending) == 1 and seq.priority > urgent)
-        ]
+        return [(seq, n) for seq, n in batch if seq.priority <= urgent]
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
         """The running sequence ``urgent`` may preempt: the least urgent of those less
