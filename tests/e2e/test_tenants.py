@@ -189,7 +189,9 @@ class OneSlotRouter:
 def one_slot_router(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OneSlotRouter]:
-    """A router whose admission window is one stream wide, with a tenant per tier."""
+    """A router whose admission window is one stream wide, with a tenant per tier; the
+    queue between tiers as it runs for engines without priority (with it, a higher tier
+    does not wait for a lower one's slot: tests/e2e/test_priority.py)."""
     tmp = tmp_path_factory.mktemp("queue")
     tenants_file = tmp / "tenants.json"
     tiers = ("critical", "standard", "sheddable")
@@ -206,6 +208,7 @@ def one_slot_router(
         admission__min_limit="1",
         admission__max_limit="1",
         admission__max_queue_wait_s='{"critical": 60, "standard": 60, "sheddable": 0.5}',
+        admission__engine_priority="false",
     )
     try:
         yield OneSlotRouter(
