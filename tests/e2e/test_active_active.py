@@ -75,7 +75,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             keys = _write_fleet_documents(stack, f"127.0.0.1:{port}")
             shared = Fleet(stack, keys, extra)
 
-            def applied() -> bool:  # both routers know the tenants (files are watched)
+            def applied() -> bool:  # both know the tenants (files are watched) and each other
+                for n in (1, 2):
+                    url = shared.metrics(n)
+                    if metric_value(url, "llm_router_fleet_routers", {}) != 2:
+                        return False
+                    if metric_value(url, "llm_router_shared_state_degraded", {}) != 0:
+                        return False
                 for address in shared.routers:
                     try:
                         with authorized_channel(address, keys["steady"]) as channel:

@@ -344,7 +344,9 @@ def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
     url = f"http://127.0.0.1:{ports.router_http}/internal/canary"
     status = FileStatus(tmp / "status.json")
     try:
-        with Load(f"127.0.0.1:{ports.router}", stack.api_key):
+        # Greedy answers: each pair is compared while the two share their prefix, which
+        # sampled answers leave after a token or two (too few positions to judge).
+        with Load(f"127.0.0.1:{ports.router}", stack.api_key, temperature=0.0):
             outcome = Rollout(
                 settings,
                 FileRouting(tmp / "routing.yaml"),

@@ -44,8 +44,10 @@ FAST = [
 class Load:
     """Requests one after another on a thread, until stopped."""
 
-    def __init__(self, address: str, key: str) -> None:
+    def __init__(self, address: str, key: str, **sampling: Any) -> None:
+        """``sampling``: the requests' own (build_request's keywords)."""
         self._stop = threading.Event()
+        self._sampling = {"max_tokens": 6, "ignore_eos": True, **sampling}
         self.subsets: list[str] = []
         self._thread = threading.Thread(target=self._run, args=(address, key), daemon=True)
 
@@ -63,7 +65,7 @@ class Load:
             while not self._stop.is_set():
                 i += 1
                 try:
-                    last = collect(channel, f"question {i}", max_tokens=6, ignore_eos=True)[-1]
+                    last = collect(channel, f"question {i}", **self._sampling)[-1]
                 except grpc.RpcError:
                     continue
                 self.subsets.append(last.served.subset)

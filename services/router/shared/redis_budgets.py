@@ -130,6 +130,12 @@ class RedisBudgets:
         self._release: Any = client.register_script(_RELEASE)
         self._cancel: Any = client.register_script(_CANCEL)
 
+    async def warm(self) -> None:
+        """The scripts loaded and a connection open, before the first admission (a cold
+        first call, connecting and loading its script, could outlast the timeout)."""
+        for script in (self._admit, self._charge, self._release, self._cancel):
+            await self._client.script_load(script.script)
+
     def _key(self, tenant: str) -> str:
         return f"{self._prefix}budget:{tenant}"
 

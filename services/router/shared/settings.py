@@ -17,4 +17,4 @@ class SharedSettings(BaseModel):
     # N routers overshoot a tokens-per-minute budget by at most this interval's tokens.
     charge_interval_s: float = Field(default=0.25, ge=0)
     # Redis slower than this is out: limits fall back to this router's share, locally.
-    timeout_s: float = Field(default=0.25, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)

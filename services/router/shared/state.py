@@ -7,7 +7,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
@@ -16,7 +16,7 @@ from services.router.scheduling import SchedulingState
 from services.router.shared.budgets import MemoryBudgets
 from services.router.shared.fleet import Fleet
 from services.router.shared.redis_budgets import RedisBudgets
-from services.router.shared.resilient import SharedBudgets, SharedHealth
+from services.router.shared.resilient import REDIS_ERRORS, SharedBudgets, SharedHealth
 from services.router.shared.settings import SharedSettings
 from services.router.shared.sync import PeerStreams, SchedulingSync
 
@@ -38,6 +38,7 @@ class SharedState:
     # The other routers' streams per replica (None: one router, there are none).
     peers: PeerStreams | None = None
     sync: SchedulingSync | None = None
+    warm: Callable[[], Awaitable[None]] | None = None  # readies shared state before traffic
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def fleet_size(self) -> int:
@@ -58,6 +59,11 @@ class SharedState:
             await self.sync.session_home(key)
 
     async def start(self) -> None:
+        if self.warm is not None:
+            try:
+                await self.warm()
+            except REDIS_ERRORS as err:  # the heartbeat will find Redis when it is back
+                self.health.down(err)
         if self.fleet is not None:
             await self.fleet.beat()  # N known before the first request
             self._tasks.append(asyncio.create_task(self.fleet.run()))
@@ -119,7 +125,7 @@ def redis_state(
         keepalive_s=settings.heartbeat_interval_s / 4,
         timeout_s=settings.timeout_s,
     )
-    return SharedState(budgets, router_id, fleet, client, health, sync.peers, sync)
+    return SharedState(budgets, router_id, fleet, client, health, sync.peers, sync, shared.warm)
 
 
 BACKENDS: dict[str, Callable[[str, SharedSettings, FleetSizeListener], SharedState]] = {
