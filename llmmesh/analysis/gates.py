@@ -84,7 +84,12 @@ class ErrorGate:
 class DriftGates:
     """Defaults from practice: a mean top-1 confidence shift over 0.08 or a relative
     entropy change over 15% pauses; a mean KL over ``max_kl`` or an agreement under
-    ``min_agreement`` fails (a canary that answers differently)."""
+    ``min_agreement`` fails (a canary that answers differently).
+
+    Agreement is a share of compared positions, and every pair that diverges adds one
+    disagreement, so a window of short answers has few positions and a noisy share: it
+    fails only when its 95% Wilson interval lies wholly under ``min_agreement``, and a
+    share under it whose interval still reaches it waits for more positions."""
 
     max_confidence_shift: float = 0.08
     max_entropy_change: float = 0.15
@@ -98,7 +103,7 @@ class DriftGates:
             return [GateResult("drift", Verdict.WAIT, None, self.min_pairs, detail)]
         return [
             _bound("kl", drift.kl, self.max_kl, Verdict.FAIL),
-            _bound("agreement", drift.agreement, self.min_agreement, Verdict.FAIL, below=True),
+            self._agreement(drift),
             _bound(
                 "confidence_shift", drift.confidence_shift, self.max_confidence_shift, Verdict.PAUSE
             ),
@@ -106,6 +111,20 @@ class DriftGates:
                 "entropy_change", abs(drift.entropy_change), self.max_entropy_change, Verdict.PAUSE
             ),
         ]
+
+    def _agreement(self, drift: DriftSummary) -> GateResult:
+        judged = _bound("agreement", drift.agreement, self.min_agreement, Verdict.FAIL, below=True)
+        if judged.verdict is Verdict.PASS:
+            return judged
+        agreeing = round(drift.agreement * drift.positions)
+        interval = stats.binomtest(agreeing, drift.positions).proportion_ci(method="wilson")
+        if interval.high < self.min_agreement:
+            return judged
+        detail = (
+            f"{drift.agreement:.4g} over {drift.positions} positions, 95% interval up to "
+            f"{interval.high:.3g}: more positions before a verdict"
+        )
+        return GateResult("agreement", Verdict.WAIT, drift.agreement, self.min_agreement, detail)
 
 
 def _bound(

@@ -24,11 +24,13 @@ def test_tokens_stream_with_usage_at_the_end(
     first, last = responses[0], responses[-1]
     assert first.request_id and first.model == "llm"
     # The default rules redact PII in the output, so a word is held back until the
-    # character after it shows it is not the start of an address: text is released at
-    # every word boundary at the latest.
+    # character after it shows it is not the start of an address. The engine sends a
+    # sequence's text after tokens 1, 3, 7, 15 and 31 at the latest (more often when it
+    # runs alone), so the first words come long before the end, whatever else it runs.
     boundaries = len(re.findall(r"\s+", text_of(responses).rstrip()))
     assert boundaries >= 4, "seed 3 gives text with spaces"
-    assert len(responses) >= boundaries, "tokens were not streamed as they were generated"
+    assert len(responses) >= 4, "tokens were not streamed as they were generated"
+    assert 0 < len(first.text) <= 8, "the first word was not released once it ended"
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 32
     assert last.usage.prompt_tokens == len("Once upon a time") + 1  # bytes plus BOS

@@ -357,7 +357,7 @@ def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
         router.terminate(5)
     written = status.read()
     assert written is not None
-    assert outcome is Outcome.PROMOTED, written
+    assert outcome is Outcome.PROMOTED, json.dumps(written["history"], indent=1)
     passed = [h for h in written["history"] if h["state"] == "passed"]
     assert len(passed) == 1, written["history"]
     measured = passed[0]["measured"]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llmmesh.analysis.drift import DriftWindow, entropy, kl_divergence
+from llmmesh.analysis.drift import DriftSummary, DriftWindow, entropy, kl_divergence
 from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate, Verdict, overall
 from llmmesh.analysis.pairs import compare
 from llmmesh.types import TokenLogprob
@@ -105,3 +105,23 @@ def test_drift_gates_pause_on_confidence_and_fail_on_kl() -> None:
     results = gates.judge(wrong.summary())
     assert overall(results) is Verdict.FAIL
     assert {r.gate for r in results if r.verdict is Verdict.FAIL} == {"kl", "agreement"}
+
+
+def agreement_of(agreeing: int, positions: int) -> DriftSummary:
+    return DriftSummary(
+        pairs=50, positions=positions, agreement=agreeing / positions, confidence_shift=0.0,
+        entropy_change=0.0, kl=0.0, exact_match=0.0, rouge_l=1.0, length_ratio=1.0,
+    )  # fmt: skip
+
+
+def test_agreement_fails_only_when_its_interval_lies_under_the_threshold() -> None:
+    """Each diverging pair adds one disagreement: 11 of 14 positions (short answers) is
+    noise around 0.8, 110 of 140 is not, and 0 of 5 (a canary that parts at once) is
+    plainly under it."""
+    gates = DriftGates(min_pairs=1)
+    verdict = {r.gate: r.verdict for r in gates.judge(agreement_of(11, 14))}["agreement"]
+    assert verdict is Verdict.WAIT
+    for agreeing, positions in ((100, 140), (0, 5)):
+        results = {r.gate: r.verdict for r in gates.judge(agreement_of(agreeing, positions))}
+        assert results["agreement"] is Verdict.FAIL
+    assert overall(gates.judge(agreement_of(13, 14))) is Verdict.PASS
