@@ -295,3 +295,4 @@ class GuardedText:
 
     text: str
     denied_by: str | None = None
+    held: int = 0  # characters of the text checked so far still held back

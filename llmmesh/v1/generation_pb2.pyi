@@ -99,9 +99,10 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
-        """With SamplingParams.logprobs: one per token generated since the previous response
-        (refused for a tenant whose output policy checks the stream: the tokens would show
-        what it redacts).
+        """With SamplingParams.logprobs: one per token of this response's text. Under the
+        tenant's streamed output check, a token goes out with the text it makes, and the
+        tokens a redaction replaced are one entry of the replacement's text (token -1, the
+        sum of their log probabilities, no top tokens): the entries spell the text.
         """
 
     def __init__(

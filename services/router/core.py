@@ -59,6 +59,7 @@ from services.router.prompt import (
 from services.router.request import GenerateInput, Generation, Prepared, StartedStream
 from services.router.speech import ModelSpeech, Speeches
 from services.router.tenants import Lease, Tenants
+from services.router.token_release import GuardedTokens
 from services.router.upstreams import (
     ContextClient,
     HistoryRequest,
@@ -221,12 +222,6 @@ class RouterCore:
         )
         try:
             verdict = await self._verdict(request, history, rule_set)
-            if request.sampling.logprobs is not None and verdict.checks_output:
-                raise InvalidArgument(
-                    "sampling.logprobs",
-                    "not available while output policy checks this tenant's stream "
-                    "(the tokens would show what it redacts)",
-                )
             history, user_text = with_texts(history, verdict.texts)
             _check_not_reused(history, user_text)
             call, prompt_tokens = self._build_call(request, history, user_text, speech)
@@ -323,10 +318,12 @@ class RouterCore:
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
         guard, held_tokens, held_cached = prepared.guard, 0, 0
         held_logprobs: tuple[TokenLogprob, ...] = ()
+        asked_logprobs = prepared.request.sampling.logprobs is not None
+        tokens = GuardedTokens() if guard is not None and asked_logprobs else None
         try:
             async for relayed in prepared.stream.chunks():
                 charged = self._charge(prepared.lease, relayed)
-                chunk, guard = await self._guard(prepared.request.tenant, guard, charged)
+                chunk, guard = await self._guard(prepared.request.tenant, guard, charged, tokens)
                 if not chunk.text and chunk.finish_reason is None:
                     held_tokens += chunk.num_tokens  # all held back: nothing to send yet
                     held_logprobs += chunk.logprobs
@@ -371,11 +368,12 @@ class RouterCore:
         return replace(chunk, finish_reason=FinishReason.BUDGET)
 
     async def _guard(
-        self, tenant: str, guard: OutputGuard | None, chunk: Chunk
+        self, tenant: str, guard: OutputGuard | None, chunk: Chunk, tokens: GuardedTokens | None
     ) -> tuple[Chunk, OutputGuard | None]:
         """The chunk as the streamed output check lets it out: redacted, held back in
         part, or turned into the end of the stream (finish reason ``policy``); and the
-        guard for the next chunk. If policy becomes unreachable, the tenant's fail mode
+        guard for the next chunk. ``tokens``, when log probabilities are asked, gives the
+        entries of the text let out. If policy becomes unreachable, the tenant's fail mode
         decides, as for prompts: ``open`` relays the rest unchecked."""
         if guard is None:
             return chunk, None
@@ -386,11 +384,19 @@ class RouterCore:
             mode = self._tenants.spec(tenant).policy_fail_mode
             fail_open(err, mode, "policy", tenant, "the rest of the output goes unchecked")
             await guard.close()
+            if tokens is not None:
+                tokens.drop()  # what the check held goes unsent, and so do its tokens
             return chunk, None
         if guarded.denied_by is not None:
             log.info("generation stopped by policy", extra={"fields": {"rule": guarded.denied_by}})
-            return replace(chunk, text="", finish_reason=FinishReason.POLICY), guard
-        return replace(chunk, text=guarded.text), guard
+            if tokens is not None:
+                tokens.drop()
+            return replace(chunk, text="", finish_reason=FinishReason.POLICY, logprobs=()), guard
+        if tokens is None:
+            return replace(chunk, text=guarded.text), guard
+        tokens.add(chunk.text, chunk.logprobs)
+        released = tokens.release(guarded.text, guarded.held)
+        return replace(chunk, text=guarded.text, logprobs=released), guard
 
     async def _load_history(self, request: GenerateInput, speech: ModelSpeech) -> History | None:
         """The session's history cut to what the prompt can hold; if the session store is

@@ -308,7 +308,7 @@ class LocalOutputGuard:
         if self._check is None:
             self._check = await self._start()
         step = self._check.feed(text, final)
-        return GuardedText(step.text, step.denied_by)
+        return GuardedText(step.text, step.denied_by, step.held)
 
     async def close(self) -> None:
         if self._check is not None:

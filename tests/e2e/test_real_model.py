@@ -23,10 +23,8 @@ from llmmesh.launcher.stack import LOCAL_MODELS
 from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
 from llmmesh.rollout import FileStatus, Outcome, Rollout, RolloutSettings, RouterObservations
 from llmmesh.v1 import common_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
-from services.policy.config import DEFAULT_RULES
 from tests.conftest import collect, metric_value, start_service, text_of, wait_for
 from tests.e2e.test_rollout import Load
-from tests.e2e.test_tenants import write_tenants
 
 QUESTION = "What is the capital of France?"
 CHATML_QUESTION = (
@@ -195,37 +193,10 @@ def test_a_cancelled_stream_ends_in_the_engine_and_frees_its_blocks(
 
 
 @pytest.fixture(scope="module")
-def sdk(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    """A router whose tenant's policy checks only what it sends: with the stream checked
-    (the default set redacts PII in output), the router refuses logprobs, whose tokens
-    would show what the check redacts."""
-    tmp = tmp_path_factory.mktemp("logprobs")
-    rules = tmp / "rules"
-    rules.mkdir()
-    (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
-    (rules / "input-only.yaml").write_text(
-        DEFAULT_RULES.read_text().replace("stage: both", "stage: input")
-    )
-    keys = write_tenants(
-        tmp / "tenants.json", {"scorer": {"id": "scorer", "policy_set": "input-only"}}
-    )
-    ports = StackPorts.free()
-    policy = start_service(stack, "policy", ports.policy, tmp, rules_path=str(rules))
-    router = start_service(
-        stack,
-        "router",
-        ports.router,
-        tmp,
-        tenants_file=str(tmp / "tenants.json"),
-        policy_address=f"127.0.0.1:{ports.policy}",
-        http_port=str(ports.router_http),
-    )
-    try:
-        base = f"http://127.0.0.1:{ports.router_http}/v1"
-        yield openai.OpenAI(base_url=base, api_key=keys["scorer"], max_retries=0)
-    finally:
-        router.terminate(5)
-        policy.terminate(5)
+def sdk(stack: Stack) -> openai.OpenAI:
+    """The stack's own tenant, whose default rule set checks the output stream too (it
+    redacts PII): log probabilities come through that check."""
+    return openai.OpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
 
 
 def test_chat_logprobs_through_the_sdk_are_the_engines(sdk: openai.OpenAI) -> None:

@@ -47,6 +47,7 @@ from services.router.prompt import SUMMARY_LEAD
 from services.router.request import GenerateInput
 from services.router.speech import FixedSpeech, ModelSpeech
 from services.router.tenants import Tenants, parse_tenants
+from services.router.token_release import REDACTED_TOKEN
 from services.router.upstreams import HistoryRequest, RouteHints
 
 NO_RULES = RuleSet([], "v0")
@@ -449,16 +450,23 @@ def test_streamed_output_is_redacted_and_held_tokens_are_not_lost() -> None:
     asyncio.run(scenario())
 
 
-def test_logprobs_are_relayed_and_refused_where_output_policy_would_redact_them() -> None:
+def test_logprobs_follow_the_output_check_and_show_nothing_it_redacted() -> None:
     async def scenario() -> None:
-        scored = replace(request(max_tokens=3), sampling=Sampling(max_tokens=3, logprobs=1))
+        scored = replace(request(max_tokens=12), sampling=Sampling(max_tokens=12, logprobs=1))
         chunks = await run(make_core(gate(), Context(), Inference()), scored)
-        assert [t.text for c in chunks for t in c.logprobs] == ["0", "1", "!"]
-        rules = output_rules("{id: digits, stage: output, action: redact, regex: ['\\d']}")
+        assert "".join(t.text for c in chunks for t in c.logprobs) == "01234567890!"
+        rules = output_rules(
+            "{id: digits, stage: output, action: redact, regex: ['\\d{3}'], placeholder: '#'}"
+        )
         policy = gate(PolicyService(rules))
-        with pytest.raises(InvalidArgument, match="logprobs") as info:
-            await run(make_core(policy, Context(), Inference()), scored)
-        assert info.value.field == "sampling.logprobs"
+        chunks = await run(make_core(policy, Context(), Inference()), scored)
+        entries = [t for c in chunks for t in c.logprobs]
+        assert "".join(c.text for c in chunks) == "###90!"
+        # Each chunk's entries spell its text: a redacted run is one entry.
+        assert all("".join(t.text for t in c.logprobs) == c.text for c in chunks)
+        assert [t.text for t in entries] == ["#", "#", "#", "9", "0", "!"]
+        assert entries[0].token == REDACTED_TOKEN and entries[0].logprob == -1.5
+        assert entries[-3:] == [TokenLogprob(ord(x), x, -0.5, 1) for x in "90!"]
         await policy.close()
 
     asyncio.run(scenario())
