@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
 import redis.asyncio as redis
 
 from llmmesh.launcher import StackPorts
+from services.router.shared.allowances import AllowanceBudgets
 from services.router.shared.budgets import Admitted, Limits, MemoryBudgets, Refusal
 from services.router.shared.fleet import Fleet
 from services.router.shared.redis_budgets import RedisBudgets
@@ -131,5 +132,72 @@ def test_with_redis_out_of_reach_each_router_takes_its_share_and_comes_back(
         await fleet.beat()  # Redis answers again: shared budgets resume
         assert shared_up()
         await down.aclose()
+
+    run(scenario)
+
+
+async def poll_redis(
+    read: Callable[[], Awaitable[Any]], done: Callable[[Any], bool], timeout_s: float = 10.0
+) -> bool:
+    """Whether what ``read`` returns satisfies ``done`` within ``timeout_s`` (read every
+    50 ms: Redis has no way to announce a hash field's change)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done(await read()):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def script_calls(client: Any) -> int:
+    stats = await client.info("commandstats")
+    return sum(
+        int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
+    )
+
+
+def test_allowances_admit_without_a_round_trip_and_never_past_the_bucket(
+    redis_server: RedisServer,
+) -> None:
+    """Two routers spending allowances of one bucket of 60 requests a minute: together they
+    admit what the bucket holds (plus what refills meanwhile), no more, and most of their
+    admissions ask Redis nothing."""
+
+    async def scenario() -> None:
+        _, (a, b), client = routers(redis_server.url, "a", "b")
+        one, two = AllowanceBudgets(a, 5.0, 60.0), AllowanceBudgets(b, 5.0, 60.0)
+        limits = Limits(requests_per_minute=60, tokens_per_minute=60_000)
+        before = await script_calls(client)
+        outcomes = [await r.admit("t", limits, 10) for _ in range(20) for r in (one, two)]
+        assert all(isinstance(o, Admitted) for o in outcomes)
+        calls = await script_calls(client) - before
+        assert calls <= len(outcomes) / 3, f"{calls} round trips for {len(outcomes)} admissions"
+        for _ in range(30):
+            outcomes += [await r.admit("t", limits, 10) for r in (one, two)]
+        admitted = sum(isinstance(o, Admitted) for o in outcomes)
+        assert 60 <= admitted <= 62  # a request refills every second
+        await client.aclose()
+
+    run(scenario)
+
+
+def test_an_idle_allowance_goes_back_to_the_bucket_and_overspent_tokens_are_charged(
+    redis_server: RedisServer,
+) -> None:
+    async def scenario() -> None:
+        prefix, (a,), client = routers(redis_server.url, "a")
+        budgets = AllowanceBudgets(a, 6.0, 0.2)
+        limits = Limits(tokens_per_minute=6000)  # 100 a second: 600 held ahead
+        first = await budgets.admit("t", limits, 100)
+        assert isinstance(first, Admitted) and first.tokens_left == pytest.approx(5900, abs=5)
+        key = f"{prefix}budget:t"
+        assert float(await client.hget(key, "t:l")) == pytest.approx(5300, abs=5)
+        left = await budgets.charge("t", limits, 1000)  # 400 past its allowance
+        assert left == pytest.approx(4900, abs=10)  # charged to the bucket at once
+        await budgets.admit("t", limits, 1)  # takes an allowance again
+        giving_back = asyncio.create_task(budgets.run())
+        assert await poll_redis(lambda: client.hget(key, "t:l"), lambda v: float(v) >= 4890)
+        giving_back.cancel()
+        await client.aclose()
 
     run(scenario)

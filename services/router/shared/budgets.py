@@ -49,6 +49,22 @@ class Admitted:
     tokens_left: float | None
 
 
+@dataclass(frozen=True)
+class Grant:
+    """Requests and tokens of a tenant's buckets, taken by one router to spend locally."""
+
+    requests: float = 0.0
+    tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class Granted:
+    """What a router was granted, and the tokens left in the bucket after it."""
+
+    grant: Grant
+    tokens_left: float
+
+
 class Budgets(Protocol):
     async def admit(
         self, tenant: str, limits: Limits, prompt_tokens: int

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as redis
 
-from services.router.shared.budgets import Admitted, Limits, Refusal
+from services.router.shared.budgets import Admitted, Grant, Granted, Limits, Refusal
 
 # KEYS: the tenant's hash, the routers' heartbeats (sorted set, score: ms).
 # ARGV: requests/min, tokens/min, max streams (0: none), prompt tokens, this router's
@@ -114,6 +114,59 @@ if left <= 0 then redis.call('HDEL', KEYS[1], 's:' .. ARGV[1]) end
 return left
 """
 
+# KEYS: the tenant's hash. ARGV: requests/min, tokens/min (0: none), requests and tokens
+# this router needs now, and as much again it would like to hold ahead of need: all that is
+# wanted the bucket holds (at least what is needed), or nothing and the wait for it.
+_GRANT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local need_r, need_t = tonumber(ARGV[3]), tonumber(ARGV[4])
+local want_r, want_t = tonumber(ARGV[5]), tonumber(ARGV[6])
+local function level(name, cap)
+  local l = tonumber(redis.call('HGET', KEYS[1], name .. ':l'))
+  if l == nil then return cap end
+  local u = tonumber(redis.call('HGET', KEYS[1], name .. ':u'))
+  return math.min(cap, l + (now - u) * cap / 60)
+end
+local rl, tl = 0, 0
+if rpm > 0 then
+  rl = level('r', rpm)
+  if rl < need_r then return {'requests', tostring((need_r - rl) * 60 / rpm), '', ''} end
+end
+if tpm > 0 then
+  tl = level('t', tpm)
+  if tl < need_t then return {'tokens', tostring((need_t - tl) * 60 / tpm), '', ''} end
+end
+local gr, gt = 0, 0
+if rpm > 0 then
+  gr = math.max(need_r, math.min(want_r, math.floor(rl)))
+  redis.call('HSET', KEYS[1], 'r:l', tostring(rl - gr), 'r:u', tostring(now))
+end
+if tpm > 0 then
+  gt = math.max(need_t, math.min(want_t, tl))
+  redis.call('HSET', KEYS[1], 't:l', tostring(tl - gt), 't:u', tostring(now))
+end
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return {'ok', tostring(gr), tostring(gt), tostring(tl - gt)}
+"""
+# KEYS: the tenant's hash. ARGV: requests/min, tokens/min (0: none), requests and tokens
+# a router held and did not spend.
+_GIVE_BACK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function give_back(name, cap, amount)
+  local l = tonumber(redis.call('HGET', KEYS[1], name .. ':l'))
+  if cap <= 0 or l == nil or amount <= 0 then return end
+  local u = tonumber(redis.call('HGET', KEYS[1], name .. ':u'))
+  l = math.min(cap, l + (now - u) * cap / 60 + amount)
+  redis.call('HSET', KEYS[1], name .. ':l', tostring(l), name .. ':u', tostring(now))
+end
+give_back('r', tonumber(ARGV[1]), tonumber(ARGV[3]))
+give_back('t', tonumber(ARGV[2]), tonumber(ARGV[4]))
+return 'ok'
+"""
+
 
 class RedisBudgets:
     """Budgets in Redis under ``prefix``, charged as router ``router_id``."""
@@ -129,11 +182,14 @@ class RedisBudgets:
         self._charge: Any = client.register_script(_CHARGE)
         self._release: Any = client.register_script(_RELEASE)
         self._cancel: Any = client.register_script(_CANCEL)
+        self._grant: Any = client.register_script(_GRANT)
+        self._give_back: Any = client.register_script(_GIVE_BACK)
 
     async def warm(self) -> None:
         """The scripts loaded and a connection open, before the first admission (a cold
         first call, connecting and loading its script, could outlast the timeout)."""
-        for script in (self._admit, self._charge, self._release, self._cancel):
+        scripts = (self._admit, self._charge, self._release, self._cancel, self._grant)
+        for script in (*scripts, self._give_back):
             await self._client.script_load(script.script)
 
     def _key(self, tenant: str) -> str:
@@ -174,6 +230,34 @@ class RedisBudgets:
     async def cancel(self, tenant: str, limits: Limits, prompt_tokens: int) -> None:
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
         await self._cancel(keys=[self._key(tenant)], args=[self._router, rpm, tpm, prompt_tokens])
+
+    async def grant(
+        self, tenant: str, limits: Limits, need: Grant, want: Grant
+    ) -> Granted | Refusal:
+        """Takes ``need`` and up to ``want`` more from the tenant's buckets, for this router
+        to spend locally; or nothing, and how long until ``need`` is there."""
+        outcome, requests, tokens, left = await self._grant(
+            keys=[self._key(tenant)],
+            args=[
+                limits.requests_per_minute or 0,
+                limits.tokens_per_minute or 0,
+                need.requests,
+                need.tokens,
+                need.requests + want.requests,
+                need.tokens + want.tokens,
+            ],
+        )
+        outcome = _text(outcome)
+        if outcome != "ok":
+            return Refusal(outcome, float(_text(requests)))
+        return Granted(Grant(float(_text(requests)), float(_text(tokens))), float(_text(left)))
+
+    async def give_back(self, tenant: str, limits: Limits, unspent: Grant) -> None:
+        """Returns what a router held and did not spend (its requests and tokens)."""
+        rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
+        await self._give_back(
+            keys=[self._key(tenant)], args=[rpm, tpm, unspent.requests, unspent.tokens]
+        )
 
 
 def _text(value: bytes | str) -> str:

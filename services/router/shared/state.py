@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as redis
 
 from services.router.scheduling import SchedulingState
+from services.router.shared.allowances import AllowanceBudgets
 from services.router.shared.budgets import MemoryBudgets
 from services.router.shared.fleet import Fleet
 from services.router.shared.redis_budgets import RedisBudgets
@@ -39,6 +40,7 @@ class SharedState:
     peers: PeerStreams | None = None
     sync: SchedulingSync | None = None
     warm: Callable[[], Awaitable[None]] | None = None  # readies shared state before traffic
+    allowances: AllowanceBudgets | None = None  # budgets spent locally, given back when idle
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def fleet_size(self) -> int:
@@ -69,11 +71,17 @@ class SharedState:
             self._tasks.append(asyncio.create_task(self.fleet.run()))
         if self.sync is not None:
             self._tasks.append(asyncio.create_task(self.sync.run()))
+        if self.allowances is not None:
+            self._tasks.append(asyncio.create_task(self.allowances.run()))
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.allowances is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self.allowances.close()
         if self.fleet is not None:
             await self.fleet.leave()
         if self.client is not None:
@@ -108,9 +116,14 @@ def redis_state(
         on_size=on_size,
     )
     shared = RedisBudgets(client, prefix, router_id, settings.heartbeat_ttl_s)
+    allowances = (
+        AllowanceBudgets(shared, settings.allowance_s, settings.allowance_idle_s)
+        if settings.allowance_s > 0
+        else None
+    )
     budgets = SharedBudgets(
         MemoryBudgets(),
-        shared,
+        allowances or shared,
         health,
         lambda: fleet.size,
         charge_interval_s=settings.charge_interval_s,
@@ -125,7 +138,9 @@ def redis_state(
         keepalive_s=settings.heartbeat_interval_s / 4,
         timeout_s=settings.timeout_s,
     )
-    return SharedState(budgets, router_id, fleet, client, health, sync.peers, sync, shared.warm)
+    return SharedState(
+        budgets, router_id, fleet, client, health, sync.peers, sync, shared.warm, allowances
+    )
 
 
 BACKENDS: dict[str, Callable[[str, SharedSettings, FleetSizeListener], SharedState]] = {
