@@ -757,6 +757,22 @@ class TestPriority:
         assert engine.stats.preemptions == 0
         drain(engine)
 
+    def test_an_urgent_sequences_first_tokens_come_in_steps_of_their_own(self) -> None:
+        """With urgent_first_tokens=3 the less urgent decodes pause for the urgent one's
+        prefill and its next two tokens, then go on beside it."""
+        engine = make_engine(urgent_first_tokens=3)
+        low = submit_at(engine, "low", 2, max_tokens=20, ignore_eos=True)
+        for _ in range(3):
+            engine.step()
+        before = low.tokens_so_far()
+        urgent = submit_at(engine, "urgent", 0, max_tokens=10, ignore_eos=True)
+        for _ in range(3):
+            engine.step()
+        assert urgent.tokens_so_far() == 3 and low.tokens_so_far() == before
+        engine.step()
+        assert urgent.tokens_so_far() == 4 and low.tokens_so_far() == before + 1
+        drain(engine)
+
     def test_the_queue_serves_the_most_urgent_first_then_in_arrival_order(self) -> None:
         engine = make_engine(max_running=1)
         order: list[str] = []

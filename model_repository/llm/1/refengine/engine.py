@@ -82,10 +82,11 @@ class EngineConfig:
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
     max_preemptions: int = 4
-    # A step that prefills a sequence's prompt leaves out the work of less urgent ones:
-    # its first token comes after a step of its own work, as on an idle engine, and
-    # theirs pause one step (1: on, 0: off).
-    urgent_prefill_alone: int = 1
+    # A sequence's first this many tokens are computed in steps that leave out the work of
+    # less urgent ones: its first words come as on an idle engine (a streamed output
+    # check releases a word once the next one starts), and theirs pause that many steps
+    # (1: only the step that prefills it; 0: off).
+    urgent_first_tokens: int = 1
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
@@ -98,7 +99,7 @@ class EngineConfig:
             "stream_interval": "stream_interval",
             "max_logprobs": "max_logprobs",
             "max_preemptions": "max_preemptions",
-            "urgent_prefill_alone": "urgent_prefill_alone",
+            "urgent_first_tokens": "urgent_first_tokens",
         }
         return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
@@ -273,13 +274,14 @@ class Engine:
         return self._urgent_first(batch)
 
     def _urgent_first(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """The step without the work of sequences less urgent than a prompt it prefills,
-        their decodes and their (re)computation alike (a first token is the most
-        waited-for token there is)."""
-        prefilling = [seq.priority for seq, _ in batch if seq.generated == 0]
-        if not self.config.urgent_prefill_alone or not prefilling:
+        """The step without the work of sequences less urgent than one computing its first
+        ``urgent_first_tokens`` tokens (prompt included), their decodes and their
+        (re)computation alike: first tokens are the most waited-for there are."""
+        first = self.config.urgent_first_tokens
+        starting = [seq.priority for seq, _ in batch if seq.generated < first]
+        if not starting:
             return batch
-        urgent = min(prefilling)
+        urgent = min(starting)
         return [(seq, n) for seq, n in batch if seq.priority <= urgent]
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
