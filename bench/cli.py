@@ -74,6 +74,7 @@ def add_bench_parser(commands: Any) -> None:
             "drift",
             "canary",
             "shared-state",
+            "truncation",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -108,9 +109,17 @@ def add_bench_parser(commands: Any) -> None:
         "weight 0, the canary's share of client requests before); shared-state: TTFT "
         "through a router keeping its state in Redis against one keeping it in memory, "
         "--num-prompts pairs, and a tenant's token budget held by two Redis routers loaded "
-        "at twice it for --duration seconds",
+        "at twice it for --duration seconds; truncation: --conversations seeded "
+        "conversations that plant facts early, asked about them at the end through the "
+        "router on smollm2, once per truncation strategy under a --budget-tokens context "
+        "and once whole: facts retained, the system prompt's instruction kept, ROUGE-L and "
+        "BLEU-4 against the whole history's answers, prompt tokens, prefix cache hits, TTFT",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
+    bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
+    bench.add_argument(
+        "--budget-tokens", type=int, default=512, help="truncation: the model's context to cut to"
+    )
     bench.add_argument(
         "--plot",
         type=Path,
@@ -192,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         "drift": _drift,
         "canary": _canary,
         "shared-state": _shared_state,
+        "truncation": _truncation,
     }.get(args.scenario)
     if own_fleet is not None:
         return own_fleet(args)
@@ -584,6 +594,38 @@ def _shared_state(args: argparse.Namespace) -> int:
         "a tenant with request and token budgets (every admission checks and charges "
         f"them); then two Redis routers, 4 streams each, for {args.duration:g} s.",
         table,
+    )
+    return 0
+
+
+def _truncation(args: argparse.Namespace) -> int:
+    from bench.truncation import Settings, evaluate, recommended, table
+
+    settings = Settings(
+        conversations=args.conversations, seed=args.seed, budget_tokens=args.budget_tokens
+    )
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack serving smollm2 and a router over its budget ...", file=sys.stderr)
+        evaluation = evaluate(Path(workdir), settings)
+    default, why = recommended(evaluation.rows())
+    rows = (
+        f"{table(evaluation.rows())}\n\nThe default this argues for: **{default.strategy}**: {why}."
+    )
+    missing = sum(r.summaries_missing for r in evaluation.runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(evaluation.as_json(), indent=1))
+    print(rows)
+    print(f"answers and summaries: {args.out}", file=sys.stderr)
+    _record(
+        args,
+        _section(args, "truncation"),
+        f"; smollm2, greedy; {settings.conversations} conversations (seed {settings.seed}: "
+        f"3 facts planted in the first exchanges, {settings.filler_rounds} exchanges after, "
+        f"2 facts asked), a context of {settings.budget_tokens} tokens for the strategies "
+        f"and the model's whole context for the reference, {settings.max_tokens}-token "
+        f"answers; {evaluation.seconds / 60:.0f} min; model_summary folds not stored in "
+        f"time: {missing}.",
+        rows,
     )
     return 0
 

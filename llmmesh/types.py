@@ -197,6 +197,7 @@ class Truncation(enum.StrEnum):
     KEEP_SYSTEM_AND_RECENT = "keep_system_and_recent"
     SLIDING_SUMMARY = "sliding_summary"
     KEY_SENTENCES = "key_sentences"
+    MODEL_SUMMARY = "model_summary"
 
 
 def check_truncation(strategy: str, field: str = "truncation") -> Truncation:
@@ -254,6 +255,22 @@ class History:
     # fingerprint() of the text the loading request's id stored already: a retry's
     # (the load leaves that request's own turns out) or a reused id's.
     request_fingerprint: str = ""
+    # model_summary: older turns the model should fold into the summary now, and the
+    # session's turn count they reach (the new summary's coverage); its room in tokens.
+    fold: Fold | None = None
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Turns for the model to fold into a session's summary (model_summary): it rewrites
+    ``summary`` (covering the session's first ``covered`` turns) with ``turns``, so that
+    the new one covers the first ``through``, in at most ``max_tokens``."""
+
+    summary: str
+    covered: int
+    turns: tuple[Turn, ...]
+    through: int
+    max_tokens: int
 
 
 class PolicyAction(enum.Enum):

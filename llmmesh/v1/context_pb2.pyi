@@ -91,7 +91,7 @@ class LoadSessionRequest(_message.Message):
     """Tokens the system prompt, summary and turns may take together; 0: everything."""
     truncation: _builtins.str
     """How to fit the budget: last_turns (default), keep_system_and_recent,
-    sliding_summary, key_sentences.
+    sliding_summary, key_sentences, model_summary.
     """
     turn_overhead_tokens: _builtins.int
     """Tokens each rendered turn adds to its text (role tags and separators)."""
@@ -192,12 +192,15 @@ class Session(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     TOTAL_TURNS_FIELD_NUMBER: _builtins.int
     REQUEST_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FOLD_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
     system_prompt: _builtins.str
     """Empty when there is none or it was dropped."""
     summary: _builtins.str
-    """Stands for older turns (sliding_summary, key_sentences); goes before `turns`."""
+    """Stands for older turns (sliding_summary, key_sentences, model_summary); goes before
+    `turns`.
+    """
     total_turns: _builtins.int
     """Turns the session holds in all."""
     request_fingerprint: _builtins.str
@@ -212,6 +215,12 @@ class Session(_message.Message):
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def truncation(self) -> Global___Truncation: ...
+    @_builtins.property
+    def fold(self) -> Global___Fold:
+        """model_summary: older turns the caller should have the model fold into the summary
+        now (then SaveSummary); unset when none are due.
+        """
+
     def __init__(
         self,
         *,
@@ -224,14 +233,52 @@ class Session(_message.Message):
         truncation: Global___Truncation | None = ...,
         total_turns: _builtins.int = ...,
         request_fingerprint: _builtins.str = ...,
+        fold: Global___Fold | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["truncation", b"truncation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fold", b"fold", "truncation", b"truncation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "request_fingerprint", b"request_fingerprint", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fold", b"fold", "metadata", b"metadata", "request_fingerprint", b"request_fingerprint", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class Fold(_message.Message):
+    """Turns for the model to fold into a session's summary: a new summary of `summary`
+    (which covers the session's first `covered_turns` turns) and `turns`, covering the
+    first `through_turns`, in at most `max_tokens` tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    COVERED_TURNS_FIELD_NUMBER: _builtins.int
+    TURNS_FIELD_NUMBER: _builtins.int
+    THROUGH_TURNS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    summary: _builtins.str
+    covered_turns: _builtins.int
+    through_turns: _builtins.int
+    max_tokens: _builtins.int
+    @_builtins.property
+    def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]: ...
+    def __init__(
+        self,
+        *,
+        summary: _builtins.str = ...,
+        covered_turns: _builtins.int = ...,
+        turns: _abc.Iterable[Global___Turn] | None = ...,
+        through_turns: _builtins.int = ...,
+        max_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["covered_turns", b"covered_turns", "max_tokens", b"max_tokens", "summary", b"summary", "through_turns", b"through_turns", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Fold: _TypeAlias = Fold  # noqa: Y015
 
 @_typing.final
 class AppendTurnsRequest(_message.Message):
@@ -529,3 +576,61 @@ class ListSessionsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
+
+@_typing.final
+class SaveSummaryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    COVERED_TURNS_FIELD_NUMBER: _builtins.int
+    REPLACES_COVERED_TURNS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    session_id: _builtins.str
+    summary: _builtins.str
+    """What the model wrote."""
+    covered_turns: _builtins.int
+    """The session's first turns it stands for."""
+    replaces_covered_turns: _builtins.int
+    """The coverage of the summary it replaces (Fold.covered_turns): stored only if that is
+    still the stored one's.
+    """
+    ttl_seconds: _builtins.int
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        summary: _builtins.str = ...,
+        covered_turns: _builtins.int = ...,
+        replaces_covered_turns: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["covered_turns", b"covered_turns", "replaces_covered_turns", b"replaces_covered_turns", "session_id", b"session_id", "summary", b"summary", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveSummaryRequest: _TypeAlias = SaveSummaryRequest  # noqa: Y015
+
+@_typing.final
+class SaveSummaryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAVED_FIELD_NUMBER: _builtins.int
+    saved: _builtins.bool
+    def __init__(
+        self,
+        *,
+        saved: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["saved", b"saved"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveSummaryResponse: _TypeAlias = SaveSummaryResponse  # noqa: Y015

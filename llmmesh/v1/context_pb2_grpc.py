@@ -67,6 +67,11 @@ class ContextStub:
                 request_serializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
+        self.SaveSummary = channel.unary_unary(
+                '/llmmesh.v1.Context/SaveSummary',
+                request_serializer=llmmesh_dot_v1_dot_context__pb2.SaveSummaryRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_context__pb2.SaveSummaryResponse.FromString,
+                _registered_method=True)
 
 
 class ContextServicer:
@@ -122,6 +127,15 @@ class ContextServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveSummary(self, request, context):
+        """Stores a summary the model wrote for a session's oldest turns (model_summary), if
+        the summary it replaces is still the stored one: NOT_FOUND if there is no session,
+        `saved` false if another summary was stored meanwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ContextServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +168,11 @@ def add_ContextServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'SaveSummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveSummary,
+                    request_deserializer=llmmesh_dot_v1_dot_context__pb2.SaveSummaryRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_context__pb2.SaveSummaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +340,33 @@ class Context:
             '/llmmesh.v1.Context/ListSessions',
             llmmesh_dot_v1_dot_context__pb2.ListSessionsRequest.SerializeToString,
             llmmesh_dot_v1_dot_context__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveSummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.Context/SaveSummary',
+            llmmesh_dot_v1_dot_context__pb2.SaveSummaryRequest.SerializeToString,
+            llmmesh_dot_v1_dot_context__pb2.SaveSummaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,11 @@ class ContextStub:
     """Erases a session and everything stored with it."""
     ListSessions: _grpc.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]
     """Pages through a tenant's live sessions in session id order."""
+    SaveSummary: _grpc.UnaryUnaryMultiCallable[_context_pb2.SaveSummaryRequest, _context_pb2.SaveSummaryResponse]
+    """Stores a summary the model wrote for a session's oldest turns (model_summary), if
+    the summary it replaces is still the stored one: NOT_FOUND if there is no session,
+    `saved` false if another summary was stored meanwhile.
+    """
 
 @_typing.type_check_only
 class ContextAsyncStub(ContextStub):
@@ -83,6 +88,11 @@ class ContextAsyncStub(ContextStub):
     """Erases a session and everything stored with it."""
     ListSessions: _aio.UnaryUnaryMultiCallable[_context_pb2.ListSessionsRequest, _context_pb2.ListSessionsResponse]  # type: ignore[assignment]
     """Pages through a tenant's live sessions in session id order."""
+    SaveSummary: _aio.UnaryUnaryMultiCallable[_context_pb2.SaveSummaryRequest, _context_pb2.SaveSummaryResponse]  # type: ignore[assignment]
+    """Stores a summary the model wrote for a session's oldest turns (model_summary), if
+    the summary it replaces is still the stored one: NOT_FOUND if there is no session,
+    `saved` false if another summary was stored meanwhile.
+    """
 
 class ContextServicer(metaclass=_abc_1.ABCMeta):
     """Internal: conversation history per (tenant, session). Every call is scoped by tenant:
@@ -144,5 +154,16 @@ class ContextServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_context_pb2.ListSessionsResponse, _abc.Awaitable[_context_pb2.ListSessionsResponse]]:
         """Pages through a tenant's live sessions in session id order."""
+
+    @_abc_1.abstractmethod
+    def SaveSummary(
+        self,
+        request: _context_pb2.SaveSummaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_pb2.SaveSummaryResponse, _abc.Awaitable[_context_pb2.SaveSummaryResponse]]:
+        """Stores a summary the model wrote for a session's oldest turns (model_summary), if
+        the summary it replaces is still the stored one: NOT_FOUND if there is no session,
+        `saved` false if another summary was stored meanwhile.
+        """
 
 def add_ContextServicer_to_server(servicer: ContextServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

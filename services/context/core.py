@@ -40,6 +40,11 @@ TRUNCATIONS = Counter(
 )
 STORE_ERRORS = Counter("llm_context_store_errors_total", "Store operations that failed", ["op"])
 SWEPT = Counter("llm_context_sessions_expired_total", "Sessions removed by the expiry sweep")
+SUMMARIES_SAVED = Counter(
+    "llm_context_model_summaries_total",
+    "Summaries the model wrote, stored or found stale (another stored meanwhile)",
+    ["outcome"],
+)
 
 # What a store raises when it is unreachable or failing (not a caller's mistake).
 STORE_FAILURES = (sqlite3.Error, redis.exceptions.RedisError, OSError)
@@ -204,6 +209,39 @@ class ContextCore:
         if count is None:
             raise NotFound(f"no session '{source_id}'")
         return count
+
+    async def save_summary(
+        self,
+        tenant: str,
+        session_id: str,
+        summary: str,
+        *,
+        covered: int,
+        replaces: int,
+        ttl_s: int = 0,
+    ) -> bool:
+        """Stores a summary the model wrote of the session's first ``covered`` turns, if
+        the stored one still covers ``replaces``; NOT_FOUND if there is no session."""
+        check_session_key(tenant, session_id)
+        _check_text("summary", summary)
+        if not 0 <= replaces < covered:
+            raise InvalidArgument(
+                "covered_turns", f"must be above replaces_covered_turns ({replaces}), got {covered}"
+            )
+        ttl_ms = self._ttl_ms(ttl_s)
+        session = await self._store("load", lambda: self.store.load(tenant, session_id, ttl_ms))
+        if session is None:
+            raise NotFound(f"no session '{session_id}'")
+        if covered > len(session.turns):
+            raise InvalidArgument(
+                "covered_turns", f"the session holds {len(session.turns)} turns, not {covered}"
+            )
+        saved = await self._store(
+            "save_summary",
+            lambda: self.store.save_summary(tenant, session_id, summary, covered, replaces),
+        )
+        SUMMARIES_SAVED.labels("saved" if saved else "stale").inc()
+        return saved
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         check_session_key(tenant, session_id)

@@ -65,10 +65,13 @@ return {meta, turns}
 """
 # Only while the session exists: a summary must not resurrect a deleted session.
 _SAVE_SUMMARY = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'summary', ARGV[1], 'summarized_turns', ARGV[2])
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[3] ~= '' then
+  local covered = tonumber(redis.call('HGET', KEYS[1], 'summarized_turns') or '0')
+  if covered ~= tonumber(ARGV[3]) then return 0 end
 end
-return 0
+redis.call('HSET', KEYS[1], 'summary', ARGV[1], 'summarized_turns', ARGV[2])
+return 1
 """
 # A copy of a live session (KEYS 1-3) as a new one (KEYS 4-6) with its own system prompt
 # and metadata; false if the source is gone, -1 if the new one exists.
@@ -224,10 +227,19 @@ class RedisSessionStore:
         return int(count)
 
     async def save_summary(
-        self, tenant: str, session_id: str, summary: str, summarized_turns: int
-    ) -> None:
+        self,
+        tenant: str,
+        session_id: str,
+        summary: str,
+        summarized_turns: int,
+        replaces: int | None = None,
+    ) -> bool:
         meta_key = self._keys(tenant, session_id)[0]
-        await self._save_summary(keys=[meta_key], args=[summary, summarized_turns])
+        expected = "" if replaces is None else str(replaces)
+        saved = await self._save_summary(
+            keys=[meta_key], args=[summary, summarized_turns, expected]
+        )
+        return bool(saved)
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         async with self._client.pipeline(transaction=True) as pipe:

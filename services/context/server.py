@@ -12,6 +12,7 @@ import grpc
 from llmmesh.convert import turn_from_pb, turn_to_pb
 from llmmesh.runtime import GrpcService, MeshError
 from llmmesh.runtime.registration import add_servicer
+from llmmesh.types import Fold
 from llmmesh.v1 import context_pb2, context_pb2_grpc
 from services.context.config import ContextConfig
 from services.context.core import ContextCore, Loaded
@@ -81,6 +82,19 @@ class ContextServicer(context_pb2_grpc.ContextServicer):
         deleted = await self._core.delete(request.tenant, request.session_id)
         return context_pb2.DeleteSessionResponse(deleted=deleted)
 
+    async def SaveSummary(  # noqa: N802 (gRPC method name)
+        self, request: context_pb2.SaveSummaryRequest, context: Context
+    ) -> context_pb2.SaveSummaryResponse:
+        saved = await self._core.save_summary(
+            request.tenant,
+            request.session_id,
+            request.summary,
+            covered=request.covered_turns,
+            replaces=request.replaces_covered_turns,
+            ttl_s=request.ttl_seconds,
+        )
+        return context_pb2.SaveSummaryResponse(saved=saved)
+
     async def ListSessions(  # noqa: N802 (gRPC method name)
         self, request: context_pb2.ListSessionsRequest, context: Context
     ) -> context_pb2.ListSessionsResponse:
@@ -108,6 +122,19 @@ def _session(request: context_pb2.LoadSessionRequest, loaded: Loaded) -> context
         ),
         total_turns=loaded.total_turns,
         request_fingerprint=loaded.request_fingerprint,
+        fold=_fold(cut.fold),
+    )
+
+
+def _fold(fold: Fold | None) -> context_pb2.Fold | None:
+    if fold is None:
+        return None
+    return context_pb2.Fold(
+        summary=fold.summary,
+        covered_turns=fold.covered,
+        turns=[turn_to_pb(t) for t in fold.turns],
+        through_turns=fold.through,
+        max_tokens=fold.max_tokens,
     )
 
 

@@ -241,16 +241,27 @@ class SqliteSessionStore:
         return forked
 
     async def save_summary(
-        self, tenant: str, session_id: str, summary: str, summarized_turns: int
-    ) -> None:
-        def action(db: sqlite3.Connection) -> None:
-            db.execute(
-                "UPDATE sessions SET summary = ?, summarized_turns = ?"
-                " WHERE tenant = ? AND session_id = ?",
-                (summary, summarized_turns, tenant, session_id),
-            )
+        self,
+        tenant: str,
+        session_id: str,
+        summary: str,
+        summarized_turns: int,
+        replaces: int | None = None,
+    ) -> bool:
+        condition = "" if replaces is None else " AND summarized_turns = ?"
+        values: tuple[str | int, ...] = (summary, summarized_turns, tenant, session_id)
+        values += () if replaces is None else (replaces,)
 
-        await self._write(action)
+        def action(db: sqlite3.Connection) -> bool:
+            updated = db.execute(
+                "UPDATE sessions SET summary = ?, summarized_turns = ?"
+                " WHERE tenant = ? AND session_id = ?" + condition,
+                values,
+            )
+            return updated.rowcount > 0
+
+        saved: bool = await self._write(action)
+        return saved
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         def action(db: sqlite3.Connection) -> bool:

@@ -82,8 +82,16 @@ class SessionStore(Protocol):
         ...
 
     async def save_summary(
-        self, tenant: str, session_id: str, summary: str, summarized_turns: int
-    ) -> None: ...
+        self,
+        tenant: str,
+        session_id: str,
+        summary: str,
+        summarized_turns: int,
+        replaces: int | None = None,
+    ) -> bool:
+        """Stores the session's summary (never creating a session); with ``replaces``,
+        only if the stored summary covers that many turns. Whether it was stored."""
+        ...
 
     async def delete(self, tenant: str, session_id: str) -> bool: ...
 

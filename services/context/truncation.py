@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Truncation, Turn, check_truncation
+from llmmesh.types import Fold, Truncation, Turn, check_truncation
 from services.context.store import Session
 from services.context.summary import score, score_by_later_turns, select, sentences
 
@@ -22,12 +22,16 @@ LAST_TURNS = Truncation.LAST_TURNS
 KEEP_SYSTEM_AND_RECENT = Truncation.KEEP_SYSTEM_AND_RECENT
 SLIDING_SUMMARY = Truncation.SLIDING_SUMMARY
 KEY_SENTENCES = Truncation.KEY_SENTENCES
+MODEL_SUMMARY = Truncation.MODEL_SUMMARY
 STRATEGIES = tuple(Truncation)
 
 SUMMARY_SHARE = 0.25  # of the budget, at most, for a summary or key sentences
 # When sliding_summary must fold, it folds until the kept turns use this share of their
 # room: the next turns then fit without folding again, and the prompt prefix holds.
 REFOLD_SHARE = 0.6
+# model_summary asks for a fold once the turns after its summary fill this share of their
+# room: the model writes it in the background, before they outgrow it.
+FOLD_AT_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Truncated:
     system_prompt_dropped: bool = False
     dropped_sentences: int = 0  # key_sentences: sentences of dropped turns left out
     stored_summary: tuple[str, int] | None = None  # sliding_summary: a new summary to keep
+    fold: Fold | None = None  # model_summary: turns for the model to fold into the summary
 
 
 def check_strategy(strategy: str) -> Truncation:
@@ -61,6 +66,8 @@ def check_strategy(strategy: str) -> Truncation:
 
 def truncate(session: Session, budget: Budget, strategy: str, count: Count) -> Truncated:
     strategy = check_strategy(strategy)
+    if strategy == MODEL_SUMMARY and budget.tokens:
+        return _model_summary(session, budget, count)
     if budget.tokens == 0 or _cost(session, budget, count) <= budget.tokens:
         return Truncated(strategy, session.system_prompt, "", list(session.turns), [])
     if strategy == LAST_TURNS:
@@ -200,4 +207,39 @@ def _key_sentences(session: Session, budget: Budget, count: Count) -> Truncated:
         dropped,
         summarized_turns=len(dropped) if chosen else 0,
         dropped_sentences=len(candidates) - len(chosen),
+    )
+
+
+def _model_summary(session: Session, budget: Budget, count: Count) -> Truncated:
+    """Recent turns whole; older ones folded into a summary the model writes (the router
+    asks it, in the background, and stores it): the summary and the turns after it, as
+    many as fit. Once those turns fill FOLD_AT_SHARE of their room, the reply asks for a
+    fold of the oldest of them, so that a new summary is stored before they outgrow it;
+    until it is, turns that do not fit are left out. The summary changes only when a
+    fold is stored, so the prompt's start stays put in between."""
+    room = _system_room(session, budget, count)
+    summary_room = int(room * SUMMARY_SHARE)
+    turns_room = room - summary_room
+    covered = min(session.summarized_turns, len(session.turns))
+    summary = session.summary if covered else ""
+    unfolded = session.turns[covered:]
+    if not covered and _cost(session, budget, count) <= budget.tokens:
+        kept: Sequence[Turn] = unfolded  # nothing folded yet and everything fits
+    else:
+        kept = unfolded[len(unfolded) - _recent(unfolded, turns_room, budget, count) :]
+    fold = None
+    if not _fits(unfolded, int(turns_room * FOLD_AT_SHARE), budget, count):
+        keep = _recent(unfolded, int(turns_room * REFOLD_SHARE), budget, count)
+        folded = unfolded[: len(unfolded) - keep]
+        if folded:
+            max_tokens = max(summary_room - budget.turn_overhead, 0)
+            fold = Fold(summary, covered, tuple(folded), covered + len(folded), max_tokens)
+    return Truncated(
+        MODEL_SUMMARY,
+        session.system_prompt,
+        summary,
+        list(kept),
+        session.turns[: len(session.turns) - len(kept)],
+        summarized_turns=covered,
+        fold=fold,
     )

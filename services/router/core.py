@@ -58,6 +58,7 @@ from services.router.prompt import (
 )
 from services.router.request import GenerateInput, Generation, Prepared, StartedStream
 from services.router.speech import ModelSpeech, Speeches
+from services.router.summaries import SUMMARY_PRIORITY, FoldJob, Summarizer
 from services.router.tenants import Lease, Tenants
 from services.router.token_release import GuardedTokens
 from services.router.upstreams import (
@@ -137,6 +138,7 @@ class RouterCore:
         self._speeches = speeches
         self._tenants = tenants or Tenants(config.default_tenant)
         self._admission = admission or AdmissionQueue()
+        self._summaries = Summarizer(inference, context, policy)
 
     @contextlib.asynccontextmanager
     async def generation(self, request: GenerateInput) -> AsyncIterator[Generation]:
@@ -243,6 +245,7 @@ class RouterCore:
         except BaseException:
             lease.release()
             raise
+        await self._fold_if_asked(request, history, rule_set, verdict, call)
         started = StartedStream(self._inference.generate(call, self._hints(request)))
         guard = (
             self._policy.guard_output(
@@ -264,6 +267,32 @@ class RouterCore:
             user_tokens,
             new_turns,
         )
+
+    async def _fold_if_asked(
+        self,
+        request: GenerateInput,
+        history: History | None,
+        rule_set: str,
+        verdict: Verdict,
+        call: InferenceCall,
+    ) -> None:
+        """model_summary: the fold the session's load asked for, written in the
+        background by the model itself (its own context, not the router's limit)."""
+        if history is None or history.fold is None:
+            return
+        job = FoldJob(
+            request.tenant,
+            request.session_id,
+            request.request_id,
+            request.model,
+            history.fold,
+            await self._speeches.of(request.model),
+            rule_set,
+            verdict.rule_set_version,
+            self._tenants.spec(request.tenant).session_ttl_s,
+            SUMMARY_PRIORITY if call.priority is not None else None,
+        )
+        self._summaries.fold(job)
 
     async def model_speech(self, model: str) -> tuple[str, ModelSpeech]:
         """The model (empty: the default one) and how it speaks (its tokenizer, template,

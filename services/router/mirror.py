@@ -106,7 +106,7 @@ class Mirror:
 
     def _mirrors(self, hints: RouteHints) -> MirrorSpec | None:
         spec = self._routing.current.mirror
-        if spec is None or hints.color:  # a pinned request is not stable's to copy
+        if spec is None or hints.color or hints.background:  # pinned, or the mesh's own
             return None
         return spec if self._rng.random() * 100 < spec.percent else None
 
@@ -124,7 +124,8 @@ class Mirror:
             async for chunk in chunks:
                 answer.add(chunk)
                 if chunk.finish_reason is not None:
-                    self._finished(call.model, answer)
+                    if not hints.background:
+                        self._finished(call.model, answer)
                     if spec is not None:
                         self._mirror(spec, sent, answer)
                 yield _as_asked(chunk, call.sampling.logprobs)

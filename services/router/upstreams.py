@@ -26,6 +26,7 @@ from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.types import (
     Chunk,
+    Fold,
     GuardedText,
     History,
     InferenceCall,
@@ -90,6 +91,14 @@ class ContextClient(Protocol):
         self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
     ) -> None: ...
 
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, *, covered: int, replaces: int,
+        ttl_s: int,
+    ) -> bool:  # fmt: skip
+        """Stores a summary the model wrote of the first ``covered`` turns, if the stored
+        one still covers ``replaces``; whether it did."""
+        ...
+
 
 @dataclass(frozen=True)
 class StoredSession:
@@ -138,6 +147,9 @@ class RouteHints:
     color: str = ""  # x-llm-color
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
     tier: str = ""  # the tenant's tier, for failures counted per fault domain and tier
+    # The mesh's own work for a request (a session summary): no client waits on it, so it
+    # is neither mirrored nor counted in the canary analysis's latencies.
+    background: bool = False
 
 
 class InferenceClient(Protocol):
@@ -286,6 +298,7 @@ class GrpcContextClient:
             summarized_turns=cut.summarized_turns,
             system_prompt_dropped=cut.system_prompt_dropped,
             request_fingerprint=reply.request_fingerprint,
+            fold=_fold(reply) if reply.HasField("fold") else None,
         )
 
     async def append(
@@ -304,6 +317,21 @@ class GrpcContextClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "context service") from None
+
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, *, covered: int, replaces: int,
+        ttl_s: int,
+    ) -> bool:  # fmt: skip
+        request = context_pb2.SaveSummaryRequest(
+            tenant=tenant,
+            session_id=session_id,
+            summary=summary,
+            covered_turns=covered,
+            replaces_covered_turns=replaces,
+            ttl_seconds=ttl_s,
+        )
+        reply = await self._call(self._stub.SaveSummary, request)
+        return bool(reply.saved)
 
     async def read(self, tenant: str, session_id: str) -> StoredSession | None:
         request = context_pb2.LoadSessionRequest(tenant=tenant, session_id=session_id)
@@ -361,6 +389,12 @@ class GrpcContextClient:
             return await method(request, timeout=self._timeout, metadata=self._auth)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "context service") from None
+
+
+def _fold(reply: context_pb2.Session) -> Fold:
+    fold = reply.fold
+    turns = tuple(turn_from_pb(t, "session.fold.turns") for t in fold.turns)
+    return Fold(fold.summary, fold.covered_turns, turns, fold.through_turns, fold.max_tokens)
 
 
 class ReplicaClient:

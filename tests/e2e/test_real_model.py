@@ -15,6 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from tokenizers import Tokenizer
 
+from bench.truncation import WHOLE, Settings, evaluate_on
 from llmmesh.analysis.gates import DriftGates, ErrorGate, LatencyGate
 from llmmesh.canary import FileRouting
 from llmmesh.client import authorized_channel, build_request, internal_channel
@@ -22,6 +23,7 @@ from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import LOCAL_MODELS
 from llmmesh.launcher.tokenizer_dirs import write_tokenizer_dirs
 from llmmesh.rollout import FileStatus, Outcome, Rollout, RolloutSettings, RouterObservations
+from llmmesh.types import Truncation
 from llmmesh.v1 import common_pb2, generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.conftest import collect, metric_value, start_service, text_of, wait_for
 from tests.e2e.test_rollout import Load
@@ -340,3 +342,19 @@ split: {stable: 100, canary: 0}
 colors: {stable: stable, canary: canary}
 mirror: {subset: canary, percent: 100, max_in_flight: 2}
 """
+
+
+def test_the_whole_history_retains_more_facts_than_last_turns_under_a_budget(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """What truncation leaves the model knowing (bench/truncation.py, small): a guard that
+    fails if truncation stops cutting or the evaluation stops measuring."""
+    settings = Settings(
+        conversations=4, budget_tokens=512, max_tokens=12, strategies=(Truncation.LAST_TURNS,)
+    )
+    evaluation = evaluate_on(stack, tmp_path, settings)
+    whole, cut = evaluation.rows()
+    assert whole.strategy == WHOLE and cut.strategy == Truncation.LAST_TURNS
+    assert whole.answers == cut.answers == 8
+    assert cut.prompt_tokens < 512 < whole.prompt_tokens  # the budget did cut
+    assert whole.retention > cut.retention, (whole, cut)

@@ -163,6 +163,23 @@ def test_system_prompt_metadata_and_summary(new_store: StoreFactory) -> None:
     run(new_store, scenario)
 
 
+def test_a_summary_replaces_only_the_one_it_was_written_over(new_store: StoreFactory) -> None:
+    """model_summary's folds: a summary written over the one covering 0 turns is stored
+    once; another written over that same one (a fold that raced it) is refused."""
+
+    async def scenario(store: SessionStore) -> None:
+        await store.append("t", "s", "r1", TURNS, DAY_MS)
+        assert await store.save_summary("t", "s", "First.", 1, replaces=0)
+        assert not await store.save_summary("t", "s", "Raced.", 2, replaces=0)
+        assert await store.save_summary("t", "s", "Second.", 2, replaces=1)
+        session = await store.load("t", "s", DAY_MS)
+        assert session is not None
+        assert (session.summary, session.summarized_turns) == ("Second.", 2)
+        assert not await store.save_summary("t", "nowhere", "x", 1, replaces=0)
+
+    run(new_store, scenario)
+
+
 async def fork(
     store: SessionStore,
     tenant: str,

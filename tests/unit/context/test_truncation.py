@@ -9,6 +9,7 @@ from llmmesh.types import Role, Turn, count_tokens
 from services.context.store import Session
 from services.context.truncation import (
     KEY_SENTENCES,
+    MODEL_SUMMARY,
     SLIDING_SUMMARY,
     STRATEGIES,
     Budget,
@@ -120,6 +121,45 @@ def test_key_sentences_keeps_what_later_turns_refer_to() -> None:
     assert "Miso hates the vacuum" in cut.summary
     assert "weather" not in cut.summary
     assert cut.dropped_sentences >= 1
+
+
+def test_model_summary_asks_for_a_fold_before_the_turns_outgrow_their_room() -> None:
+    """Before any summary: everything that fits is kept, and once the turns fill most of
+    their room the reply asks the model to fold the oldest (into at most the summary's
+    room), keeping enough recent turns whole that the next ones fit without folding."""
+    budget = Budget(FULL + 10, OVERHEAD)
+    cut = truncate(SESSION, budget, MODEL_SUMMARY, count_tokens)
+    assert cut.turns == SESSION.turns and cut.summary == "" and not cut.dropped
+    fold = cut.fold
+    assert fold is not None and fold.covered == 0 and fold.summary == ""
+    assert fold.turns == tuple(SESSION.turns[: fold.through]) and 0 < fold.through < 20
+    room = budget.tokens - count_tokens(SYSTEM) - OVERHEAD
+    assert fold.max_tokens == int(room * 0.25) - OVERHEAD
+    assert cost(SESSION.turns[fold.through :]) <= (room - int(room * 0.25)) * 0.6
+    small = Session(system_prompt=SYSTEM, turns=conversation(2))
+    assert truncate(small, budget, MODEL_SUMMARY, count_tokens).fold is None
+
+
+def test_model_summary_keeps_its_prefix_until_a_new_fold_is_stored() -> None:
+    budget = Budget(FULL * 2 // 3, OVERHEAD)
+    summary = "The user asked about topics 0 to 5."
+    folded = Session(system_prompt=SYSTEM, turns=SESSION.turns, summary=summary,
+                     summarized_turns=14)  # fmt: skip
+    first = truncate(folded, budget, MODEL_SUMMARY, count_tokens)
+    assert first.summary == summary and first.summarized_turns == 14
+    assert first.turns == SESSION.turns[14:] and first.fold is None
+    grown = Session(
+        system_prompt=SYSTEM,
+        turns=[*SESSION.turns, turn(Role.USER, "And topic9 again?", "r10")],
+        summary=summary,
+        summarized_turns=14,
+    )
+    second = truncate(grown, budget, MODEL_SUMMARY, count_tokens)
+    assert second.summary == summary and second.turns[: len(first.turns)] == first.turns
+    # Never folded (the model's summary did not come): what does not fit is left out.
+    unfolded = truncate(SESSION, Budget(FULL // 3, OVERHEAD), MODEL_SUMMARY, count_tokens)
+    assert unfolded.summary == "" and unfolded.dropped and unfolded.fold is not None
+    assert unfolded.turns == SESSION.turns[len(unfolded.dropped) :]
 
 
 def test_unknown_strategy_is_invalid() -> None:

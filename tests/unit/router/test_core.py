@@ -24,6 +24,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.types import (
     Chunk,
     FinishReason,
+    Fold,
     History,
     InferenceCall,
     ModelCard,
@@ -46,6 +47,7 @@ from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
 from services.router.request import GenerateInput
 from services.router.speech import FixedSpeech, ModelSpeech
+from services.router.summaries import SUMMARY_PRIORITY
 from services.router.tenants import Tenants, parse_tenants
 from services.router.token_release import REDACTED_TOKEN
 from services.router.upstreams import HistoryRequest, RouteHints
@@ -115,6 +117,9 @@ class Context:
     sessions: dict[tuple[str, str], list[Turn]] = field(default_factory=dict)
     asked: list[HistoryRequest] = field(default_factory=list)
     down: bool = False
+    fold: Fold | None = None  # what each load asks the model to fold
+    summaries: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+    summary_saved: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def load(self, request_id: str, wanted: HistoryRequest) -> History:
         """As the context service loads: a request's own stored turns left out, and the
@@ -126,7 +131,9 @@ class Context:
         own = request_text([t for t in turns if t.request_id == request_id])
         kept = tuple(t for t in turns if t.request_id != request_id)
         stored = fingerprint(own) if own is not None else ""
-        return History(turns=kept, total_turns=len(turns), request_fingerprint=stored)
+        return History(
+            turns=kept, total_turns=len(turns), request_fingerprint=stored, fold=self.fold
+        )
 
     async def append(
         self, request_id: str, tenant: str, session_id: str, turns: list[Turn], ttl_s: int
@@ -137,6 +144,14 @@ class Context:
         if any(t.request_id == request_id for t in session):
             return  # a retry (a conflict is the core's to refuse, before it generates)
         session.extend(replace(t, request_id=request_id) for t in turns)
+
+    async def save_summary(
+        self, tenant: str, session_id: str, summary: str, *, covered: int, replaces: int,
+        ttl_s: int,
+    ) -> bool:  # fmt: skip
+        self.summaries.append((tenant, session_id, summary, covered, replaces))
+        self.summary_saved.set()
+        return True
 
 
 @dataclass
@@ -354,6 +369,31 @@ def test_the_tenants_tier_reaches_the_engine_as_its_priority(
         )  # fmt: skip
         await run(core, request("hello"))
         assert [c.priority for c in inference.calls] == [expected]
+
+    asyncio.run(scenario())
+
+
+def test_a_fold_the_load_asks_for_is_written_by_the_model_in_the_background() -> None:
+    """model_summary: the model summarizes the turns to fold at the engine's lowest
+    priority, the summary passes the output rules and is saved over the one it replaces."""
+
+    async def scenario() -> None:
+        old = (Turn(Role.USER, "My dog is Rex."), Turn(Role.ASSISTANT, "Nice dog."))
+        context = Context(fold=Fold("The user likes tea.", 2, old, 4, 12))
+        rules = output_rules(
+            "{id: digits, stage: output, action: redact, regex: ['\\d{3}'], placeholder: '#'}"
+        )
+        inference, policy = Inference(), gate(PolicyService(rules))
+        await run(make_core(policy, context, inference), request(session="s"))
+        await asyncio.wait_for(context.summary_saved.wait(), 5)
+        summary_call = next(c for c in inference.calls if c.request_id.endswith("-summary"))
+        assert summary_call.priority == SUMMARY_PRIORITY and summary_call.sampling.max_tokens == 12
+        assert "Summary so far: The user likes tea." in summary_call.prompt
+        assert "User: My dog is Rex." in summary_call.prompt
+        [(tenant, session, summary, covered, replaces)] = context.summaries
+        assert (tenant, session, covered, replaces) == ("t", "s", 4, 2)
+        assert summary == "###90!"  # the model's words, through the output rules
+        await policy.close()
 
     asyncio.run(scenario())
 
