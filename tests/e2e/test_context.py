@@ -158,6 +158,52 @@ def test_put_list_delete_and_tenant_isolation(context_stub: context_pb2_grpc.Con
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_model_summary_is_stored_only_over_the_one_it_replaces(
+    context_stub: context_pb2_grpc.ContextStub,
+) -> None:
+    """SaveSummary (model_summary's folds): a summary written over the stored one lands,
+    one written over a summary since replaced does not, and a session's loads then stand
+    the summary for the turns it covers."""
+    stub = context_stub
+    turns = [
+        context_pb2.Turn(role=role, text=f"turn {i}", token_count=2)
+        for i, role in enumerate([context_pb2.ROLE_USER, context_pb2.ROLE_ASSISTANT] * 2)
+    ]
+    stub.AppendTurns(
+        context_pb2.AppendTurnsRequest(tenant="sum", session_id="s", request_id="r", turns=turns)
+    )
+
+    def save(summary: str, covered: int, replaces: int) -> bool:
+        request = context_pb2.SaveSummaryRequest(
+            tenant="sum", session_id="s", summary=summary, covered_turns=covered,
+            replaces_covered_turns=replaces,
+        )  # fmt: skip
+        return bool(stub.SaveSummary(request).saved)
+
+    assert save("The user said turns 0 and 1.", 2, 0)
+    assert not save("A fold that raced the first.", 2, 0)
+    load = context_pb2.LoadSessionRequest(
+        tenant="sum", session_id="s", budget_tokens=1000, truncation="model_summary"
+    )
+    session = stub.LoadSession(load)
+    assert session.summary == "The user said turns 0 and 1."
+    assert [t.text for t in session.turns] == ["turn 2", "turn 3"]
+    assert session.truncation.summarized_turns == 2
+    for covered, replaces, code in (
+        (5, 2, grpc.StatusCode.INVALID_ARGUMENT),  # more turns than the session holds
+        (2, 2, grpc.StatusCode.INVALID_ARGUMENT),  # covers no more than it replaces
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            save("x", covered, replaces)
+        assert info.value.code() == code
+        assert bad_request_fields(info.value) == ["covered_turns"]
+    missing = context_pb2.SaveSummaryRequest(tenant="other", session_id="s", summary="x",
+                                             covered_turns=1)  # fmt: skip
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.SaveSummary(missing)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
