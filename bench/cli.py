@@ -624,7 +624,7 @@ def _truncation(args: argparse.Namespace) -> int:
         f"2 facts asked), a context of {settings.budget_tokens} tokens for the strategies "
         f"and the model's whole context for the reference, {settings.max_tokens}-token "
         f"answers; {evaluation.seconds / 60:.0f} min; model_summary folds not stored in "
-        f"time: {missing}.",
+        f"time: {missing}; requests sent again after UNAVAILABLE: {evaluation.retries}.",
         rows,
     )
     return 0

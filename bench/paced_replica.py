@@ -87,12 +87,14 @@ def build(config: InferenceConfig) -> GrpcService:
 
     monitor = LoadMonitor(engine_page, lambda: core.in_flight, core.latency)
     servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
-    return GrpcService(
+    service = GrpcService(
         config,
         [INFERENCE.full_name],
         lambda server: add_servicer(server, servicer, INFERENCE),
         cleanup=monitor.close,
     )
+    service.on_drain(servicer.drain)
+    return service
 
 
 if __name__ == "__main__":

@@ -26,6 +26,13 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
 from tokenizers import Tokenizer
 
 from bench.recall import Conversation, bleu4, conversations, obeyed, retained, rouge_l
@@ -43,6 +50,11 @@ WHOLE = "whole history"
 TENANT = "demo"  # the local stack's tenant
 CONTINUE = "Thanks. Let us go on."
 SUMMARY_WAIT_S = 120.0
+ASK_ATTEMPTS = 3
+
+
+def _unavailable(err: BaseException) -> bool:
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,7 @@ class Mesh:
         self._auth = auth_metadata(stack.api_key)
         self._internal = token_metadata(stack.internal_token)
         self._count = count
+        self.retries = 0  # requests sent again after UNAVAILABLE
 
     async def close(self) -> None:
         await self._router.close()
@@ -203,6 +216,25 @@ class Mesh:
         )
 
     async def ask(self, session_id: str, prompt: str, strategy: str, max_tokens: int) -> Reply:
+        """The router's answer; a request the mesh could not serve right then (UNAVAILABLE:
+        a dependency slow on a busy machine) is sent again, at most ASK_ATTEMPTS times in
+        all, and counted: one such failure must not void an hour's run."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(ASK_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.5, max=5),
+            retry=retry_if_exception(_unavailable),
+            before_sleep=self._count_retry,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._ask(session_id, prompt, strategy, max_tokens)
+        raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
+
+    def _count_retry(self, state: RetryCallState) -> None:
+        self.retries += 1
+
+    async def _ask(self, session_id: str, prompt: str, strategy: str, max_tokens: int) -> Reply:
         request = build_request(
             prompt, model="smollm2", max_tokens=max_tokens, temperature=0.0,
             session_id=session_id, truncation=strategy,
@@ -318,6 +350,7 @@ class Evaluation:
     whole: StrategyRun
     runs: list[StrategyRun]
     seconds: float
+    retries: int = 0  # requests sent again after UNAVAILABLE (Mesh.ask)
 
     def rows(self) -> list[Row]:
         return [score(self.whole, self.whole), *(score(r, self.whole) for r in self.runs)]
@@ -382,14 +415,14 @@ def evaluate_on(stack: Stack, workdir: Path, settings: Settings) -> Evaluation:
         return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
     with _routers(stack, workdir, settings.budget_tokens) as routers:
-        whole, runs = asyncio.run(_all(stack, settings, talks, routers, count))
-    return Evaluation(settings, whole, runs, time.monotonic() - started)
+        whole, runs, retries = asyncio.run(_all(stack, settings, talks, routers, count))
+    return Evaluation(settings, whole, runs, time.monotonic() - started, retries)
 
 
 async def _all(
     stack: Stack, settings: Settings, talks: list[Conversation], routers: Routers,
     count: Callable[[str], int],
-) -> tuple[StrategyRun, list[StrategyRun]]:  # fmt: skip
+) -> tuple[StrategyRun, list[StrategyRun], int]:  # fmt: skip
     run_id = f"t{time.time_ns()}"
     full, cut = Mesh(routers.whole, stack, count), Mesh(routers.cut, stack, count)
     try:
@@ -405,4 +438,4 @@ async def _all(
     finally:
         await full.close()
         await cut.close()
-    return whole, runs
+    return whole, runs, full.retries + cut.retries

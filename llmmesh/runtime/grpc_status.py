@@ -7,6 +7,7 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -82,7 +83,23 @@ def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str, where: str = "") ->
     name the field); for a failure the message says which upstream failed and no more:
     the transport's details (addresses, ports) and ``where`` (the upstream's address) go
     to the log only."""
-    code, message = err.code(), err.details() or ""
+    return _from_code(err.code(), err.details() or "", _from_the_mesh(err), upstream, where)
+
+
+def from_status(status: bytes, upstream: str, where: str = "") -> MeshError:
+    """The core error for a serialized google.rpc.Status an upstream of the mesh sent in
+    a message (a multiplexed generation's end), as from_rpc_error reads a call's."""
+    try:
+        parsed = status_pb2.Status.FromString(status)
+        code = grpc.StatusCode[code_pb2.Code.Name(parsed.code)]
+    except (DecodeError, ValueError, KeyError):
+        return Unavailable(f"{upstream} sent a status that does not parse")
+    return _from_code(code, parsed.message, True, upstream, where)
+
+
+def _from_code(
+    code: grpc.StatusCode, message: str, from_mesh: bool, upstream: str, where: str
+) -> MeshError:
     named = _FIELD_ERRORS.get(code)
     if named is not None:
         field, _, reason = message.partition(": ")
@@ -96,7 +113,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, upstream: str, where: str = "") ->
     )
     # The mesh's own services end a call with a rich status, and their messages never
     # name an address: theirs may go on. gRPC's and a proxy's own messages may.
-    said = f": {message}" if message and _from_the_mesh(err) else ""
+    said = f": {message}" if message and from_mesh else ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(f"{upstream} is over capacity{said}", retry_after_s=1.0)
     if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):

@@ -55,11 +55,17 @@ class GrpcService:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._startup: list[Hook] = []
+        self._drain: list[Callable[[], None]] = []
         self.port = 0
 
     def on_start(self, hook: Hook) -> None:
         """Runs ``hook`` (e.g. opening a store) before the server accepts calls."""
         self._startup.append(hook)
+
+    def on_drain(self, hook: Callable[[], None]) -> None:
+        """Runs ``hook`` as shutdown begins, before in-flight calls are waited for: calls
+        that would outlive the grace period (a long-lived stream) end themselves."""
+        self._drain.append(hook)
 
     async def start(self) -> int:
         for hook in self._startup:
@@ -94,6 +100,8 @@ class GrpcService:
         if self._server is None:
             return
         await self._health.enter_graceful_shutdown()
+        for hook in self._drain:
+            hook()
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._server.stop(grace)
         self._server = None

@@ -307,3 +307,172 @@ class InferenceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InferenceResponse: _TypeAlias = InferenceResponse  # noqa: Y015
+
+@_typing.final
+class MultiplexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTROLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def controls(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationControl]:
+        """What the caller asks of its generations, in order (several when they come together)."""
+
+    def __init__(
+        self,
+        *,
+        controls: _abc.Iterable[Global___GenerationControl] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controls", b"controls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexRequest: _TypeAlias = MultiplexRequest  # noqa: Y015
+
+@_typing.final
+class GenerationControl(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    CREDIT_FIELD_NUMBER: _builtins.int
+    generation_id: _builtins.int
+    """The caller's number for one generation on this stream, unique while it runs (> 0)."""
+    cancel: _builtins.bool
+    """Ends a generation early: it is cancelled in the engine; nothing more is sent for it."""
+    credit: _builtins.int
+    """The caller took this many more of the generation's responses (flow control)."""
+    @_builtins.property
+    def start(self) -> Global___StartGeneration:
+        """Starts a generation."""
+
+    def __init__(
+        self,
+        *,
+        generation_id: _builtins.int = ...,
+        start: Global___StartGeneration | None = ...,
+        cancel: _builtins.bool = ...,
+        credit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "credit", b"credit", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "credit", b"credit", "generation_id", b"generation_id", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "credit"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___GenerationControl: _TypeAlias = GenerationControl  # noqa: Y015
+
+@_typing.final
+class StartGeneration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    window: _builtins.int
+    """Responses the replica may send before the caller's credit says it took them (each
+    generation's own flow control, so that one slow reader holds back no other
+    generation); 0: no limit.
+    """
+    @_builtins.property
+    def request(self) -> Global___InferenceRequest: ...
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The caller's trace context (W3C traceparent and tracestate), as Generate takes it in
+        metadata.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___InferenceRequest | None = ...,
+        window: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "trace_context", b"trace_context", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartGeneration: _TypeAlias = StartGeneration  # noqa: Y015
+
+@_typing.final
+class MultiplexResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationFrame]:
+        """Responses of any of the stream's generations, each generation's in order."""
+
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___GenerationFrame] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexResponse: _TypeAlias = MultiplexResponse  # noqa: Y015
+
+@_typing.final
+class GenerationFrame(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    generation_id: _builtins.int
+    error: _builtins.bytes
+    """The generation ended with this status: a serialized google.rpc.Status, as a Generate
+    call's grpc-status-details-bin trailer carries it (its code, message and details:
+    BadRequest naming the field, RetryInfo). It is the generation's last frame.
+    """
+    @_builtins.property
+    def response(self) -> Global___InferenceResponse:
+        """The generation's next response; the one with a finish reason is its last."""
+
+    def __init__(
+        self,
+        *,
+        generation_id: _builtins.int = ...,
+        response: Global___InferenceResponse | None = ...,
+        error: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "generation_id", b"generation_id", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___GenerationFrame: _TypeAlias = GenerationFrame  # noqa: Y015

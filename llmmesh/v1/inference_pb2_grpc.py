@@ -40,6 +40,11 @@ class InferenceStub:
                 request_serializer=llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/llmmesh.v1.Inference/Multiplex',
+                request_serializer=llmmesh_dot_v1_dot_inference__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_inference__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/llmmesh.v1.Inference/WatchLoad',
                 request_serializer=llmmesh_dot_v1_dot_inference__pb2.WatchLoadRequest.SerializeToString,
@@ -59,6 +64,19 @@ class InferenceServicer:
     def Generate(self, request, context):
         """Streams generated text for one fully built prompt. Cancelling the call cancels the
         request inside Triton.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Multiplex(self, request_iterator, context):
+        """Many generations over one long-lived stream: a router keeps one open per replica and
+        starts, cancels and paces generations on it, so a request costs messages on a stream
+        that exists rather than a call of its own. Each generation behaves as a Generate call
+        would: the same responses, ended by its finish reason or by an error frame carrying
+        the status Generate would have ended with. Responses ready together travel in one
+        message. The stream ends when the caller closes it, or, once the replica drains for
+        shutdown, when its last generation has ended (new starts are then refused UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +105,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=llmmesh_dot_v1_dot_inference__pb2.MultiplexRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_inference__pb2.MultiplexResponse.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
@@ -127,6 +150,33 @@ class Inference:
             '/llmmesh.v1.Inference/Generate',
             llmmesh_dot_v1_dot_inference__pb2.InferenceRequest.SerializeToString,
             llmmesh_dot_v1_dot_inference__pb2.InferenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmmesh.v1.Inference/Multiplex',
+            llmmesh_dot_v1_dot_inference__pb2.MultiplexRequest.SerializeToString,
+            llmmesh_dot_v1_dot_inference__pb2.MultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

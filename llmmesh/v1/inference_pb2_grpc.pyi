@@ -37,6 +37,15 @@ class InferenceStub:
     """Streams generated text for one fully built prompt. Cancelling the call cancels the
     request inside Triton.
     """
+    Multiplex: _grpc.StreamStreamMultiCallable[_inference_pb2.MultiplexRequest, _inference_pb2.MultiplexResponse]
+    """Many generations over one long-lived stream: a router keeps one open per replica and
+    starts, cancels and paces generations on it, so a request costs messages on a stream
+    that exists rather than a call of its own. Each generation behaves as a Generate call
+    would: the same responses, ended by its finish reason or by an error frame carrying
+    the status Generate would have ended with. Responses ready together travel in one
+    message. The stream ends when the caller closes it, or, once the replica drains for
+    shutdown, when its last generation has ended (new starts are then refused UNAVAILABLE).
+    """
     WatchLoad: _grpc.UnaryStreamMultiCallable[_inference_pb2.WatchLoadRequest, _inference_pb2.LoadReport]
     """Streams this replica's load: a report whenever it changes, and at least every
     interval, for as long as the caller listens. Routers subscribe instead of scraping.
@@ -54,6 +63,15 @@ class InferenceAsyncStub(InferenceStub):
     Generate: _aio.UnaryStreamMultiCallable[_inference_pb2.InferenceRequest, _inference_pb2.InferenceResponse]  # type: ignore[assignment]
     """Streams generated text for one fully built prompt. Cancelling the call cancels the
     request inside Triton.
+    """
+    Multiplex: _aio.StreamStreamMultiCallable[_inference_pb2.MultiplexRequest, _inference_pb2.MultiplexResponse]  # type: ignore[assignment]
+    """Many generations over one long-lived stream: a router keeps one open per replica and
+    starts, cancels and paces generations on it, so a request costs messages on a stream
+    that exists rather than a call of its own. Each generation behaves as a Generate call
+    would: the same responses, ended by its finish reason or by an error frame carrying
+    the status Generate would have ended with. Responses ready together travel in one
+    message. The stream ends when the caller closes it, or, once the replica drains for
+    shutdown, when its last generation has ended (new starts are then refused UNAVAILABLE).
     """
     WatchLoad: _aio.UnaryStreamMultiCallable[_inference_pb2.WatchLoadRequest, _inference_pb2.LoadReport]  # type: ignore[assignment]
     """Streams this replica's load: a report whenever it changes, and at least every
@@ -75,6 +93,21 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_inference_pb2.InferenceResponse], _abc.AsyncIterator[_inference_pb2.InferenceResponse]]:
         """Streams generated text for one fully built prompt. Cancelling the call cancels the
         request inside Triton.
+        """
+
+    @_abc_1.abstractmethod
+    def Multiplex(
+        self,
+        request_iterator: _MaybeAsyncIterator[_inference_pb2.MultiplexRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.MultiplexResponse], _abc.AsyncIterator[_inference_pb2.MultiplexResponse]]:
+        """Many generations over one long-lived stream: a router keeps one open per replica and
+        starts, cancels and paces generations on it, so a request costs messages on a stream
+        that exists rather than a call of its own. Each generation behaves as a Generate call
+        would: the same responses, ended by its finish reason or by an error frame carrying
+        the status Generate would have ended with. Responses ready together travel in one
+        message. The stream ends when the caller closes it, or, once the replica drains for
+        shutdown, when its last generation has ended (new starts are then refused UNAVAILABLE).
         """
 
     @_abc_1.abstractmethod

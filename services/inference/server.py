@@ -21,6 +21,7 @@ from services.inference.core import GenerationBackend, InferenceCore
 from services.inference.faults import FaultyBackend
 from services.inference.health import HealthKeeper, ModelHealth
 from services.inference.load import LoadMonitor, LoadSnapshot
+from services.inference.multiplex import MultiplexSession
 from services.inference.triton import TritonBackend
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._core = core
         self._monitor = monitor
         self._replica = replica
+        self._sessions: set[MultiplexSession] = set()
+        self._draining = False
 
     async def WatchLoad(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.WatchLoadRequest, context: AnyContext
@@ -61,8 +64,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.InferenceRequest, context: Context
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
+        request_id = bind_request_id(context, request.request_id)
+        async for response in self._responses(request, request_id):
+            yield response
+
+    async def Multiplex(  # noqa: N802 (gRPC method name)
+        self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: AnyContext
+    ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        session = MultiplexSession(self._responses)
+        self._sessions.add(session)
+        if self._draining:
+            session.drain()
+        try:
+            async for message in session.serve(requests):
+                yield message
+        finally:
+            self._sessions.discard(session)
+
+    def drain(self) -> None:
+        """Shutdown begins: multiplexed streams take no new generation and end with their
+        last running one (each caller then opens a stream to another replica)."""
+        self._draining = True
+        for session in self._sessions:
+            session.drain()
+
+    async def _responses(
+        self, request: inference_pb2.InferenceRequest, request_id: str
+    ) -> AsyncIterator[inference_pb2.InferenceResponse]:
         call = InferenceCall(
-            request_id=bind_request_id(context, request.request_id),
+            request_id=request_id,
             model=request.model,
             prompt=request.prompt,
             sampling=sampling_from_pb(request.sampling),
@@ -141,6 +171,7 @@ def build_service(config: InferenceConfig) -> GrpcService:
         cleanup=cleanup,
     )
     service.on_start(start)
+    service.on_drain(servicer.drain)
     return service
 
 

@@ -53,6 +53,9 @@ class PoolSettings(BaseModel):
     # endpoint the picker chose, named in x-gateway-destination-endpoint, over mTLS (an
     # original-destination cluster). Empty: replicas are dialed directly.
     via: str = ""
+    # Generations share one long-lived stream per replica (Inference.Multiplex: a request
+    # costs messages on it, not a call of its own); false: a Generate call per generation.
+    multiplex: bool = True
 
 
 class RouterConfig(ServiceConfig):

@@ -19,6 +19,7 @@ from llmmesh.runtime.metadata import DESTINATION_ENDPOINT
 from llmmesh.types import Chunk, InferenceCall, ModelCard
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.endpoints import Endpoint
+from services.router.multiplex import GenerationMux
 from services.router.upstreams import CHANNEL_OPTIONS, Metadata, ReplicaClient
 
 DESCRIBE_TIMEOUT_S = 30.0  # a card is a few MB (the tokenizer), asked once per model
@@ -74,11 +75,17 @@ def load_metrics(model: inference_pb2.ModelLoad) -> dict[str, float]:
 class GrpcLink:
     """One replica over one grpc.aio channel."""
 
-    def __init__(self, endpoint: Endpoint, via: str, auth: Metadata = ()) -> None:
+    def __init__(
+        self, endpoint: Endpoint, via: str, auth: Metadata = (), multiplex: bool = True
+    ) -> None:
         self._channel = grpc.aio.insecure_channel(via or endpoint.address, options=CHANNEL_OPTIONS)
         destination = ((DESTINATION_ENDPOINT, endpoint.address),) if via else ()
         self._metadata = auth + destination
-        self._client = ReplicaClient(self._channel, endpoint.address, self._metadata)
+        self._client: ReplicaClient | GenerationMux = (
+            GenerationMux(self._channel, endpoint.address, self._metadata)
+            if multiplex
+            else ReplicaClient(self._channel, endpoint.address, self._metadata)
+        )
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._address = endpoint.address
 
@@ -114,16 +121,20 @@ class GrpcLink:
         )
 
     async def close(self, grace_s: float | None = None) -> None:
+        if isinstance(self._client, GenerationMux):
+            await self._client.close()
         await self._channel.close(grace_s)
 
 
 @dataclass(frozen=True)
 class GrpcConnector:
     """Replicas dialed directly, or through ``via``: the local sidecar's listener; every
-    call presents ``auth``, the mesh's credential."""
+    call presents ``auth``, the mesh's credential. ``multiplex``: generations share one
+    long-lived stream per replica (Inference.Multiplex) instead of a call each."""
 
     via: str = ""
     auth: Metadata = ()
+    multiplex: bool = True
 
     def connect(self, endpoint: Endpoint) -> GrpcLink:
-        return GrpcLink(endpoint, self.via, self.auth)
+        return GrpcLink(endpoint, self.via, self.auth, self.multiplex)

@@ -195,7 +195,7 @@ class Upstreams:
                 raise ConfigError(f"tenants_file: {err}") from None
         self.replicas = ReplicaSet(
             _discovery(config, self.consul),
-            GrpcConnector(config.pool.via, auth),
+            GrpcConnector(config.pool.via, auth, config.pool.multiplex),
             config.pool,
             config.region,
             peers=self.shared.peers,

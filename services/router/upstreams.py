@@ -397,8 +397,36 @@ def _fold(reply: context_pb2.Session) -> Fold:
     return Fold(fold.summary, fold.covered_turns, turns, fold.through_turns, fold.max_tokens)
 
 
+def inference_request(call: InferenceCall) -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(
+        request_id=call.request_id,
+        model=call.model,
+        prompt=call.prompt,
+        sampling=sampling_to_pb(call.sampling),
+        priority=call.priority,
+    )
+
+
+class ChunkReader:
+    """A replica's responses as chunks, with per-chunk token counts from its totals."""
+
+    def __init__(self) -> None:
+        self._seen = 0
+
+    def chunk(self, reply: inference_pb2.InferenceResponse) -> Chunk:
+        chunk = Chunk(
+            text=reply.text,
+            num_tokens=reply.num_output_tokens - self._seen,
+            finish_reason=finish_reason_from_pb(reply.finish_reason),
+            logprobs=logprobs_from_pb(reply.logprobs),
+            cached_tokens=reply.cached_tokens,
+        )
+        self._seen = reply.num_output_tokens
+        return chunk
+
+
 class ReplicaClient:
-    """One inference replica's Generate."""
+    """One inference replica's Generate: a call per generation."""
 
     def __init__(self, channel: grpc.aio.Channel, address: str, extra: Metadata = ()) -> None:
         self._stub = inference_pb2_grpc.InferenceStub(channel)
@@ -407,25 +435,13 @@ class ReplicaClient:
 
     async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""
-        request = inference_pb2.InferenceRequest(
-            request_id=call.request_id,
-            model=call.model,
-            prompt=call.prompt,
-            sampling=sampling_to_pb(call.sampling),
-            priority=call.priority,
-        )
-        rpc = self._stub.Generate(request, metadata=_metadata(call.request_id) + self._extra)
-        seen, finished = 0, False
+        metadata = _metadata(call.request_id) + self._extra
+        rpc = self._stub.Generate(inference_request(call), metadata=metadata)
+        reader, finished = ChunkReader(), False
         try:
             async for reply in rpc:
-                chunk = Chunk(
-                    text=reply.text,
-                    num_tokens=reply.num_output_tokens - seen,
-                    finish_reason=finish_reason_from_pb(reply.finish_reason),
-                    logprobs=logprobs_from_pb(reply.logprobs),
-                    cached_tokens=reply.cached_tokens,
-                )
-                seen, finished = reply.num_output_tokens, chunk.finish_reason is not None
+                chunk = reader.chunk(reply)
+                finished = chunk.finish_reason is not None
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             finished = True

@@ -1,0 +1,180 @@
+"""Inference.Multiplex, served: many generations over one caller's stream.
+
+A router keeps one such stream open per replica, so a request costs two small messages
+on a stream that exists (its start, then its responses) rather than a call of its own:
+no headers, no new HTTP/2 stream, no handler set up and torn down per generation. Each
+generation runs as Generate would run it (the same responses from the same core), in a
+task of its own; responses that are ready together (one engine step produces a token
+for every running sequence) go out as one message. Each generation has its own window
+of responses the caller has not taken yet, so a slow reader holds back only its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from llmmesh.runtime import tracing
+from llmmesh.runtime.errors import MeshError, Unavailable
+from llmmesh.runtime.grpc_status import to_status
+from llmmesh.runtime.logs import request_id_var
+from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
+from llmmesh.v1 import inference_pb2
+
+log = logging.getLogger(__name__)
+
+# A generation's responses, for its request and its request id (bound for log lines).
+Responses = Callable[
+    [inference_pb2.InferenceRequest, str], AsyncIterator[inference_pb2.InferenceResponse]
+]
+
+# A message carries at most this many frames (each a token or a few), well under gRPC's
+# message limit even with log probabilities in every frame.
+MAX_FRAMES_PER_MESSAGE = 256
+SPAN_NAME = "/llmmesh.v1.Inference/Generate"
+DRAINING = "this replica is shutting down"
+
+
+@dataclass
+class _Generation:
+    """One running generation: its task and what the caller's window still allows."""
+
+    window: int  # responses it may send now; unlimited when the caller set no window
+    limited: bool
+    task: asyncio.Task[None] | None = None
+    credit: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, credit: int) -> None:
+        self.window += credit
+        if self.window > 0:
+            self.credit.set()
+
+    async def take(self) -> None:
+        """Waits until the window allows one more response, and counts it."""
+        if not self.limited:
+            return
+        while self.window <= 0:
+            self.credit.clear()
+            await self.credit.wait()
+        self.window -= 1
+
+
+class MultiplexSession:
+    """One caller's stream: its running generations and the frames waiting to go out."""
+
+    def __init__(self, responses: Responses) -> None:
+        self._responses = responses
+        self._running: dict[int, _Generation] = {}
+        self._outbox: list[inference_pb2.GenerationFrame] = []
+        self._wake = asyncio.Event()
+        self._input_done = False
+        self._draining = False
+
+    async def serve(
+        self, requests: AsyncIterator[inference_pb2.MultiplexRequest]
+    ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        """The stream's responses until the caller closes its side and every generation
+        has ended (or the replica drains); a stream cut short cancels them all."""
+        reader = asyncio.ensure_future(self._read(requests))
+        try:
+            async for message in self._messages():
+                yield message
+        finally:
+            reader.cancel()
+            tasks = [g.task for g in self._running.values() if g.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    def drain(self) -> None:
+        """No new generation from now on; the stream ends with its last running one."""
+        self._draining = True
+        self._wake.set()
+
+    async def _messages(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:  # frames posted while a message was written go next
+                frames = self._outbox[:MAX_FRAMES_PER_MESSAGE]
+                del self._outbox[:MAX_FRAMES_PER_MESSAGE]
+                yield inference_pb2.MultiplexResponse(frames=frames)
+            if (self._input_done or self._draining) and not self._running:
+                return
+
+    async def _read(self, requests: AsyncIterator[inference_pb2.MultiplexRequest]) -> None:
+        try:
+            async for request in requests:
+                for control in request.controls:
+                    self._apply(control)
+        finally:
+            self._input_done = True
+            self._wake.set()
+
+    def _apply(self, control: inference_pb2.GenerationControl) -> None:
+        number = control.generation_id
+        action = control.WhichOneof("action")
+        running = self._running.get(number)
+        if action == "start":
+            if running is not None or number == 0:
+                why = "generation_id: 0, or one that is running on this stream"
+                self._post_error(number, Unavailable(why))
+            elif self._draining:
+                self._post_error(number, Unavailable(DRAINING))
+            else:
+                self._start(number, control.start)
+        elif running is not None and action == "cancel":
+            if running.task is not None:
+                running.task.cancel()
+        elif running is not None and action == "credit":
+            running.add(control.credit)
+        # A control for a generation that has ended already is moot: it crossed its end.
+
+    def _start(self, number: int, start: inference_pb2.StartGeneration) -> None:
+        generation = _Generation(window=start.window, limited=start.window > 0)
+        self._running[number] = generation
+        generation.task = asyncio.ensure_future(
+            self._run(number, start.request, dict(start.trace_context), generation)
+        )
+
+    async def _run(
+        self,
+        number: int,
+        request: inference_pb2.InferenceRequest,
+        trace_context: Mapping[str, str],
+        generation: _Generation,
+    ) -> None:
+        request_id = request.request_id[:MAX_REQUEST_ID_LEN] or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        parent = tracing.incoming(trace_context)
+        span = tracing.tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.SERVER)
+        try:
+            with trace.use_span(span, end_on_exit=True):
+                async for response in self._responses(request, request_id):
+                    await generation.take()
+                    self._post(
+                        inference_pb2.GenerationFrame(generation_id=number, response=response)
+                    )
+        except asyncio.CancelledError:
+            pass  # the caller cancelled it (or left): nothing more goes out for it
+        except MeshError as err:
+            self._post_error(number, err)
+        except Exception as err:  # a bug here must not take the other generations down
+            log.exception("generation failed", extra={"fields": {"generation": number}})
+            self._post_error(number, Unavailable(f"inference failed: {type(err).__name__}"))
+        finally:
+            del self._running[number]
+            self._wake.set()
+
+    def _post(self, frame: inference_pb2.GenerationFrame) -> None:
+        self._outbox.append(frame)
+        self._wake.set()
+
+    def _post_error(self, number: int, err: MeshError) -> None:
+        status = to_status(err).SerializeToString()
+        self._post(inference_pb2.GenerationFrame(generation_id=number, error=status))

@@ -1,0 +1,201 @@
+"""Generations on one replica over one long-lived stream (Inference.Multiplex).
+
+The stream opens on first use and again after it ends; with nothing running for
+``idle_close_s`` the router closes it (a proxy on the way would reset a stream idle for
+long). Each generation is a number on the stream: its start and its cancellation are
+messages the one writer sends (controls that come together go in one message), and the
+one reader hands each frame to its generation's queue. A generation takes at most
+``window`` responses ahead of its reader, and gives credit back as it reads, so one slow
+client holds back only its own generation. If the stream breaks, every generation on it
+fails as a broken call would (the dispatcher retries or resumes them elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+
+from llmmesh.runtime import tracing
+from llmmesh.runtime.errors import MeshError, Unavailable
+from llmmesh.runtime.grpc_status import from_rpc_error, from_status
+from llmmesh.types import Chunk, InferenceCall
+from llmmesh.v1 import inference_pb2, inference_pb2_grpc
+from services.router.upstreams import ChunkReader, ReplicaClient, inference_request
+
+log = logging.getLogger(__name__)
+
+UPSTREAM = "inference replica"
+Metadata = tuple[tuple[str, str], ...]
+Frame = inference_pb2.GenerationFrame | MeshError
+
+
+class _Stream:
+    """One open Multiplex call: its writer, its reader, and the generations on it."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub, metadata: Metadata, where: str):
+        self._call: Any = stub.Multiplex(metadata=metadata)  # type: ignore[call-arg]
+        self._where = where
+        self._controls: list[inference_pb2.GenerationControl] = []
+        self._wake = asyncio.Event()
+        self.queues: dict[int, asyncio.Queue[Frame]] = {}
+        self.closing = False  # no new generation here: it is being closed, or it broke
+        self.unsupported = False
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+        self.done: asyncio.Future[None] = self._reader
+
+    def send(self, control: inference_pb2.GenerationControl) -> None:
+        self._controls.append(control)
+        self._wake.set()
+
+    def close(self) -> None:
+        """Half-closes: the replica ends the stream once nothing runs on it."""
+        self.closing = True
+        self._wake.set()
+
+    async def abort(self) -> None:
+        self.closing = True
+        self._call.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+    async def _write(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            while True:
+                if self._controls:
+                    controls, self._controls = self._controls, []
+                    await self._call.write(inference_pb2.MultiplexRequest(controls=controls))
+                elif self.closing:
+                    await self._call.done_writing()
+                    return
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+
+    async def _read(self) -> None:
+        ended: MeshError = Unavailable(f"{UPSTREAM} ended the stream")
+        try:
+            async for message in self._call:
+                for frame in message.frames:
+                    queue = self.queues.get(frame.generation_id)
+                    if queue is not None:  # else: frames that crossed its cancellation
+                        queue.put_nowait(frame)
+        except grpc.aio.AioRpcError as err:
+            self.unsupported = err.code() == grpc.StatusCode.UNIMPLEMENTED
+            ended = from_rpc_error(err, UPSTREAM, self._where)
+        finally:
+            self.closing = True
+            self._wake.set()  # the writer ends too
+            for queue in self.queues.values():
+                queue.put_nowait(ended)
+
+
+class GenerationMux:
+    """One replica's generations over one Multiplex stream at a time; a replica that does
+    not serve Multiplex (an older version) is called per generation instead."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        address: str,
+        metadata: Metadata = (),
+        *,
+        window: int = 64,
+        idle_close_s: float = 30.0,
+    ) -> None:
+        self._stub = inference_pb2_grpc.InferenceStub(channel)
+        self._per_call = ReplicaClient(channel, address, metadata)
+        self._address = address
+        self._metadata = metadata
+        self._window = window
+        self._idle_close_s = idle_close_s
+        self._stream: _Stream | None = None
+        self._streams: set[_Stream] = set()  # the current one, and closing ones
+        self._ids = itertools.count(1)
+        self._idle: asyncio.TimerHandle | None = None
+        self.supported = True
+
+    def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
+        """As ReplicaClient.generate: chunks with per-chunk token counts; closing it early
+        cancels the generation; Unavailable if the replica fails, or its own refusal."""
+        if self.supported:
+            return self._multiplexed(call)
+        return self._per_call.generate(call)
+
+    async def _multiplexed(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
+        stream = self._open()
+        number = next(self._ids)
+        queue: asyncio.Queue[Frame] = asyncio.Queue()
+        stream.queues[number] = queue
+        start = inference_pb2.StartGeneration(
+            request=inference_request(call),
+            window=self._window,
+            trace_context=dict(tracing.outgoing()),
+        )
+        stream.send(inference_pb2.GenerationControl(generation_id=number, start=start))
+        reader, unread, finished = ChunkReader(), 0, False
+        try:
+            while not finished:
+                frame = await queue.get()
+                if isinstance(frame, MeshError):
+                    finished = True
+                    if not stream.unsupported:
+                        raise frame
+                    break  # nothing came of it: the call per generation below
+                if frame.HasField("error"):
+                    finished = True
+                    raise from_status(frame.error, UPSTREAM, self._address)
+                chunk = reader.chunk(frame.response)
+                finished = chunk.finish_reason is not None
+                unread += 1
+                if self._window and unread >= self._window // 2 and not finished:
+                    credit = inference_pb2.GenerationControl(generation_id=number, credit=unread)
+                    stream.send(credit)
+                    unread = 0
+                yield chunk
+        finally:
+            del stream.queues[number]
+            if not finished and not stream.closing:  # cut short: the replica must stop it
+                stream.send(inference_pb2.GenerationControl(generation_id=number, cancel=True))
+            self._idle_when_empty(stream)
+        if stream.unsupported:
+            if self.supported:
+                self.supported = False
+                log.info(
+                    "replica has no Multiplex: a call per generation",
+                    extra={"fields": {"replica": self._address}},
+                )
+            async for chunk in self._per_call.generate(call):
+                yield chunk
+
+    async def close(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._stream = None
+        await asyncio.gather(*(stream.abort() for stream in list(self._streams)))
+
+    def _open(self) -> _Stream:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._stream is None or self._stream.closing:
+            stream = _Stream(self._stub, self._metadata, self._address)
+            self._streams.add(stream)
+            stream.done.add_done_callback(lambda _: self._streams.discard(stream))
+            self._stream = stream
+        return self._stream
+
+    def _idle_when_empty(self, stream: _Stream) -> None:
+        if stream is self._stream and not stream.queues and not stream.closing:
+            loop = asyncio.get_running_loop()
+            self._idle = loop.call_later(self._idle_close_s, self._close_if_idle, stream)
+
+    def _close_if_idle(self, stream: _Stream) -> None:
+        if stream is self._stream and not stream.queues:
+            stream.close()
+            self._stream = None

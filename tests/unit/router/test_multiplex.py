@@ -1,0 +1,277 @@
+"""Generations over one Multiplex stream per replica: the router's GenerationMux against
+the inference service's real servicer on a real grpc.aio server (loopback, ephemeral
+port), over a scripted engine in this process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from llmmesh.runtime.errors import InvalidArgument, Unavailable
+from llmmesh.runtime.registration import add_servicer
+from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
+from llmmesh.v1 import inference_pb2
+from services.inference.core import InferenceCore
+from services.inference.load import LoadMonitor
+from services.inference.server import SERVICE, InferenceServicer
+from services.router.multiplex import GenerationMux
+from services.router.upstreams import ReplicaClient
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+class Progress:
+    """Lets a test wait for another task's progress: every change bumps it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def bump(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._event.wait()
+
+
+@dataclass
+class ScriptedEngine:
+    """Generates ``max_tokens`` letters, one per chunk; a prompt starting with "wait"
+    pauses after each chunk until ``go`` is set. Counts what it produced and which
+    generations ended early."""
+
+    produced: dict[str, int] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: Progress = field(default_factory=Progress)
+
+    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+        self.produced[call.prompt] = 0
+        finished = False
+        try:
+            total = call.sampling.max_tokens
+            for i in range(total):
+                await asyncio.sleep(0)  # a real engine's chunks are never ready at once
+                if call.prompt.startswith("wait") and i:
+                    await self.go.wait()
+                self.produced[call.prompt] += 1
+                self.progress.bump()
+                last = FinishReason.LENGTH if i == total - 1 else None
+                finished = last is not None
+                yield Chunk(ALPHABET[(len(call.prompt) + i) % 26], 1, last)
+        finally:
+            if not finished:
+                self.cancelled.add(call.prompt)
+            self.progress.bump()
+
+    async def describe(self, model: str) -> ModelCard:
+        return ModelCard(model, 2048)
+
+
+async def _no_engine_page() -> str:
+    return ""
+
+
+class CountingServicer(InferenceServicer):
+    def __init__(self, core: InferenceCore, progress: Progress) -> None:
+        super().__init__(core, LoadMonitor(_no_engine_page, lambda: 0, core.latency), "test")
+        self._progress = progress
+        self.streams = 0  # Multiplex calls opened
+        self.open_streams = 0
+
+    async def Multiplex(  # noqa: N802 (gRPC method name)
+        self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: Any
+    ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        self.streams += 1
+        self.open_streams += 1
+        try:
+            async for message in super().Multiplex(requests, context):
+                yield message
+        finally:
+            self.open_streams -= 1
+            self._progress.bump()
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A replica's servicer and engine, and the router's ways to call it."""
+
+    mux: GenerationMux
+    per_call: ReplicaClient
+    servicer: CountingServicer
+    engine: ScriptedEngine
+
+
+Scenario = Callable[[Replica], Awaitable[None]]
+
+
+def run(scenario: Scenario, *, window: int = 64, idle_close_s: float = 30.0) -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        servicer = CountingServicer(InferenceCore(engine, max_tokens_limit=512), engine.progress)
+        server = grpc.aio.server()
+        add_servicer(server, servicer, SERVICE)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = GenerationMux(channel, "test", window=window, idle_close_s=idle_close_s)
+        replica = Replica(mux, ReplicaClient(channel, "test"), servicer, engine)
+        try:
+            await asyncio.wait_for(scenario(replica), 30)
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def call(prompt: str, max_tokens: int = 8, request_id: str = "r") -> InferenceCall:
+    return InferenceCall(request_id, "llm", prompt, Sampling(max_tokens=max_tokens))
+
+
+async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
+    return [chunk async for chunk in chunks]
+
+
+def test_concurrent_generations_share_one_stream_and_match_generate() -> None:
+    async def scenario(replica: Replica) -> None:
+        prompts = [f"prompt {'x' * i}" for i in range(12)]
+        muxed = await asyncio.gather(*(collect(replica.mux.generate(call(p))) for p in prompts))
+        for prompt, chunks in zip(prompts, muxed, strict=True):
+            assert chunks == await collect(replica.per_call.generate(call(prompt)))
+            assert [c.num_tokens for c in chunks] == [1] * 8
+            assert chunks[-1].finish_reason is FinishReason.LENGTH
+        assert replica.servicer.streams == 1
+
+    run(scenario)
+
+
+def test_a_generation_cut_short_is_cancelled_in_the_engine_and_no_other() -> None:
+    async def scenario(replica: Replica) -> None:
+        mux, engine = replica.mux, replica.engine
+        stopped = mux.generate(call("wait, then stop", max_tokens=50))
+        assert (await anext(stopped)).text
+        other = asyncio.ensure_future(collect(mux.generate(call("runs to its end"))))
+        await stopped.aclose()
+        await engine.progress.until(lambda: "wait, then stop" in engine.cancelled)
+        assert len(await other) == 8
+        assert engine.cancelled == {"wait, then stop"}
+        assert engine.produced["wait, then stop"] <= 2
+
+    run(scenario)
+
+
+def test_a_refusal_names_the_field_and_leaves_the_stream_serving() -> None:
+    async def scenario(replica: Replica) -> None:
+        mux, servicer = replica.mux, replica.servicer
+        bad = InferenceCall("r", "llm", "hi", Sampling(max_tokens=8), priority=-1)
+        with pytest.raises(InvalidArgument) as refused:
+            await collect(mux.generate(bad))
+        assert refused.value.field == "priority"
+        assert len(await collect(mux.generate(call("after it")))) == 8
+        assert servicer.streams == 1
+
+    run(scenario)
+
+
+def test_a_slow_reader_holds_back_only_its_own_generation() -> None:
+    async def scenario(replica: Replica) -> None:
+        mux, engine = replica.mux, replica.engine
+        engine.go.set()
+        unread = mux.generate(call("slow reader", max_tokens=200))
+        await anext(unread)  # then reads nothing more for a while
+        # The window's 4 responses sent, the 5th made and waiting for credit.
+        await engine.progress.until(lambda: engine.produced["slow reader"] == 5)
+        done = await collect(mux.generate(call("reads all", max_tokens=200)))
+        assert len(done) == 200
+        assert engine.produced["slow reader"] == 5  # held back all the while
+        rest = await collect(unread)
+        assert len(rest) == 199
+
+    run(scenario, window=4)
+
+
+def test_a_draining_replica_ends_its_stream_after_its_last_generation() -> None:
+    async def scenario(replica: Replica) -> None:
+        mux, servicer, engine = replica.mux, replica.servicer, replica.engine
+        running = mux.generate(call("wait for the drain", max_tokens=4))
+        assert (await anext(running)).text
+        servicer.drain()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await collect(mux.generate(call("too late")))
+        engine.go.set()
+        assert len(await collect(running)) == 3  # the running one ends whole
+        await engine.progress.until(lambda: servicer.open_streams == 0)
+
+    run(scenario)
+
+
+def test_an_idle_stream_is_closed_and_a_new_one_opened_on_demand() -> None:
+    async def scenario(replica: Replica) -> None:
+        mux, servicer = replica.mux, replica.servicer
+        assert len(await collect(mux.generate(call("first")))) == 8
+        await replica.engine.progress.until(lambda: servicer.open_streams == 0)
+        assert len(await collect(mux.generate(call("second")))) == 8
+        assert servicer.streams == 2
+
+    run(scenario, idle_close_s=0.05)
+
+
+def test_a_replica_without_multiplex_is_called_per_generation() -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        servicer = CountingServicer(InferenceCore(engine, max_tokens_limit=512), engine.progress)
+        generate_only = grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=inference_pb2.InferenceRequest.FromString,
+            response_serializer=inference_pb2.InferenceResponse.SerializeToString,
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE.full_name, {"Generate": generate_only}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = GenerationMux(channel, "old")
+        try:
+            first = await collect(mux.generate(call("one")))
+            second = await collect(mux.generate(call("two")))
+            assert len(first) == len(second) == 8
+            assert not mux.supported
+        finally:
+            await mux.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_broken_stream_fails_its_generations_as_unavailable() -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        servicer = CountingServicer(InferenceCore(engine, max_tokens_limit=512), engine.progress)
+        server = grpc.aio.server()
+        add_servicer(server, servicer, SERVICE)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = GenerationMux(channel, "gone")
+        try:
+            stream = mux.generate(call("wait forever", max_tokens=8))
+            assert (await anext(stream)).text
+            await server.stop(0)  # the replica's process goes away
+            with pytest.raises(Unavailable):
+                await collect(stream)
+        finally:
+            await mux.close()
+            await channel.close()
+
+    asyncio.run(main())
