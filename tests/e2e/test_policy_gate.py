@@ -183,6 +183,19 @@ class RecordingReplica:
                 self._owner.prompts.append(request.prompt)
             yield from self._owner._stub.Generate(request, timeout=60)
 
+        def Multiplex(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
+            def recorded() -> Iterator[Any]:
+                for request in requests:
+                    with self._owner._lock:
+                        self._owner.prompts += [
+                            c.start.request.prompt for c in request.controls if c.HasField("start")
+                        ]
+                    yield request
+
+            replies = self._owner._stub.Multiplex(recorded())
+            context.add_callback(replies.cancel)
+            yield from replies
+
         def DescribeModel(self, request: Any, context: Any) -> Any:  # noqa: N802
             return self._owner._stub.DescribeModel(request, timeout=30)
 
