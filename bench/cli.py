@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import signal
 import sys
@@ -19,6 +20,7 @@ from bench.admission import admission_fleet
 from bench.admission import compare as admission_compare
 from bench.admission import plot as plot_admission
 from bench.context import run as run_context
+from bench.cpu import PLACEMENTS, CpuMeter, CpuSpent, place
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
 from bench.plots import write_plots
@@ -26,6 +28,7 @@ from bench.policy import run as run_policy
 from bench.report import (
     Run,
     comparison_table,
+    cpu_table,
     results_table,
     scaling_table,
     update_markdown,
@@ -181,6 +184,15 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--markdown", type=Path, help="update this Markdown file's section")
     bench.add_argument("--section", default="baseline")
     bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="shared",
+        help="with --start-stack: shared (every process on every CPU) or pinned (Triton and "
+        "its model processes on the last CPU, the mesh and the load generator on the "
+        "others, as on a GPU host); either way each process group's CPU per request is "
+        "reported",
+    )
     bench.set_defaults(func=run)
 
 
@@ -218,18 +230,35 @@ def run(args: argparse.Namespace) -> int:
                 args.triton = stack.address("triton_grpc")
                 args.openai_url = stack.openai_base_url
                 args.api_key = stack.api_key
-                return _measure_and_report(args)
+                return _measure_and_report(args, _stack_meter(stack, args.placement))
     return _measure_and_report(args)
 
 
-def _measure_and_report(args: argparse.Namespace) -> int:
+def _stack_meter(stack: Any, placement: str) -> CpuMeter:
+    """The stack's processes in CPU groups, placed as asked."""
+    pids = stack.pids()
+    groups: dict[str, list[int]] = {"load generator": [os.getpid()]}
+    for name, pid in pids.items():
+        groups.setdefault("inference" if name.startswith("inference") else name, []).append(pid)
+    engine = groups["triton"]
+    mesh = [pid for name, group in groups.items() if name != "triton" for pid in group]
+    print(place(placement, engine, mesh), file=sys.stderr)
+    return CpuMeter(groups)
+
+
+def _measure_and_report(args: argparse.Namespace, meter: CpuMeter | None = None) -> int:
     if args.scenario != "load":
         return _scenario(args)
-    runs = asyncio.run(_run_all(args))
+    runs = asyncio.run(_run_all(args, meter=meter))
     write_json(args.out, _command(), _config(args), runs)
     plots = write_plots(runs, args.out.with_suffix(""))
     print(results_table(runs))
     comparison = _comparisons(args, runs)
+    cpu = cpu_table(runs)
+    if cpu:
+        comparison = (
+            f"{comparison}\n\nCPU beyond each process's idle rate ({args.placement}):\n\n{cpu}"
+        )
     if comparison:
         print("\n" + comparison)
     figures = ""
@@ -682,7 +711,9 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None) -> list[Run]:
+async def _run_all(
+    args: argparse.Namespace, targets: list[Target] | None = None, meter: CpuMeter | None = None
+) -> list[Run]:
     spec = _workload(args)
     slo = Slo(
         ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
@@ -696,6 +727,8 @@ async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None
     targets = targets or _targets(args)
     order = {target.name: i for i, target in enumerate(targets)}
     pooled: dict[tuple[int, str], Measurement] = {}
+    spent: dict[tuple[int, str], CpuSpent] = {}
+    idle = meter.idle() if meter is not None else None
     try:
         for round_index in range(args.rounds):
             for index, shape in enumerate(shapes):
@@ -705,10 +738,14 @@ async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None
                     # Same lengths and words for every target, but a fresh salt: the
                     # engine's prefix cache must not favour whichever target runs second.
                     requests = make_requests(replace(spec, salt=new_salt()))
+                    before = meter.sample() if meter is not None else None
                     measured = await run_load(
                         target, requests, shape, warmup=args.warmup, progress=not args.no_progress
                     )
                     key = (index, target.name)
+                    if meter is not None and before is not None and idle is not None:
+                        cost = meter.sample().minus(before).beyond(idle)
+                        spent[key] = spent[key].plus(cost) if key in spent else cost
                     if key in pooled:
                         pooled[key].add(measured)
                     else:
@@ -723,6 +760,7 @@ async def _run_all(args: argparse.Namespace, targets: list[Target] | None = None
             shapes[index].concurrency,
             measured.summary(slo),
             measured.records,
+            spent.get((index, name)),
         )
         for (index, name), measured in sorted(
             pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cpu import CpuSpent
 from bench.metrics import RequestRecord, Summary
 
 
@@ -20,6 +21,12 @@ class Run:
     concurrency: int | None
     summary: Summary
     records: list[RequestRecord] = field(default_factory=list)  # for the plots
+    cpu: CpuSpent | None = None  # each process group's CPU beyond its idle rate
+
+    @property
+    def responses(self) -> int:
+        """Responses with text the client received."""
+        return sum(len(r.chunk_times) for r in self.records if r.ok)
 
 
 def write_json(path: Path, command: str, config: dict[str, Any], runs: list[Run]) -> None:
@@ -81,6 +88,42 @@ def comparison_table(runs: list[Run], baseline: str, candidate: str) -> str:
             ratio = f"{cand.output_tokens_per_s / base_rate:.3f}" if base_rate else "n/a"
             lines.append(f"| {load} | {added:+.2f} | {ratio} |")
     return "\n".join(lines)
+
+
+# The mesh's own processes: what a request costs beyond the engine's work.
+MESH_GROUPS = ("router", "inference", "policy", "context")
+
+
+def cpu_table(runs: list[Run]) -> str:
+    """Per load and target: each process group's CPU per request (beyond its idle rate),
+    and the mesh's per request and per relayed response."""
+    measured = [r for r in runs if r.cpu is not None]
+    if not measured:
+        return ""
+    groups = sorted({g for r in measured if r.cpu for g in r.cpu.seconds}, key=_group_order)
+    lines = [
+        "| load | target | requests | responses | "
+        + " | ".join(f"{g} ms/req" for g in groups)
+        + " | mesh ms/req | mesh µs/response |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in groups) + " | --- | --- |",
+    ]
+    for run in measured:
+        assert run.cpu is not None
+        done = max(run.summary.requests - run.summary.failed, 1)
+        per_request = [run.cpu.seconds.get(g, 0.0) * 1000 / done for g in groups]
+        mesh = sum(run.cpu.seconds.get(g, 0.0) for g in MESH_GROUPS)
+        per_response = mesh * 1e6 / max(run.responses, 1)
+        lines.append(
+            f"| {run.load} | {run.target} | {done} | {run.responses} | "
+            + " | ".join(f"{v:.2f}" for v in per_request)
+            + f" | {mesh * 1000 / done:.2f} | {per_response:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _group_order(name: str) -> tuple[int, str]:
+    order = (*MESH_GROUPS, "triton", "load generator")
+    return (order.index(name) if name in order else len(order), name)
 
 
 def scaling_table(runs: list[Run]) -> str:

@@ -1,0 +1,139 @@
+"""What each process of a run costs in CPU, read from /proc, and where processes run.
+
+A process's CPU time is its threads' user and system time (/proc/<pid>/stat), summed over
+the process and its descendants (Triton's model processes are its children). A
+benchmark samples every group before and after each measured run; the cost per request
+is the run's CPU less what the group spends idle in as long (load reports, metric polls),
+divided by the requests served.
+
+Placement: ``pinned`` puts Triton and its model processes on the last CPU and everything
+else (the mesh's services, Redis, the load generator) on the others, as on a GPU host
+where the engine does not compete with the mesh for CPU; ``shared`` leaves the scheduler
+to place them (the default).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PLACEMENTS = ("shared", "pinned")
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it, as /proc lists their children now."""
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        for task in _tasks(current):
+            try:
+                children = Path(f"/proc/{current}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            stack.extend(int(child) for child in children)
+    return found
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(task) for task in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system time of every thread of ``pid`` so far (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    at: float  # time.monotonic()
+    seconds: Mapping[str, float]  # group -> CPU seconds so far
+
+    def minus(self, earlier: CpuSample) -> CpuSpent:
+        return CpuSpent(
+            self.at - earlier.at,
+            {name: value - earlier.seconds.get(name, 0.0) for name, value in self.seconds.items()},
+        )
+
+
+@dataclass(frozen=True)
+class CpuSpent:
+    wall_s: float
+    seconds: Mapping[str, float]  # group -> CPU seconds over wall_s
+
+    def plus(self, other: CpuSpent) -> CpuSpent:
+        names = set(self.seconds) | set(other.seconds)
+        return CpuSpent(
+            self.wall_s + other.wall_s,
+            {n: self.seconds.get(n, 0.0) + other.seconds.get(n, 0.0) for n in names},
+        )
+
+    def beyond(self, idle: CpuSpent) -> CpuSpent:
+        """What this run spent beyond the groups' idle rate over as long."""
+        rates = {n: s / idle.wall_s for n, s in idle.seconds.items()} if idle.wall_s else {}
+        return CpuSpent(
+            self.wall_s,
+            {n: max(s - rates.get(n, 0.0) * self.wall_s, 0.0) for n, s in self.seconds.items()},
+        )
+
+
+class CpuMeter:
+    """Samples named groups of processes, each a root process and its descendants."""
+
+    def __init__(self, roots: Mapping[str, Iterable[int]]) -> None:
+        self._roots = {name: tuple(pids) for name, pids in roots.items()}
+
+    def sample(self) -> CpuSample:
+        return CpuSample(
+            time.monotonic(),
+            {
+                name: sum(cpu_seconds(p) for root in roots for p in descendants(root))
+                for name, roots in self._roots.items()
+            },
+        )
+
+    def idle(self, seconds: float = 3.0) -> CpuSpent:
+        """What the groups spend with no request in flight (measured over ``seconds``)."""
+        before = self.sample()
+        time.sleep(seconds)  # the measuring window itself
+        return self.sample().minus(before)
+
+
+def pin(pids: Iterable[int], cpus: set[int]) -> None:
+    """Every thread of every process under ``pids`` onto ``cpus``; threads and processes
+    they start later inherit it."""
+    for root in pids:
+        for pid in descendants(root):
+            for task in _tasks(pid):
+                try:
+                    os.sched_setaffinity(task, cpus)
+                except OSError:  # gone meanwhile
+                    continue
+
+
+def place(placement: str, engine: Iterable[int], mesh: Iterable[int]) -> str:
+    """Applies ``placement``; says where each side runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "shared":
+        return f"shared: every process on CPUs {cpus}"
+    if len(cpus) < 2:
+        raise SystemExit("--placement pinned needs at least two CPUs")
+    engine_cpus, mesh_cpus = set(cpus[-1:]), set(cpus[:-1])
+    pin(engine, engine_cpus)
+    pin([*mesh, os.getpid()], mesh_cpus)
+    return (
+        f"pinned: Triton and its model processes on CPU {sorted(engine_cpus)}, the mesh "
+        f"and the load generator on CPUs {sorted(mesh_cpus)}"
+    )

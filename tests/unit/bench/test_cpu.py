@@ -1,0 +1,84 @@
+"""CPU accounting from /proc and process placement (bench/cpu.py), on real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from bench.cpu import CpuMeter, CpuSpent, cpu_seconds, descendants, pin
+from bench.metrics import RequestRecord, Slo, summarize
+from bench.report import Run, cpu_table
+from tests.conftest import wait_for
+
+# A parent that starts a child which burns CPU until told to stop (a line on stdin).
+FAMILY = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import sys, threading\\n"
+    "stop = threading.Event()\\n"
+    "threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()\\n"
+    "print('burning', flush=True)\\n"
+    "while not stop.is_set(): sum(range(1000))\\n"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), child.pid, flush=True)
+sys.stdin.readline()
+child.stdin.write("stop\\n"); child.stdin.flush(); child.wait()
+"""
+
+
+@pytest.fixture
+def family() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", FAMILY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None and parent.stdin is not None
+    said, child = parent.stdout.readline().split()
+    assert said == "burning"
+    try:
+        yield parent, int(child)
+    finally:
+        parent.stdin.write("stop\n")
+        parent.stdin.flush()
+        parent.wait(10)
+
+
+def test_a_group_counts_its_descendants_cpu(family: tuple[subprocess.Popen[str], int]) -> None:
+    parent, child = family
+    assert child in descendants(parent.pid)
+    meter = CpuMeter({"family": [parent.pid]})
+    first = meter.sample()
+    wait_for(lambda: cpu_seconds(child) > first.seconds["family"] + 0.2, 30, "the child's CPU")
+    spent = meter.sample().minus(first)
+    assert spent.seconds["family"] >= 0.2
+    assert spent.wall_s > 0
+
+
+def test_pinning_moves_every_thread_of_every_descendant(
+    family: tuple[subprocess.Popen[str], int],
+) -> None:
+    parent, child = family
+    cpus = sorted(os.sched_getaffinity(0))
+    pin([parent.pid], {cpus[-1]})
+    for task in os.listdir(f"/proc/{child}/task"):
+        assert os.sched_getaffinity(int(task)) == {cpus[-1]}
+
+
+def test_cost_beyond_idle_and_per_request() -> None:
+    idle = CpuSpent(2.0, {"router": 0.02, "triton": 0.2})
+    run = CpuSpent(4.0, {"router": 1.04, "triton": 0.3})
+    beyond = run.beyond(idle)
+    assert beyond.seconds == pytest.approx({"router": 1.0, "triton": 0.0})
+    records = [RequestRecord(sent_at=0.0, first_token_at=0.01, finished_at=0.1) for _ in range(4)]
+    for record in records:
+        record.chunk_times = [0.01, 0.02]
+        record.output_tokens = 2
+    summary = summarize(records, 4.0, Slo())
+    table = cpu_table([Run("router", "concurrency 1", 1, summary, records, beyond)])
+    row = table.splitlines()[-1]
+    # 1 s of router CPU over 4 requests and 8 responses: 250 ms each, 125,000 µs each.
+    assert row.startswith("| concurrency 1 | router | 4 | 8 | 250.00 |")
+    assert row.endswith("| 250.00 | 125000 |")
