@@ -35,6 +35,37 @@ Metadata = tuple[tuple[str, str], ...]
 Frame = inference_pb2.GenerationFrame | MeshError
 
 
+class _Inbox:
+    """A generation's frames as they arrive, taken all at once by its reader."""
+
+    __slots__ = ("_frames", "_ready")
+
+    def __init__(self) -> None:
+        self._frames: list[Frame] = []
+        self._ready = asyncio.Event()
+
+    def put(self, frame: Frame) -> None:
+        self._frames.append(frame)
+        self._ready.set()
+
+    async def take(self) -> list[Frame]:
+        if not self._frames:
+            self._ready.clear()
+            await self._ready.wait()
+        frames, self._frames = self._frames, []
+        return frames
+
+
+def _until_end(frames: list[Frame]) -> tuple[list[inference_pb2.InferenceResponse], Frame | None]:
+    """The responses among ``frames``, and the frame that ends the generation, if any."""
+    replies: list[inference_pb2.InferenceResponse] = []
+    for frame in frames:
+        if isinstance(frame, MeshError) or frame.HasField("error"):
+            return replies, frame
+        replies.append(frame.response)
+    return replies, None
+
+
 class _Stream:
     """One open Multiplex call: its writer, its reader, and the generations on it."""
 
@@ -43,7 +74,7 @@ class _Stream:
         self._where = where
         self._controls: list[inference_pb2.GenerationControl] = []
         self._wake = asyncio.Event()
-        self.queues: dict[int, asyncio.Queue[Frame]] = {}
+        self.inboxes: dict[int, _Inbox] = {}
         self.closing = False  # no new generation here: it is being closed, or it broke
         self.unsupported = False
         self._writer = asyncio.ensure_future(self._write())
@@ -82,17 +113,17 @@ class _Stream:
         try:
             async for message in self._call:
                 for frame in message.frames:
-                    queue = self.queues.get(frame.generation_id)
-                    if queue is not None:  # else: frames that crossed its cancellation
-                        queue.put_nowait(frame)
+                    inbox = self.inboxes.get(frame.generation_id)
+                    if inbox is not None:  # else: frames that crossed its cancellation
+                        inbox.put(frame)
         except grpc.aio.AioRpcError as err:
             self.unsupported = err.code() == grpc.StatusCode.UNIMPLEMENTED
             ended = from_rpc_error(err, UPSTREAM, self._where)
         finally:
             self.closing = True
             self._wake.set()  # the writer ends too
-            for queue in self.queues.values():
-                queue.put_nowait(ended)
+            for inbox in self.inboxes.values():
+                inbox.put(ended)
 
 
 class GenerationMux:
@@ -130,8 +161,7 @@ class GenerationMux:
     async def _multiplexed(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         stream = self._open()
         number = next(self._ids)
-        queue: asyncio.Queue[Frame] = asyncio.Queue()
-        stream.queues[number] = queue
+        inbox = stream.inboxes[number] = _Inbox()
         start = inference_pb2.StartGeneration(
             request=inference_request(call),
             window=self._window,
@@ -141,25 +171,27 @@ class GenerationMux:
         reader, unread, finished = ChunkReader(), 0, False
         try:
             while not finished:
-                frame = await queue.get()
-                if isinstance(frame, MeshError):
-                    finished = True
-                    if not stream.unsupported:
-                        raise frame
-                    break  # nothing came of it: the call per generation below
-                if frame.HasField("error"):
-                    finished = True
-                    raise from_status(frame.error, UPSTREAM, self._address)
-                chunk = reader.chunk(frame.response)
-                finished = chunk.finish_reason is not None
-                unread += 1
-                if self._window and unread >= self._window // 2 and not finished:
-                    credit = inference_pb2.GenerationControl(generation_id=number, credit=unread)
-                    stream.send(credit)
-                    unread = 0
-                yield chunk
+                replies, end = _until_end(await inbox.take())
+                if replies:
+                    chunk = reader.merged(replies)
+                    finished = chunk.finish_reason is not None
+                    unread += len(replies)
+                    if self._window and unread >= self._window // 2 and not finished:
+                        stream.send(
+                            inference_pb2.GenerationControl(generation_id=number, credit=unread)
+                        )
+                        unread = 0
+                    yield chunk
+                if end is None or finished:
+                    continue
+                finished = True
+                if not isinstance(end, MeshError):
+                    raise from_status(end.error, UPSTREAM, self._address)
+                if not stream.unsupported:
+                    raise end
+                break  # nothing came of it: the call per generation below
         finally:
-            del stream.queues[number]
+            del stream.inboxes[number]
             if not finished and not stream.closing:  # cut short: the replica must stop it
                 stream.send(inference_pb2.GenerationControl(generation_id=number, cancel=True))
             self._idle_when_empty(stream)
@@ -191,11 +223,11 @@ class GenerationMux:
         return self._stream
 
     def _idle_when_empty(self, stream: _Stream) -> None:
-        if stream is self._stream and not stream.queues and not stream.closing:
+        if stream is self._stream and not stream.inboxes and not stream.closing:
             loop = asyncio.get_running_loop()
             self._idle = loop.call_later(self._idle_close_s, self._close_if_idle, stream)
 
     def _close_if_idle(self, stream: _Stream) -> None:
-        if stream is self._stream and not stream.queues:
+        if stream is self._stream and not stream.inboxes:
             stream.close()
             self._stream = None

@@ -424,6 +424,22 @@ class ChunkReader:
         self._seen = reply.num_output_tokens
         return chunk
 
+    def merged(self, replies: Sequence[inference_pb2.InferenceResponse]) -> Chunk:
+        """Responses that arrived together as one chunk: what a relay that fell behind
+        sends on in one message (nothing waits for them: they are there already)."""
+        if len(replies) == 1:
+            return self.chunk(replies[0])
+        last = replies[-1]
+        chunk = Chunk(
+            text="".join(r.text for r in replies),
+            num_tokens=last.num_output_tokens - self._seen,
+            finish_reason=finish_reason_from_pb(last.finish_reason),
+            logprobs=tuple(lp for r in replies for lp in logprobs_from_pb(r.logprobs)),
+            cached_tokens=sum(r.cached_tokens for r in replies),
+        )
+        self._seen = last.num_output_tokens
+        return chunk
+
 
 class ReplicaClient:
     """One inference replica's Generate: a call per generation."""

@@ -15,12 +15,12 @@ import pytest
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
-from llmmesh.v1 import inference_pb2
+from llmmesh.v1 import common_pb2, inference_pb2
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE, InferenceServicer
 from services.router.multiplex import GenerationMux
-from services.router.upstreams import ReplicaClient
+from services.router.upstreams import ChunkReader, ReplicaClient
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 
@@ -140,14 +140,28 @@ async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
     return [chunk async for chunk in chunks]
 
 
+async def tokens(chunks: AsyncIterator[Chunk]) -> int:
+    """The tokens of a whole generation (responses that arrive together come as one chunk)."""
+    return sum(chunk.num_tokens for chunk in await collect(chunks))
+
+
+def whole(chunks: list[Chunk]) -> tuple[str, int, FinishReason | None]:
+    return (
+        "".join(c.text for c in chunks),
+        sum(c.num_tokens for c in chunks),
+        chunks[-1].finish_reason,
+    )
+
+
 def test_concurrent_generations_share_one_stream_and_match_generate() -> None:
     async def scenario(replica: Replica) -> None:
         prompts = [f"prompt {'x' * i}" for i in range(12)]
         muxed = await asyncio.gather(*(collect(replica.mux.generate(call(p))) for p in prompts))
         for prompt, chunks in zip(prompts, muxed, strict=True):
-            assert chunks == await collect(replica.per_call.generate(call(prompt)))
-            assert [c.num_tokens for c in chunks] == [1] * 8
-            assert chunks[-1].finish_reason is FinishReason.LENGTH
+            per_call = await collect(replica.per_call.generate(call(prompt)))
+            assert whole(chunks) == whole(per_call)
+            assert whole(chunks)[1:] == (8, FinishReason.LENGTH)
+            assert all(c.text for c in chunks)
         assert replica.servicer.streams == 1
 
     run(scenario)
@@ -161,7 +175,7 @@ def test_a_generation_cut_short_is_cancelled_in_the_engine_and_no_other() -> Non
         other = asyncio.ensure_future(collect(mux.generate(call("runs to its end"))))
         await stopped.aclose()
         await engine.progress.until(lambda: "wait, then stop" in engine.cancelled)
-        assert len(await other) == 8
+        assert whole(await other)[1] == 8
         assert engine.cancelled == {"wait, then stop"}
         assert engine.produced["wait, then stop"] <= 2
 
@@ -175,7 +189,7 @@ def test_a_refusal_names_the_field_and_leaves_the_stream_serving() -> None:
         with pytest.raises(InvalidArgument) as refused:
             await collect(mux.generate(bad))
         assert refused.value.field == "priority"
-        assert len(await collect(mux.generate(call("after it")))) == 8
+        assert await tokens(mux.generate(call("after it"))) == 8
         assert servicer.streams == 1
 
     run(scenario)
@@ -190,10 +204,10 @@ def test_a_slow_reader_holds_back_only_its_own_generation() -> None:
         # The window's 4 responses sent, the 5th made and waiting for credit.
         await engine.progress.until(lambda: engine.produced["slow reader"] == 5)
         done = await collect(mux.generate(call("reads all", max_tokens=200)))
-        assert len(done) == 200
+        assert whole(done)[1] == 200
         assert engine.produced["slow reader"] == 5  # held back all the while
         rest = await collect(unread)
-        assert len(rest) == 199
+        assert whole(rest)[1] == 199
 
     run(scenario, window=4)
 
@@ -207,7 +221,7 @@ def test_a_draining_replica_ends_its_stream_after_its_last_generation() -> None:
         with pytest.raises(Unavailable, match="shutting down"):
             await collect(mux.generate(call("too late")))
         engine.go.set()
-        assert len(await collect(running)) == 3  # the running one ends whole
+        assert await tokens(running) == 3  # the running one ends whole
         await engine.progress.until(lambda: servicer.open_streams == 0)
 
     run(scenario)
@@ -216,9 +230,9 @@ def test_a_draining_replica_ends_its_stream_after_its_last_generation() -> None:
 def test_an_idle_stream_is_closed_and_a_new_one_opened_on_demand() -> None:
     async def scenario(replica: Replica) -> None:
         mux, servicer = replica.mux, replica.servicer
-        assert len(await collect(mux.generate(call("first")))) == 8
+        assert await tokens(mux.generate(call("first"))) == 8
         await replica.engine.progress.until(lambda: servicer.open_streams == 0)
-        assert len(await collect(mux.generate(call("second")))) == 8
+        assert await tokens(mux.generate(call("second"))) == 8
         assert servicer.streams == 2
 
     run(scenario, idle_close_s=0.05)
@@ -244,7 +258,7 @@ def test_a_replica_without_multiplex_is_called_per_generation() -> None:
         try:
             first = await collect(mux.generate(call("one")))
             second = await collect(mux.generate(call("two")))
-            assert len(first) == len(second) == 8
+            assert whole(first)[1] == whole(second)[1] == 8
             assert not mux.supported
         finally:
             await mux.close()
@@ -275,3 +289,22 @@ def test_a_broken_stream_fails_its_generations_as_unavailable() -> None:
             await channel.close()
 
     asyncio.run(main())
+
+
+def test_responses_that_arrived_together_are_one_chunk_with_all_they_carry() -> None:
+    def reply(text: str, total: int, finish: Any = 0, cached: int = 0) -> Any:
+        scored = [common_pb2.TokenLogprob(token=ord(text), text=text, logprob=-0.5, rank=1)]
+        return inference_pb2.InferenceResponse(
+            text=text, num_output_tokens=total, finish_reason=finish, logprobs=scored,
+            cached_tokens=cached,
+        )  # fmt: skip
+
+    reader = ChunkReader()
+    first = reader.merged([reply("a", 1, cached=7)])
+    rest = reader.merged(
+        [reply("b", 2), reply("c", 3), reply("d", 4, common_pb2.FINISH_REASON_LENGTH)]
+    )
+    assert (first.text, first.num_tokens, first.cached_tokens) == ("a", 1, 7)
+    assert (rest.text, rest.num_tokens, rest.finish_reason) == ("bcd", 3, FinishReason.LENGTH)
+    assert [lp.text for lp in rest.logprobs] == ["b", "c", "d"]
+    assert rest.cached_tokens == 0
