@@ -1,9 +1,10 @@
 """A benchmark harness, never part of the product: an inference replica whose engine is a
 clock. The real inference service (its servicer, core, load reports) runs over a backend
-that streams one byte-level token every ``itl_ms`` after ``ttft_ms``, with made-up top-k
-log probabilities when asked, so that what is measured through it is the mesh's own cost:
+that streams one byte-level token per step after ``ttft_ms``, with made-up top-k log
+probabilities when asked, so that what is measured through it is the mesh's own cost:
 the upstream is never the bottleneck, and it takes no CPU from the engine of a replica it
-stands beside (a canary on hardware of its own, say).
+stands beside (a canary on hardware of its own, say). As in an engine's decode loop, one
+step every ``itl_ms`` gives every running sequence its next token at once.
 
 Run as ``python -m bench.paced_replica`` with the inference service's settings
 (``LLM_MESH_INFERENCE_GRPC_PORT``, ...) and ``LLM_MESH_PACED_TTFT_MS``,
@@ -30,12 +31,40 @@ from services.inference.server import InferenceServicer
 ALPHABET = "etaoinshrdlu "
 
 
+class StepClock:
+    """An engine's decode steps: every ``itl_s`` while a sequence waits, one tick for all."""
+
+    def __init__(self, itl_s: float) -> None:
+        self._itl = itl_s
+        self._tick = asyncio.Event()
+        self._waiting = 0
+        self._ticking: asyncio.Task[None] | None = None
+        self.steps = 0
+
+    async def step(self) -> None:
+        """Returns at the next tick."""
+        self._waiting += 1
+        if self._ticking is None or self._ticking.done():
+            self._ticking = asyncio.ensure_future(self._run())
+        try:
+            await self._tick.wait()
+        finally:
+            self._waiting -= 1
+
+    async def _run(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(self._itl)  # the simulated decode step
+            tick, self._tick = self._tick, asyncio.Event()
+            self.steps += 1
+            tick.set()
+
+
 class PacedBackend:
-    """Tokens on a clock: the first after ``ttft_s``, then one every ``itl_s``."""
+    """Tokens on a clock: the first after ``ttft_s``, then one every step of ``itl_s``."""
 
     def __init__(self, ttft_s: float, itl_s: float, max_context: int) -> None:
         self._ttft = ttft_s
-        self._itl = itl_s
+        self.clock = StepClock(itl_s)
         self._max_context = max_context
         self.running = 0
 
@@ -54,7 +83,7 @@ class PacedBackend:
                 last = FinishReason.LENGTH if n == total else None
                 yield Chunk(text, 1, last, logprobs=scored)
                 if last is None:
-                    await asyncio.sleep(self._itl)  # the simulated decode step
+                    await self.clock.step()
         finally:
             self.running -= 1
 

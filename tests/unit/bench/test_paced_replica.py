@@ -35,3 +35,18 @@ def test_logprobs_name_the_token_and_its_top_alternatives() -> None:
         assert scored.text == chunk.text and len(scored.top) == 3
         probabilities = [math.exp(lp) for _, _, lp in scored.top]
         assert probabilities == sorted(probabilities, reverse=True) and sum(probabilities) < 1
+
+
+def test_running_sequences_share_each_step_as_in_an_engine() -> None:
+    backend = PacedBackend(ttft_s=0.0, itl_s=0.001, max_context=2048)
+    calls = [InferenceCall(f"r{i}", "llm", "hi", Sampling(max_tokens=5, seed=i)) for i in range(3)]
+
+    async def together() -> list[list[Chunk]]:
+        async def one(call: InferenceCall) -> list[Chunk]:
+            return [chunk async for chunk in backend.generate(call)]
+
+        return await asyncio.gather(*(one(c) for c in calls))
+
+    streams = asyncio.run(together())
+    assert [sum(c.num_tokens for c in s) for s in streams] == [5, 5, 5]
+    assert backend.clock.steps == 4  # one step per token after the first, for all three
