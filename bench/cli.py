@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -11,6 +12,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ from bench.routing import (
     routing_fleet,
 )
 from bench.scenarios import Comparison, Paired, head_of_line, paired_ttft, prefix_cache
-from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget
+from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget, named
 from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
 
@@ -78,6 +80,7 @@ def add_bench_parser(commands: Any) -> None:
             "canary",
             "shared-state",
             "truncation",
+            "capacity",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -116,7 +119,10 @@ def add_bench_parser(commands: Any) -> None:
         "conversations that plant facts early, asked about them at the end through the "
         "router on smollm2, once per truncation strategy under a --budget-tokens context "
         "and once whole: facts retained, the system prompt's instruction kept, ROUGE-L and "
-        "BLEU-4 against the whole history's answers, prompt tokens, prefix cache hits, TTFT",
+        "BLEU-4 against the whole history's answers, prompt tokens, prefix cache hits, TTFT; "
+        "capacity: the requests/s one router process admits and picks and the tokens/s it "
+        "relays, alone on one CPU over paced replicas (never the bottleneck), before its "
+        "TTFT p50 doubles",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
@@ -193,6 +199,12 @@ def add_bench_parser(commands: Any) -> None:
         "others, as on a GPU host); either way each process group's CPU per request is "
         "reported",
     )
+    bench.add_argument(
+        "--against",
+        type=Path,
+        help="with --start-stack: also a stack of another checkout's code (a directory; "
+        "e.g. main checked out elsewhere), its router a target of its own in every round",
+    )
     bench.set_defaults(func=run)
 
 
@@ -214,42 +226,77 @@ def run(args: argparse.Namespace) -> int:
         "canary": _canary,
         "shared-state": _shared_state,
         "truncation": _truncation,
+        "capacity": _capacity,
     }.get(args.scenario)
     if own_fleet is not None:
         return own_fleet(args)
     if args.start_stack:
-        from llmmesh.launcher import Stack, StackPorts
-
-        with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
-            # The tiny model's stack, or one serving the --model asked for.
-            models = [args.model] if args.model else ["llm"]
-            stack = Stack(Path(workdir), StackPorts.free(), models=models)
-            print("starting a local stack ...", file=sys.stderr)
-            with stack:
-                args.router = stack.address("router")
-                args.triton = stack.address("triton_grpc")
-                args.openai_url = stack.openai_base_url
-                args.api_key = stack.api_key
-                return _measure_and_report(args, _stack_meter(stack, args.placement))
+        with contextlib.ExitStack() as stacks:
+            stack = stacks.enter_context(_bench_stack(args, None))
+            args.router = stack.address("router")
+            args.triton = stack.address("triton_grpc")
+            args.openai_url = stack.openai_base_url
+            args.api_key = stack.api_key
+            meter = _stack_meter(stack)
+            meters = dict.fromkeys(("router", "openai", "triton"), meter)
+            if args.against:
+                other = stacks.enter_context(_bench_stack(args, args.against))
+                args.against_router = other.address("router")
+                args.against_key = other.api_key
+                meters[_against_name(args)] = _stack_meter(other)
+            print(_place(args.placement, meters.values()), file=sys.stderr)
+            return _measure_and_report(args, meters)
     return _measure_and_report(args)
 
 
-def _stack_meter(stack: Any, placement: str) -> CpuMeter:
-    """The stack's processes in CPU groups, placed as asked."""
-    pids = stack.pids()
+@contextlib.contextmanager
+def _bench_stack(args: argparse.Namespace, code: Path | None) -> Iterator[Any]:
+    """A local stack of the tiny model (or the --model asked for), on this checkout's
+    code or on ``code``'s (another checkout: its services, and its model repository)."""
+    from llmmesh.launcher import Stack, StackPorts
+
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        models = [args.model] if args.model else ["llm"]
+        if code is None:
+            stack = Stack(Path(workdir), StackPorts.free(), models=models)
+        else:
+            root = code.resolve()
+            stack = Stack(
+                Path(workdir), StackPorts.free(), models=models,
+                model_repository=root / "model_repository", env={"PYTHONPATH": str(root)},
+            )  # fmt: skip
+        print(f"starting a local stack on {code or 'this checkout'} ...", file=sys.stderr)
+        with stack:
+            yield stack
+
+
+def _against_name(args: argparse.Namespace) -> str:
+    return f"router ({Path(args.against).name})"
+
+
+def _stack_meter(stack: Any) -> CpuMeter:
+    """The stack's processes in CPU groups (each inference replica in one), and this one."""
     groups: dict[str, list[int]] = {"load generator": [os.getpid()]}
-    for name, pid in pids.items():
+    for name, pid in stack.pids().items():
         groups.setdefault("inference" if name.startswith("inference") else name, []).append(pid)
-    engine = groups["triton"]
-    mesh = [pid for name, group in groups.items() if name != "triton" for pid in group]
-    print(place(placement, engine, mesh), file=sys.stderr)
     return CpuMeter(groups)
 
 
-def _measure_and_report(args: argparse.Namespace, meter: CpuMeter | None = None) -> int:
+def _place(placement: str, meters: Iterable[CpuMeter]) -> str:
+    engine = [pid for meter in meters for pid in meter.roots.get("triton", ())]
+    mesh = [
+        pid for meter in meters for name, pids in meter.roots.items() if name != "triton"
+        for pid in pids
+    ]  # fmt: skip
+    return place(placement, engine, mesh)
+
+
+def _measure_and_report(
+    args: argparse.Namespace, meters: Mapping[str, CpuMeter] | None = None
+) -> int:
     if args.scenario != "load":
         return _scenario(args)
-    runs = asyncio.run(_run_all(args, meter=meter))
+    runs = asyncio.run(_run_all(args, meters=meters))
     write_json(args.out, _command(), _config(args), runs)
     plots = write_plots(runs, args.out.with_suffix(""))
     print(results_table(runs))
@@ -269,7 +316,9 @@ def _measure_and_report(args: argparse.Namespace, meter: CpuMeter | None = None)
         args,
         args.section,
         f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
-        f"{args.output_len} output tokens each (ignore_eos).",
+        f"{args.output_len} output tokens each (ignore_eos); {args.placement} placement"
+        + (f"; against {args.against}" if getattr(args, "against", None) else "")
+        + ".",
         f"{results_table(runs)}\n\n{comparison}{figures}",
     )
     print(f"plots: {', '.join(map(str, plots))}", file=sys.stderr)
@@ -286,9 +335,12 @@ def _measure_and_report(args: argparse.Namespace, meter: CpuMeter | None = None)
 def _comparisons(args: argparse.Namespace, runs: list[Run]) -> str:
     """The mesh against Triton, and HTTP against gRPC, for the targets that ran."""
     names = {run.target for run in runs}
+    pairs = [("triton", "router"), ("router", "openai")]
+    if getattr(args, "against", None):
+        pairs += [("triton", _against_name(args)), (_against_name(args), "router")]
     tables = [
         comparison_table(runs, base, candidate)
-        for base, candidate in (("triton", "router"), ("router", "openai"))
+        for base, candidate in pairs
         if {base, candidate} <= names
     ]
     return "\n\n".join(tables) if tables else scaling_table(runs)
@@ -659,6 +711,30 @@ def _truncation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capacity(args: argparse.Namespace) -> int:
+    from bench.capacity import CapacityShape, measure
+
+    shape = CapacityShape()
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print("starting a stack, paced replicas and a router on a CPU of its own ...",
+              file=sys.stderr)  # fmt: skip
+        capacity = measure(Path(workdir), shape)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(capacity.as_json(), indent=1))
+    print(capacity.report())
+    _record(
+        args,
+        _section(args, "capacity"),
+        f"; {capacity.placement}; {shape.replicas} paced replicas ({shape.ttft_ms:.0f} ms to "
+        f"the first token, a step every {shape.itl_ms:.0f} ms); {shape.prompt_chars}-character "
+        f"prompts; arrivals: {shape.short_tokens} tokens each, {shape.rate_seconds:.0f} s per "
+        f"rate; streams: {shape.stream_tokens} tokens each, {shape.stream_seconds:.0f} s per "
+        "step; the local stack's tenant (the default rule set, prompt and output checked).",
+        capacity.report(),
+    )
+    return 0
+
+
 def _command() -> str:
     return "llm-mesh " + shlex.join(sys.argv[1:])
 
@@ -695,6 +771,9 @@ def _targets(args: argparse.Namespace) -> list[Target]:
         else:
             url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
             targets.append(TritonTarget(url, args.model or "llm"))
+    if getattr(args, "against_router", None):
+        against = RouterTarget(args.against_router, args.model or "llm", args.against_key)
+        targets.append(named(against, _against_name(args)))
     return targets
 
 
@@ -712,8 +791,12 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
 
 
 async def _run_all(
-    args: argparse.Namespace, targets: list[Target] | None = None, meter: CpuMeter | None = None
+    args: argparse.Namespace,
+    targets: list[Target] | None = None,
+    meters: Mapping[str, CpuMeter] | None = None,
 ) -> list[Run]:
+    """Every target at every load, rounds alternating; ``meters``: per target, the CPU
+    groups of the processes that serve it."""
     spec = _workload(args)
     slo = Slo(
         ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
@@ -728,7 +811,8 @@ async def _run_all(
     order = {target.name: i for i, target in enumerate(targets)}
     pooled: dict[tuple[int, str], Measurement] = {}
     spent: dict[tuple[int, str], CpuSpent] = {}
-    idle = meter.idle() if meter is not None else None
+    meters = meters or {}
+    idle = {id(m): m.idle() for m in {id(m): m for m in meters.values()}.values()}
     try:
         for round_index in range(args.rounds):
             for index, shape in enumerate(shapes):
@@ -738,13 +822,14 @@ async def _run_all(
                     # Same lengths and words for every target, but a fresh salt: the
                     # engine's prefix cache must not favour whichever target runs second.
                     requests = make_requests(replace(spec, salt=new_salt()))
+                    meter = meters.get(target.name)
                     before = meter.sample() if meter is not None else None
                     measured = await run_load(
                         target, requests, shape, warmup=args.warmup, progress=not args.no_progress
                     )
                     key = (index, target.name)
-                    if meter is not None and before is not None and idle is not None:
-                        cost = meter.sample().minus(before).beyond(idle)
+                    if meter is not None and before is not None:
+                        cost = meter.sample().minus(before).beyond(idle[id(meter)])
                         spent[key] = spent[key].plus(cost) if key in spent else cost
                     if key in pooled:
                         pooled[key].add(measured)

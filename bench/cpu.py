@@ -93,14 +93,14 @@ class CpuMeter:
     """Samples named groups of processes, each a root process and its descendants."""
 
     def __init__(self, roots: Mapping[str, Iterable[int]]) -> None:
-        self._roots = {name: tuple(pids) for name, pids in roots.items()}
+        self.roots = {name: tuple(pids) for name, pids in roots.items()}
 
     def sample(self) -> CpuSample:
         return CpuSample(
             time.monotonic(),
             {
                 name: sum(cpu_seconds(p) for root in roots for p in descendants(root))
-                for name, roots in self._roots.items()
+                for name, roots in self.roots.items()
             },
         )
 

@@ -88,9 +88,22 @@ class RuleLibrary:
     def _compile(self, name: str, specs: Mapping[str, RuleSetSpec]) -> RuleSet:
         rules, version = _resolve(name, specs, ())
         try:
-            return RuleSet(rules, version, self._cap)
+            return RuleSet(rules, version, self._cap, _holdback_tokens(name, specs))
         except RuleSetError as err:
             raise RuleSetError(f"rule set '{name}': {err}") from None
+
+
+def _holdback_tokens(name: str, specs: Mapping[str, RuleSetSpec]) -> int | None:
+    """The set's own output_holdback_tokens, else the nearest base's (cycles and unknown
+    bases are _resolve's to refuse)."""
+    spec = specs.get(name)
+    seen = set()
+    while spec is not None and spec.output_holdback_tokens is None and spec.extends:
+        if spec.extends in seen:
+            return None
+        seen.add(spec.extends)
+        spec = specs.get(spec.extends)
+    return spec.output_holdback_tokens if spec is not None else None
 
 
 def _resolve(

@@ -91,6 +91,12 @@ class RuleSetSpec(BaseModel):
     extends: str | None = None
     disable: list[str] = Field(default_factory=list)
     rules: list[RuleSpec]
+    # The streamed output check holds no text back for more than this many generated
+    # tokens: text that could still grow into a match goes out as it is once it has
+    # waited that long (a match it was the start of is then not redacted, nor denied).
+    # Unset: held until settled (at most the policy service's output_holdback_cap
+    # characters). A derived set inherits its base's unless it sets its own.
+    output_holdback_tokens: int | None = Field(default=None, ge=1, le=65536)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> RuleSetSpec:
@@ -149,8 +155,11 @@ def action_of(denied_by: str | None, redacted: bool) -> PolicyAction:
 class StageRules:
     """The rules of a set that apply at one stage, compiled into one matcher."""
 
-    def __init__(self, rules: Sequence[RuleSpec], holdback_cap: int) -> None:
+    def __init__(
+        self, rules: Sequence[RuleSpec], holdback_cap: int, holdback_tokens: int | None = None
+    ) -> None:
         self.rules = list(rules)
+        self.holdback_tokens = holdback_tokens  # the streamed check's bound, in tokens
         matchers = [_matchers(r) for r in self.rules]
         try:
             self.matcher = Matcher(matchers, holdback_cap, [r.normalize for r in self.rules])
@@ -200,17 +209,20 @@ class RuleSet:
         rules: Sequence[RuleSpec],
         version: str,
         holdback_cap: int = DEFAULT_HOLDBACK_CAP,
+        holdback_tokens: int | None = None,
     ) -> None:
         self.version = version
         self.specs = tuple(rules)
+        self.holdback_tokens = holdback_tokens
         self.input = StageRules([r for r in rules if r.applies_to(Stage.INPUT)], holdback_cap)
-        self.output = StageRules([r for r in rules if r.applies_to(Stage.OUTPUT)], holdback_cap)
+        output = [r for r in rules if r.applies_to(Stage.OUTPUT)]
+        self.output = StageRules(output, holdback_cap, holdback_tokens)
 
     @classmethod
     def from_spec(cls, spec: RuleSetSpec, holdback_cap: int = DEFAULT_HOLDBACK_CAP) -> RuleSet:
         if spec.extends:
             raise RuleSetError(f"set extends '{spec.extends}': load it through a RuleLibrary")
-        return cls(spec.rules, spec.version, holdback_cap)
+        return cls(spec.rules, spec.version, holdback_cap, spec.output_holdback_tokens)
 
     @classmethod
     def from_text(cls, text: str, source: str) -> RuleSet:

@@ -28,13 +28,20 @@ def dump_rules(rules: RuleSet) -> str:
     return json.dumps([rule.model_dump(mode="json") for rule in rules.specs])
 
 
-def load_rules(text: str, version: str, holdback_cap: int, schema_version: int) -> RuleSet:
+def load_rules(
+    text: str,
+    version: str,
+    holdback_cap: int,
+    schema_version: int,
+    holdback_tokens: int | None = None,
+) -> RuleSet:
     """The rule set in ``text`` (dump_rules); RuleSetError when it cannot be loaded."""
     try:
         documents = json.loads(text)
         if not isinstance(documents, list):
             raise RuleSetError("rules must be a JSON list")
-        return RuleSet([_rule(d, schema_version) for d in documents], version, holdback_cap)
+        rules = [_rule(d, schema_version) for d in documents]
+        return RuleSet(rules, version, holdback_cap, holdback_tokens)
     except (ValueError, TypeError, ValidationError) as err:  # JSON and validation errors
         raise RuleSetError(f"rules do not load: {err}") from None
 

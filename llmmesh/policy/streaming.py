@@ -9,6 +9,7 @@ checking the whole text at once gives.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,9 +51,30 @@ class OutputScanner:
         self._pending = ""
         self.matched: list[str] = []  # every rule that matched so far, first match first
         self.denied_by: str | None = None
+        self._fed = 0  # characters fed so far
+        self._tokens = 0  # tokens fed so far
+        # Per chunk still (partly) held: where it ends, and the tokens fed with it.
+        self._chunks: deque[tuple[int, int]] = deque()
 
-    def feed(self, text: str) -> OutputStep:
-        return self._step(self._pending + text, final=False)
+    def feed(self, text: str, tokens: int = 1) -> OutputStep:
+        """The check of ``text`` (``tokens`` generated tokens) after what came before; with
+        the rules' holdback_tokens, text that has waited that many tokens goes out as it
+        is."""
+        self._fed += len(text)
+        self._tokens += tokens
+        self._chunks.append((self._fed, self._tokens))
+        step = self._step(self._pending + text, final=False)
+        held_from = self._fed - len(self._pending)
+        while self._chunks and self._chunks[0][0] <= held_from:  # released whole
+            self._chunks.popleft()
+        limit = self._rules.holdback_tokens
+        if limit is None or not self._pending or step.denied_by is not None:
+            return step
+        # The oldest held character came with the first chunk left: tokens since then.
+        if self._tokens - self._chunks[0][1] < limit:
+            return step
+        self._chunks.clear()
+        return step.then(self._step(self._pending, final=True))
 
     def finish(self) -> OutputStep:
         """Releases what is still held: the stream has ended."""
@@ -110,8 +132,8 @@ class StreamCheck:
         self._redacted = False
         self._closed = False
 
-    def feed(self, text: str, final: bool = False) -> OutputStep:
-        step = self._scanner.feed(text)
+    def feed(self, text: str, final: bool = False, tokens: int = 1) -> OutputStep:
+        step = self._scanner.feed(text, tokens)
         if final and step.denied_by is None:
             step = step.then(self._scanner.finish())
         if self._text is not None:

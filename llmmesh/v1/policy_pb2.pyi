@@ -228,6 +228,7 @@ class CheckOutputRequest(_message.Message):
     RULE_SET_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The first message names the stream (later ones may leave these empty)."""
     tenant: _builtins.str
@@ -237,6 +238,10 @@ class CheckOutputRequest(_message.Message):
     """The next piece of generated text."""
     final: _builtins.bool
     """The generation has ended: release whatever is held back."""
+    tokens: _builtins.int
+    """Generated tokens behind this text (0 counts as 1): for a set whose
+    output_holdback_tokens bounds how long text may be held back.
+    """
     def __init__(
         self,
         *,
@@ -245,10 +250,11 @@ class CheckOutputRequest(_message.Message):
         rule_set: _builtins.str = ...,
         text: _builtins.str = ...,
         final: _builtins.bool = ...,
+        tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -326,6 +332,7 @@ class RuleSetRules(_message.Message):
     HOLDBACK_CAP_FIELD_NUMBER: _builtins.int
     AUDIT_TEXT_FIELD_NUMBER: _builtins.int
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
+    HOLDBACK_TOKENS_FIELD_NUMBER: _builtins.int
     rule_set: _builtins.str
     """The set's name (as asked) and version."""
     rule_set_version: _builtins.str
@@ -341,6 +348,10 @@ class RuleSetRules(_message.Message):
     """The rule documents' schema (llmmesh/policy/schema.py). A reader that knows an older
     one loads the rules without the fields it does not know, and logs them.
     """
+    holdback_tokens: _builtins.int
+    """The set's output_holdback_tokens: the streamed check holds no text back for more
+    than this many generated tokens (0: no such bound; see CheckOutputRequest.tokens).
+    """
     def __init__(
         self,
         *,
@@ -350,10 +361,11 @@ class RuleSetRules(_message.Message):
         holdback_cap: _builtins.int = ...,
         audit_text: _builtins.bool = ...,
         schema_version: _builtins.int = ...,
+        holdback_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "rule_set", b"rule_set", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json", "schema_version", b"schema_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_text", b"audit_text", "holdback_cap", b"holdback_cap", "holdback_tokens", b"holdback_tokens", "rule_set", b"rule_set", "rule_set_version", b"rule_set_version", "rules_json", b"rules_json", "schema_version", b"schema_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

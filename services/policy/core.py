@@ -148,10 +148,10 @@ class OutputCheck:
 
         self._check = StreamCheck(rules, record, keep_text=core.audits_text)
 
-    def feed(self, text: str, final: bool = False) -> OutputStep:
+    def feed(self, text: str, final: bool = False, tokens: int = 1) -> OutputStep:
         check_text("text", text)
         started = time.perf_counter()
-        step = self._check.feed(text, final)
+        step = self._check.feed(text, final, tokens)
         CHECK_SECONDS.labels("output_chunk").observe(time.perf_counter() - started)
         HELD_CHARS.observe(step.held)
         return step

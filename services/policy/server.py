@@ -84,6 +84,7 @@ def rules_to_pb(name: str, rules: RuleSet, cap: int, audit_text: bool) -> policy
         holdback_cap=cap,
         audit_text=audit_text,
         schema_version=SCHEMA_VERSION,
+        holdback_tokens=rules.holdback_tokens or 0,
     )
 
 
@@ -113,7 +114,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
                     check = self._core.open_output(
                         request.tenant, request.request_id, request.rule_set
                     )
-                step = check.feed(request.text, request.final)
+                step = check.feed(request.text, request.final, request.tokens or 1)
                 yield _output_response(step, check.version)
                 if step.denied_by is not None or request.final:
                     return

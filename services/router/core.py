@@ -408,7 +408,7 @@ class RouterCore:
             return chunk, None
         final = chunk.finish_reason is not None
         try:
-            guarded = await guard.check(chunk.text, final)
+            guarded = await guard.check(chunk.text, final, chunk.num_tokens)
         except Unavailable as err:
             mode = self._tenants.spec(tenant).policy_fail_mode
             fail_open(err, mode, "policy", tenant, "the rest of the output goes unchecked")

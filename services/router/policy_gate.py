@@ -304,10 +304,10 @@ class LocalOutputGuard:
         self._generation = generation
         self._check: StreamCheck | None = None
 
-    async def check(self, text: str, final: bool) -> GuardedText:
+    async def check(self, text: str, final: bool, tokens: int = 1) -> GuardedText:
         if self._check is None:
             self._check = await self._start()
-        step = self._check.feed(text, final)
+        step = self._check.feed(text, final, tokens)
         return GuardedText(step.text, step.denied_by, step.held)
 
     async def close(self) -> None:

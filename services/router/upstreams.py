@@ -53,7 +53,9 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 4 * 1024 * 1024)]
 class OutputGuard(Protocol):
     """One generation's streamed output check."""
 
-    async def check(self, text: str, final: bool) -> GuardedText: ...
+    async def check(self, text: str, final: bool, tokens: int = 1) -> GuardedText:
+        """``text`` generated next (``tokens`` behind it), ``final`` with the last."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -170,7 +172,11 @@ def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
 def _followed(reply: policy_pb2.RuleSetRules) -> FollowedRules:
     try:
         rules = load_rules(
-            reply.rules_json, reply.rule_set_version, reply.holdback_cap, reply.schema_version
+            reply.rules_json,
+            reply.rule_set_version,
+            reply.holdback_cap,
+            reply.schema_version,
+            reply.holdback_tokens or None,
         )
     except RuleSetError as err:
         log.warning("policy rules do not load", extra={"fields": {"error": str(err)}})

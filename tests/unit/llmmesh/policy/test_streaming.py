@@ -8,7 +8,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmmesh.policy import RuleLibrary
 from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
+from llmmesh.policy.schema import SCHEMA_VERSION, dump_rules, load_rules
 from llmmesh.policy.streaming import OutputScanner
 from llmmesh.types import PolicyAction
 from services.policy.config import DEFAULT_RULES
@@ -143,3 +145,63 @@ def test_re2_refuses_backtracking_patterns_with_a_clear_error() -> None:
 def test_keywords_can_match_inside_words_when_asked() -> None:
     assert RULES.check_output("the nation").rule_ids == ("part",)
     assert RULES.check_output("an abacus").rule_ids == ()  # "ab" is whole-word only
+
+
+def capped(tokens: int | None) -> RuleSet:
+    """The default set on output, holding no text back for more than ``tokens`` tokens."""
+    doc = yaml.safe_load(DEFAULT_RULES.read_text())
+    for rule in doc["rules"]:
+        rule["stage"] = "both"
+    return RuleSet.from_spec(RuleSetSpec.model_validate({**doc, "output_holdback_tokens": tokens}))
+
+
+# Minified output: one run with no whitespace, which the detectors' partial forms (an
+# address's local part, a key) may extend, so nothing of it settles until it ends.
+RUN = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ.SflKxwRJSMeKKF2QT4"
+
+
+def test_without_a_cap_a_long_run_is_held_until_it_ends() -> None:
+    scanner = OutputScanner(capped(None).output)
+    released = [scanner.feed(c).text for c in RUN]
+    assert "".join(released) == ""  # held: it could still become a key or an address
+    assert scanner.finish().text == RUN
+
+
+@pytest.mark.parametrize("limit", [1, 3, 8])
+def test_the_token_cap_bounds_how_long_any_text_is_held(limit: int) -> None:
+    scanner = OutputScanner(capped(limit).output)
+    out = ""
+    for fed, char in enumerate(RUN, start=1):  # one character per token
+        out += scanner.feed(char, tokens=1).text
+        assert fed - len(out) <= limit, "text held for more tokens than the cap"
+    out += scanner.finish().text
+    assert out == RUN
+
+
+def test_a_match_within_the_cap_is_redacted_and_one_beyond_it_goes_out() -> None:
+    text = "mail jo@example.org now"
+    whole = OutputScanner(capped(64).output)
+    released = "".join(whole.feed(c).text for c in text) + whole.finish().text
+    assert released == "mail [EMAIL] now"
+    tight = OutputScanner(capped(2).output)
+    released = "".join(tight.feed(c).text for c in text) + tight.finish().text
+    assert "jo@" in released  # its start went out before the address showed whole
+
+
+def test_a_derived_set_inherits_the_cap_unless_it_sets_its_own() -> None:
+    library = RuleLibrary()
+    base = "version: b1\noutput_holdback_tokens: 6\nrules: [{id: k, action: deny, keywords: [zap]}]\n"
+    library.load(
+        {
+            "default": base,
+            "inherits": "version: i1\nextends: default\nrules: []\n",
+            "own": "version: o1\nextends: default\noutput_holdback_tokens: 2\nrules: []\n",
+        },
+        "test",
+    )
+    assert library.get("").holdback_tokens == 6
+    assert library.get("inherits").holdback_tokens == 6
+    assert library.get("own").holdback_tokens == 2
+    rules = library.get("own")
+    loaded = load_rules(dump_rules(rules), rules.version, 256, SCHEMA_VERSION, 2)
+    assert loaded.output.holdback_tokens == 2
