@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.sentences import Scored
 
 
 class FinishReason(enum.Enum):
@@ -258,6 +259,10 @@ class History:
     # model_summary: older turns the model should fold into the summary now, and the
     # session's turn count they reach (the new summary's coverage); its room in tokens.
     fold: Fold | None = None
+    # key_sentences: the left-out turns' sentences, scored, to choose the summary from
+    # again with the message about to be answered; and the room for them (tokens).
+    excerpt_candidates: tuple[Scored, ...] = ()
+    excerpt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmmesh/v1/context.proto\x12\nllmmesh.v1\"t\n\x04Turn\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.llmmesh.v1.Role\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\"\xaa\x01\n\x12LoadSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rbudget_tokens\x18\x03 \x01(\x05\x12\x12\n\ntruncation\x18\x04 \x01(\t\x12\x1c\n\x14turn_overhead_tokens\x18\x05 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xa6\x01\n\nTruncation\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x15\n\rdropped_turns\x18\x02 \x01(\x05\x12\x18\n\x10summarized_turns\x18\x03 \x01(\x05\x12\x1d\n\x15system_prompt_dropped\x18\x04 \x01(\x08\x12\x19\n\x11\x64ropped_sentences\x18\x05 \x01(\x05\x12\x1b\n\x13\x64ropped_request_ids\x18\x06 \x03(\t\"\xda\x02\n\x07Session\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\x12\x33\n\x08metadata\x18\x05 \x03(\x0b\x32!.llmmesh.v1.Session.MetadataEntry\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12*\n\ntruncation\x18\x07 \x01(\x0b\x32\x16.llmmesh.v1.Truncation\x12\x13\n\x0btotal_turns\x18\x08 \x01(\x05\x12\x1b\n\x13request_fingerprint\x18\t \x01(\t\x12\x1e\n\x04\x66old\x18\n \x01(\x0b\x32\x10.llmmesh.v1.Fold\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"z\n\x04\x46old\x12\x0f\n\x07summary\x18\x01 \x01(\t\x12\x15\n\rcovered_turns\x18\x02 \x01(\x05\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x15\n\rthrough_turns\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\"\x82\x01\n\x12\x41ppendTurnsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1f\n\x05turns\x18\x04 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x03\";\n\x13\x41ppendTurnsResponse\x12\x12\n\nturn_count\x18\x01 \x01(\x05\x12\x10\n\x08\x61ppended\x18\x02 \x01(\x08\"\xd3\x01\n\x11PutSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\x12=\n\x08metadata\x18\x04 \x03(\x0b\x32+.llmmesh.v1.PutSessionRequest.MetadataEntry\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12PutSessionResponse\"\xf0\x01\n\x12\x46orkSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x19\n\x11source_session_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\x12>\n\x08metadata\x18\x05 \x03(\x0b\x32,.llmmesh.v1.ForkSessionRequest.MetadataEntry\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x13\x46orkSessionResponse\x12\x12\n\nturn_count\x18\x01 \x01(\x05\":\n\x14\x44\x65leteSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"L\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"D\n\x14ListSessionsResponse\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x95\x01\n\x12SaveSummaryRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12\x15\n\rcovered_turns\x18\x04 \x01(\x05\x12\x1e\n\x16replaces_covered_turns\x18\x05 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\"$\n\x13SaveSummaryResponse\x12\r\n\x05saved\x18\x01 \x01(\x08*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x32\xb3\x04\n\x07\x43ontext\x12\x42\n\x0bLoadSession\x12\x1e.llmmesh.v1.LoadSessionRequest\x1a\x13.llmmesh.v1.Session\x12N\n\x0b\x41ppendTurns\x12\x1e.llmmesh.v1.AppendTurnsRequest\x1a\x1f.llmmesh.v1.AppendTurnsResponse\x12K\n\nPutSession\x12\x1d.llmmesh.v1.PutSessionRequest\x1a\x1e.llmmesh.v1.PutSessionResponse\x12N\n\x0b\x46orkSession\x12\x1e.llmmesh.v1.ForkSessionRequest\x1a\x1f.llmmesh.v1.ForkSessionResponse\x12T\n\rDeleteSession\x12 .llmmesh.v1.DeleteSessionRequest\x1a!.llmmesh.v1.DeleteSessionResponse\x12Q\n\x0cListSessions\x12\x1f.llmmesh.v1.ListSessionsRequest\x1a .llmmesh.v1.ListSessionsResponse\x12N\n\x0bSaveSummary\x12\x1e.llmmesh.v1.SaveSummaryRequest\x1a\x1f.llmmesh.v1.SaveSummaryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmmesh/v1/context.proto\x12\nllmmesh.v1\"t\n\x04Turn\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.llmmesh.v1.Role\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\"\xaa\x01\n\x12LoadSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rbudget_tokens\x18\x03 \x01(\x05\x12\x12\n\ntruncation\x18\x04 \x01(\t\x12\x1c\n\x14turn_overhead_tokens\x18\x05 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xa6\x01\n\nTruncation\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x15\n\rdropped_turns\x18\x02 \x01(\x05\x12\x18\n\x10summarized_turns\x18\x03 \x01(\x05\x12\x1d\n\x15system_prompt_dropped\x18\x04 \x01(\x08\x12\x19\n\x11\x64ropped_sentences\x18\x05 \x01(\x05\x12\x1b\n\x13\x64ropped_request_ids\x18\x06 \x03(\t\"\xaa\x03\n\x07Session\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\x12\x33\n\x08metadata\x18\x05 \x03(\x0b\x32!.llmmesh.v1.Session.MetadataEntry\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12*\n\ntruncation\x18\x07 \x01(\x0b\x32\x16.llmmesh.v1.Truncation\x12\x13\n\x0btotal_turns\x18\x08 \x01(\x05\x12\x1b\n\x13request_fingerprint\x18\t \x01(\t\x12\x1e\n\x04\x66old\x18\n \x01(\x0b\x32\x10.llmmesh.v1.Fold\x12\x36\n\x12\x65xcerpt_candidates\x18\x0b \x03(\x0b\x32\x1a.llmmesh.v1.ScoredSentence\x12\x16\n\x0e\x65xcerpt_tokens\x18\x0c \x01(\x05\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"-\n\x0eScoredSentence\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\"z\n\x04\x46old\x12\x0f\n\x07summary\x18\x01 \x01(\t\x12\x15\n\rcovered_turns\x18\x02 \x01(\x05\x12\x1f\n\x05turns\x18\x03 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x15\n\rthrough_turns\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\"\x82\x01\n\x12\x41ppendTurnsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1f\n\x05turns\x18\x04 \x03(\x0b\x32\x10.llmmesh.v1.Turn\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x03\";\n\x13\x41ppendTurnsResponse\x12\x12\n\nturn_count\x18\x01 \x01(\x05\x12\x10\n\x08\x61ppended\x18\x02 \x01(\x08\"\xd3\x01\n\x11PutSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\x12=\n\x08metadata\x18\x04 \x03(\x0b\x32+.llmmesh.v1.PutSessionRequest.MetadataEntry\x12\x13\n\x0bttl_seconds\x18\x05 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12PutSessionResponse\"\xf0\x01\n\x12\x46orkSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x19\n\x11source_session_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x15\n\rsystem_prompt\x18\x04 \x01(\t\x12>\n\x08metadata\x18\x05 \x03(\x0b\x32,.llmmesh.v1.ForkSessionRequest.MetadataEntry\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\")\n\x13\x46orkSessionResponse\x12\x12\n\nturn_count\x18\x01 \x01(\x05\":\n\x14\x44\x65leteSessionRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"L\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"D\n\x14ListSessionsResponse\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x95\x01\n\x12SaveSummaryRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12\x15\n\rcovered_turns\x18\x04 \x01(\x05\x12\x1e\n\x16replaces_covered_turns\x18\x05 \x01(\x05\x12\x13\n\x0bttl_seconds\x18\x06 \x01(\x03\"$\n\x13SaveSummaryResponse\x12\r\n\x05saved\x18\x01 \x01(\x08*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x32\xb3\x04\n\x07\x43ontext\x12\x42\n\x0bLoadSession\x12\x1e.llmmesh.v1.LoadSessionRequest\x1a\x13.llmmesh.v1.Session\x12N\n\x0b\x41ppendTurns\x12\x1e.llmmesh.v1.AppendTurnsRequest\x1a\x1f.llmmesh.v1.AppendTurnsResponse\x12K\n\nPutSession\x12\x1d.llmmesh.v1.PutSessionRequest\x1a\x1e.llmmesh.v1.PutSessionResponse\x12N\n\x0b\x46orkSession\x12\x1e.llmmesh.v1.ForkSessionRequest\x1a\x1f.llmmesh.v1.ForkSessionResponse\x12T\n\rDeleteSession\x12 .llmmesh.v1.DeleteSessionRequest\x1a!.llmmesh.v1.DeleteSessionResponse\x12Q\n\x0cListSessions\x12\x1f.llmmesh.v1.ListSessionsRequest\x1a .llmmesh.v1.ListSessionsResponse\x12N\n\x0bSaveSummary\x12\x1e.llmmesh.v1.SaveSummaryRequest\x1a\x1f.llmmesh.v1.SaveSummaryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTSESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_FORKSESSIONREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_FORKSESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2129
-  _globals['_ROLE']._serialized_end=2209
+  _globals['_ROLE']._serialized_start=2256
+  _globals['_ROLE']._serialized_end=2336
   _globals['_TURN']._serialized_start=40
   _globals['_TURN']._serialized_end=156
   _globals['_LOADSESSIONREQUEST']._serialized_start=159
@@ -46,39 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRUNCATION']._serialized_start=332
   _globals['_TRUNCATION']._serialized_end=498
   _globals['_SESSION']._serialized_start=501
-  _globals['_SESSION']._serialized_end=847
-  _globals['_SESSION_METADATAENTRY']._serialized_start=800
-  _globals['_SESSION_METADATAENTRY']._serialized_end=847
-  _globals['_FOLD']._serialized_start=849
-  _globals['_FOLD']._serialized_end=971
-  _globals['_APPENDTURNSREQUEST']._serialized_start=974
-  _globals['_APPENDTURNSREQUEST']._serialized_end=1104
-  _globals['_APPENDTURNSRESPONSE']._serialized_start=1106
-  _globals['_APPENDTURNSRESPONSE']._serialized_end=1165
-  _globals['_PUTSESSIONREQUEST']._serialized_start=1168
-  _globals['_PUTSESSIONREQUEST']._serialized_end=1379
-  _globals['_PUTSESSIONREQUEST_METADATAENTRY']._serialized_start=800
-  _globals['_PUTSESSIONREQUEST_METADATAENTRY']._serialized_end=847
-  _globals['_PUTSESSIONRESPONSE']._serialized_start=1381
-  _globals['_PUTSESSIONRESPONSE']._serialized_end=1401
-  _globals['_FORKSESSIONREQUEST']._serialized_start=1404
-  _globals['_FORKSESSIONREQUEST']._serialized_end=1644
-  _globals['_FORKSESSIONREQUEST_METADATAENTRY']._serialized_start=800
-  _globals['_FORKSESSIONREQUEST_METADATAENTRY']._serialized_end=847
-  _globals['_FORKSESSIONRESPONSE']._serialized_start=1646
-  _globals['_FORKSESSIONRESPONSE']._serialized_end=1687
-  _globals['_DELETESESSIONREQUEST']._serialized_start=1689
-  _globals['_DELETESESSIONREQUEST']._serialized_end=1747
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=1749
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=1789
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1791
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1867
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1869
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1937
-  _globals['_SAVESUMMARYREQUEST']._serialized_start=1940
-  _globals['_SAVESUMMARYREQUEST']._serialized_end=2089
-  _globals['_SAVESUMMARYRESPONSE']._serialized_start=2091
-  _globals['_SAVESUMMARYRESPONSE']._serialized_end=2127
-  _globals['_CONTEXT']._serialized_start=2212
-  _globals['_CONTEXT']._serialized_end=2775
+  _globals['_SESSION']._serialized_end=927
+  _globals['_SESSION_METADATAENTRY']._serialized_start=880
+  _globals['_SESSION_METADATAENTRY']._serialized_end=927
+  _globals['_SCOREDSENTENCE']._serialized_start=929
+  _globals['_SCOREDSENTENCE']._serialized_end=974
+  _globals['_FOLD']._serialized_start=976
+  _globals['_FOLD']._serialized_end=1098
+  _globals['_APPENDTURNSREQUEST']._serialized_start=1101
+  _globals['_APPENDTURNSREQUEST']._serialized_end=1231
+  _globals['_APPENDTURNSRESPONSE']._serialized_start=1233
+  _globals['_APPENDTURNSRESPONSE']._serialized_end=1292
+  _globals['_PUTSESSIONREQUEST']._serialized_start=1295
+  _globals['_PUTSESSIONREQUEST']._serialized_end=1506
+  _globals['_PUTSESSIONREQUEST_METADATAENTRY']._serialized_start=880
+  _globals['_PUTSESSIONREQUEST_METADATAENTRY']._serialized_end=927
+  _globals['_PUTSESSIONRESPONSE']._serialized_start=1508
+  _globals['_PUTSESSIONRESPONSE']._serialized_end=1528
+  _globals['_FORKSESSIONREQUEST']._serialized_start=1531
+  _globals['_FORKSESSIONREQUEST']._serialized_end=1771
+  _globals['_FORKSESSIONREQUEST_METADATAENTRY']._serialized_start=880
+  _globals['_FORKSESSIONREQUEST_METADATAENTRY']._serialized_end=927
+  _globals['_FORKSESSIONRESPONSE']._serialized_start=1773
+  _globals['_FORKSESSIONRESPONSE']._serialized_end=1814
+  _globals['_DELETESESSIONREQUEST']._serialized_start=1816
+  _globals['_DELETESESSIONREQUEST']._serialized_end=1874
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=1876
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=1916
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1918
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1994
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1996
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=2064
+  _globals['_SAVESUMMARYREQUEST']._serialized_start=2067
+  _globals['_SAVESUMMARYREQUEST']._serialized_end=2216
+  _globals['_SAVESUMMARYRESPONSE']._serialized_start=2218
+  _globals['_SAVESUMMARYRESPONSE']._serialized_end=2254
+  _globals['_CONTEXT']._serialized_start=2339
+  _globals['_CONTEXT']._serialized_end=2902
 # @@protoc_insertion_point(module_scope)

@@ -193,6 +193,8 @@ class Session(_message.Message):
     TOTAL_TURNS_FIELD_NUMBER: _builtins.int
     REQUEST_FINGERPRINT_FIELD_NUMBER: _builtins.int
     FOLD_FIELD_NUMBER: _builtins.int
+    EXCERPT_CANDIDATES_FIELD_NUMBER: _builtins.int
+    EXCERPT_TOKENS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     session_id: _builtins.str
     system_prompt: _builtins.str
@@ -207,6 +209,7 @@ class Session(_message.Message):
     """The SHA-256 (hex) of the user turn the load's request_id stored, empty if it stored
     none: a different request reusing the id is refused before it generates anything.
     """
+    excerpt_tokens: _builtins.int
     @_builtins.property
     def turns(self) -> _containers.RepeatedCompositeFieldContainer[Global___Turn]:
         """The turns kept whole, in the order they were appended."""
@@ -219,6 +222,14 @@ class Session(_message.Message):
     def fold(self) -> Global___Fold:
         """model_summary: older turns the caller should have the model fold into the summary
         now (then SaveSummary); unset when none are due.
+        """
+
+    @_builtins.property
+    def excerpt_candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScoredSentence]:
+        """key_sentences: every sentence of the turns left out, in conversation order, each
+        scored by how much the later turns refer to it, and the room (tokens) for an excerpt
+        of them. `summary` is the excerpt these scores choose; a caller that knows the
+        message about to be answered may choose again with it (the router does).
         """
 
     def __init__(
@@ -234,14 +245,38 @@ class Session(_message.Message):
         total_turns: _builtins.int = ...,
         request_fingerprint: _builtins.str = ...,
         fold: Global___Fold | None = ...,
+        excerpt_candidates: _abc.Iterable[Global___ScoredSentence] | None = ...,
+        excerpt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fold", b"fold", "truncation", b"truncation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fold", b"fold", "metadata", b"metadata", "request_fingerprint", b"request_fingerprint", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["excerpt_candidates", b"excerpt_candidates", "excerpt_tokens", b"excerpt_tokens", "fold", b"fold", "metadata", b"metadata", "request_fingerprint", b"request_fingerprint", "session_id", b"session_id", "summary", b"summary", "system_prompt", b"system_prompt", "tenant", b"tenant", "total_turns", b"total_turns", "truncation", b"truncation", "turns", b"turns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class ScoredSentence(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    score: _builtins.float
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        score: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["score", b"score", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoredSentence: _TypeAlias = ScoredSentence  # noqa: Y015
 
 @_typing.final
 class Fold(_message.Message):

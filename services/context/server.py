@@ -123,6 +123,10 @@ def _session(request: context_pb2.LoadSessionRequest, loaded: Loaded) -> context
         total_turns=loaded.total_turns,
         request_fingerprint=loaded.request_fingerprint,
         fold=_fold(cut.fold),
+        excerpt_candidates=[
+            context_pb2.ScoredSentence(text=c.text, score=c.score) for c in cut.candidates
+        ],
+        excerpt_tokens=cut.excerpt_tokens,
     )
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.sentences import Scored, score, score_by_later_turns, select, sentences
 from llmmesh.types import Fold, Truncation, Turn, check_truncation
 from services.context.store import Session
-from services.context.summary import score, score_by_later_turns, select, sentences
 
 Count = Callable[[str], int]
 
@@ -58,6 +58,10 @@ class Truncated:
     dropped_sentences: int = 0  # key_sentences: sentences of dropped turns left out
     stored_summary: tuple[str, int] | None = None  # sliding_summary: a new summary to keep
     fold: Fold | None = None  # model_summary: turns for the model to fold into the summary
+    # key_sentences: the left-out turns' sentences, scored, and the room for an excerpt of
+    # them, for a caller that knows the next message to choose again (the router does).
+    candidates: tuple[Scored, ...] = ()
+    excerpt_tokens: int = 0
 
 
 def check_strategy(strategy: str) -> Truncation:
@@ -198,7 +202,8 @@ def _key_sentences(session: Session, budget: Budget, count: Count) -> Truncated:
     )
     scored = score_by_later_turns([t.text for t in session.turns])
     candidates = scored[: sum(len(sentences(t.text)) for t in dropped)]  # dropped turns'
-    chosen = select(candidates, max(excerpt_room - budget.turn_overhead, 0), count)
+    room = max(excerpt_room - budget.turn_overhead, 0)
+    chosen = select(candidates, room, count)
     return Truncated(
         KEY_SENTENCES,
         session.system_prompt,
@@ -207,6 +212,8 @@ def _key_sentences(session: Session, budget: Budget, count: Count) -> Truncated:
         dropped,
         summarized_turns=len(dropped) if chosen else 0,
         dropped_sentences=len(candidates) - len(chosen),
+        candidates=tuple(candidates),
+        excerpt_tokens=room,
     )
 
 

@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
@@ -29,6 +29,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
+from llmmesh.sentences import relevant_to, select
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -461,7 +462,7 @@ class RouterCore:
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "no history")
             stored = History()
-        return continued(stored, new_turns, instructions)
+        return continued(_excerpt_for(stored, request.prompt, count), new_turns, instructions)
 
     async def _verdict(
         self, request: GenerateInput, history: History | None, rule_set: str
@@ -502,6 +503,18 @@ class RouterCore:
             )
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")
+
+
+def _excerpt_for(history: History, message: str, count: Callable[[str], int]) -> History:
+    """key_sentences: the excerpt of the left-out turns chosen again with the message
+    about to be answered (the later turn that matters most, which only the router knows;
+    nothing of it leaves the router for this), counted in the model's tokens."""
+    if not history.excerpt_candidates:
+        return history
+    ranked = relevant_to(history.excerpt_candidates, message)
+    excerpt = " ".join(select(ranked, history.excerpt_tokens, count))
+    summarized = history.summarized_turns or history.dropped_turns
+    return replace(history, summary=excerpt, summarized_turns=summarized if excerpt else 0)
 
 
 def _estimated_tokens(request: GenerateInput, history: History | None, speech: ModelSpeech) -> int:

@@ -24,6 +24,7 @@ from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import InvalidArgument, NotFound, Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 from llmmesh.runtime.metadata import REQUEST_ID
+from llmmesh.sentences import Scored
 from llmmesh.types import (
     Chunk,
     Fold,
@@ -305,6 +306,10 @@ class GrpcContextClient:
             system_prompt_dropped=cut.system_prompt_dropped,
             request_fingerprint=reply.request_fingerprint,
             fold=_fold(reply) if reply.HasField("fold") else None,
+            excerpt_candidates=tuple(
+                Scored(i, c.text, c.score) for i, c in enumerate(reply.excerpt_candidates)
+            ),
+            excerpt_tokens=reply.excerpt_tokens,
         )
 
     async def append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.sentences import relevant_to, select
 from llmmesh.types import Role, Turn, count_tokens
 from services.context.store import Session
 from services.context.truncation import (
@@ -121,6 +122,14 @@ def test_key_sentences_keeps_what_later_turns_refer_to() -> None:
     assert "Miso hates the vacuum" in cut.summary
     assert "weather" not in cut.summary
     assert cut.dropped_sentences >= 1
+    # Every left-out sentence, for a caller that knows the next message to choose again.
+    assert [c.text for c in cut.candidates] == [
+        "My cat Miso hates the vacuum.", "The weather is grey today.",
+        "Noted.", "Cats often fear loud machines.",
+    ]  # fmt: skip
+    assert 0 < cut.excerpt_tokens < budget.tokens
+    again = select(relevant_to(cut.candidates, "Will the weather stay grey?"), 30, count_tokens)
+    assert again == ["The weather is grey today."]
 
 
 def test_model_summary_asks_for_a_fold_before_the_turns_outgrow_their_room() -> None:

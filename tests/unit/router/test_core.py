@@ -21,6 +21,7 @@ from llmmesh.runtime.errors import (
     PermissionDenied,
     Unavailable,
 )
+from llmmesh.sentences import Scored
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -118,6 +119,7 @@ class Context:
     asked: list[HistoryRequest] = field(default_factory=list)
     down: bool = False
     fold: Fold | None = None  # what each load asks the model to fold
+    excerpts: tuple[Scored, ...] = ()  # key_sentences: the left-out turns' sentences
     summaries: list[tuple[str, str, str, int, int]] = field(default_factory=list)
     summary_saved: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -132,7 +134,14 @@ class Context:
         kept = tuple(t for t in turns if t.request_id != request_id)
         stored = fingerprint(own) if own is not None else ""
         return History(
-            turns=kept, total_turns=len(turns), request_fingerprint=stored, fold=self.fold
+            turns=kept,
+            total_turns=len(turns),
+            request_fingerprint=stored,
+            fold=self.fold,
+            summary=" ".join(s.text for s in self.excerpts[:1]),  # the service's own choice
+            summarized_turns=2 if self.excerpts else 0,
+            excerpt_candidates=self.excerpts,
+            excerpt_tokens=40 if self.excerpts else 0,
         )
 
     async def append(
@@ -565,6 +574,20 @@ def test_policy_lost_mid_stream_follows_the_tenants_fail_mode(mode: str) -> None
         service.unreachable = False
         await run(core, request())
         assert service.fetched == ["default"]
+
+    asyncio.run(scenario())
+
+
+def test_key_sentences_are_chosen_again_with_the_message_being_answered() -> None:
+    async def scenario() -> None:
+        left_out = ["Cats often fear loud machines.", "My locker code is 5822.", "It rained."]
+        context = Context(excerpts=tuple(Scored(i, s, 1.0) for i, s in enumerate(left_out)))
+        inference = Inference()
+        core = make_core(gate(), context, inference)
+        await run(core, request("What is my locker code?", session="s"))
+        prompt = inference.calls[0].prompt
+        assert "My locker code is 5822." in prompt  # what the question refers to
+        assert "Cats often fear" not in prompt  # the service's choice, without the question
 
     asyncio.run(scenario())
 

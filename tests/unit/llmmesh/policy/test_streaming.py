@@ -190,7 +190,9 @@ def test_a_match_within_the_cap_is_redacted_and_one_beyond_it_goes_out() -> None
 
 def test_a_derived_set_inherits_the_cap_unless_it_sets_its_own() -> None:
     library = RuleLibrary()
-    base = "version: b1\noutput_holdback_tokens: 6\nrules: [{id: k, action: deny, keywords: [zap]}]\n"
+    base = (
+        "version: b1\noutput_holdback_tokens: 6\nrules: [{id: k, action: deny, keywords: [zap]}]\n"
+    )
     library.load(
         {
             "default": base,

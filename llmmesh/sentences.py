@@ -1,11 +1,13 @@
 """Extractive summaries: sentences scored by how much later text refers to them (shared
-content words) and by the names and numbers they carry; no model call."""
+content words) and by the names and numbers they carry; no model call. The context
+service scores a session's sentences against its later turns; the router, which alone
+knows the message about to be answered, scores them against it too (relevant_to)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]{2,}|\d[\d.,:/-]*")
@@ -65,6 +67,20 @@ def score_by_later_turns(turns: Sequence[str]) -> list[Scored]:
 def _scored(order: int, sentence: str, reference: set[str]) -> Scored:
     overlap = len(content_words(sentence) & reference)
     return Scored(order, sentence, overlap + 0.5 * len(named_entities(sentence)))
+
+
+# A word the next message shares with a sentence weighs this many of the later turns':
+# the message about to be answered is the later turn that matters most.
+QUERY_WEIGHT = 4.0
+
+
+def relevant_to(candidates: Sequence[Scored], message: str) -> list[Scored]:
+    """``candidates`` scored again with the content words they share with ``message``."""
+    words = content_words(message)
+    return [
+        replace(c, score=c.score + QUERY_WEIGHT * len(content_words(c.text) & words))
+        for c in candidates
+    ]
 
 
 def select(scored: Sequence[Scored], budget_tokens: int, count: Callable[[str], int]) -> list[str]:
