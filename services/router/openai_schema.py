@@ -79,6 +79,11 @@ class Body(_Strict):
     logit_bias: dict[str, float] | None = _no_op(None, "logit biases are not implemented")
     repetition_penalty: float = _no_op(1.0, "vLLM's extension; penalties are not implemented")
     min_tokens: int = _no_op(0, "vLLM's extension; not implemented")
+    # What routers in front of vLLM and SGLang servers (vllm-router, for one) forward at
+    # their defaults: each asks for nothing here, and anything else is refused by name.
+    skip_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
+    no_stop_trim: bool = _no_op(False, "SGLang's; a stop string is always trimmed")
+    return_hidden_states: bool = _no_op(False, "SGLang's; hidden states are never returned")
     response_format: PlainFormat | None = Field(
         default=None, description="plain text, the only format supported"
     )
@@ -96,6 +101,12 @@ class Body(_Strict):
             raise InvalidArgument("logit_bias", "not supported")
         if self.min_tokens:
             raise InvalidArgument("min_tokens", "not supported")
+        for name, default in self._forwarded_defaults().items():
+            if getattr(self, name) != default:
+                raise InvalidArgument(name, f"not supported (only {default!r})")
+
+    def _forwarded_defaults(self) -> dict[str, bool]:
+        return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
 
 
 class TextPart(_Strict):
@@ -119,6 +130,20 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=20, description="with logprobs: the k likeliest tokens too"
     )
+    continue_final_message: bool = _no_op(False, "vLLM's; the last message is always closed")
+    # SGLang's, for models that reason apart from their answer; the served models do not.
+    separate_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
+    stream_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
+    include_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
+
+    def _forwarded_defaults(self) -> dict[str, bool]:
+        return {
+            **super()._forwarded_defaults(),
+            "continue_final_message": False,
+            "separate_reasoning": True,
+            "stream_reasoning": True,
+            "include_reasoning": True,
+        }
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

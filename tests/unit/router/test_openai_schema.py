@@ -180,6 +180,9 @@ def test_field_paths_leave_union_tags_out() -> None:
             "stream_options.continuous_usage_stats",
         ),
         ({"logprobs": 21}, "logprobs"),
+        ({"no_stop_trim": True}, "no_stop_trim"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
     ],
 )
 def test_a_parameter_the_mesh_does_not_implement_is_refused_by_name(
@@ -208,6 +211,32 @@ def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:
     }
     got, reply = asyncio.run(post("/v1/completions", body(**no_ops, user="u-1", top_k=5)))
     assert got == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+# What vllm-router adds to every body it forwards (its defaults, as captured from it).
+VLLM_ROUTER_COMPLETION = {
+    "echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+    "return_hidden_states": False,
+}  # fmt: skip
+VLLM_ROUTER_CHAT = {
+    "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+    "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True,
+}  # fmt: skip
+
+
+def test_what_a_router_in_front_forwards_at_its_defaults_is_served() -> None:
+    got, reply = asyncio.run(post("/v1/completions", body(**VLLM_ROUTER_COMPLETION)))
+    assert got == 200 and reply["usage"]["completion_tokens"] == 2
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    got, reply = asyncio.run(
+        post("/v1/chat/completions", json.dumps(chat | VLLM_ROUTER_CHAT).encode())
+    )
+    assert got == 200 and reply["usage"]["completion_tokens"] == 2
+    for name in ("separate_reasoning", "continue_final_message"):
+        changed = chat | VLLM_ROUTER_CHAT | {name: not VLLM_ROUTER_CHAT[name]}
+        got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(changed).encode()))
+        assert (got, reply["error"]["param"]) == (400, name)
 
 
 def test_an_unknown_model_is_openais_404_model_not_found() -> None:
