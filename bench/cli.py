@@ -81,6 +81,7 @@ def add_bench_parser(commands: Any) -> None:
             "shared-state",
             "truncation",
             "capacity",
+            "peer-hop",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -122,7 +123,8 @@ def add_bench_parser(commands: Any) -> None:
         "BLEU-4 against the whole history's answers, prompt tokens, prefix cache hits, TTFT; "
         "capacity: the requests/s one router process admits and picks and the tokens/s it "
         "relays, alone on one CPU over paced replicas (never the bottleneck), before its "
-        "TTFT p50 doubles",
+        "TTFT p50 doubles; peer-hop: vllm-router (from PyPI) in front of the router against "
+        "the router alone, --num-prompts pairs over the OpenAI HTTP API, order alternating",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
@@ -227,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "shared-state": _shared_state,
         "truncation": _truncation,
         "capacity": _capacity,
+        "peer-hop": _peer_hop,
     }.get(args.scenario)
     if own_fleet is not None:
         return own_fleet(args)
@@ -732,6 +735,40 @@ def _capacity(args: argparse.Namespace) -> int:
         "step; the local stack's tenant (the default rule set, prompt and output checked).",
         capacity.report(),
     )
+    return 0
+
+
+def _peer_hop(args: argparse.Namespace) -> int:
+    from bench.peer_router import VERSION, peer_router
+
+    model = args.model or "llm"
+    with contextlib.ExitStack() as fleet:
+        stack = fleet.enter_context(_bench_stack(args, None))
+        direct = stack.openai_base_url
+        fronted = fleet.enter_context(
+            peer_router([direct.removesuffix("/v1")], "round_robin", stack.workdir)
+        )
+
+        async def measure() -> Paired:
+            router = named(OpenAiTarget(direct, model, stack.api_key), "router")
+            peer = named(OpenAiTarget(fronted, model, stack.api_key), "vllm-router + router")
+            try:
+                return await paired_ttft(
+                    router, peer, pairs=args.num_prompts, prompt_len=args.input_len,
+                    max_tokens=args.output_len, seed=args.seed,
+                )  # fmt: skip
+            finally:
+                await router.close()
+                await peer.close()
+
+        paired = asyncio.run(measure())
+    print(paired.table())
+    details = (
+        f"; vllm-router {VERSION} (round_robin) in front of the router, against the router "
+        f"alone; {args.num_prompts} pairs of {args.input_len}-character prompts, "
+        f"{args.output_len} output tokens, {model}, concurrency 1, OpenAI HTTP API, streamed."
+    )
+    _record(args, _section(args, "peer-hop"), details, paired.table())
     return 0
 
 

@@ -8,7 +8,7 @@ import secrets
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import aiohttp
 import grpc
@@ -49,7 +49,10 @@ class Target(Protocol):
     async def close(self) -> None: ...
 
 
-def named(target: RouterTarget, name: str) -> RouterTarget:
+T = TypeVar("T", "RouterTarget", "OpenAiTarget")
+
+
+def named(target: T, name: str) -> T:
     """The target under another name (several routers in one run)."""
     target.name = name
     return target

@@ -68,8 +68,9 @@ class Answer:
     cached_tokens: int
     ttft_s: float
     # The fact reached the model: its turn was in the prompt, or the summary that stood
-    # for it (sliding_summary's or model_summary's, as stored) states it.
-    reached: bool
+    # for it (sliding_summary's or model_summary's, as stored) states it. None for
+    # key_sentences: the router chooses its excerpt per message, out of sight here.
+    reached: bool | None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -97,7 +98,7 @@ class Row:
     ttft_p50_s: float
     answers: int
     summary_tokens: float  # per answer
-    reached: float  # share of the facts that reached the model
+    reached: float | None  # share of the facts that reached the model, where it is seen
 
     @property
     def counts(self) -> list[int]:
@@ -113,11 +114,16 @@ class Row:
 
     def markdown(self) -> str:
         return (
-            f"| {self.strategy} | {self.reached:.0%} | {self.retention:.0%} | {self.obeyed:.0%} | "
+            f"| {self.strategy} | {_share(self.reached)} | {self.retention:.0%} | "
+            f"{self.obeyed:.0%} | "
             f"{self.rouge_l:.3f} | {self.bleu4:.3f} | {self.prompt_tokens:.0f} | "
             f"{self.summary_tokens:.0f} | {self.cache_hit:.0%} | {self.ttft_p50_s * 1000:.0f} | "
             f"{self.answers} |"
         )
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
 
 
 def score(run: StrategyRun, reference: StrategyRun) -> Row:
@@ -137,7 +143,9 @@ def score(run: StrategyRun, reference: StrategyRun) -> Row:
         ttft_p50_s=statistics.median(a.ttft_s for a in answers),
         answers=len(answers),
         summary_tokens=run.summary_tokens / len(answers),
-        reached=statistics.fmean(a.reached for a in answers),
+        reached=None
+        if any(a.reached is None for a in answers)
+        else statistics.fmean(bool(a.reached) for a in answers),
     )
 
 
@@ -320,9 +328,11 @@ async def run_strategy(
                 await mesh.fork(session, asked, conversation.system_prompt)
                 reply = await mesh.ask(asked, fact.question, strategy, run.max_tokens)
                 summary = await mesh.summary(asked)
-                reached = reply.dropped_turns <= conversation.turn_of(fact) or retained(
-                    summary, fact
-                )
+                reached: bool | None = reply.dropped_turns <= conversation.turn_of(
+                    fact
+                ) or retained(summary, fact)
+                if strategy == Truncation.KEY_SENTENCES and not reached:
+                    reached = None  # the excerpt the router chose is not seen here
                 result.answers.append(
                     Answer(conversation.id, fact.question, reply.text, retained(reply.text, fact),
                            obeyed(reply.text, conversation.marker), reply.prompt_tokens,

@@ -599,7 +599,7 @@ def test_history_is_asked_for_within_the_models_context_and_the_chosen_strategy(
         await run(core, request("hi", session="s", max_tokens=4))
         await run(core, replace(request("hi", session="s"), truncation="sliding_summary"))
         first, second = context.asked
-        assert first.truncation == "last_turns"  # the tenant's default
+        assert first.truncation == "key_sentences"  # the tenant's default
         assert second.truncation == "sliding_summary"
         tail = len("<|user|>\nhi\n<|assistant|>\n")
         room = CONTEXT - 4 - 1 - tail - len(SUMMARY_LEAD)

@@ -1,0 +1,80 @@
+"""vllm-router (the vLLM project's router: Rust, from PyPI) as a peer to measure against.
+
+It fronts OpenAI-compatible workers that answer ``/health``; the mesh's router is one.
+``--scenario peer-hop`` measures what its hop costs: client -> vllm-router -> a router
+over the stack's replica, against client -> that router, request by request in pairs
+(the order alternating), both through the OpenAI HTTP API.
+
+The tool lives in a virtual environment of its own (``.llm-mesh/tools``), kept out of the
+mesh's; nothing of it is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from llmmesh.launcher.process import Child
+
+TOOL, VERSION = "vllm-router", "0.1.17"
+TOOLS_DIR = Path(".llm-mesh") / "tools"
+POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "consistent_hash")
+
+
+def tool_command(root: Path = TOOLS_DIR) -> Path:
+    """The router's command, installed first if it is not yet."""
+    venv = root / f"{TOOL}-{VERSION}"
+    command = venv / "bin" / TOOL
+    if not command.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"{TOOL}=={VERSION}"], check=True)
+    return command
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@contextmanager
+def peer_router(workers: Sequence[str], policy: str, workdir: Path) -> Iterator[str]:
+    """vllm-router over ``workers`` (base URLs without /v1) with ``policy``; yields its
+    base URL (with /v1) once it answers."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: one of {POLICIES}")
+    port = _free_port()
+    command = [
+        str(tool_command()),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *workers,
+        "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    child = Child.spawn(TOOL, command, dict(os.environ), workdir / f"{TOOL}.log", workdir)
+    try:
+        child.wait_until(
+            lambda: _healthy(f"http://127.0.0.1:{port}/health"),
+            time.monotonic() + 60,
+            "answer /health",
+        )
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        child.terminate(5)
