@@ -273,16 +273,19 @@ def _bench_stack(args: argparse.Namespace, code: Path | None) -> Iterator[Any]:
             yield stack
 
 
+LOADGEN = "load generator"
+
+
 def _against_name(args: argparse.Namespace) -> str:
     return f"router ({Path(args.against).name})"
 
 
 def _stack_meter(stack: Any) -> CpuMeter:
     """The stack's processes in CPU groups (each inference replica in one), and this one."""
-    groups: dict[str, list[int]] = {"load generator": [os.getpid()]}
+    groups: dict[str, list[int]] = {LOADGEN: [os.getpid()]}
     for name, pid in stack.pids().items():
         groups.setdefault("inference" if name.startswith("inference") else name, []).append(pid)
-    return CpuMeter(groups)
+    return CpuMeter(groups, alone=[LOADGEN])  # the stack's processes are its children
 
 
 def _place(placement: str, meters: Iterable[CpuMeter]) -> str:

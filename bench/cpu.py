@@ -90,19 +90,25 @@ class CpuSpent:
 
 
 class CpuMeter:
-    """Samples named groups of processes, each a root process and its descendants."""
+    """Samples named groups of processes, each a root process and its descendants, but
+    for the groups named ``alone`` (a process that started the others, as a benchmark's
+    load generator started the stack: only its own time is its)."""
 
-    def __init__(self, roots: Mapping[str, Iterable[int]]) -> None:
+    def __init__(self, roots: Mapping[str, Iterable[int]], alone: Iterable[str] = ()) -> None:
         self.roots = {name: tuple(pids) for name, pids in roots.items()}
+        self._alone = frozenset(alone)
 
     def sample(self) -> CpuSample:
         return CpuSample(
             time.monotonic(),
-            {
-                name: sum(cpu_seconds(p) for root in roots for p in descendants(root))
-                for name, roots in self.roots.items()
-            },
+            {name: sum(cpu_seconds(p) for p in self._pids(name)) for name in self.roots},
         )
+
+    def _pids(self, name: str) -> list[int]:
+        roots = self.roots[name]
+        if name in self._alone:
+            return list(roots)
+        return [pid for root in roots for pid in descendants(root)]
 
     def idle(self, seconds: float = 3.0) -> CpuSpent:
         """What the groups spend with no request in flight (measured over ``seconds``)."""

@@ -115,7 +115,9 @@ def build(config: InferenceConfig) -> GrpcService:
         )
 
     monitor = LoadMonitor(engine_page, lambda: core.in_flight, core.latency)
-    servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
+    servicer = InferenceServicer(
+        core, monitor, f"{config.host}:{config.grpc_port}", config.multiplex_hold_ms / 1000
+    )
     service = GrpcService(
         config,
         [INFERENCE.full_name],

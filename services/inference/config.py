@@ -31,5 +31,9 @@ class InferenceConfig(ServiceConfig):
     # health.py). Idle models are probed this often.
     stall_timeout_s: float = Field(default=15.0, gt=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
+    # Multiplexed streams (routers): a generation's later responses may wait this long for
+    # others to go out in the same message (its first and last never wait); each message
+    # costs both ends a wakeup. 0: every response on its own, at once.
+    multiplex_hold_ms: float = Field(default=2.0, ge=0, le=50)
     # For drills and tests only: faults this replica injects into its generations.
     faults: FaultSettings = Field(default_factory=FaultSettings)

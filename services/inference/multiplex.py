@@ -7,6 +7,12 @@ generation runs as Generate would run it (the same responses from the same core)
 task of its own; responses that are ready together (one engine step produces a token
 for every running sequence) go out as one message. Each generation has its own window
 of responses the caller has not taken yet, so a slow reader holds back only its own.
+
+Every message costs both ends a wakeup across gRPC's threads, which on a small machine
+costs far more than the bytes. So a generation's later responses may wait ``hold_s`` for
+others to go with them (the responses of one engine step reach this service one stream
+at a time, a little apart); its first response, its last and an error never wait, nor
+hold back what waits with them.
 """
 
 from __future__ import annotations
@@ -67,10 +73,13 @@ class _Generation:
 class MultiplexSession:
     """One caller's stream: its running generations and the frames waiting to go out."""
 
-    def __init__(self, responses: Responses) -> None:
+    def __init__(self, responses: Responses, hold_s: float = 0.0) -> None:
         self._responses = responses
+        self._hold_s = hold_s
         self._running: dict[int, _Generation] = {}
         self._outbox: list[inference_pb2.GenerationFrame] = []
+        self._held_since = 0.0  # loop time the oldest frame waiting was posted
+        self._urgent_at = 0  # frames up to the last urgent one waiting must go now
         self._wake = asyncio.Event()
         self._input_done = False
         self._draining = False
@@ -97,15 +106,31 @@ class MultiplexSession:
         self._wake.set()
 
     async def _messages(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        loop = asyncio.get_running_loop()
         while True:
+            if not self._outbox:
+                if (self._input_done or self._draining) and not self._running:
+                    return
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            await self._hold(loop)
+            frames = self._outbox[:MAX_FRAMES_PER_MESSAGE]
+            del self._outbox[:MAX_FRAMES_PER_MESSAGE]
+            self._urgent_at = max(self._urgent_at - len(frames), 0)
+            self._held_since = loop.time()  # what came meanwhile waited for the write
+            yield inference_pb2.MultiplexResponse(frames=frames)
+
+    async def _hold(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Later responses wait for company, up to hold_s; an urgent one ends the wait."""
+        while self._outbox and not self._urgent_at:
+            remaining = self._held_since + self._hold_s - loop.time()
+            if remaining <= 0:
+                return
+            timer = loop.call_later(remaining, self._wake.set)
             await self._wake.wait()
             self._wake.clear()
-            while self._outbox:  # frames posted while a message was written go next
-                frames = self._outbox[:MAX_FRAMES_PER_MESSAGE]
-                del self._outbox[:MAX_FRAMES_PER_MESSAGE]
-                yield inference_pb2.MultiplexResponse(frames=frames)
-            if (self._input_done or self._draining) and not self._running:
-                return
+            timer.cancel()
 
     async def _read(self, requests: AsyncIterator[inference_pb2.MultiplexRequest]) -> None:
         try:
@@ -155,11 +180,12 @@ class MultiplexSession:
         span = tracing.tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.SERVER)
         try:
             with trace.use_span(span, end_on_exit=True):
+                first = True
                 async for response in self._responses(request, request_id):
                     await generation.take()
-                    self._post(
-                        inference_pb2.GenerationFrame(generation_id=number, response=response)
-                    )
+                    frame = inference_pb2.GenerationFrame(generation_id=number, response=response)
+                    self._post(frame, urgent=first or bool(response.finish_reason))
+                    first = False
         except asyncio.CancelledError:
             pass  # the caller cancelled it (or left): nothing more goes out for it
         except MeshError as err:
@@ -171,10 +197,14 @@ class MultiplexSession:
             del self._running[number]
             self._wake.set()
 
-    def _post(self, frame: inference_pb2.GenerationFrame) -> None:
+    def _post(self, frame: inference_pb2.GenerationFrame, urgent: bool) -> None:
+        if not self._outbox:
+            self._held_since = asyncio.get_running_loop().time()
         self._outbox.append(frame)
+        if urgent or not self._hold_s:
+            self._urgent_at = len(self._outbox)
         self._wake.set()
 
     def _post_error(self, number: int, err: MeshError) -> None:
         status = to_status(err).SerializeToString()
-        self._post(inference_pb2.GenerationFrame(generation_id=number, error=status))
+        self._post(inference_pb2.GenerationFrame(generation_id=number, error=status), True)

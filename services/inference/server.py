@@ -36,8 +36,11 @@ DEFAULT_REPORT_INTERVAL_S = 0.05
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, core: InferenceCore, monitor: LoadMonitor, replica: str) -> None:
+    def __init__(
+        self, core: InferenceCore, monitor: LoadMonitor, replica: str, hold_s: float = 0.0
+    ) -> None:
         self._core = core
+        self._hold_s = hold_s  # Multiplex: how long later responses wait for company
         self._monitor = monitor
         self._replica = replica
         self._sessions: set[MultiplexSession] = set()
@@ -71,7 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Multiplex(  # noqa: N802 (gRPC method name)
         self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: AnyContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-        session = MultiplexSession(self._responses)
+        session = MultiplexSession(self._responses, self._hold_s)
         self._sessions.add(session)
         if self._draining:
             session.drain()
@@ -153,7 +156,9 @@ def build_service(config: InferenceConfig) -> GrpcService:
         core.latency,
         config.load_poll_interval_s,
     )
-    servicer = InferenceServicer(core, monitor, f"{config.host}:{config.grpc_port}")
+    servicer = InferenceServicer(
+        core, monitor, f"{config.host}:{config.grpc_port}", config.multiplex_hold_ms / 1000
+    )
 
     async def start() -> None:
         keeper.start()

@@ -82,3 +82,14 @@ def test_cost_beyond_idle_and_per_request() -> None:
     # 1 s of router CPU over 4 requests and 8 responses: 250 ms each, 125,000 µs each.
     assert row.startswith("| concurrency 1 | router | 4 | 8 | 250.00 |")
     assert row.endswith("| 250.00 | 125000 |")
+
+
+def test_a_group_alone_counts_only_its_own_process(
+    family: tuple[subprocess.Popen[str], int],
+) -> None:
+    parent, child = family
+    meter = CpuMeter({"parent": [parent.pid], "family": [parent.pid]}, alone=["parent"])
+    first = meter.sample()
+    wait_for(lambda: cpu_seconds(child) > first.seconds["family"] + 0.2, 30, "the child's CPU")
+    spent = meter.sample().minus(first)
+    assert spent.seconds["family"] >= 0.2 > spent.seconds["parent"]

@@ -79,8 +79,9 @@ async def _no_engine_page() -> str:
 
 
 class CountingServicer(InferenceServicer):
-    def __init__(self, core: InferenceCore, progress: Progress) -> None:
-        super().__init__(core, LoadMonitor(_no_engine_page, lambda: 0, core.latency), "test")
+    def __init__(self, core: InferenceCore, progress: Progress, hold_s: float = 0.0) -> None:
+        monitor = LoadMonitor(_no_engine_page, lambda: 0, core.latency)
+        super().__init__(core, monitor, "test", hold_s)
         self._progress = progress
         self.streams = 0  # Multiplex calls opened
         self.open_streams = 0
@@ -111,10 +112,13 @@ class Replica:
 Scenario = Callable[[Replica], Awaitable[None]]
 
 
-def run(scenario: Scenario, *, window: int = 64, idle_close_s: float = 30.0) -> None:
+def run(
+    scenario: Scenario, *, window: int = 64, idle_close_s: float = 30.0, hold_s: float = 0.0
+) -> None:
     async def main() -> None:
         engine = ScriptedEngine()
-        servicer = CountingServicer(InferenceCore(engine, max_tokens_limit=512), engine.progress)
+        core = InferenceCore(engine, max_tokens_limit=512)
+        servicer = CountingServicer(core, engine.progress, hold_s)
         server = grpc.aio.server()
         add_servicer(server, servicer, SERVICE)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -167,7 +171,17 @@ def test_concurrent_generations_share_one_stream_and_match_generate() -> None:
     run(scenario)
 
 
-def test_a_generation_cut_short_is_cancelled_in_the_engine_and_no_other() -> None:
+def test_later_responses_wait_for_company_and_the_first_and_last_never_wait() -> None:
+    async def scenario(replica: Replica) -> None:
+        chunks = await collect(replica.mux.generate(call("quick", max_tokens=8)))
+        # The first alone at once; the rest waited for the last, which ended the wait.
+        assert [c.num_tokens for c in chunks] == [1, 7]
+        assert chunks[-1].finish_reason is FinishReason.LENGTH
+
+    run(scenario, hold_s=10.0)  # far longer than the test: only the last ends the wait
+
+
+def test_a_generation_cut_is_cancelled_in_the_engine_and_no_other() -> None:
     async def scenario(replica: Replica) -> None:
         mux, engine = replica.mux, replica.engine
         stopped = mux.generate(call("wait, then stop", max_tokens=50))
