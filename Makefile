@@ -69,9 +69,9 @@ setup: $(STAMP)
 # docker-compose.yml (no container engine needed); the quantization benchmark scores
 # Debian's bible-kjv text.
 system-deps:
-	@dpkg -s libpython3.11 redis-server docker-compose bible-kjv >/dev/null 2>&1 || \
+	@dpkg -s libpython3.11 redis-server docker-compose bible-kjv nghttp2-client >/dev/null 2>&1 || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			libpython3.11 redis-server docker-compose bible-kjv)
+			libpython3.11 redis-server docker-compose bible-kjv nghttp2-client)
 
 $(STAMP): pyproject.toml | system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

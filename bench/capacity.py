@@ -2,19 +2,22 @@
 one router process admits and picks, and the tokens a second it relays, on one CPU,
 before its own latency doubles. The figure that says how many routers a fleet needs.
 
-The upstream is never the bottleneck: paced replicas (bench/paced_replica.py, the real
-inference service over a step clock) answer every request after ``ttft_ms`` and give
-each running sequence a token every ``itl_ms``, however many there are. The router runs
-alone on the first CPU; the paced replicas, the stack's services and this load generator
-share the others. The tenant is the local stack's (the default rule set: the prompt is
-checked, and the output as it streams), with no budgets, and admission control's window
-wide enough never to queue: what is measured is the router's own work.
+Nothing but the router may be the bottleneck. Upstream, paced replicas (bench/
+paced_replica.py, the real inference service over a step clock) answer every request
+after ``ttft_ms`` and give each running sequence a token every ``itl_ms``, however many
+run. Downstream, the load comes from h2load (nghttp2's HTTP/2 load generator, in C:
+Debian's nghttp2-client), sending the public gRPC API's Generate as a pre-encoded message;
+a Python client could not keep up with the router it measures. The router runs alone on
+the first CPU; the paced replicas, the stack's services, h2load and a probe share the
+others. The tenant is the local stack's (the default rule set: the prompt is checked, and
+the output as it streams), with no budgets, and admission control's window too wide to
+queue: what is measured is the router's own work.
 
-Two sweeps, each step a fresh measurement: requests a second (Poisson arrivals of short
-generations, ``short_tokens`` each), and concurrent streams (closed loop, long
-generations): each step's TTFT p50 against the first step's, the router's CPU use, and
-what it served. The capacity is the highest step whose TTFT p50 stays within twice the
-first step's, with nothing failed.
+Each step runs for ``seconds``: h2load offers a rate of one-token requests (admitted and
+picked: the per-request work), or holds a number of long generations open (relayed: the
+per-token work), while a probe sends one-token requests one at a time and times them
+(TTFT). A step's TTFT p50 is compared with the first step's; the capacity is the highest
+step within twice it, with every request served.
 """
 
 from __future__ import annotations
@@ -23,57 +26,63 @@ import asyncio
 import json
 import math
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.cpu import CpuMeter, pin
-from bench.loadgen import LoadShape, run_load
-from bench.metrics import Slo
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.cpu import CpuMeter, busy_seconds, pin
+from bench.metrics import RequestRecord
 from bench.targets import RouterTarget
-from bench.workload import WorkloadSpec, make_requests, new_salt
+from bench.workload import BenchRequest, new_salt
+from llmmesh.client import build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 
 LATENCY_GROWTH = 2.0  # "before its own latency doubles"
+GENERATE_PATH = "/llmmesh.v1.Generation/Generate"
+CLIENTS = 4  # h2load connections for the arrivals
+PROBES_PER_S = 10  # the probe's rate: its requests are part of the load, a small one
 
 
 @dataclass(frozen=True)
 class CapacityShape:
     replicas: int = 2
-    ttft_ms: float = 5.0
+    ttft_ms: float = 1.0
     itl_ms: float = 10.0
-    rates: tuple[float, ...] = (25, 100, 200, 300, 400, 500, 600, 800)
-    rate_seconds: float = 8.0
-    short_tokens: int = 4
-    streams: tuple[int, ...] = (4, 16, 32, 64, 128, 192, 256)
+    rates: tuple[int, ...] = (40, 100, 200, 300, 400, 500, 600, 800)  # CLIENTS divide them
+    streams: tuple[int, ...] = (16, 32, 64, 128, 192, 256)
     stream_tokens: int = 200
-    stream_seconds: float = 8.0
+    seconds: float = 8.0
     prompt_chars: int = 128
 
 
 @dataclass(frozen=True)
 class Step:
     load: str  # "100 req/s" or "64 streams"
-    offered: float  # requests/s, or streams
-    served_per_s: float  # requests/s done
-    tokens_per_s: float  # relayed to the clients
-    responses_per_s: float  # messages with text the clients received
-    ttft_p50_ms: float
+    served_per_s: float  # requests h2load saw served
+    tokens_per_s: float  # relayed to h2load's clients
+    latency_p50_ms: float  # of h2load's requests, to the end of each
+    ttft_p50_ms: float  # the probe's
     ttft_p99_ms: float
-    itl_p50_ms: float
     router_cpu: float  # the router's share of its CPU over the step
-    failed: int
+    others_cpu: float  # how busy the other CPUs were (the harness: is it the bottleneck?)
+    failed: int  # h2load's failed streams, and the router's requests not served
 
     def row(self, base_ttft_ms: float) -> str:
         growth = self.ttft_p50_ms / base_ttft_ms if base_ttft_ms else math.inf
         return (
             f"| {self.load} | {self.served_per_s:.0f} | {self.tokens_per_s:,.0f} | "
-            f"{self.responses_per_s:,.0f} | {self.ttft_p50_ms:.1f} | {self.ttft_p99_ms:.1f} | "
-            f"{growth:.2f}x | {self.itl_p50_ms:.1f} | {self.router_cpu:.0%} | {self.failed} |"
+            f"{self.latency_p50_ms:.1f} | {self.ttft_p50_ms:.1f} | {self.ttft_p99_ms:.1f} | "
+            f"{growth:.2f}x | {self.router_cpu:.0%} | {self.others_cpu:.0%} | {self.failed} |"
         )
 
 
@@ -83,7 +92,7 @@ class Sweep:
     steps: list[Step]
 
     def within(self) -> Step | None:
-        """The highest step whose TTFT p50 is within LATENCY_GROWTH x the first's."""
+        """The highest step whose probe TTFT p50 is within LATENCY_GROWTH x the first's."""
         base = self.steps[0].ttft_p50_ms
         kept = [s for s in self.steps if not s.failed and s.ttft_p50_ms <= LATENCY_GROWTH * base]
         return kept[-1] if kept else None
@@ -91,8 +100,8 @@ class Sweep:
     def table(self) -> str:
         base = self.steps[0].ttft_p50_ms
         head = (
-            f"| {self.name} | requests/s | tokens/s | responses/s | TTFT p50 (ms) | "
-            "TTFT p99 (ms) | TTFT p50 / first | ITL p50 (ms) | router CPU | failed |\n"
+            f"| {self.name} | requests/s | tokens/s | h2load latency p50 (ms) | probe TTFT p50 "
+            "(ms) | probe TTFT p99 (ms) | TTFT p50 / first | router CPU | other CPUs | failed |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         )
         return "\n".join([head, *(s.row(base) for s in self.steps)])
@@ -110,27 +119,42 @@ class Capacity:
         said = []
         if best_rate is not None:
             said.append(
-                f"**{best_rate.served_per_s:.0f} requests/s** admitted and picked "
-                f"(TTFT p50 {best_rate.ttft_p50_ms:.1f} ms, router CPU {best_rate.router_cpu:.0%})"
+                f"**{best_rate.served_per_s:.0f} requests/s** admitted and picked (probe TTFT "
+                f"p50 {best_rate.ttft_p50_ms:.1f} ms, router CPU {best_rate.router_cpu:.0%})"
             )
         if best_streams is not None:
             said.append(
                 f"**{best_streams.tokens_per_s:,.0f} tokens/s** relayed over "
-                f"{best_streams.load} (TTFT p50 {best_streams.ttft_p50_ms:.1f} ms, "
-                f"{best_streams.responses_per_s:,.0f} responses/s)"
+                f"{best_streams.load} (probe TTFT p50 {best_streams.ttft_p50_ms:.1f} ms, "
+                f"router CPU {best_streams.router_cpu:.0%})"
             )
         verdict = "; ".join(said) or "no step within twice the first step's TTFT"
         return (
             f"{self.rates.table()}\n\n{self.streams.table()}\n\nWithin {LATENCY_GROWTH:.0f}x the "
-            f"first step's TTFT p50 and nothing failed: {verdict}."
+            f"first step's probe TTFT p50 and every request served: {verdict}."
         )
 
     def as_json(self) -> dict[str, object]:
         return {
+            "shape": asdict(self.shape),
             "placement": self.placement,
-            "rates": [s.__dict__ for s in self.rates.steps],
-            "streams": [s.__dict__ for s in self.streams.steps],
+            "rates": [asdict(s) for s in self.rates.steps],
+            "streams": [asdict(s) for s in self.streams.steps],
         }
+
+
+def h2load_command() -> str:
+    found = shutil.which("h2load")
+    if found is None:
+        raise SystemExit("--scenario capacity needs h2load (Debian's nghttp2-client)")
+    return found
+
+
+def grpc_message(prompt: str, max_tokens: int) -> bytes:
+    """A Generate request as it goes on the wire: gRPC's 5-byte prefix, then the message."""
+    payload = build_request(prompt, model="llm", max_tokens=max_tokens, ignore_eos=True)
+    body = payload.SerializeToString()
+    return b"\x00" + len(body).to_bytes(4, "big") + body
 
 
 def _paced(stack: Stack, workdir: Path, shape: CapacityShape) -> tuple[Child, str]:
@@ -152,9 +176,23 @@ def _paced(stack: Stack, workdir: Path, shape: CapacityShape) -> tuple[Child, st
 @dataclass(frozen=True)
 class CapacityFleet:
     router: str
+    metrics_url: str
     api_key: str
     meter: CpuMeter
     placement: str
+    workdir: Path
+    others: list[int]  # the CPUs the router does not run on
+
+    def served(self) -> dict[str, float]:
+        """The router's requests so far, by outcome."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
+            text = reply.read().decode()
+        return {
+            sample.labels["outcome"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "llm_router_requests_total"
+        }
 
 
 @contextmanager
@@ -172,101 +210,151 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
             endpoints = workdir / "paced.json"
             listed = [{"address": a, "version": "stable", "region": "local"} for a in addresses]
             endpoints.write_text(json.dumps({"endpoints": listed}))
-            port = StackPorts.free().router
+            ports = StackPorts.free()
             wide = "100000"  # admission's window: never the bottleneck here
             router = stack.start_service(
-                "router", port, workdir, endpoints_file=str(endpoints),
+                "router", ports.router, workdir, endpoints_file=str(endpoints),
                 admission__initial_limit=wide, admission__max_limit=wide,
+                metrics_port=str(ports.router_metrics),
             )  # fmt: skip
             children.append(router)
-            router_pid = router.process.pid
-            rest = [*stack.pids().values(), *(c.process.pid for c in children[:-1])]
-            cpus = sorted(os.sched_getaffinity(0))
-            if len(cpus) < 2:
-                raise SystemExit("--scenario capacity needs at least two CPUs")
-            pin([router_pid], set(cpus[:1]))
-            pin([*rest, os.getpid()], set(cpus[1:]))
-            placement = (
-                f"the router alone on CPU {cpus[0]}; the paced replicas, the stack's services "
-                f"and the load generator on CPUs {cpus[1:]}"
-            )
             yield CapacityFleet(
-                f"127.0.0.1:{port}", stack.api_key, CpuMeter({"router": [router_pid]}), placement
+                f"127.0.0.1:{ports.router}",
+                f"http://127.0.0.1:{ports.router_metrics}/metrics",
+                stack.api_key,
+                CpuMeter({"router": [router.process.pid]}),
+                _place(router.process.pid, [*stack.pids().values(), *_pids(children[:-1])]),
+                workdir,
+                sorted(os.sched_getaffinity(0)),  # the bench's own, once placed
             )
         finally:
             for child in reversed(children):
                 child.terminate(10)
 
 
-async def _step(
-    fleet: CapacityFleet, spec: WorkloadSpec, shape: LoadShape, label: str, offered: float
-) -> Step:
-    target = RouterTarget(fleet.router, "llm", fleet.api_key, timeout_s=60)
-    try:
-        before = fleet.meter.sample()
-        measured = await run_load(target, make_requests(spec), shape, warmup=2, progress=False)
-        spent = fleet.meter.sample().minus(before)
-    finally:
-        await target.close()
-    summary = measured.summary(Slo())
-    responses = sum(len(r.chunk_times) for r in measured.records if r.ok)
-    return Step(
-        label,
-        offered,
-        summary.requests_per_s,
-        summary.output_tokens_per_s,
-        responses / measured.duration_s if measured.duration_s else 0.0,
-        summary.ttft_s["p50"] * 1000,
-        summary.ttft_s["p99"] * 1000,
-        summary.itl_s["p50"] * 1000,
-        spent.seconds["router"] / spent.wall_s if spent.wall_s else 0.0,
-        summary.failed,
+def _pids(children: list[Child]) -> list[int]:
+    return [child.process.pid for child in children]
+
+
+def _place(router: int, rest: list[int]) -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--scenario capacity needs at least two CPUs")
+    pin([router], set(cpus[:1]))
+    pin([*rest, os.getpid()], set(cpus[1:]))  # h2load, started from here, inherits it
+    return (
+        f"the router alone on CPU {cpus[0]}; the paced replicas, the stack's services, "
+        f"h2load and the probe on CPUs {cpus[1:]}"
     )
 
 
-async def _rates(fleet: CapacityFleet, shape: CapacityShape) -> Sweep:
-    steps = []
-    for rate in shape.rates:
-        spec = WorkloadSpec(
-            num_prompts=max(int(rate * shape.rate_seconds), 20),
-            input_len=shape.prompt_chars,
-            output_len=shape.short_tokens,
-            salt=new_salt(),
+def _h2load(
+    fleet: CapacityFleet, message: Path, log: Path, load: list[str], seconds: float
+) -> None:
+    command = [
+        h2load_command(), *load, "-D", str(round(seconds)), "-d", str(message),
+        "-H", "content-type: application/grpc", "-H", "te: trailers",
+        "-H", f"authorization: Bearer {fleet.api_key}",
+        "--log-file", str(log), f"http://{fleet.router}{GENERATE_PATH}",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=seconds + 120)
+
+
+def _h2load_log(log: Path) -> tuple[int, int, list[float]]:
+    """(served, failed, latencies in s) from h2load's per-request log."""
+    served, failed, latencies = 0, 0, []
+    for line in log.read_text().splitlines():
+        _, status, micros = line.split("\t")[:3]
+        if status == "200":
+            served += 1
+            latencies.append(int(micros) / 1e6)
+        else:
+            failed += 1
+    return served, failed, latencies
+
+
+async def _probe(fleet: CapacityFleet, until: float) -> list[float]:
+    """One-token requests, PROBES_PER_S of them a second, one at a time, until ``until``:
+    their TTFT."""
+    target = RouterTarget(fleet.router, "llm", fleet.api_key, timeout_s=60)
+    ttft = []
+    try:
+        while (now := time.monotonic()) < until:
+            record = RequestRecord(sent_at=time.perf_counter())
+            await target.send(BenchRequest(new_salt() + "probe", 1), record)
+            ttft.append(record.ttft)
+            pause = now + 1 / PROBES_PER_S - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)  # the probes' schedule, not synchronisation
+    finally:
+        await target.close()
+    return ttft
+
+
+def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, seconds: float) -> Step:
+    message = fleet.workdir / "request.bin"
+    message.write_bytes(grpc_message(new_salt() + "x" * 120, tokens))
+    log = fleet.workdir / "h2load.log"
+    log.unlink(missing_ok=True)  # h2load appends to it
+    before, served_before = fleet.meter.sample(), fleet.served()
+    others_before = busy_seconds(fleet.others)
+    started = time.monotonic()
+
+    async def probe_beside_h2load() -> list[float]:
+        loading = asyncio.get_running_loop().run_in_executor(
+            None, _h2load, fleet, message, log, load, seconds
         )
-        step = await _step(fleet, spec, LoadShape(rate=rate), f"{rate:.0f} req/s", rate)
-        steps.append(step)
-        print(step.row(steps[0].ttft_p50_ms), file=sys.stderr)
-        if step.failed or step.ttft_p50_ms > 4 * LATENCY_GROWTH * steps[0].ttft_p50_ms:
+        probed = await _probe(fleet, started + seconds)
+        await loading
+        return probed
+
+    ttft = asyncio.run(probe_beside_h2load())
+    spent = fleet.meter.sample().minus(before)
+    others = (busy_seconds(fleet.others) - others_before) / spent.wall_s / len(fleet.others)
+    outcomes = fleet.served()
+    unserved = sum(  # h2load cuts what runs when its time is up: that is not a failure
+        n - served_before.get(outcome, 0.0)
+        for outcome, n in outcomes.items()
+        if outcome not in ("length", "stop", "cancelled")
+    )
+    served, failed, latencies = _h2load_log(log)
+    ttft.sort()
+    return Step(
+        label,
+        served / seconds,
+        served * tokens / seconds,
+        statistics.median(latencies) * 1000 if latencies else math.nan,
+        statistics.median(ttft) * 1000,
+        ttft[min(len(ttft) - 1, len(ttft) * 99 // 100)] * 1000,
+        spent.seconds["router"] / spent.wall_s if spent.wall_s else 0.0,
+        others,
+        failed + int(unserved),
+    )
+
+
+def _sweep(
+    name: str, steps: list[tuple[str, list[str], int]], fleet: CapacityFleet, seconds: float
+) -> Sweep:
+    done: list[Step] = []
+    for label, load, tokens in steps:
+        step = _step(fleet, label, load, tokens, seconds)
+        done.append(step)
+        print(step.row(done[0].ttft_p50_ms), file=sys.stderr)
+        if step.failed or step.ttft_p50_ms > 4 * LATENCY_GROWTH * done[0].ttft_p50_ms:
             break  # far past the knee: the rest would only queue
-    return Sweep("arrivals", steps)
-
-
-async def _streams(fleet: CapacityFleet, shape: CapacityShape) -> Sweep:
-    steps = []
-    stream_s = shape.stream_tokens * shape.itl_ms / 1000
-    for streams in shape.streams:
-        per_stream = max(math.ceil(shape.stream_seconds / stream_s), 1)
-        spec = WorkloadSpec(
-            num_prompts=streams * per_stream,
-            input_len=shape.prompt_chars,
-            output_len=shape.stream_tokens,
-            salt=new_salt(),
-        )
-        label = f"{streams} streams"
-        step = await _step(fleet, spec, LoadShape(concurrency=streams), label, streams)
-        steps.append(step)
-        print(step.row(steps[0].ttft_p50_ms), file=sys.stderr)
-        if step.failed or step.ttft_p50_ms > 4 * LATENCY_GROWTH * steps[0].ttft_p50_ms:
-            break
-    return Sweep("streams", steps)
+    return Sweep(name, done)
 
 
 def measure(workdir: Path, shape: CapacityShape) -> Capacity:
     with capacity_fleet(workdir, shape) as fleet:
         print(fleet.placement, file=sys.stderr)
-
-        async def both() -> tuple[Sweep, Sweep]:
-            return await _rates(fleet, shape), await _streams(fleet, shape)
-
-        rates, streams = asyncio.run(both())
-    return Capacity(shape, fleet.placement, rates, streams)
+        rates = [
+            (f"{rate} req/s", ["-c", str(CLIENTS), "-m", "64", "--rps", str(rate // CLIENTS)], 1)
+            for rate in shape.rates
+        ]
+        streams = [
+            (f"{n} streams", ["-c", str(n), "-m", "1"], shape.stream_tokens) for n in shape.streams
+        ]
+        by_rate = _sweep("arrivals", rates, fleet, shape.seconds)
+        by_streams = _sweep("streams", streams, fleet, shape.seconds)
+    return Capacity(shape, fleet.placement, by_rate, by_streams)

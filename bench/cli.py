@@ -732,10 +732,11 @@ def _capacity(args: argparse.Namespace) -> int:
         args,
         _section(args, "capacity"),
         f"; {capacity.placement}; {shape.replicas} paced replicas ({shape.ttft_ms:.0f} ms to "
-        f"the first token, a step every {shape.itl_ms:.0f} ms); {shape.prompt_chars}-character "
-        f"prompts; arrivals: {shape.short_tokens} tokens each, {shape.rate_seconds:.0f} s per "
-        f"rate; streams: {shape.stream_tokens} tokens each, {shape.stream_seconds:.0f} s per "
-        "step; the local stack's tenant (the default rule set, prompt and output checked).",
+        f"the first token, a step every {shape.itl_ms:.0f} ms); h2load {shape.seconds:.0f} s "
+        f"per step: arrivals of one-token requests ({shape.prompt_chars}-character "
+        f"prompts), or streams of {shape.stream_tokens} tokens held open; a probe times "
+        "one-token requests one at a time; the local stack's tenant (the default rule set, "
+        "prompt and output checked).",
         capacity.report(),
     )
     return 0

@@ -46,6 +46,19 @@ def _tasks(pid: int) -> list[int]:
         return []
 
 
+def busy_seconds(cpus: Iterable[int]) -> float:
+    """Time the ``cpus`` have spent on anything but idling and waiting for I/O so far
+    (/proc/stat), in seconds."""
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *ticks = line.split()
+        if name in wanted:
+            values = [int(t) for t in ticks]
+            busy += sum(values) - values[3] - values[4]  # idle, iowait
+    return busy / CLOCK_TICKS
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system time of every thread of ``pid`` so far (0 once it is gone)."""
     try:
