@@ -36,7 +36,7 @@ def tool_command(root: Path = TOOLS_DIR) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
         subprocess.run([*pip, f"{TOOL}=={VERSION}"], check=True)
-    return command
+    return command.resolve()
 
 
 def _free_port() -> int:
