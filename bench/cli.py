@@ -487,14 +487,15 @@ def _policy(args: argparse.Namespace) -> int:
     rounds = args.rounds * 10
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print("starting a stack, a policy service and a router ...", file=sys.stderr)
-        result = run_policy(Path(workdir), rounds, args.seed)
+        result = run_policy(Path(workdir), rounds, args.seed, args.model or "llm")
     print(result.table())
     _record(
         args,
         _section(args, "policy"),
         f"; {rounds} generations of 16 tokens per tenant, alternating. The router's "
-        "tenants differ only in their rule set: none, the default set's rules on input, "
-        "the 200 rules on input only, or on input and output.",
+        "tenants differ only in their rule set: none, the default set's rules on input, or "
+        "on input and output, the 200 rules on input only, or on input and output; "
+        f"{args.model or 'llm'}.",
         result.table(),
     )
     return 0
