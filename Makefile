@@ -42,16 +42,22 @@ typecheck: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m llmmesh.codegen
 
-# Each run starts its own stack on free ports; results go to docs/benchmarks.md.
+# Each run starts its own stack on free ports; results go to docs/benchmarks.md. The
+# baseline runs the code of AGAINST beside this checkout's (default: main, checked out
+# into a scratch directory).
 BENCH := $(BIN)/llm-mesh bench --start-stack --no-progress --markdown docs/benchmarks.md
+AGAINST ?= $(CURDIR)/.llm-mesh/against-main
 bench: $(STAMP)
-	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 5 --section baseline
+	test -d $(AGAINST) || git worktree add --detach $(AGAINST) $(AGAINST_REF)
+	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 3 --against $(AGAINST) --section baseline
+	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 3 --against $(AGAINST) --placement pinned --section baseline-pinned
 	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 5 --section batching
 	$(BENCH) --target triton --scenario hol
 	$(BENCH) --target triton --scenario prefix
 	$(BENCH) --scenario routing --routers 1,2 --rounds 3 --output-len 96
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
+	$(BENCH) --scenario policy --rounds 3 --model smollm2 --section policy-smollm2
 	$(BENCH) --scenario context
 	$(BENCH) --scenario sidecars --concurrency 1,16 --num-prompts 48 --rounds 3
 	$(BENCH) --scenario decode --rounds 3
@@ -61,6 +67,9 @@ bench: $(STAMP)
 	$(BENCH) --scenario drift --num-prompts 32 --output-len 32
 	$(BENCH) --scenario canary --concurrency 1,16 --num-prompts 64 --rounds 5 --output-len 32
 	$(BENCH) --scenario shared-state --num-prompts 600 --duration 30
+	$(BENCH) --scenario truncation
+	$(BENCH) --scenario capacity
+	$(BENCH) --scenario peer-hop --num-prompts 300 --output-len 4
 
 setup: $(STAMP)
 
