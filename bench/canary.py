@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.paced_replica import start_paced_replica
 from bench.report import Run
 from bench.targets import RouterTarget, named
 from llmmesh.canary import FileRouting
@@ -51,22 +51,6 @@ def _endpoints(path: Path, stable: str, canary: str) -> Path:
     return path
 
 
-def _paced_replica(stack: Stack, workdir: Path, ttft_ms: float, itl_ms: float) -> tuple[Child, str]:
-    port = StackPorts.free().inference
-    env = stack.service_env("inference") | {
-        "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
-        "LLM_MESH_INFERENCE_METRICS_PORT": "0",
-        "LLM_MESH_INFERENCE_MODELS": '["llm"]',
-        "LLM_MESH_PACED_TTFT_MS": str(ttft_ms),
-        "LLM_MESH_PACED_ITL_MS": str(itl_ms),
-    }
-    command = [sys.executable, "-m", "bench.paced_replica"]
-    child = Child.spawn("paced", command, env, workdir / "paced.log", workdir)
-    address = f"127.0.0.1:{port}"
-    child.wait_serving(address, time.monotonic() + 60)
-    return child, address
-
-
 @dataclass(frozen=True)
 class MirrorFleet:
     without: str
@@ -84,7 +68,7 @@ class MirrorFleet:
 @contextmanager
 def mirror_fleet(workdir: Path, ttft_ms: float = 20, itl_ms: float = 5) -> Iterator[MirrorFleet]:
     with Stack(workdir / "stack", StackPorts.free()) as stack:
-        canary, canary_address = _paced_replica(stack, workdir, ttft_ms, itl_ms)
+        canary, canary_address = start_paced_replica(stack, workdir, ttft_ms, itl_ms)
         children: list[Child] = [canary]
         try:
             endpoints = _endpoints(

@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cpu import CpuMeter, busy_seconds, pin
 from bench.metrics import RequestRecord
+from bench.paced_replica import start_paced_replica
 from bench.targets import RouterTarget
 from bench.workload import BenchRequest, new_salt
 from llmmesh.client import build_request
@@ -157,22 +158,6 @@ def grpc_message(prompt: str, max_tokens: int) -> bytes:
     return b"\x00" + len(body).to_bytes(4, "big") + body
 
 
-def _paced(stack: Stack, workdir: Path, shape: CapacityShape) -> tuple[Child, str]:
-    port = StackPorts.free().inference
-    env = stack.service_env("inference") | {
-        "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
-        "LLM_MESH_INFERENCE_METRICS_PORT": "0",
-        "LLM_MESH_INFERENCE_MODELS": '["llm"]',
-        "LLM_MESH_PACED_TTFT_MS": str(shape.ttft_ms),
-        "LLM_MESH_PACED_ITL_MS": str(shape.itl_ms),
-    }
-    command = [sys.executable, "-m", "bench.paced_replica"]
-    child = Child.spawn(f"paced-{port}", command, env, workdir / f"paced-{port}.log", workdir)
-    address = f"127.0.0.1:{port}"
-    child.wait_serving(address, time.monotonic() + 60)
-    return child, address
-
-
 @dataclass(frozen=True)
 class CapacityFleet:
     router: str
@@ -204,7 +189,7 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
         try:
             addresses = []
             for _ in range(shape.replicas):
-                child, address = _paced(stack, workdir, shape)
+                child, address = start_paced_replica(stack, workdir, shape.ttft_ms, shape.itl_ms)
                 children.append(child)
                 addresses.append(address)
             endpoints = workdir / "paced.json"

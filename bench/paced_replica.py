@@ -17,8 +17,13 @@ import asyncio
 import math
 import os
 import random
+import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher.process import Child
 from llmmesh.runtime import GrpcService, service_main
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, TokenLogprob
@@ -98,6 +103,27 @@ def _scored(text: str, rng: random.Random, top: int | None) -> tuple[TokenLogpro
     )
     logprob = next((lp for _, t, lp in alternatives if t == text), math.log(0.01))
     return (TokenLogprob(ord(text), text, logprob, 1, alternatives[:top]),)
+
+
+def start_paced_replica(
+    stack: Stack, workdir: Path, ttft_ms: float, itl_ms: float
+) -> tuple[Child, str]:
+    """A paced replica of the tiny model beside ``stack`` (its inference settings, its
+    credential), on a free port; returns once it serves, with its address."""
+    port = StackPorts.free().inference
+    env = stack.service_env("inference") | {
+        "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
+        "LLM_MESH_INFERENCE_METRICS_PORT": "0",
+        "LLM_MESH_INFERENCE_MODELS": '["llm"]',
+        "LLM_MESH_PACED_TTFT_MS": str(ttft_ms),
+        "LLM_MESH_PACED_ITL_MS": str(itl_ms),
+    }
+    name = f"paced-{port}"
+    command = [sys.executable, "-m", "bench.paced_replica"]
+    child = Child.spawn(name, command, env, workdir / f"{name}.log", workdir)
+    address = f"127.0.0.1:{port}"
+    child.wait_serving(address, time.monotonic() + 60)
+    return child, address
 
 
 def build(config: InferenceConfig) -> GrpcService:
