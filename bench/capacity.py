@@ -245,7 +245,7 @@ def _h2load(
     subprocess.run(command, check=True, capture_output=True, timeout=seconds + 120)
 
 
-def _h2load_log(log: Path) -> tuple[int, int, list[float]]:
+def read_h2load_log(log: Path) -> tuple[int, int, list[float]]:
     """(served, failed, latencies in s) from h2load's per-request log."""
     served, failed, latencies = 0, 0, []
     for line in log.read_text().splitlines():
@@ -302,7 +302,7 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
         for outcome, n in outcomes.items()
         if outcome not in ("length", "stop", "cancelled")
     )
-    served, failed, latencies = _h2load_log(log)
+    served, failed, latencies = read_h2load_log(log)
     ttft.sort()
     return Step(
         label,

@@ -13,7 +13,6 @@ fails as a broken call would (the dispatcher retries or resumes them elsewhere).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator
@@ -31,6 +30,9 @@ from services.router.upstreams import ChunkReader, ReplicaClient, inference_requ
 log = logging.getLogger(__name__)
 
 UPSTREAM = "inference replica"
+# A message of controls stays well under gRPC's 4 MB default limit (one start is at most
+# a prompt the router accepted, far less than this).
+MAX_MESSAGE_BYTES = 1024 * 1024
 Metadata = tuple[tuple[str, str], ...]
 Frame = inference_pb2.GenerationFrame | MeshError
 
@@ -96,17 +98,35 @@ class _Stream:
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)
 
     async def _write(self) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        try:
             while True:
                 if self._controls:
-                    controls, self._controls = self._controls, []
-                    await self._call.write(inference_pb2.MultiplexRequest(controls=controls))
+                    await self._call.write(self._next_message())
                 elif self.closing:
                     await self._call.done_writing()
                     return
                 else:
                     self._wake.clear()
                     await self._wake.wait()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended: the reader fails what runs on it
+        except Exception:  # a message that cannot be sent: no generation may wait on it
+            log.exception(
+                "multiplexed stream cannot write", extra={"fields": {"replica": self._where}}
+            )
+            self._call.cancel()
+
+    def _next_message(self) -> inference_pb2.MultiplexRequest:
+        """The controls waiting, as many as fit one message: starts carry whole prompts,
+        and a message past the replica's limit would fail every generation on the stream."""
+        size, count = 0, 0
+        for control in self._controls:
+            size += control.ByteSize()
+            if count and size > MAX_MESSAGE_BYTES:
+                break
+            count += 1
+        controls, self._controls = self._controls[:count], self._controls[count:]
+        return inference_pb2.MultiplexRequest(controls=controls)
 
     async def _read(self) -> None:
         ended: MeshError = Unavailable(f"{UPSTREAM} ended the stream")

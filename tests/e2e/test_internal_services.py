@@ -252,6 +252,16 @@ def output_checker(
     return call
 
 
+def _one_start() -> inference_pb2.MultiplexRequest:
+    start = inference_pb2.StartGeneration(
+        request=inference_pb2.InferenceRequest(
+            model="llm", prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=1)
+        )
+    )
+    control = inference_pb2.GenerationControl(generation_id=1, start=start)
+    return inference_pb2.MultiplexRequest(controls=[control])
+
+
 def test_an_internal_service_refuses_a_local_caller_without_the_mesh_token(stack: Stack) -> None:
     """Without sidecars, any process on the host reaches these ports: none of them answers
     a caller that lacks the launcher's token, not even to list one tenant's sessions."""
@@ -277,6 +287,12 @@ def test_an_internal_service_refuses_a_local_caller_without_the_mesh_token(stack
                     ),
                     timeout=10,
                 )
+            ),
+        ),
+        (
+            "inference",
+            lambda ch: next(
+                inference_pb2_grpc.InferenceStub(ch).Multiplex(iter([_one_start()]), timeout=10)
             ),
         ),
     ]

@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from bench.recall import FILLER
 from llmmesh.client import authorized_channel, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import context_pb2, context_pb2_grpc, inference_pb2_grpc
@@ -266,3 +267,27 @@ def test_personal_data_never_reaches_the_session_store(stack: Stack, recorded: A
     users = [t.text for t in stored.turns if t.role == context_pb2.ROLE_USER]
     assert users == ["My card: [CREDIT_CARD]", "Mail [EMAIL]"]
     assert all("1111" not in p and "example.com" not in p for p in replica.prompts)
+
+
+def test_key_sentences_are_chosen_with_the_question_being_answered(
+    stack: Stack, recorded: Any
+) -> None:
+    """A fact stated once and never referred to again (no name, no number) is what the
+    context service's own excerpt leaves out; the router, choosing again with the question,
+    puts it in the prompt the replica is sent, though its turn was dropped."""
+    replica, _, router = recorded
+    session = f"facts-{uuid.uuid4().hex[:8]}"
+    turns = ["Hi! My favourite dish is paella.", "Noted, I will remember that."]
+    for question, answer in FILLER[:12]:  # about 1,900 bytes: more than the model's context
+        turns += [question, answer]
+    store_session(stack, session, "", *turns)
+    replica.prompts.clear()
+    with authorized_channel(router, stack.api_key) as channel:
+        responses = collect(
+            channel, "What is my favourite dish?", max_tokens=2, session_id=session,
+            truncation="key_sentences",
+        )  # fmt: skip
+    assert responses[0].context.dropped_turns >= 2
+    [prompt] = replica.prompts
+    assert "Hi! My favourite dish is paella." not in prompt  # its turn was left out
+    assert "My favourite dish is paella." in prompt  # the sentence the question refers to

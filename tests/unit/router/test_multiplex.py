@@ -19,6 +19,7 @@ from llmmesh.v1 import common_pb2, inference_pb2
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE, InferenceServicer
+from services.router import multiplex
 from services.router.multiplex import GenerationMux
 from services.router.upstreams import ChunkReader, ReplicaClient
 
@@ -181,7 +182,19 @@ def test_later_responses_wait_for_company_and_the_first_and_last_never_wait() ->
     run(scenario, hold_s=10.0)  # far longer than the test: only the last ends the wait
 
 
-def test_a_generation_cut_is_cancelled_in_the_engine_and_no_other() -> None:
+def test_starts_that_come_together_never_make_a_message_past_the_limit() -> None:
+    async def scenario(replica: Replica) -> None:
+        # 16 starts of 400 KB each, together 6.4 MB: one message would pass the replica's
+        # 4 MB limit and fail every generation on the stream.
+        prompts = [f"{i} " + "y" * 400_000 for i in range(16)]
+        done = await asyncio.gather(*(tokens(replica.mux.generate(call(p))) for p in prompts))
+        assert done == [8] * 16
+        assert replica.servicer.streams == 1
+
+    run(scenario)
+
+
+def test_a_generation_cut_short_is_cancelled_in_the_engine_and_no_other() -> None:
     async def scenario(replica: Replica) -> None:
         mux, engine = replica.mux, replica.engine
         stopped = mux.generate(call("wait, then stop", max_tokens=50))
@@ -322,3 +335,17 @@ def test_responses_that_arrived_together_are_one_chunk_with_all_they_carry() -> 
     assert (rest.text, rest.num_tokens, rest.finish_reason) == ("bcd", 3, FinishReason.LENGTH)
     assert [lp.text for lp in rest.logprobs] == ["b", "c", "d"]
     assert rest.cached_tokens == 0
+
+
+def test_a_message_that_cannot_be_written_fails_the_stream_rather_than_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unwritable(self: Any) -> None:
+        raise ValueError("cannot be serialized")
+
+    async def scenario(replica: Replica) -> None:
+        with pytest.raises(Unavailable):
+            await collect(replica.mux.generate(call("never sent")))
+
+    monkeypatch.setattr(multiplex._Stream, "_next_message", unwritable)
+    run(scenario)

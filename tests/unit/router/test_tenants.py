@@ -12,6 +12,7 @@ from llmmesh.runtime.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from llmmesh.waiting import poll_until_async
 from services.router.shared.budgets import Admitted, Limits, TokenBucket
 from services.router.tenants import Lease, Tenants, TenantsDocument, TenantSpec, hash_key
 
@@ -184,12 +185,19 @@ def test_a_shared_budget_is_charged_in_batches_and_learns_what_others_spent() ->
         store = SlowShared()
         lease = Lease(spec, store, 1000.0, charge_interval_s=0)
         verdicts = [lease.charge(10)]  # sent at once: no charge is on its way
-        await asyncio.sleep(0)  # its answer: 1000 - 10 - the other router's 100
+
+        async def answered() -> bool:  # 1000 - 10 - the other router's 100
+            return store.charges == [10]
+
+        assert await poll_until_async(answered, 5)
         # The first 400 goes out; the rest wait for its answer, counted here meanwhile.
         verdicts += [lease.charge(400) for _ in range(3)]
         lease.release()  # settles what is pending, then frees the stream
-        for _ in range(4):
-            await asyncio.sleep(0)
+
+        async def settled() -> bool:
+            return store.released == 1
+
+        assert await poll_until_async(settled, 5)
         return store, verdicts
 
     store, verdicts = asyncio.run(scenario())
