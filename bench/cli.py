@@ -24,7 +24,7 @@ from bench.admission import plot as plot_admission
 from bench.context import run as run_context
 from bench.cpu import PLACEMENTS, CpuMeter, CpuSpent, place
 from bench.loadgen import LoadShape, Measurement, run_load
-from bench.metrics import Slo
+from bench.metrics import Slo, Summary
 from bench.plots import write_plots
 from bench.policy import run as run_policy
 from bench.report import (
@@ -42,6 +42,7 @@ from bench.routing import (
     SessionSpec,
     compare_pickers,
     picker_decision_time,
+    router_targets,
     routing_fleet,
 )
 from bench.scenarios import Comparison, Paired, head_of_line, paired_ttft, prefix_cache
@@ -82,6 +83,7 @@ def add_bench_parser(commands: Any) -> None:
             "truncation",
             "capacity",
             "peer-hop",
+            "peer-routing",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -124,7 +126,10 @@ def add_bench_parser(commands: Any) -> None:
         "capacity: the requests/s one router process admits and picks and the tokens/s it "
         "relays, alone on one CPU over paced replicas (never the bottleneck), before its "
         "TTFT p50 doubles; peer-hop: vllm-router (from PyPI) in front of the router against "
-        "the router alone, --num-prompts pairs over the OpenAI HTTP API, order alternating",
+        "the router alone, --num-prompts pairs over the OpenAI HTTP API, order alternating; "
+        "peer-routing: vllm-router (--peer-policy) over one router per engine against the "
+        "mesh's picker over the same 4 engines, the routing scenario's sessions at each of "
+        "--session-rates, the client keeping the history (OpenAI HTTP API)",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
@@ -146,6 +151,11 @@ def add_bench_parser(commands: Any) -> None:
         default="1",
         help="routing scenario: routers per picker, comma-separated runs (several: state "
         "in Redis, behind an Envoy front)",
+    )
+    bench.add_argument(
+        "--peer-policy",
+        default="cache_aware",
+        help="peer-routing: vllm-router's policy (cache_aware, power_of_two, ...)",
     )
     bench.add_argument(
         "--compare",
@@ -230,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         "truncation": _truncation,
         "capacity": _capacity,
         "peer-hop": _peer_hop,
+        "peer-routing": _peer_routing,
     }.get(args.scenario)
     if own_fleet is not None:
         return own_fleet(args)
@@ -430,7 +441,12 @@ def _routing(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             with routing_fleet(Path(workdir), routers) as (fronts, key):
-                summaries = asyncio.run(compare_pickers(fronts, key, spec, rates, args.rounds))
+
+                async def measure() -> dict[float, dict[str, Summary]]:
+                    targets = router_targets(fronts, key)
+                    return await compare_pickers(targets, spec, rates, args.rounds)
+
+                summaries = asyncio.run(measure())
         result = RoutingResult(summaries, picker_decision_time())
         print(result.table())
         heading = f"{routers} router{'s' if routers > 1 else ''} per picker"
@@ -774,6 +790,38 @@ def _peer_hop(args: argparse.Namespace) -> int:
         f"{args.output_len} output tokens, {model}, concurrency 1, OpenAI HTTP API, streamed."
     )
     _record(args, _section(args, "peer-hop"), details, paired.table())
+    return 0
+
+
+def _peer_routing(args: argparse.Namespace) -> int:
+    from bench.peer_router import VERSION, peer_routing_fleet
+
+    spec = SessionSpec(sessions=args.num_prompts, output_len=args.output_len, seed=args.seed)
+    rates = [float(r) for r in args.session_rates.split(",")]
+    peer = f"vllm-router {args.peer_policy}"
+    with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
+        print(f"starting {REPLICAS} replicas, 5 routers and vllm-router ...", file=sys.stderr)
+        with peer_routing_fleet(Path(workdir), args.peer_policy) as (urls, key):
+
+            async def measure() -> dict[float, dict[str, Summary]]:
+                targets: dict[str, Target] = {
+                    name: named(OpenAiTarget(url, "llm", key), name) for name, url in urls.items()
+                }
+                return await compare_pickers(targets, spec, rates, args.rounds, stateless=True)
+
+            summaries = asyncio.run(measure())
+    result = RoutingResult(summaries, picker_decision_time(), baseline=peer)
+    print(result.table())
+    _record(
+        args,
+        _section(args, "peer-routing"),
+        f"; vllm-router {VERSION} --policy {args.peer_policy} over {REPLICAS} routers of one "
+        f"replica each, against one router over the same {REPLICAS} replicas (llm_aware); "
+        f"per rate and picker, {args.rounds} runs of {spec.sessions} sessions x "
+        f"{spec.turns} turns, the routing scenario's, through the OpenAI HTTP API; the "
+        "client resends the session's earlier prompts with every turn (no session id).",
+        result.table(),
+    )
     return 0
 
 

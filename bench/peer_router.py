@@ -3,7 +3,10 @@
 It fronts OpenAI-compatible workers that answer ``/health``; the mesh's router is one.
 ``--scenario peer-hop`` measures what its hop costs: client -> vllm-router -> a router
 over the stack's replica, against client -> that router, request by request in pairs
-(the order alternating), both through the OpenAI HTTP API.
+(the order alternating), both through the OpenAI HTTP API. ``--scenario peer-routing``
+measures its routing: vllm-router over one router per engine (each router over a single
+replica) against the mesh's own picker over the same engines, the routing scenario's
+sessions sent to both by a client that keeps the history.
 
 The tool lives in a virtual environment of its own (``.llm-mesh/tools``), kept out of the
 mesh's; nothing of it is changed.
@@ -12,7 +15,6 @@ mesh's; nothing of it is changed.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +23,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from llmmesh.launcher.process import Child
+from bench.routing import replica_fleet, router_settings
+from llmmesh.launcher.process import Child, free_ports
 
 TOOL, VERSION = "vllm-router", "0.1.17"
 TOOLS_DIR = Path(".llm-mesh") / "tools"
@@ -39,12 +42,6 @@ def tool_command(root: Path = TOOLS_DIR) -> Path:
     return command.resolve()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as reply:
@@ -59,13 +56,13 @@ def peer_router(workers: Sequence[str], policy: str, workdir: Path) -> Iterator[
     base URL (with /v1) once it answers."""
     if policy not in POLICIES:
         raise ValueError(f"policy: one of {POLICIES}")
-    port = _free_port()
+    port = free_ports(1)[0]
     command = [
         str(tool_command()),
         "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *workers,
         "--policy", policy,
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_ports(1)[0]),
         "--log-level", "warning",
     ]  # fmt: skip
     child = Child.spawn(TOOL, command, dict(os.environ), workdir / f"{TOOL}.log", workdir)
@@ -78,3 +75,27 @@ def peer_router(workers: Sequence[str], policy: str, workdir: Path) -> Iterator[
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         child.terminate(5)
+
+
+@contextmanager
+def peer_routing_fleet(workdir: Path, policy: str) -> Iterator[tuple[dict[str, str], str]]:
+    """The routing scenario's replicas, behind the mesh's picker (one router over all of
+    them) and behind vllm-router with ``policy`` over one router per replica; yields the
+    OpenAI base URL of each (by picker) and the sessions' tenant's API key. Every router
+    runs as deployed (admission control, the tenant's rules)."""
+    with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
+
+        def router(name: str, over: list[str]) -> str:
+            grpc_port, http_port = free_ports(2)
+            settings = router_settings(workdir, name, over, "llm_aware", tenants)
+            children.append(
+                stack.start_service(
+                    "router", grpc_port, workdir, http_port=str(http_port), **settings
+                )
+            )
+            return f"http://127.0.0.1:{http_port}"
+
+        mesh = router("llm_aware", replicas)
+        workers = [router(f"single-{n}", [replica]) for n, replica in enumerate(replicas)]
+        with peer_router(workers, policy, workdir) as fronted:
+            yield {"llm_aware": f"{mesh}/v1", f"vllm-router {policy}": fronted}, api_key

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.loadgen import Measurement, send_one
 from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
-from bench.targets import RouterTarget, write_tenants
+from bench.targets import RouterTarget, Target, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
@@ -82,15 +82,26 @@ def make_sessions(spec: SessionSpec, salt: str) -> list[list[BenchRequest]]:
 
 
 async def run_sessions(
-    target: RouterTarget, sessions: list[list[BenchRequest]], rate: float, seed: int
+    target: Target,
+    sessions: list[list[BenchRequest]],
+    rate: float,
+    seed: int,
+    stateless: bool = False,
 ) -> Measurement:
-    """Sessions arrive at ``rate`` per second; a session's turns run back to back."""
+    """Sessions arrive at ``rate`` per second; a session's turns run back to back. With
+    ``stateless``, the client keeps the history: each turn sends the session's earlier
+    prompts before its own, with no session id (what a router that keeps no sessions, such
+    as vllm-router, needs to see a conversation's prefix); the answers are left out of it,
+    so that every target gets the very same prompts whatever the model wrote."""
     rng = random.Random(seed)
     records: list[RequestRecord] = []
 
     async def converse(turns: list[BenchRequest]) -> None:
-        for request in turns:
-            records.append(await send_one(target, request, None))
+        history = ""
+        for turn in turns:
+            history += turn.prompt
+            sent = replace(turn, prompt=history, session_id="") if stateless else turn
+            records.append(await send_one(target, sent, None))
 
     started = time.perf_counter()
     tasks, next_at = [], started
@@ -127,72 +138,93 @@ def build_repository(root: Path) -> Path:
     return repo
 
 
+def start_replicas(stack: Stack, workdir: Path, children: list[Child]) -> list[str]:
+    """``REPLICAS`` inference services, each over its own copy of the model; their
+    addresses."""
+    replicas = []
+    for n in range(REPLICAS):
+        port = StackPorts.free().inference
+        aliases = json.dumps({"llm": replica_model(n)})
+        children.append(stack.start_service("inference", port, workdir, model_aliases=aliases))
+        replicas.append(f"127.0.0.1:{port}")
+    return replicas
+
+
+def router_settings(
+    workdir: Path, name: str, replicas: list[str], algorithm: str, tenants: Path
+) -> dict[str, str]:
+    """A router's settings: its own endpoints file over ``replicas``, its picker."""
+    endpoints = workdir / f"endpoints-{name}.json"
+    endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
+    routing = workdir / f"routing-{name}.json"
+    routing.write_text(json.dumps({"algorithm": algorithm}))
+    return {
+        "endpoints_file": str(endpoints),
+        "routing_file": str(routing),
+        "tenants_file": str(tenants),
+    }
+
+
 @contextlib.contextmanager
-def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str]]:
-    """Starts the fleet; yields router address by algorithm, and the API key of the
-    sessions' tenant. The routers run as deployed, admission control included, and the
+def replica_fleet(workdir: Path) -> Iterator[tuple[Stack, list[str], Path, str, list[Child]]]:
+    """The stack over the fleet's repository and its ``REPLICAS`` replicas; yields the
+    stack, the replicas' addresses, the tenants file, the API key of the sessions' tenant
+    and the list of children to stop with the fleet (routers added by the caller). The
     tenant is a ``critical`` one, which admission queues rather than sheds: a refused turn
-    has no TTFT, so refusals would leave the slowest turns out of the percentiles. With
-    ``routers`` > 1, each algorithm has that many routers sharing their state through a
-    Redis, behind an Envoy front, whose address is the one yielded."""
+    has no TTFT, so refusals would leave the slowest turns out of the percentiles."""
     stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
     tenants = workdir / "bench-tenants.json"
     api_key = write_tenants(tenants, ["critical"])["critical"]
     children: list[Child] = []
     with stack:
         try:
-            redis_url = ""
-            if routers > 1:
-                port = StackPorts.free().redis
-                children.append(start_redis(workdir / "redis", port))
-                redis_url = f"redis://127.0.0.1:{port}/0"
-            replicas = []
-            for n in range(REPLICAS):
-                port = StackPorts.free().inference
-                aliases = json.dumps({"llm": replica_model(n)})
-                children.append(
-                    stack.start_service("inference", port, workdir, model_aliases=aliases)
-                )
-                replicas.append(f"127.0.0.1:{port}")
-            endpoints = workdir / "endpoints.json"
-            endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
-            fronts = {}
-            for algorithm in ALGORITHMS:
-                routing = workdir / f"routing-{algorithm}.json"
-                routing.write_text(json.dumps({"algorithm": algorithm}))
-                settings = {
-                    "endpoints_file": str(endpoints),
-                    "routing_file": str(routing),
-                    "tenants_file": str(tenants),
-                }
-                if routers > 1:
-                    settings |= {
-                        "state": "redis",
-                        "redis_url": redis_url,
-                        "shared__key_prefix": f"bench-{algorithm}/",
-                    }
-                fleet = RouterFleetPorts.free(routers)
-                for ports in fleet.replicas:
-                    http = {"http_port": str(ports.http)} if routers > 1 else {}
-                    children.append(
-                        stack.start_service("router", ports.grpc, workdir, **settings, **http)
-                    )
-                if routers == 1:
-                    fronts[algorithm] = f"127.0.0.1:{fleet.replicas[0].grpc}"
-                    continue
-                front_ports = StackPorts.free()
-                config = write_front_config(
-                    workdir / algorithm, fleet, front_ports.router, front_ports.router_http,
-                    "127.0.0.1",
-                )  # fmt: skip
-                front = start_front(config, workdir / f"front-{algorithm}.log", workdir)
-                children.append(front)
-                wait_ready(front, fleet.front_admin, time.monotonic() + 60)
-                fronts[algorithm] = f"127.0.0.1:{front_ports.router}"
-            yield fronts, api_key
+            replicas = start_replicas(stack, workdir, children)
+            yield stack, replicas, tenants, api_key, children
         finally:
             for child in reversed(children):
                 child.terminate(10)
+
+
+@contextlib.contextmanager
+def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str]]:
+    """Starts the fleet; yields router address by algorithm, and the API key of the
+    sessions' tenant. The routers run as deployed, admission control included. With
+    ``routers`` > 1, each algorithm has that many routers sharing their state through a
+    Redis, behind an Envoy front, whose address is the one yielded."""
+    with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
+        redis_url = ""
+        if routers > 1:
+            port = StackPorts.free().redis
+            children.append(start_redis(workdir / "redis", port))
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        fronts = {}
+        for algorithm in ALGORITHMS:
+            settings = router_settings(workdir, algorithm, replicas, algorithm, tenants)
+            if routers > 1:
+                settings |= {
+                    "state": "redis",
+                    "redis_url": redis_url,
+                    "shared__key_prefix": f"bench-{algorithm}/",
+                }
+            fleet = RouterFleetPorts.free(routers)
+            for ports in fleet.replicas:
+                http = {"http_port": str(ports.http)} if routers > 1 else {}
+                children.append(
+                    stack.start_service("router", ports.grpc, workdir, **settings, **http)
+                )
+            if routers == 1:
+                fronts[algorithm] = f"127.0.0.1:{fleet.replicas[0].grpc}"
+                continue
+            front_ports = StackPorts.free()
+            config = write_front_config(
+                workdir / algorithm, fleet, front_ports.router, front_ports.router_http,
+                "127.0.0.1",
+            )  # fmt: skip
+            front = start_front(config, workdir / f"front-{algorithm}.log", workdir)
+            children.append(front)
+            wait_ready(front, fleet.front_admin, time.monotonic() + 60)
+            fronts[algorithm] = f"127.0.0.1:{front_ports.router}"
+        yield fronts, api_key
 
 
 # -- the comparison ----------------------------------------------------------------------
@@ -204,6 +236,7 @@ class RoutingResult:
 
     summaries: dict[float, dict[str, Summary]]
     picker_s: dict[str, float]  # decision time percentiles, 64 endpoints
+    baseline: str = "round_robin"  # the picker llm_aware is compared with
 
     def table(self) -> str:
         rows = [
@@ -212,8 +245,8 @@ class RoutingResult:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         ratios = [
-            "| sessions/s | round-robin / llm_aware TTFT p99 | llm_aware / round-robin "
-            "output tokens/s |",
+            f"| sessions/s | {self.baseline} / llm_aware TTFT p99 | llm_aware / "
+            f"{self.baseline} output tokens/s |",
             "| --- | --- | --- |",
         ]
         for rate, by_picker in self.summaries.items():
@@ -224,10 +257,10 @@ class RoutingResult:
                     f"| {t['p90'] * 1e3:.0f} | {t['p99'] * 1e3:.0f} "
                     f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} |"
                 )
-            aware, rr = by_picker["llm_aware"], by_picker["round_robin"]
+            aware, other = by_picker["llm_aware"], by_picker[self.baseline]
             ratios.append(
-                f"| {rate} | {rr.ttft_s['p99'] / aware.ttft_s['p99']:.2f}x "
-                f"| {aware.output_tokens_per_s / rr.output_tokens_per_s:.2f}x |"
+                f"| {rate} | {other.ttft_s['p99'] / aware.ttft_s['p99']:.2f}x "
+                f"| {aware.output_tokens_per_s / other.output_tokens_per_s:.2f}x |"
             )
         p = self.picker_s
         return (
@@ -240,21 +273,24 @@ class RoutingResult:
 
 
 async def compare_pickers(
-    routers: dict[str, str], api_key: str, spec: SessionSpec, rates: list[float], rounds: int
+    targets: dict[str, Target],
+    spec: SessionSpec,
+    rates: list[float],
+    rounds: int,
+    stateless: bool = False,
 ) -> dict[float, dict[str, Summary]]:
-    """Each rate, ``rounds`` times per picker, alternating which picker goes first."""
-    targets = {name: RouterTarget(address, "llm", api_key) for name, address in routers.items()}
+    """Each rate, ``rounds`` times per target, alternating which target goes first."""
+    names = list(targets)
     pooled: dict[tuple[float, str], Measurement] = {}
     try:
         for target in targets.values():  # warm-up: connections, code paths
             warm = make_sessions(replace(spec, sessions=REPLICAS, turns=1), new_salt())
-            await run_sessions(target, warm, rate=100.0, seed=0)
+            await run_sessions(target, warm, rate=100.0, seed=0, stateless=stateless)
         for rate in rates:
             for n in range(rounds):
-                order = list(ALGORITHMS) if n % 2 == 0 else list(reversed(ALGORITHMS))
-                for name in order:
+                for name in names if n % 2 == 0 else reversed(names):
                     sessions = make_sessions(replace(spec, seed=spec.seed + n), new_salt())
-                    measured = await run_sessions(targets[name], sessions, rate, seed=n)
+                    measured = await run_sessions(targets[name], sessions, rate, n, stateless)
                     if (rate, name) in pooled:
                         pooled[(rate, name)].add(measured)
                     else:
@@ -262,9 +298,12 @@ async def compare_pickers(
     finally:
         for target in targets.values():
             await target.close()
-    return {
-        rate: {name: pooled[(rate, name)].summary(Slo()) for name in ALGORITHMS} for rate in rates
-    }
+    return {rate: {name: pooled[(rate, name)].summary(Slo()) for name in names} for rate in rates}
+
+
+def router_targets(routers: dict[str, str], api_key: str) -> dict[str, Target]:
+    """The gRPC target of each picker's router (sessions kept by the router)."""
+    return {name: RouterTarget(address, "llm", api_key) for name, address in routers.items()}
 
 
 def picker_decision_time(
