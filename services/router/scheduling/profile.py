@@ -10,7 +10,8 @@ The routing document names them under ``scheduling``::
       picker: {type: best_score}
 
 A document without ``scheduling`` gets the profile its older fields describe
-(``algorithm``, ``weights``, ``saturation``): the same picks as before plugins.
+(``algorithm``, ``weights``, ``saturation``): session and prefix affinity, then the load
+scorers with those weights.
 """
 
 from __future__ import annotations
@@ -108,11 +109,17 @@ def legacy_spec(policy: RoutingPolicy) -> SchedulingSpec:
     for scorer, (field, scale) in _LEGACY_SCALES.items():
         per_unit = weights[field] / (_PREFILL_PER if scorer == "prefill" else 1.0)
         load.append(ScorerSpec(type=scorer, weight=per_unit * scale, params={"scale": scale}))
-    # Affinity outweighs every load score together: a session stays until saturated.
-    sticky = ScorerSpec(
-        type="session_affinity",
-        weight=1.0 + sum(s.weight for s in load),
-        params={"excess_load": policy.saturation.excess_load},
+    # Affinity outweighs every load score together: a conversation stays until its
+    # replica is saturated; its session, where it has one, outweighs its prefix.
+    excess = {"excess_load": policy.saturation.excess_load}
+    by_prefix = ScorerSpec(
+        type="prefix_affinity", weight=1.0 + sum(s.weight for s in load), params=excess
     )
+    sticky = ScorerSpec(
+        type="session_affinity", weight=by_prefix.weight + sum(s.weight for s in load) + 1.0,
+        params=excess,
+    )  # fmt: skip
     prefill = next(s for s in load if s.type == "prefill")
-    return SchedulingSpec(scorers=(sticky, prefill, *(s for s in load if s is not prefill)))
+    return SchedulingSpec(
+        scorers=(sticky, by_prefix, prefill, *(s for s in load if s is not prefill))
+    )

@@ -10,7 +10,7 @@ saturated.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pydantic import Field
 
@@ -114,35 +114,76 @@ class AffinityParams(Params):
     excess_load: float = Field(default=4.0, gt=0)
 
 
+class PrefixAffinityParams(AffinityParams):
+    # The share of the prompt's blocks a replica must have been sent already for the
+    # prompt to count as the continuation of what it serves (SGLang's and vLLM's
+    # routers match on a share of the prompt the same way).
+    min_share: float = Field(default=0.5, gt=0, le=1)
+
+
 def _busy(c: Candidate) -> float:
     """Streams on the replica: running, queued, and sent since its report."""
     return c.running + c.waiting + c.unseen
 
 
-@register("session_affinity")
-class SessionAffinity(Scorer):
-    """1 for the replica serving the request's conversation, unless it is saturated."""
+class Affinity(Scorer):
+    """1 for the replicas a request belongs on, unless saturated: a queue, a full cache,
+    or ``excess_load`` more streams than the least busy candidate."""
 
     Settings = AffinityParams
-    reason = "affinity"
+
+    def homes(self, ctx: PickContext) -> Collection[str]:
+        raise NotImplementedError
 
     def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
-        request = ctx.request
-        home = ctx.state.sessions.get(request.session_key) if request.session_key else None
-        if home is None:
+        homes = self.homes(ctx)
+        if not homes:
             return [0.0] * len(candidates)
         assert isinstance(self.params, AffinityParams)
         least = min(_busy(c) for c in candidates)
         scores = [
             1.0
-            if c.address == home
+            if c.address in homes
             and not ctx.saturated(c)
             and _busy(c) - least <= self.params.excess_load
             else 0.0
             for c in candidates
         ]
-        ctx.notes["affinity"] = home if max(scores) > 0 else None
+        ctx.notes[self.reason] = {c.address for c, s in zip(candidates, scores, strict=True) if s}
         return scores
 
     def explains(self, ctx: PickContext, chosen: Candidate) -> bool:
-        return ctx.notes.get("affinity") == chosen.address
+        return chosen.address in ctx.notes.get(self.reason, ())
+
+
+@register("session_affinity")
+class SessionAffinity(Affinity):
+    """The replica serving the request's conversation (its session)."""
+
+    reason = "affinity"
+
+    def homes(self, ctx: PickContext) -> Collection[str]:
+        key = ctx.request.session_key
+        home = ctx.state.sessions.get(key) if key else None
+        return (home,) if home is not None else ()
+
+
+@register("prefix_affinity")
+class PrefixAffinity(Affinity):
+    """The replicas that were sent the longest prefix of the prompt, when that prefix is
+    at least ``min_share`` of it: a conversation whose client resends it whole (no
+    session id) stays where its history is cached, as a session does. Prefill on this
+    kind of engine costs far more than the running sequences a busier replica adds (1000
+    uncached tokens: about 380 ms of prefill; a running sequence: about 1.5 ms of a
+    newcomer's TTFT), which the prefill scorer alone weighs only against load."""
+
+    Settings = PrefixAffinityParams
+    reason = "prefix"
+
+    def homes(self, ctx: PickContext) -> Collection[str]:
+        blocks = len(ctx.request.prefix)
+        longest = max(ctx.matched.values(), default=0)
+        assert isinstance(self.params, PrefixAffinityParams)
+        if not blocks or longest < self.params.min_share * blocks:
+            return ()
+        return {address for address, n in ctx.matched.items() if n == longest}

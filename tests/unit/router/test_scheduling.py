@@ -257,14 +257,52 @@ def test_prefix_affinity_sends_a_shared_prefix_back_to_its_replica() -> None:
 
 
 def test_a_longer_cached_prefix_is_worth_more_load() -> None:
-    short, long = "s" * 256, "l" * 2048
+    short, long, fresh = "s" * 256, "l" * 2048, "f" * 2200
     p = picker(5)
     p.prefixes.record(prefix_hashes(short), "a:1")
     p.prefixes.record(prefix_hashes(long), "a:1")
     a_busier = [cand("a:1", load=ReportedLoad(running=3)), cand("b:1", load=ReportedLoad())]
-    # 2000 tokens of prefill saved outweigh 3 running sequences; 250 tokens do not.
-    assert p.pick(ask(long + "?"), a_busier, RoutingPolicy()).candidate.address == "a:1"
-    assert p.pick(ask(short + "?"), a_busier, RoutingPolicy()).candidate.address == "b:1"
+    # Prompts mostly new (under half of them seen: no prefix affinity), so the prefill
+    # scorer weighs what is cached: 2000 tokens saved outweigh 3 running sequences; 250
+    # tokens do not.
+    long_pick = p.pick(ask(long + fresh), a_busier, RoutingPolicy())
+    assert long_pick.candidate.address == "a:1" and long_pick.reasons[-1] == "prefix"
+    assert p.pick(ask(short + fresh), a_busier, RoutingPolicy()).candidate.address == "b:1"
+
+
+def test_a_conversation_resent_whole_stays_with_its_cached_history() -> None:
+    """No session id: the client sends the history with every turn (OpenAI's messages).
+    Most of the prompt was sent to one replica before, so it stays there while somewhat
+    busier, as a session would, however little the prefill scorer makes of it."""
+    history, policy = "h" * 300, RoutingPolicy()
+    p = picker(6)
+    p.prefixes.record(prefix_hashes(history), "a:1")
+    pool = [cand("a:1", load=ReportedLoad(running=3)), cand("b:1"), cand("c:1")]
+    stayed = p.pick(ask(history + " and then?"), pool, policy)
+    assert stayed.candidate.address == "a:1" and stayed.reasons[-1] == "prefix"
+    # Saturated, or far busier than the least busy, it goes elsewhere.
+    for load in (ReportedLoad(running=6), ReportedLoad(running=1, waiting=2)):
+        pool[0] = cand("a:1", load=load)
+        assert p.pick(ask(history + " and then?"), pool, policy).candidate.address != "a:1"
+
+
+def test_prefix_affinity_needs_most_of_the_prompt_seen() -> None:
+    seen, fresh = "h" * 256, "n" * 640  # 4 blocks of 14 seen: under half
+    p = picker(7)
+    p.prefixes.record(prefix_hashes(seen), "a:1")
+    pool = [cand("a:1", load=ReportedLoad(running=3)), cand("b:1")]
+    picked = p.pick(ask(seen + fresh), pool, RoutingPolicy())
+    assert picked.candidate.address == "b:1" and picked.reasons[-1] != "prefix"
+
+
+def test_replicas_holding_the_same_prefix_share_it_by_load() -> None:
+    preamble = "p" * 512
+    p = picker(8)
+    for address in ("a:1", "b:1"):
+        p.prefixes.record(prefix_hashes(preamble), address)
+    pool = [cand("a:1", load=ReportedLoad(running=2)), cand("b:1"), cand("c:1")]
+    picked = p.pick(ask(preamble + "?"), pool, RoutingPolicy())
+    assert picked.candidate.address == "b:1" and picked.reasons[-1] == "prefix"
 
 
 def test_session_affinity_sticks_until_the_replica_is_saturated() -> None:
