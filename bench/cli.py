@@ -24,7 +24,7 @@ from bench.admission import plot as plot_admission
 from bench.context import run as run_context
 from bench.cpu import PLACEMENTS, CpuMeter, CpuSpent, place
 from bench.loadgen import LoadShape, Measurement, run_load
-from bench.metrics import Slo, Summary
+from bench.metrics import Slo
 from bench.plots import write_plots
 from bench.policy import run as run_policy
 from bench.report import (
@@ -38,6 +38,7 @@ from bench.report import (
 )
 from bench.routing import (
     REPLICAS,
+    Compared,
     RoutingResult,
     SessionSpec,
     compare_pickers,
@@ -440,14 +441,14 @@ def _routing(args: argparse.Namespace) -> int:
                 f"starting {REPLICAS} replicas and {routers} router(s) per picker ...",
                 file=sys.stderr,
             )
-            with routing_fleet(Path(workdir), routers) as (fronts, key):
+            with routing_fleet(Path(workdir), routers) as (fronts, key, metrics):
 
-                async def measure() -> dict[float, dict[str, Summary]]:
+                async def measure() -> Compared:
                     targets = router_targets(fronts, key)
-                    return await compare_pickers(targets, spec, rates, args.rounds)
+                    return await compare_pickers(targets, spec, rates, args.rounds, metrics)
 
-                summaries = asyncio.run(measure())
-        result = RoutingResult(summaries, picker_decision_time())
+                summaries, placements = asyncio.run(measure())
+        result = RoutingResult(summaries, picker_decision_time(), placements=placements)
         print(result.table())
         heading = f"{routers} router{'s' if routers > 1 else ''} per picker"
         if routers > 1:
@@ -801,16 +802,18 @@ def _peer_routing(args: argparse.Namespace) -> int:
     peer = f"vllm-router {args.peer_policy}"
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print(f"starting {REPLICAS} replicas, 5 routers and vllm-router ...", file=sys.stderr)
-        with peer_routing_fleet(Path(workdir), args.peer_policy) as (urls, key):
+        with peer_routing_fleet(Path(workdir), args.peer_policy) as (urls, key, metrics):
 
-            async def measure() -> dict[float, dict[str, Summary]]:
+            async def measure() -> Compared:
                 targets: dict[str, Target] = {
                     name: named(OpenAiTarget(url, "llm", key), name) for name, url in urls.items()
                 }
-                return await compare_pickers(targets, spec, rates, args.rounds, stateless=True)
+                return await compare_pickers(
+                    targets, spec, rates, args.rounds, metrics, stateless=True
+                )
 
-            summaries = asyncio.run(measure())
-    result = RoutingResult(summaries, picker_decision_time(), baseline=peer)
+            summaries, placements = asyncio.run(measure())
+    result = RoutingResult(summaries, picker_decision_time(), peer, placements)
     print(result.table())
     _record(
         args,

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.routing import replica_fleet, router_settings
+from bench.routing import replica_fleet, router_settings, triton_metrics_url
 from llmmesh.launcher.process import Child, free_ports
 
 TOOL, VERSION = "vllm-router", "0.1.17"
@@ -78,10 +78,11 @@ def peer_router(workers: Sequence[str], policy: str, workdir: Path) -> Iterator[
 
 
 @contextmanager
-def peer_routing_fleet(workdir: Path, policy: str) -> Iterator[tuple[dict[str, str], str]]:
+def peer_routing_fleet(workdir: Path, policy: str) -> Iterator[tuple[dict[str, str], str, str]]:
     """The routing scenario's replicas, behind the mesh's picker (one router over all of
     them) and behind vllm-router with ``policy`` over one router per replica; yields the
-    OpenAI base URL of each (by picker) and the sessions' tenant's API key. Every router
+    OpenAI base URL of each (by picker), the sessions' tenant's API key and Triton's
+    metrics URL. Every router
     runs as deployed (admission control, the tenant's rules)."""
     with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
 
@@ -98,4 +99,5 @@ def peer_routing_fleet(workdir: Path, policy: str) -> Iterator[tuple[dict[str, s
         mesh = router("llm_aware", replicas)
         workers = [router(f"single-{n}", [replica]) for n, replica in enumerate(replicas)]
         with peer_router(workers, policy, workdir) as fronted:
-            yield {"llm_aware": f"{mesh}/v1", f"vllm-router {policy}": fronted}, api_key
+            urls = {"llm_aware": f"{mesh}/v1", f"vllm-router {policy}": fronted}
+            yield urls, api_key, triton_metrics_url(stack)

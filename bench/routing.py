@@ -19,9 +19,12 @@ import json
 import random
 import re
 import time
+import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import Measurement, send_one
 from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
@@ -186,11 +189,11 @@ def replica_fleet(workdir: Path) -> Iterator[tuple[Stack, list[str], Path, str, 
 
 
 @contextlib.contextmanager
-def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str]]:
-    """Starts the fleet; yields router address by algorithm, and the API key of the
-    sessions' tenant. The routers run as deployed, admission control included. With
-    ``routers`` > 1, each algorithm has that many routers sharing their state through a
-    Redis, behind an Envoy front, whose address is the one yielded."""
+def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str, str]]:
+    """Starts the fleet; yields router address by algorithm, the API key of the
+    sessions' tenant and Triton's metrics URL. The routers run as deployed, admission
+    control included. With ``routers`` > 1, each algorithm has that many routers sharing
+    their state through a Redis, behind an Envoy front, whose address is the one yielded."""
     with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
         redis_url = ""
         if routers > 1:
@@ -224,10 +227,73 @@ def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, s
             children.append(front)
             wait_ready(front, fleet.front_admin, time.monotonic() + 60)
             fronts[algorithm] = f"127.0.0.1:{front_ports.router}"
-        yield fronts, api_key
+        yield fronts, api_key, triton_metrics_url(stack)
+
+
+def triton_metrics_url(stack: Stack) -> str:
+    return f"http://{stack.address('triton_metrics')}/metrics"
 
 
 # -- the comparison ----------------------------------------------------------------------
+
+
+ENGINE_COUNTERS = {
+    "llm_engine_requests_finished_total": "finished",
+    "llm_engine_prompt_tokens_total": "prompt",
+    "llm_engine_prefix_cache_hit_tokens_total": "cached",
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a picker's requests went: the generations each replica's engine finished,
+    and the prompt tokens its prefix cache held, over all replicas (Triton's metrics)."""
+
+    finished: tuple[float, ...]
+    prompt_tokens: float
+    cached_tokens: float
+
+    def minus(self, before: Placement) -> Placement:
+        return Placement(
+            tuple(a - b for a, b in zip(self.finished, before.finished, strict=True)),
+            self.prompt_tokens - before.prompt_tokens,
+            self.cached_tokens - before.cached_tokens,
+        )
+
+    def plus(self, other: Placement) -> Placement:
+        return Placement(
+            tuple(a + b for a, b in zip(self.finished, other.finished, strict=True)),
+            self.prompt_tokens + other.prompt_tokens,
+            self.cached_tokens + other.cached_tokens,
+        )
+
+    def cells(self) -> str:
+        shares = " / ".join(f"{n:.0f}" for n in self.finished)
+        cached = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return f"{shares} | {cached:.0%}"
+
+
+def read_placement(metrics_url: str) -> Placement:
+    """The fleet's engine counters now, from Triton's metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        return placement_of(reply.read().decode())
+
+
+def placement_of(text: str) -> Placement:
+    """The engine counters of each replica model (``llm_r<n>``) in Triton's metrics."""
+    totals: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kind = ENGINE_COUNTERS.get(sample.name)
+            if kind is not None:
+                key = (kind, sample.labels.get("model", ""))
+                totals[key] = totals.get(key, 0.0) + sample.value
+    models = [replica_model(n) for n in range(REPLICAS)]
+    return Placement(
+        tuple(totals.get(("finished", m), 0.0) for m in models),
+        sum(totals.get(("prompt", m), 0.0) for m in models),
+        sum(totals.get(("cached", m), 0.0) for m in models),
+    )
 
 
 @dataclass
@@ -237,12 +303,18 @@ class RoutingResult:
     summaries: dict[float, dict[str, Summary]]
     picker_s: dict[str, float]  # decision time percentiles, 64 endpoints
     baseline: str = "round_robin"  # the picker llm_aware is compared with
+    placements: dict[float, dict[str, Placement]] = field(default_factory=dict)
+
+    def _placement(self, rate: float, name: str) -> str:
+        placed = self.placements.get(rate, {}).get(name)
+        return placed.cells() if placed is not None else "– | –"
 
     def table(self) -> str:
         rows = [
             "| sessions/s | picker | turns | failed | TTFT p50 (ms) | TTFT p90 (ms) "
-            "| TTFT p99 (ms) | TPOT p50 (ms) | output tokens/s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| TTFT p99 (ms) | TPOT p50 (ms) | output tokens/s | generations per replica "
+            "| prompt tokens cached |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         ratios = [
             f"| sessions/s | {self.baseline} / llm_aware TTFT p99 | llm_aware / "
@@ -255,7 +327,8 @@ class RoutingResult:
                 rows.append(
                     f"| {rate} | {name} | {s.requests} | {s.failed} | {t['p50'] * 1e3:.0f} "
                     f"| {t['p90'] * 1e3:.0f} | {t['p99'] * 1e3:.0f} "
-                    f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} |"
+                    f"| {s.tpot_s['p50'] * 1e3:.1f} | {s.output_tokens_per_s:.1f} "
+                    f"| {self._placement(rate, name)} |"
                 )
             aware, other = by_picker["llm_aware"], by_picker[self.baseline]
             ratios.append(
@@ -272,16 +345,24 @@ class RoutingResult:
         )
 
 
+Compared = tuple[dict[float, dict[str, Summary]], dict[float, dict[str, Placement]]]
+
+
 async def compare_pickers(
     targets: dict[str, Target],
     spec: SessionSpec,
     rates: list[float],
     rounds: int,
+    metrics_url: str,
+    *,
     stateless: bool = False,
-) -> dict[float, dict[str, Summary]]:
-    """Each rate, ``rounds`` times per target, alternating which target goes first."""
+) -> Compared:
+    """Each rate, ``rounds`` times per target, alternating which target goes first; per
+    rate and target, the summary and where the engines ran the requests
+    (``metrics_url``: Triton's metrics)."""
     names = list(targets)
     pooled: dict[tuple[float, str], Measurement] = {}
+    placed: dict[tuple[float, str], Placement] = {}
     try:
         for target in targets.values():  # warm-up: connections, code paths
             warm = make_sessions(replace(spec, sessions=REPLICAS, turns=1), new_salt())
@@ -290,15 +371,20 @@ async def compare_pickers(
             for n in range(rounds):
                 for name in names if n % 2 == 0 else reversed(names):
                     sessions = make_sessions(replace(spec, seed=spec.seed + n), new_salt())
+                    before = read_placement(metrics_url)
                     measured = await run_sessions(targets[name], sessions, rate, n, stateless)
-                    if (rate, name) in pooled:
-                        pooled[(rate, name)].add(measured)
+                    where = read_placement(metrics_url).minus(before)
+                    key = (rate, name)
+                    if key in pooled:
+                        pooled[key].add(measured)
+                        placed[key] = placed[key].plus(where)
                     else:
-                        pooled[(rate, name)] = measured
+                        pooled[key], placed[key] = measured, where
     finally:
         for target in targets.values():
             await target.close()
-    return {rate: {name: pooled[(rate, name)].summary(Slo()) for name in names} for rate in rates}
+    summaries = {r: {n: pooled[(r, n)].summary(Slo()) for n in names} for r in rates}
+    return summaries, {r: {n: placed[(r, n)] for n in names} for r in rates}
 
 
 def router_targets(routers: dict[str, str], api_key: str) -> dict[str, Target]:
