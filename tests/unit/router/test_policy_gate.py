@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from llmmesh.runtime.errors import Unavailable
 from llmmesh.types import PolicyAction
 from llmmesh.waiting import poll_until_async
-from services.router.policy_gate import AuditRecord, DecisionRecorder
+from services.router.policy_gate import MAX_RECORDS_PER_CALL, AuditRecord, DecisionRecorder
 
 
 def record(n: int) -> AuditRecord:
@@ -38,6 +38,46 @@ def test_decisions_policy_does_not_take_are_sent_again_in_order() -> None:
         recorder.add(record(3))
         await recorder.close()
         assert taken == ["r0", "r1", "r2", "r3"]
+
+    asyncio.run(scenario())
+
+
+def test_decisions_close_together_share_one_call() -> None:
+    """A decision waits for the next ones (a call costs far more than a record), and
+    closing sends what waits at once, however long the wait was to be."""
+
+    async def scenario() -> None:
+        batches: list[list[str]] = []
+
+        async def send(batch: Sequence[AuditRecord]) -> None:
+            batches.append([r.request_id for r in batch])
+
+        recorder = DecisionRecorder(send, linger_s=60.0)
+        recorder.add(record(0))
+        for _ in range(3):  # loop turns in which an eager recorder would have sent it
+            await asyncio.sleep(0)
+        assert batches == []
+        for n in range(1, 4):
+            recorder.add(record(n))
+        await asyncio.wait_for(recorder.close(), 5)
+        assert batches == [["r0", "r1", "r2", "r3"]]
+
+    asyncio.run(scenario())
+
+
+def test_a_calls_worth_of_decisions_goes_without_waiting() -> None:
+    async def scenario() -> None:
+        sent = asyncio.Event()
+
+        async def send(batch: Sequence[AuditRecord]) -> None:
+            assert len(batch) == MAX_RECORDS_PER_CALL
+            sent.set()
+
+        recorder = DecisionRecorder(send, linger_s=60.0)
+        for n in range(MAX_RECORDS_PER_CALL):
+            recorder.add(record(n))
+        await asyncio.wait_for(sent.wait(), 5)
+        await recorder.close()
 
     asyncio.run(scenario())
 
