@@ -220,9 +220,7 @@ class RouterCore:
         # difference is charged once the prompt is built, and a request that goes no
         # further gives back what it was charged.
         estimate = _estimated_tokens(request, history, speech)
-        admitting = asyncio.ensure_future(
-            self._tenants.admit(request.tenant, request.model, estimate)
-        )
+        admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
             verdict = await self._verdict(request, history, rule_set)
             history, user_text = with_texts(history, verdict.texts)

@@ -9,12 +9,13 @@ memory or shared by every router through Redis (services/router/shared/).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import re
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, Literal
 
 import yaml
@@ -30,7 +31,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.types import Truncation
 from services.router.admission import ADMISSION_OUTCOMES
-from services.router.shared.budgets import Budgets, Limits, Refusal
+from services.router.shared.budgets import Admitted, Budgets, Limits, Refusal
 from services.router.shared.resilient import SharedBudgets
 
 log = logging.getLogger(__name__)
@@ -280,23 +281,40 @@ class Tenants:
     async def admit(self, tenant: str, model: str, prompt_tokens: int) -> Lease:
         """Checks model, concurrency and budgets; charges the request and its prompt."""
         spec = self.spec(tenant)
-        try:
-            self.may_use(tenant, model)
-            if spec.tokens_per_minute is not None and prompt_tokens > spec.tokens_per_minute:
-                raise InvalidArgument(
-                    "prompt",
-                    f"{prompt_tokens} tokens exceed the tenant's budget of "
-                    f"{spec.tokens_per_minute:g} tokens per minute",
-                )
+        with _counted(spec):
+            self._check(spec, model, prompt_tokens)
             store, outcome = await self._budgets.admit(spec.id, limits_of(spec), prompt_tokens)
-            if isinstance(outcome, Refusal):
-                raise _exhausted(spec, outcome)
-        except PermissionDenied:
-            ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "model_denied").inc()
-            raise
-        except (ResourceExhausted, InvalidArgument):
-            ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "over_budget").inc()
-            raise
+            return self._lease(spec, store, outcome)
+
+    def admit_soon(self, tenant: str, model: str, prompt_tokens: int) -> asyncio.Future[Lease]:
+        """``admit`` under way: already done (the lease, or the refusal) when the budgets
+        answer in this process, so that awaiting it costs the request no loop turn; a
+        task when they need a round trip (Redis)."""
+        spec = self.spec(tenant)
+        admitted: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        try:
+            with _counted(spec):
+                self._check(spec, model, prompt_tokens)
+                answered = self._budgets.admit_now(spec.id, limits_of(spec), prompt_tokens)
+                if answered is None:
+                    return asyncio.ensure_future(self.admit(tenant, model, prompt_tokens))
+                admitted.set_result(self._lease(spec, *answered))
+        except (PermissionDenied, ResourceExhausted, InvalidArgument) as refused:
+            admitted.set_exception(refused)
+        return admitted
+
+    def _check(self, spec: TenantSpec, model: str, prompt_tokens: int) -> None:
+        self.may_use(spec.id, model)
+        if spec.tokens_per_minute is not None and prompt_tokens > spec.tokens_per_minute:
+            raise InvalidArgument(
+                "prompt",
+                f"{prompt_tokens} tokens exceed the tenant's budget of "
+                f"{spec.tokens_per_minute:g} tokens per minute",
+            )
+
+    def _lease(self, spec: TenantSpec, store: Budgets, outcome: Admitted | Refusal) -> Lease:
+        if isinstance(outcome, Refusal):
+            raise _exhausted(spec, outcome)
         if outcome.tokens_left is not None:
             BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
         return Lease(spec, store, outcome.tokens_left, self._budgets.charge_interval_s)
@@ -306,6 +324,19 @@ class Tenants:
         spec = self.spec(tenant)
         if spec.models and model not in spec.models:
             raise PermissionDenied(f"tenant '{spec.id}' may not use model '{model}'")
+
+
+@contextlib.contextmanager
+def _counted(spec: TenantSpec) -> Iterator[None]:
+    """Counts an admission refused, by why."""
+    try:
+        yield
+    except PermissionDenied:
+        ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "model_denied").inc()
+        raise
+    except (ResourceExhausted, InvalidArgument):
+        ADMISSION_OUTCOMES.labels(spec.id, spec.tier, "over_budget").inc()
+        raise
 
 
 def _exhausted(spec: TenantSpec, refusal: Refusal) -> ResourceExhausted:

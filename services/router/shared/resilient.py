@@ -80,6 +80,15 @@ class SharedBudgets:
     def charge_interval_s(self) -> float:
         return self._interval if self._shared is not None else 0.0
 
+    def admit_now(
+        self, tenant: str, limits: Limits, prompt_tokens: int
+    ) -> tuple[Budgets, Admitted | Refusal] | None:
+        """``admit``'s answer when this router's memory gives it (no shared store);
+        None when it takes a round trip."""
+        if self._shared is not None:
+            return None
+        return self._local, self._local.admit_now(tenant, limits, prompt_tokens)
+
     async def admit(
         self, tenant: str, limits: Limits, prompt_tokens: int
     ) -> tuple[Budgets, Admitted | Refusal]:

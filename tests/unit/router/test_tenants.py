@@ -13,7 +13,8 @@ from llmmesh.runtime.errors import (
     Unauthenticated,
 )
 from llmmesh.waiting import poll_until_async
-from services.router.shared.budgets import Admitted, Limits, TokenBucket
+from services.router.shared.budgets import Admitted, Limits, MemoryBudgets, TokenBucket
+from services.router.shared.resilient import SharedBudgets
 from services.router.tenants import Lease, Tenants, TenantsDocument, TenantSpec, hash_key
 
 KEY = "s3cret-key-42"
@@ -204,3 +205,33 @@ def test_a_shared_budget_is_charged_in_batches_and_learns_what_others_spent() ->
     assert store.charges == [10, 400, 800] and store.released == 1
     # 890 left after the first answer: 490, 90, then over.
     assert verdicts == [True, True, True, False]
+
+
+def test_an_admission_in_this_routers_memory_is_answered_at_once() -> None:
+    """No loop turn on a request's way when the budgets need no round trip: the lease,
+    or the refusal, is there as soon as it is asked for."""
+
+    async def scenario() -> None:
+        tenants = directory(max_concurrent_streams=1, models=("llm",))
+        admitted = tenants.admit_soon("t", "llm", 1)
+        assert admitted.done() and isinstance(admitted.result(), Lease)
+        refused = tenants.admit_soon("t", "llm", 1)  # the one stream is taken
+        assert refused.done() and isinstance(refused.exception(), ResourceExhausted)
+        denied = tenants.admit_soon("t", "llm_canary", 1)
+        assert denied.done() and isinstance(denied.exception(), PermissionDenied)
+        admitted.result().release()
+
+    asyncio.run(scenario())
+
+
+def test_an_admission_by_a_shared_store_is_under_way_and_then_answered() -> None:
+    async def scenario() -> None:
+        tenants = Tenants(enabled=True, budgets=SharedBudgets(MemoryBudgets(), SlowShared()))
+        tenants.apply(TenantsDocument(tenants=(TenantSpec(id="t", max_concurrent_streams=4),)))
+        admitting = tenants.admit_soon("t", "llm", 1)
+        assert not admitting.done()
+        lease = await admitting
+        assert isinstance(lease, Lease)
+        lease.release()
+
+    asyncio.run(scenario())
