@@ -3,7 +3,6 @@ generation once started, and what the transport relays."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
@@ -48,16 +47,15 @@ class GenerateInput:
 
 
 class StartedStream:
-    """An inference stream whose first chunk is already being fetched (the request is on
-    its way to the model), consumed later by whoever relays it."""
+    """An inference stream, admitted and ready to start: the pick and the call happen
+    when its relay asks for the first chunk, on the request's own task (a task of its
+    own cost the request a loop turn before the start message went out)."""
 
     def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
         self._chunks = chunks
         # The pick and the inference call happen under this span (its context is current
-        # when the first chunk is fetched); it ends with the first chunk.
+        # while the first chunk is fetched); it ends with the first chunk.
         self._span = tracing.tracer.start_span("inference.first_token")
-        with trace.use_span(self._span, end_on_exit=False):
-            self._first: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
 
     def _end_span(self) -> None:
         if self._span.is_recording():
@@ -65,7 +63,8 @@ class StartedStream:
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         try:
-            first = await self._first
+            with trace.use_span(self._span, end_on_exit=False):
+                first = await anext(self._chunks)
         finally:
             self._end_span()
         yield first
@@ -75,11 +74,6 @@ class StartedStream:
     async def abandon(self) -> None:
         """Cancels the generation if it is still running (idempotent)."""
         self._end_span()
-        if not self._first.done():
-            self._first.cancel()
-            await asyncio.wait({self._first})  # its outcome is moot; ours must propagate
-        if not self._first.cancelled():
-            self._first.exception()  # mark a failure of the abandoned start as seen
         await self._chunks.aclose()
 
 
