@@ -12,7 +12,9 @@ Every message costs both ends a wakeup across gRPC's threads, which on a small m
 costs far more than the bytes. So a generation's later responses may wait ``hold_s`` for
 others to go with them (the responses of one engine step reach this service one stream
 at a time, a little apart); its first response, its last and an error never wait, nor
-hold back what waits with them.
+hold back what waits with them. Nor does anything wait while responses come further apart
+than ``hold_s`` (one stream on an engine slower per token than the hold): no company
+would come, and the wait would cost a timer's wakeup per response.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ Responses = Callable[
 # A message carries at most this many frames (each a token or a few), well under gRPC's
 # message limit even with log probabilities in every frame.
 MAX_FRAMES_PER_MESSAGE = 256
+# Weight of the newest gap between frames in their moving average (about the last five).
+GAP_WEIGHT = 0.2
 SPAN_NAME = "/llmmesh.v1.Inference/Generate"
 DRAINING = "this replica is shutting down"
 
@@ -70,6 +74,20 @@ class _Generation:
         self.window -= 1
 
 
+class Arrivals:
+    """How far apart frames come, lately: a moving average of the gaps between them
+    (none yet: 0, as if company were near)."""
+
+    def __init__(self) -> None:
+        self.gap_s = 0.0
+        self._last = 0.0
+
+    def note(self, now: float) -> None:
+        if self._last:
+            self.gap_s += GAP_WEIGHT * (now - self._last - self.gap_s)
+        self._last = now
+
+
 class MultiplexSession:
     """One caller's stream: its running generations and the frames waiting to go out."""
 
@@ -79,6 +97,7 @@ class MultiplexSession:
         self._running: dict[int, _Generation] = {}
         self._outbox: list[inference_pb2.GenerationFrame] = []
         self._held_since = 0.0  # loop time the oldest frame waiting was posted
+        self._arrivals = Arrivals()
         self._urgent_at = 0  # frames up to the last urgent one waiting must go now
         self._wake = asyncio.Event()
         self._input_done = False
@@ -198,10 +217,12 @@ class MultiplexSession:
             self._wake.set()
 
     def _post(self, frame: inference_pb2.GenerationFrame, urgent: bool) -> None:
+        now = asyncio.get_running_loop().time()
+        self._arrivals.note(now)
         if not self._outbox:
-            self._held_since = asyncio.get_running_loop().time()
+            self._held_since = now
         self._outbox.append(frame)
-        if urgent or not self._hold_s:
+        if urgent or self._arrivals.gap_s >= self._hold_s:  # no hold, or no company in sight
             self._urgent_at = len(self._outbox)
         self._wake.set()
 
