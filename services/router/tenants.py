@@ -283,6 +283,11 @@ class Tenants:
         spec = self.spec(tenant)
         with _counted(spec):
             self._check(spec, model, prompt_tokens)
+        return await self._charged(spec, prompt_tokens)
+
+    async def _charged(self, spec: TenantSpec, prompt_tokens: int) -> Lease:
+        """The budgets' answer for a request that passed the checks."""
+        with _counted(spec):
             store, outcome = await self._budgets.admit(spec.id, limits_of(spec), prompt_tokens)
             return self._lease(spec, store, outcome)
 
@@ -297,7 +302,7 @@ class Tenants:
                 self._check(spec, model, prompt_tokens)
                 answered = self._budgets.admit_now(spec.id, limits_of(spec), prompt_tokens)
                 if answered is None:
-                    return asyncio.ensure_future(self.admit(tenant, model, prompt_tokens))
+                    return asyncio.ensure_future(self._charged(spec, prompt_tokens))
                 admitted.set_result(self._lease(spec, *answered))
         except (PermissionDenied, ResourceExhausted, InvalidArgument) as refused:
             admitted.set_exception(refused)

@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as redis
 
 from llmmesh.launcher import StackPorts
+from llmmesh.waiting import poll_until_async
 from services.router.shared.allowances import AllowanceBudgets
 from services.router.shared.budgets import Admitted, Limits, MemoryBudgets, Refusal
 from services.router.shared.fleet import Fleet
@@ -141,12 +142,11 @@ async def poll_redis(
 ) -> bool:
     """Whether what ``read`` returns satisfies ``done`` within ``timeout_s`` (read every
     50 ms: Redis has no way to announce a hash field's change)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not done(await read()):
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+
+    async def holds() -> bool:
+        return done(await read())
+
+    return await poll_until_async(holds, timeout_s, interval_s=0.05)
 
 
 async def script_calls(client: Any) -> int:

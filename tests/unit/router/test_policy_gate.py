@@ -12,6 +12,10 @@ from llmmesh.waiting import poll_until_async
 from services.router.policy_gate import MAX_RECORDS_PER_CALL, AuditRecord, DecisionRecorder
 
 
+async def _nothing() -> None:
+    return None
+
+
 def record(n: int) -> AuditRecord:
     return AuditRecord(f"r{n}", "t", "input", "v1", PolicyAction.ALLOW, (), "")
 
@@ -54,8 +58,9 @@ def test_decisions_close_together_share_one_call() -> None:
 
         recorder = DecisionRecorder(send, linger_s=60.0)
         recorder.add(record(0))
-        for _ in range(3):  # loop turns in which an eager recorder would have sent it
-            await asyncio.sleep(0)
+        # Tasks start in the order they were made: once this one has run, the recorder's
+        # flush has taken its first step, in which an eager recorder would have sent r0.
+        await asyncio.create_task(_nothing())
         assert batches == []
         for n in range(1, 4):
             recorder.add(record(n))
