@@ -3,7 +3,9 @@
 Requests beyond the window wait for a slot: strict priority between tiers; between the
 tenants of a tier, the one served the fewest tokens goes first (a virtual token counter,
 as in "Fairness in Serving Large Language Models", OSDI '24); within a tenant, the
-earliest deadline first. The window adapts (AIMD): it grows while requests get their
+earliest deadline first while the queue moves, the newest first once it stands (its
+oldest has waited most of its target: in arrival order, every later request would be
+late too). The window adapts (AIMD): it grows while requests get their
 first token within their tier's target and shrinks when they do not (once per round of
 requests), so the engines stay busy without the queue moving into them. Lower tiers
 leave free a share of the window and the slots the higher tiers' recent traffic is
@@ -69,6 +71,11 @@ class AdmissionSettings(BaseModel):
     # Per tier: the first-token target, and the longest a request may wait in the queue.
     ttft_target_s: dict[str, float] = _per_tier(0.5, 1.0, 2.0)
     max_queue_wait_s: dict[str, float] = _per_tier(30.0, 2.0, 1.0)
+    # Per tier: a tenant's queue stands once its oldest request has waited this share of
+    # the tier's first-token target; its requests are then let in newest first (adaptive
+    # LIFO), those that can still be on time before those that cannot, and the oldest
+    # wait out their bound. 0: never (critical: every request counts, in deadline order).
+    newest_first_after: dict[str, float] = _per_tier(0.0, 0.5, 0.25)
     # Share of the window a tier may fill: what the lower tiers leave free is headroom for
     # higher ones (a slot, once given, is held for a whole generation).
     window_share: dict[str, float] = _per_tier(1.0, 0.8, 0.5)
@@ -78,6 +85,8 @@ class AdmissionSettings(BaseModel):
     # are held free for the higher tiers; the window, the queue's strict priority and
     # shedding stay for what the engines cannot absorb. False: the tier shares apply, and
     # requests go to the engines without a priority.
+    # Lower tiers go on only while some engine has no queue (a report's ``waiting``, the
+    # routing document's saturation).
     engine_priority: bool = True
 
 
@@ -136,6 +145,10 @@ class AdmissionQueue:
         scaled, self._share = self.limit * share / self._share, share
         self.limit = min(max(scaled, 1.0), self._bound("max_limit"))
         LIMIT.set(self.limit)
+        self._dispatch()
+
+    def fleet_changed(self) -> None:
+        """A load report came: waiters held back by the engines' queues may go now."""
         self._dispatch()
 
     def _bound(self, name: str) -> float:
@@ -240,7 +253,9 @@ class AdmissionQueue:
             # Slots that lower tiers hold are the engine's to take back (it preempts their
             # generations): a tier counts only its own and the higher tiers'.
             held = sum(self._in_flight_by_tier[t] for t in TIERS[: TIERS.index(tier) + 1])
-            return held < self.limit
+            # A lower tier's request that would only queue in the engines waits here
+            # instead, where the newest go first and the hopeless are refused.
+            return held < self.limit and (tier == TIERS[0] or not self._saturated())
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
 
@@ -270,8 +285,20 @@ class AdmissionQueue:
             if tenants and self._room(tier):
                 floor = self._floor()
                 tenant = min(tenants, key=lambda t: (self._served.get(t, floor), t))
-                return min(tenants[tenant], key=lambda t: (t.deadline, t.order))
+                return self._pick(tenants[tenant])
         return None
+
+    def _pick(self, waiting: list[Ticket]) -> Ticket:
+        """Of one tenant's waiting tickets (in arrival order): the earliest deadline while
+        the queue moves, the newest once it stands."""
+        if self._standing(waiting[0]):
+            return waiting[-1]
+        return min(waiting, key=lambda t: (t.deadline, t.order))
+
+    def _standing(self, oldest: Ticket) -> bool:
+        share = self.settings.newest_first_after.get(oldest.tier, 0.0)
+        target = self.settings.ttft_target_s.get(oldest.tier, 1.0)
+        return share > 0 and self._clock() - oldest.arrived > target * share
 
     def _floor(self) -> float:
         """The lowest counter among tenants with requests waiting."""
@@ -309,8 +336,13 @@ class AdmissionQueue:
         recent rate of releases."""
         ahead = 0
         for t in TIERS:
-            ahead += sum(len(q) for q in self._waiting[t].values())
             if t == tier:
+                # A standing queue lets the newest in first: only its tenants' turns
+                # are ahead.
+                ahead += sum(
+                    1 if self._standing(q[0]) else len(q) for q in self._waiting[t].values()
+                )
                 break
+            ahead += sum(len(q) for q in self._waiting[t].values())
         rate = self._releases.rate(self._clock())
         return (ahead + 1) / rate if rate else 0.0  # no releases seen yet: no estimate

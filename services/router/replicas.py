@@ -110,6 +110,7 @@ class ReplicaSet:
         self._replicas: dict[str, Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._watched: dict[str, set[asyncio.Timeout]] = {}  # replica -> streams on it
+        self._report_listeners: list[Callable[[], None]] = []
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._follow_discovery()))
@@ -312,6 +313,12 @@ class ReplicaSet:
         self._note_outages(replica, report, now)
         if report.engine_reachable:
             self._close_recovered(replica, report, now)
+        for listener in self._report_listeners:
+            listener()
+
+    def on_report(self, listener: Callable[[], None]) -> None:
+        """``listener`` is called after each load report is taken in."""
+        self._report_listeners.append(listener)
 
     @staticmethod
     def _note_outages(replica: Replica, report: LoadReport, now: float) -> None:

@@ -214,6 +214,7 @@ class Upstreams:
         )
         self.inference = Mirror(dispatcher, self.routing, self.canary)
         self.admission = AdmissionQueue(config.admission, self.inference.saturated)
+        self.replicas.on_report(self.admission.fleet_changed)
         self._documents = [
             (offer, source)
             for offer, source in ((self.routing.offer, routing), (self.tenants.offer, tenants))

@@ -773,6 +773,51 @@ class TestPriority:
         assert urgent.tokens_so_far() == 4 and low.tokens_so_far() == before + 1
         drain(engine)
 
+    def test_less_urgent_prompts_are_prefilled_a_bounded_chunk_per_step(self) -> None:
+        """With lower_prefill_tokens=8 and an urgent sequence running, a step computes at
+        most 8 tokens of less urgent prompts (the next urgent arrival waits for a short
+        step); their text is what it would have been unbounded. Without a more urgent
+        sequence running, there is no bound."""
+        prompts = ("a less urgent prompt of some length", "and a second one, just as long")
+        engine = make_engine(lower_prefill_tokens=8)
+        urgent = submit_at(engine, "urgent", 0, max_tokens=60, ignore_eos=True)
+        engine.step()
+        low = [submit_at(engine, p, 2, max_tokens=5, ignore_eos=True, seed=1) for p in prompts]
+        for _ in range(4):
+            computed = engine.stats.prefill_tokens
+            engine.step()
+            assert engine.stats.prefill_tokens - computed <= 8
+        drain(engine)
+        for prompt, sink in zip(prompts, low, strict=True):
+            alone = run(make_engine(), prompt, max_tokens=5, ignore_eos=True, seed=1)
+            assert sink.text == alone.text
+        assert urgent.tokens == 60
+
+        alone_tier = make_engine(lower_prefill_tokens=8)
+        for p in prompts:
+            submit_at(alone_tier, p, 2, max_tokens=5, ignore_eos=True)
+        alone_tier.step()
+        assert alone_tier.stats.prefill_tokens >= sum(len(p) for p in prompts)
+        drain(alone_tier)
+
+    def test_the_victim_among_equals_is_one_already_streaming(self) -> None:
+        """A long prompt is still being prefilled (no token yet) beside an older stream:
+        an urgent arrival preempts the stream, whose client only sees a pause, not the
+        newer request whose first token it would put off."""
+        engine = make_engine(max_running=2, max_batched_tokens=8)
+        streaming = submit_at(engine, "old", 2, max_tokens=30, ignore_eos=True)
+        engine.step()
+        prefilling = submit_at(engine, "a prompt longer than one step", 2, max_tokens=4)
+        engine.step()
+        assert streaming.tokens_so_far() > 0 and prefilling.tokens_so_far() == 0
+        before = streaming.tokens_so_far()
+        submit_at(engine, "now", 0, max_tokens=2, ignore_eos=True)
+        for _ in range(3):
+            engine.step()
+        assert streaming.tokens_so_far() == before and engine.stats.preemptions == 1
+        drain(engine)
+        assert prefilling.done.is_set() and streaming.tokens == 30
+
     def test_the_queue_serves_the_most_urgent_first_then_in_arrival_order(self) -> None:
         engine = make_engine(max_running=1)
         order: list[str] = []

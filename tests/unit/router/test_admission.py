@@ -88,6 +88,39 @@ def test_earliest_deadline_first_within_a_tenant() -> None:
     assert asyncio.run(scenario()) == ["soon", "late"]
 
 
+def test_a_standing_queue_lets_the_newest_in_first() -> None:
+    """Once a tenant's oldest request has waited half its tier's target, arrival order
+    would make every later one late too: the newest go first, and the shed estimate for a
+    newcomer no longer counts the whole queue ahead of it."""
+
+    async def scenario() -> list[str]:
+        now = [0.0]
+        q = queue(clock=lambda: now[0])  # standard's target: 1 s
+        for _ in range(30):  # a pace to go by: 3 releases/s over the last 10 s
+            (await q.acquire("holder", "standard", 1, None)).release(None)
+        holder = await q.acquire("holder", "standard", 1, None)
+        order: list[str] = []
+
+        async def one(label: str) -> None:
+            slot = await q.acquire("t", "standard", 1, None)
+            order.append(label)
+            slot.release(None)
+
+        tasks = []
+        for n in range(3):
+            now[0] = n * 0.1
+            tasks.append(asyncio.create_task(one(f"r{n}")))
+            await run_ready_tasks()
+        moving = q.expected_wait_s("standard")
+        now[0] = 0.2 + 0.4  # the oldest has waited 0.6 s: the queue stands
+        assert q.expected_wait_s("standard") < moving
+        holder.release(None)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["r2", "r1", "r0"]
+
+
 def test_a_cancelled_waiter_gives_its_place_up() -> None:
     async def scenario() -> None:
         q = queue(engine_priority=False)  # a critical request waits behind a standard one
@@ -266,5 +299,28 @@ def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
         for slot in [*held, *standard]:
             slot.release(None)
         await asyncio.wait_for(sheddable, 5)
+
+    asyncio.run(scenario())
+
+
+def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() -> None:
+    """A lower tier's request that would only queue in the engines waits in the router
+    (where the newest go first and the hopeless are refused); critical still goes in,
+    and a load report showing room lets the waiter go."""
+
+    async def scenario() -> None:
+        saturated = [True]
+        q = AdmissionQueue(AdmissionSettings(initial_limit=8, min_limit=1), lambda: saturated[0])
+        standard = asyncio.create_task(q.acquire("t", "standard", 1, None))
+        await run_ready_tasks()
+        assert not standard.done()
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
+        q.fleet_changed()  # a report, still saturated
+        assert not standard.done()
+        saturated[0] = False
+        q.fleet_changed()
+        slot = await asyncio.wait_for(standard, 5)
+        for held in (slot, critical):
+            held.release(None)
 
     asyncio.run(scenario())

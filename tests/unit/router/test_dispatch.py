@@ -334,3 +334,21 @@ def test_a_report_stream_stuck_open_or_failing_oddly_is_dialed_again() -> None:
             await f.replicas.close()
 
     run(scenario)
+
+
+def test_each_report_taken_in_tells_the_listeners() -> None:
+    """Admission waits on the engines' queues: each report is its cue to look again."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1",))
+        heard: list[int] = []
+        f.replicas.on_report(lambda: heard.append(len(f.replicas["a:1"].reports)))
+        f["a:1"].reports.put_nowait(LoadReport({"llm": {"waiting": 3}}))
+
+        async def heard_it() -> bool:
+            return bool(heard)
+
+        assert await poll_until_async(heard_it, 5)
+        assert heard[0] == 1  # called once the report was taken in
+
+    run(scenario)

@@ -87,6 +87,10 @@ class EngineConfig:
     # check releases a word once the next one starts), and theirs pause that many steps
     # (1: only the step that prefills it; 0: off).
     urgent_first_tokens: int = 1
+    # While more urgent sequences run, a step computes at most this many prompt tokens
+    # (first or recomputed) of less urgent ones (0: no bound): a step's time grows with its
+    # prompt tokens, and the next urgent arrival waits for the step in progress.
+    lower_prefill_tokens: int = 0
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> EngineConfig:
@@ -100,6 +104,7 @@ class EngineConfig:
             "max_logprobs": "max_logprobs",
             "max_preemptions": "max_preemptions",
             "urgent_first_tokens": "urgent_first_tokens",
+            "lower_prefill_tokens": "lower_prefill_tokens",
         }
         return cls(**{field: int(params[key]) for key, field in names.items() if key in params})
 
@@ -271,7 +276,26 @@ class Engine:
             self._running.append(seq)
             batch.append((seq, min(len(seq.pending), budget)))
             budget -= batch[-1][1]
-        return self._urgent_first(batch)
+        return self._urgent_first(self._bound_lower_prefill(batch))
+
+    def _bound_lower_prefill(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The step with at most ``lower_prefill_tokens`` prompt tokens of sequences less
+        urgent than the most urgent running one; the rest wait for later steps (chunked
+        prefill resumes where a step left off)."""
+        left = self.config.lower_prefill_tokens
+        if not left or not self._running:
+            return batch
+        top = min(seq.priority for seq in self._running)
+        bounded: list[tuple[Sequence, int]] = []
+        for seq, n in batch:
+            if seq.priority > top and len(seq.pending) > 1:
+                chunk = min(n, left)
+                left -= chunk
+                if chunk:
+                    bounded.append((seq, chunk))
+            else:
+                bounded.append((seq, n))
+        return bounded
 
     def _urgent_first(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """The step without the work of sequences less urgent than one computing its first
@@ -286,13 +310,15 @@ class Engine:
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
         """The running sequence ``urgent`` may preempt: the least urgent of those less
-        urgent than it (the newest among equals) not preempted too often already."""
+        urgent than it, not preempted too often already; among equals one whose client
+        has its first token already (a pause mid-stream costs it less than a first token
+        put off), then the newest."""
         less = [
             s
             for s in self._running
             if s.priority > urgent.priority and s.preemptions < self.config.max_preemptions
         ]
-        return max(less, key=lambda s: s.queue_key, default=None)
+        return max(less, key=lambda s: (s.priority, s.generated > 0, s.order), default=None)
 
     def _take_out(self, victim: Sequence, batch: list[tuple[Sequence, int]]) -> int:
         """Preempts ``victim`` for a more urgent sequence; the tokens it had in this
