@@ -5,9 +5,10 @@ Every pick is kept locally first (the pick path never waits on Redis), then publ
 picks and in-flight counts go out together on one Redis channel at most every
 ``interval_s`` (and the counts at least every ``keepalive_s``), and every router applies
 the others' to its own prefix index and session table. A session's home is also written
-to a key of its own, which a router that has not heard of the session (it started later,
-or missed a message) reads before it picks. In-flight counts of a router not heard from
-for ``stale_after_s`` stop counting.
+to a key of its own, at once rather than with the next message (the conversation's next
+turn may come through another router as soon as this one ends), which a router that has
+not heard of the session (it started later, or missed a message) reads before it picks.
+In-flight counts of a router not heard from for ``stale_after_s`` stop counting.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class SchedulingSync:
         self._in_flight: Callable[[], Mapping[str, int]] = dict
         self._sent_counts: dict[str, int] = {}
         self._sent_at = 0.0
+        self._homes: dict[str, str] = {}  # session key -> home, to write
+        self._writing: asyncio.Task[None] | None = None
 
     def attach(self, state: SchedulingState, in_flight: Callable[[], Mapping[str, int]]) -> None:
         """The scheduler's state, which the others' picks go into, and where this
@@ -100,6 +103,25 @@ class SchedulingSync:
     def picked(self, picked: Picked) -> None:
         """This router's pick, to publish with the next message (SchedulingState.on_pick)."""
         self._picks.append(picked)
+        if picked.session_key:
+            self._homes[picked.session_key] = json.dumps([picked.address, picked.subset])
+            if self._writing is None or self._writing.done():
+                self._writing = asyncio.get_running_loop().create_task(self._write_homes())
+
+    async def _write_homes(self) -> None:
+        """Writes the sessions' homes picked since the last write, in one pipeline, until
+        none is left (those picked meanwhile go in the next)."""
+        while self._homes:
+            homes, self._homes = self._homes, {}
+            pipe = self._client.pipeline(transaction=False)
+            for key, home in homes.items():
+                pipe.set(self._session_prefix + key, home, ex=self._session_ttl)
+            try:
+                async with asyncio.timeout(self._timeout):
+                    await pipe.execute()
+            except REDIS_ERRORS as err:
+                self._health.down(err)
+                return
 
     async def session_home(self, key: str) -> None:
         """Learns the session's home from Redis unless this router knows it already."""
@@ -116,7 +138,11 @@ class SchedulingSync:
             self._state.sessions.set(key, address, subset)
 
     async def run(self) -> None:
-        await asyncio.gather(self._publish(), self._subscribe())
+        try:
+            await asyncio.gather(self._publish(), self._subscribe())
+        finally:
+            if self._writing is not None:
+                self._writing.cancel()
 
     # -- out ---------------------------------------------------------------------
 
@@ -142,13 +168,7 @@ class SchedulingSync:
             "in_flight": counts,
             "picks": [[p.address, p.subset, p.session_key, list(p.prefix)] for p in picks],
         }
-        pipe = self._client.pipeline(transaction=False)
-        for p in picks:
-            if p.session_key:
-                home = json.dumps([p.address, p.subset])
-                pipe.set(self._session_prefix + p.session_key, home, ex=self._session_ttl)
-        pipe.publish(self._channel, json.dumps(message))
-        await pipe.execute()
+        await self._client.publish(self._channel, json.dumps(message))
 
     # -- in ----------------------------------------------------------------------
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from llmmesh.waiting import poll_until_async
 from services.router.config import PoolSettings
 from services.router.endpoints import Endpoint, FixedDiscovery
 from services.router.replicas import ReplicaSet
 from services.router.scheduling import SchedulingState
+from services.router.scheduling.types import Picked
 from services.router.shared.resilient import SharedHealth
 from services.router.shared.sync import PeerStreams, SchedulingSync
 from tests.replicas_double import MemoryConnector
@@ -55,3 +57,38 @@ def test_the_other_routers_picks_are_learned_and_its_own_ignored() -> None:
     assert state.prefixes.matched_blocks([7, 8]) == {"x:1": 2}
     assert state.sessions.get("t/u") is None  # its own message
     assert sync.peers.in_flight("x:1") == 1
+
+
+class RecordingRedis:
+    """Records what a pipeline writes (the part of redis.asyncio.Redis the homes use)."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, str, int]] = []
+
+    def pipeline(self, transaction: bool = True) -> RecordingRedis:
+        return self
+
+    def set(self, key: str, value: str, ex: int) -> None:
+        self.written.append((key, value, ex))
+
+    async def execute(self) -> list[bool]:
+        return [True] * len(self.written)
+
+
+def test_a_sessions_home_is_written_at_once_not_with_the_next_batch() -> None:
+    """The next turn may reach another router as soon as this one ends: the home goes
+    out on the pick, whether or not the batching loop runs."""
+
+    async def scenario() -> list[tuple[str, str, int]]:
+        client = RecordingRedis()
+        sync = SchedulingSync(client, "p:", "a", PeerStreams(3.0), SharedHealth(), interval_s=60)  # type: ignore[arg-type]
+        sync.picked(Picked("x:1", "stable", "t/s"))
+        sync.picked(Picked("y:1", "stable"))  # no session: nothing to write
+
+        async def written() -> bool:
+            return bool(client.written)
+
+        assert await poll_until_async(written, 5)
+        return client.written
+
+    assert asyncio.run(scenario()) == [("p:session:t/s", '["x:1", "stable"]', 3600)]
