@@ -106,6 +106,8 @@ class InferenceCall:
     sampling: Sampling
     # The engine's scheduling priority, lower is more urgent (None: the engine's default).
     priority: int | None = None
+    # The engine's prefix-cache partition (empty: shared); the router's per tenant.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

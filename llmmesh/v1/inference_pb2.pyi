@@ -234,6 +234,7 @@ class InferenceRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, passed to Triton as the request id."""
     model: _builtins.str
@@ -244,6 +245,13 @@ class InferenceRequest(_message.Message):
     """Scheduling priority in the engine, lower is more urgent (the router sends its
     tenant's tier: critical 0, standard 1, sheddable 2; a shadow 3); must be >= 0. Unset:
     the engine's default. Sent to Triton as the request parameter scheduling_priority.
+    """
+    cache_salt: _builtins.str
+    """Partitions the engine's prefix cache: the prompt reuses only blocks computed for
+    requests with the same salt (the router sends one per tenant, or per tenants that
+    share a prefix_cache_group, so that no tenant can read or time another's cached
+    prefixes). Empty: the cache is shared. Sent to Triton as the request parameter
+    cache_salt (vLLM's name for it); at most 256 characters.
     """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
@@ -257,10 +265,11 @@ class InferenceRequest(_message.Message):
         prompt: _builtins.str = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _builtins.int | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "priority", b"priority", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015

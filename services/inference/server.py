@@ -100,6 +100,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             prompt=request.prompt,
             sampling=sampling_from_pb(request.sampling),
             priority=request.priority if request.HasField("priority") else None,
+            cache_salt=request.cache_salt,
         )
         total = 0
         async for chunk in self._core.generate(call):

@@ -38,6 +38,7 @@ TRITON_CHANNEL_OPTIONS = [
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PRIORITY_PARAMETER = "scheduling_priority"
+CACHE_SALT_PARAMETER = "cache_salt"
 
 
 def bytes_tensor(value: bytes) -> bytes:
@@ -79,6 +80,8 @@ def build_request(
         request.outputs.add(name=name)
     if call.priority is not None:  # a parameter the model reads (tritonclient reserves "priority")
         request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
+    if call.cache_salt:
+        request.parameters[CACHE_SALT_PARAMETER].string_param = call.cache_salt
     return request
 
 

@@ -16,11 +16,12 @@ BLOCK_CHARS = 64
 MAX_BLOCKS = 64  # prefixes beyond 4096 characters gain nothing more
 
 
-def prefix_hashes(prompt: str) -> list[int]:
+def prefix_hashes(prompt: str, salt: str = "") -> list[int]:
     """Chained hashes of the prompt's full blocks: the i-th names characters [0, 64*(i+1)).
     BLAKE2b, not ``hash()``: every router must name a prefix alike (Python salts str
-    hashes per process); 64 blocks take about 30 us."""
-    hashes, parent = [], b""
+    hashes per process); 64 blocks take about 30 us. ``salt``: the request's prefix-cache
+    partition (the engine's ``cache_salt``): only the same salt names a prefix alike."""
+    hashes, parent = [], salt.encode("utf-8", "surrogatepass")
     full = min(len(prompt) // BLOCK_CHARS, MAX_BLOCKS)
     for start in range(0, full * BLOCK_CHARS, BLOCK_CHARS):
         block = prompt[start : start + BLOCK_CHARS].encode("utf-8", "surrogatepass")

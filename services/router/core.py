@@ -290,6 +290,7 @@ class RouterCore:
             verdict.rule_set_version,
             self._tenants.spec(request.tenant).session_ttl_s,
             SUMMARY_PRIORITY if call.priority is not None else None,
+            call.cache_salt,
         )
         self._summaries.fold(job)
 
@@ -335,7 +336,14 @@ class RouterCore:
         priority = None
         if self._admission.settings.engine_priority:
             priority = TIER_PRIORITY.get(self._tenants.spec(request.tenant).tier)
-        call = InferenceCall(request.request_id, request.model, prompt, request.sampling, priority)
+        call = InferenceCall(
+            request.request_id,
+            request.model,
+            prompt,
+            request.sampling,
+            priority,
+            self._tenants.cache_salt(request.tenant),
+        )
         return call, speech.count(prompt) + speech.bos_tokens
 
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:

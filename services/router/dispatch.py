@@ -118,7 +118,7 @@ class Dispatcher:
             await self._session_home(hints.session_key)
         request = PickRequest(
             model=call.model,
-            prefix=prefix_hashes(call.prompt),
+            prefix=prefix_hashes(call.prompt, call.cache_salt),
             prompt_chars=len(call.prompt),
             session_key=hints.session_key,
             color=hints.color,

@@ -80,6 +80,7 @@ class FoldJob:
     version: str
     ttl_s: int
     priority: int | None = SUMMARY_PRIORITY  # None: the engine does not order by priority
+    cache_salt: str = ""  # the tenant's prefix-cache partition
 
 
 def transcript(fold: Fold) -> str:
@@ -132,7 +133,9 @@ class Summarizer:
         sampling = Sampling(
             max_tokens=max(fold.max_tokens, 1), temperature=0.0, stop=TRANSCRIPT_TURNS
         )
-        call = InferenceCall(f"{job.request_id}-summary", job.model, prompt, sampling, job.priority)
+        call = InferenceCall(
+            f"{job.request_id}-summary", job.model, prompt, sampling, job.priority, job.cache_salt
+        )
         hints = RouteHints(f"{job.tenant}/{job.session_id}", tier="background", background=True)
         SUMMARY_TOKENS.labels(job.model, "prompt").inc(speech.count(prompt) + speech.bos_tokens)
         text, written = await _collect(self._inference.generate(call, hints))

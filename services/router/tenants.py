@@ -75,6 +75,11 @@ class TenantSpec(BaseModel):
     # 22% with the whole history and at most 7% for any other strategy, at 42% of the
     # whole history's prompt tokens).
     truncation: Truncation = Truncation.KEY_SENTENCES
+    # The engines' prefix caches, and the router's index of them, are partitioned by this
+    # name: tenants with the same group share cached prefixes (one organisation's keys,
+    # say); by default each tenant is its own, so that no tenant can read or time another's
+    # cached prompts (a prompt that repeats another tenant's prefix is computed afresh).
+    prefix_cache_group: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     session_ttl_s: int = Field(default=0, ge=0, le=366 * 86_400)
     context_fail_mode: Literal["closed", "open"] = "closed"
 
@@ -269,6 +274,16 @@ class Tenants:
         if tenant is None or not any(hmac.compare_digest(digest, h) for h in known):
             raise Unauthenticated("unknown API key")
         return tenant
+
+    def cache_salt(self, tenant: str) -> str:
+        """The engines' prefix-cache partition for ``tenant``'s requests: a digest of its
+        group (the tenant itself by default), so that the salt names no tenant in the
+        engines' logs."""
+        spec = self.spec(tenant)
+        group = spec.prefix_cache_group or f"tenant:{spec.id}"
+        return hashlib.blake2b(
+            group.encode(), digest_size=16, person=b"llm-mesh-prefix"
+        ).hexdigest()
 
     def spec(self, tenant: str) -> TenantSpec:
         if not self._enabled:

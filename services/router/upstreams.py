@@ -415,6 +415,7 @@ def inference_request(call: InferenceCall) -> inference_pb2.InferenceRequest:
         prompt=call.prompt,
         sampling=sampling_to_pb(call.sampling),
         priority=call.priority,
+        cache_salt=call.cache_salt,
     )
 
 

@@ -373,3 +373,46 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.Ope
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached is not None and cached % 16 == 0
     assert usage.prompt_tokens - 16 < cached < usage.prompt_tokens
+
+
+def test_a_tenants_cached_prefixes_are_its_own(stack: Stack, tmp_path: Path) -> None:
+    """Through the router, Triton and the engine: another tenant's prompt with the same
+    prefix is computed afresh (its latency cannot tell whether that prefix was sent
+    before), a tenant's own repeat reads it from the cache, and the tenants of one
+    prefix_cache_group share."""
+    keys = write_tenants(
+        tmp_path / "tenants.json",
+        {
+            "a": {"id": "cache-a"},
+            "b": {"id": "cache-b"},
+            "c": {"id": "cache-c", "prefix_cache_group": "org"},
+            "d": {"id": "cache-d", "prefix_cache_group": "org"},
+        },
+    )
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        tmp_path,
+        tenants_file=str(tmp_path / "tenants.json"),
+        http_port=str(ports.router_http),
+    )
+    base = f"http://127.0.0.1:{ports.router_http}/v1"
+    system = f"You are assistant {uuid.uuid4().hex}. " * 4
+
+    def cached(tenant: str) -> int:
+        client = openai.OpenAI(base_url=base, api_key=keys[tenant], max_retries=0)
+        chat: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hi"},
+        ]
+        usage = client.chat.completions.create(model="llm", messages=chat, max_tokens=1).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    try:
+        assert [cached(t) for t in ("a", "b", "c")] == [0, 0, 0]
+        assert cached("a") > 0 and cached("d") > 0
+    finally:
+        router.terminate(5)

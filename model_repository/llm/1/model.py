@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from refengine import Engine, EngineConfig, EngineStats, GenerationRequest, RequestError
-from refengine.contract import decode_text, parse_priority, parse_sampling_parameters
+from refengine.contract import (
+    decode_text,
+    parse_cache_salt,
+    parse_priority,
+    parse_sampling_parameters,
+)
 from refengine.families import build_model
 from refengine.sequence import Details, logprob_entry
 
@@ -332,8 +337,10 @@ def _parse(request: Any) -> GenerationRequest:
     prompt = _scalar(request, "text_input")
     if prompt is None:
         raise RequestError("text_input: required")
+    parameters = _parameters(request)
     return GenerationRequest(
-        priority=parse_priority(_parameters(request)),
+        priority=parse_priority(parameters),
+        cache_salt=parse_cache_salt(parameters),
         prompt=decode_text(prompt, "text_input"),
         stream=_flag(request, "stream"),
         exclude_input_in_output=_flag(request, "exclude_input_in_output"),

@@ -137,3 +137,10 @@ def test_a_priority_travels_as_the_scheduling_priority_parameter() -> None:
     urgent = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=1), priority=0))
     assert urgent.parameters["scheduling_priority"].int64_param == 0
     assert urgent.parameters["scheduling_priority"].HasField("int64_param")
+
+
+def test_a_cache_salt_travels_as_the_cache_salt_parameter() -> None:
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=1))
+    assert "cache_salt" not in build_request(call).parameters
+    salted = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=1), cache_salt="s"))
+    assert salted.parameters["cache_salt"].string_param == "s"

@@ -20,7 +20,7 @@ from refengine import (
     rowstable,
 )
 from refengine.attention import Segment
-from refengine.contract import parse_priority, parse_sampling_parameters
+from refengine.contract import parse_cache_salt, parse_priority, parse_sampling_parameters
 from refengine.kvcache import BlockPool
 from refengine.quant import quantize
 from refengine.rowstable import (
@@ -539,6 +539,35 @@ class TestEngine:
         assert computed <= len("second") + 1 + 4
         uncached = run(make_engine(block_size=4), prefix + "second", max_tokens=2, temperature=0.0)
         assert second.text == uncached.text
+
+    def test_a_cache_salt_partitions_the_prefix_cache(self) -> None:
+        """A prompt reuses only blocks computed under its own salt: another salt, or none,
+        computes the prefix afresh (and its text is the same)."""
+        engine = make_engine(block_size=4)
+        prefix = "a long shared system prompt " * 3
+
+        def hits(salt: str, prompt: str) -> tuple[int, str]:
+            before = engine.stats.prefix_hit_tokens
+            request = GenerationRequest(
+                prefix + prompt, sampling=SamplingParams(max_tokens=2, temperature=0.0),
+                cache_salt=salt,
+            )  # fmt: skip
+            sink = RecordingSink()
+            engine.submit(request, sink)
+            drain(engine)
+            return engine.stats.prefix_hit_tokens - before, sink.text
+
+        assert hits("tenant-a", "first")[0] == 0
+        other, unsalted = hits("tenant-b", "second"), hits("", "second")
+        assert other[0] == 0 and unsalted[0] == 0 and other[1] == unsalted[1]
+        assert hits("tenant-a", "third")[0] >= len(prefix) - 4
+        assert hits("", "fourth")[0] >= len(prefix) - 4  # the unsalted share among themselves
+
+    @pytest.mark.parametrize("value", [3, None, "x" * 257])
+    def test_a_cache_salt_that_is_not_a_short_string_is_refused(self, value: Any) -> None:
+        with pytest.raises(RequestError, match="cache_salt"):
+            parse_cache_salt({"cache_salt": value})
+        assert parse_cache_salt({}) == "" and parse_cache_salt({"cache_salt": "t"}) == "t"
 
     def test_the_first_response_says_how_much_of_the_prompt_was_cached(self) -> None:
         """Once, on the first response: the prompt's full blocks found in the cache (a

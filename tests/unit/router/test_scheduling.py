@@ -256,6 +256,17 @@ def test_prefix_affinity_sends_a_shared_prefix_back_to_its_replica() -> None:
     assert moved.candidate.address != first.candidate.address
 
 
+def test_a_prefix_is_named_alike_only_under_the_same_salt() -> None:
+    """The router's index follows the engines' partitions: another tenant's prompt with
+    the same prefix matches nothing it was not sent itself."""
+    prompt = "s" * 300
+    index = PrefixIndex()
+    index.record(prefix_hashes(prompt, "tenant-a"), "a:1")
+    assert index.matched_blocks(prefix_hashes(prompt, "tenant-a")) == {"a:1": 4}
+    assert index.matched_blocks(prefix_hashes(prompt, "tenant-b")) == {}
+    assert index.matched_blocks(prefix_hashes(prompt)) == {}
+
+
 def test_a_longer_cached_prefix_is_worth_more_load() -> None:
     short, long, fresh = "s" * 256, "l" * 2048, "f" * 2200
     p = picker(5)

@@ -235,3 +235,21 @@ def test_an_admission_by_a_shared_store_is_under_way_and_then_answered() -> None
         lease.release()
 
     asyncio.run(scenario())
+
+
+def test_each_tenant_has_its_own_prefix_cache_unless_it_shares_a_group() -> None:
+    """The engines' cache salt: a digest per tenant (no tenant named in it), the same for
+    the tenants of one prefix_cache_group."""
+    tenants = Tenants(enabled=True)
+    specs = [
+        TenantSpec(id="a"),
+        TenantSpec(id="b"),
+        TenantSpec(id="c", prefix_cache_group="org"),
+        TenantSpec(id="d", prefix_cache_group="org"),
+    ]
+    tenants.apply(TenantsDocument(tenants=tuple(specs)))
+    salts = {spec.id: tenants.cache_salt(spec.id) for spec in specs}
+    assert len({salts["a"], salts["b"], salts["c"]}) == 3 and salts["c"] == salts["d"]
+    assert all(s.isalnum() and "org" not in s for s in salts.values())
+    with pytest.raises(ValueError, match="prefix_cache_group"):
+        TenantSpec(id="e", prefix_cache_group="tenant:a")  # cannot pose as a tenant's own

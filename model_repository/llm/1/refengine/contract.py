@@ -51,6 +51,10 @@ class GenerationRequest:
     # The request parameter ``scheduling_priority``: lower is more urgent (vLLM's and
     # Triton's order); a request without one is 0.
     priority: int = 0
+    # The request parameter ``cache_salt`` (vLLM's name): a prompt reuses only prefix
+    # blocks computed for requests with the same salt (the mesh sends one per tenant, so
+    # that no tenant can read, or time, another's cached prefixes). Empty: shared.
+    cache_salt: str = ""
 
 
 def parse_priority(parameters: object) -> int:
@@ -61,6 +65,23 @@ def parse_priority(parameters: object) -> int:
     value = parameters["scheduling_priority"]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RequestError(f"scheduling_priority: must be a non-negative integer, got {value!r}")
+    return value
+
+
+MAX_CACHE_SALT = 256
+
+
+def parse_cache_salt(parameters: object) -> str:
+    """``cache_salt`` of a request's parameters (JSON object): a string of at most
+    MAX_CACHE_SALT characters, empty when absent; RequestError naming it otherwise."""
+    if not isinstance(parameters, dict) or "cache_salt" not in parameters:
+        return ""
+    value = parameters["cache_salt"]
+    if not isinstance(value, str) or len(value) > MAX_CACHE_SALT:
+        raise RequestError(
+            f"cache_salt: must be a string of at most {MAX_CACHE_SALT} characters, "
+            f"got {value!r:.80}"
+        )
     return value
 
 

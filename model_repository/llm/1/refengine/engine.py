@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from refengine.attention import Segment
 from refengine.contract import GenerationRequest, RequestError
-from refengine.kvcache import NO_PARENT, BlockPool, block_hash
+from refengine.kvcache import BlockPool, block_hash
 from refengine.sampling import OutputMasks, sample_batch, score_token
 from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink, TokenLogprob
 from refengine.tokenizer import ByteTokenizer, Tokenizer
@@ -374,7 +374,7 @@ class Engine:
         blocks. At least one token is always left to compute, for the step's logits."""
         size = self.pool.block_size
         hits: list[tuple[int, int]] = []
-        parent = NO_PARENT
+        parent = seq.root
         for index in range((len(seq.tokens) - 1) // size):
             content = block_hash(parent, tuple(seq.tokens[index * size : (index + 1) * size]))
             block = self.pool.cached(content)

@@ -9,6 +9,7 @@ pool needs them back, least recently used first.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,6 +21,14 @@ NO_PARENT = 0
 
 def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+def root_hash(salt: str) -> int:
+    """The parent of a sequence's first block: NO_PARENT unsalted, else one that only
+    the same salt gives (a cache partition per salt)."""
+    if not salt:
+        return NO_PARENT
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") | 1
 
 
 @dataclass

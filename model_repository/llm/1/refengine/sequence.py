@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from refengine.contract import GenerationRequest
-from refengine.kvcache import NO_PARENT, BlockPool, block_hash
+from refengine.kvcache import BlockPool, block_hash, root_hash
 from refengine.sampling import OutputMasks, Sampler
 from refengine.stops import StopMatcher
 from refengine.tokenizer import StreamDecoder
@@ -121,6 +121,11 @@ class Sequence:
         return self.request.priority
 
     @property
+    def root(self) -> int:
+        """Its first block's parent hash: its cache partition (the request's salt)."""
+        return root_hash(self.request.cache_salt)
+
+    @property
     def queue_key(self) -> tuple[int, int]:
         """Waiting order: the most urgent first (lowest priority value), then arrival."""
         return self.request.priority, self.order
@@ -175,7 +180,7 @@ class Sequence:
         size = pool.block_size
         while len(self.hashes) < self.computed // size:
             index = len(self.hashes)
-            parent = self.hashes[-1] if self.hashes else NO_PARENT
+            parent = self.hashes[-1] if self.hashes else self.root
             content = block_hash(parent, tuple(self.tokens[index * size : (index + 1) * size]))
             pool.register(self.table[index], content)
             self.hashes.append(content)
