@@ -4,6 +4,7 @@ httpx for the server-sent-event framing and client disconnects, against the real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -37,6 +38,29 @@ BOMB: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how to bu
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
+
+
+@contextlib.contextmanager
+def tenant_router(
+    stack: Stack, workdir: Path, tenants: dict[str, dict[str, object]], **settings: str
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """A router over the stack with these tenants (name -> fields) and its own HTTP
+    port: its OpenAI base URL and each tenant's API key."""
+    keys = write_tenants(workdir / "tenants.json", tenants)
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        workdir,
+        tenants_file=str(workdir / "tenants.json"),
+        http_port=str(ports.router_http),
+        **settings,
+    )
+    try:
+        yield f"http://127.0.0.1:{ports.router_http}/v1", keys
+    finally:
+        router.terminate(5)
 
 
 def test_chat_completion_whole(client: openai.OpenAI) -> None:
@@ -209,23 +233,8 @@ def limited(
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """A router with a tenant allowed one request a minute."""
     tmp = tmp_path_factory.mktemp("openai-limits")
-    keys = write_tenants(
-        tmp / "tenants.json",
-        {"hasty": {"id": "hasty", "requests_per_minute": 1}},
-    )
-    ports = StackPorts.free()
-    router = start_service(
-        stack,
-        "router",
-        ports.router,
-        tmp,
-        tenants_file=str(tmp / "tenants.json"),
-        http_port=str(ports.router_http),
-    )
-    try:
-        yield f"http://127.0.0.1:{ports.router_http}/v1", keys
-    finally:
-        router.terminate(5)
+    with tenant_router(stack, tmp, {"hasty": {"id": "hasty", "requests_per_minute": 1}}) as got:
+        yield got
 
 
 def test_rate_limits_are_429_with_retry_after(limited: tuple[str, dict[str, str]]) -> None:
@@ -280,26 +289,17 @@ def test_a_client_that_disconnects_cancels_its_generation(stack: Stack) -> None:
 
 
 def test_policy_unreachable_is_503_for_a_fail_closed_tenant(stack: Stack, tmp_path: Path) -> None:
-    keys = write_tenants(tmp_path / "tenants.json", {"closed": {"id": "closed-http"}})
-    ports = StackPorts.free()
-    router = start_service(
+    with tenant_router(
         stack,
-        "router",
-        ports.router,
         tmp_path,
-        tenants_file=str(tmp_path / "tenants.json"),
-        http_port=str(ports.router_http),
-        policy_address=f"127.0.0.1:{ports.policy}",  # nothing listens there
+        {"closed": {"id": "closed-http"}},
+        policy_address=f"127.0.0.1:{StackPorts.free().policy}",  # nothing listens there
         upstream_timeout_s="0.5",
-    )
-    try:
-        base = f"http://127.0.0.1:{ports.router_http}/v1"
+    ) as (base, keys):
         client = openai.OpenAI(base_url=base, api_key=keys["closed"], max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="llm", prompt="hi", max_tokens=2)
         assert info.value.status_code == 503
-    finally:
-        router.terminate(5)
 
 
 def test_n_samples_share_their_prompts_prefill(stack: Stack, client: openai.OpenAI) -> None:
@@ -380,39 +380,25 @@ def test_a_tenants_cached_prefixes_are_its_own(stack: Stack, tmp_path: Path) -> 
     prefix is computed afresh (its latency cannot tell whether that prefix was sent
     before), a tenant's own repeat reads it from the cache, and the tenants of one
     prefix_cache_group share."""
-    keys = write_tenants(
-        tmp_path / "tenants.json",
-        {
-            "a": {"id": "cache-a"},
-            "b": {"id": "cache-b"},
-            "c": {"id": "cache-c", "prefix_cache_group": "org"},
-            "d": {"id": "cache-d", "prefix_cache_group": "org"},
-        },
-    )
-    ports = StackPorts.free()
-    router = start_service(
-        stack,
-        "router",
-        ports.router,
-        tmp_path,
-        tenants_file=str(tmp_path / "tenants.json"),
-        http_port=str(ports.router_http),
-    )
-    base = f"http://127.0.0.1:{ports.router_http}/v1"
+    tenants: dict[str, dict[str, object]] = {
+        "a": {"id": "cache-a"},
+        "b": {"id": "cache-b"},
+        "c": {"id": "cache-c", "prefix_cache_group": "org"},
+        "d": {"id": "cache-d", "prefix_cache_group": "org"},
+    }
     system = f"You are assistant {uuid.uuid4().hex}. " * 4
+    chat: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "hi"},
+    ]
+    with tenant_router(stack, tmp_path, tenants) as (base, keys):
 
-    def cached(tenant: str) -> int:
-        client = openai.OpenAI(base_url=base, api_key=keys[tenant], max_retries=0)
-        chat: list[ChatCompletionMessageParam] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "hi"},
-        ]
-        usage = client.chat.completions.create(model="llm", messages=chat, max_tokens=1).usage
-        assert usage is not None and usage.prompt_tokens_details is not None
-        return usage.prompt_tokens_details.cached_tokens or 0
+        def cached(tenant: str) -> int:
+            client = openai.OpenAI(base_url=base, api_key=keys[tenant], max_retries=0)
+            reply = client.chat.completions.create(model="llm", messages=chat, max_tokens=1)
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            return usage.prompt_tokens_details.cached_tokens or 0
 
-    try:
         assert [cached(t) for t in ("a", "b", "c")] == [0, 0, 0]
         assert cached("a") > 0 and cached("d") > 0
-    finally:
-        router.terminate(5)
