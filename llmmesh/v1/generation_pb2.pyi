@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name, as served by the mesh (e.g. "llm"). Empty selects the default model."""
     prompt: _builtins.str
@@ -39,6 +40,11 @@ class GenerateRequest(_message.Message):
     truncation: _builtins.str
     """How to cut a session's history that does not fit the model's context: last_turns,
     keep_system_and_recent, sliding_summary or key_sentences. Empty: the tenant's choice.
+    """
+    cache_salt: _builtins.str
+    """Partitions the prefix cache further within the tenant's own (vLLM's cache_salt):
+    the prompt shares cached prefixes only with requests of the same tenant (or
+    prefix_cache_group) and the same salt. At most 256 characters. Empty: the tenant's.
     """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
@@ -52,10 +58,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         session_id: _builtins.str = ...,
         truncation: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

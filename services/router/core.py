@@ -57,7 +57,13 @@ from services.router.prompt import (
     user_tail,
     with_texts,
 )
-from services.router.request import GenerateInput, Generation, Prepared, StartedStream
+from services.router.request import (
+    MAX_CACHE_SALT,
+    GenerateInput,
+    Generation,
+    Prepared,
+    StartedStream,
+)
 from services.router.speech import ModelSpeech, Speeches
 from services.router.summaries import SUMMARY_PRIORITY, FoldJob, Summarizer
 from services.router.tenants import Lease, Tenants
@@ -168,6 +174,8 @@ class RouterCore:
             raise InvalidArgument("x-llm-color", "1-64 letters, digits, '-', '_', '.'")
         if request.truncation:
             check_truncation(request.truncation)
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT} characters")
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)
@@ -342,7 +350,7 @@ class RouterCore:
             prompt,
             request.sampling,
             priority,
-            self._tenants.cache_salt(request.tenant),
+            self._tenants.cache_salt(request.tenant, request.cache_salt),
         )
         return call, speech.count(prompt) + speech.bos_tokens
 

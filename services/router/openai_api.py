@@ -328,6 +328,7 @@ class OpenAiApi:
                 session_id=session_id,
                 color=request.headers.get(COLOR, ""),
                 inline_history=inline,
+                cache_salt=body.cache_salt or "",
             )
             for prompt in prompts
         ]

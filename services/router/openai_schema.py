@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
+from services.router.request import MAX_CACHE_SALT
 
 B = TypeVar("B", bound=BaseModel)
 MAX_CHOICES = 8
@@ -86,6 +87,12 @@ class Body(_Strict):
     return_hidden_states: bool = _no_op(False, "SGLang's; hidden states are never returned")
     response_format: PlainFormat | None = Field(
         default=None, description="plain text, the only format supported"
+    )
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=MAX_CACHE_SALT,
+        description="vLLM's extension: shares cached prefixes only with the same salt "
+        "(within the tenant's own cache)",
     )
 
     def check_no_ops(self) -> None:
@@ -220,6 +227,9 @@ class ResponseBody(_Strict):
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0, description="the mesh's extension")
     seed: int | None = Field(default=None, description="the mesh's extension")
+    cache_salt: str | None = Field(
+        default=None, max_length=MAX_CACHE_SALT, description="as in chat completions"
+    )
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     text: TextConfig | None = None

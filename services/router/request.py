@@ -26,6 +26,9 @@ class SessionUse:
     may_truncate: bool = True  # False: a history that does not fit is refused, never cut
 
 
+MAX_CACHE_SALT = 256  # characters of a client's cache_salt (the engines get a digest)
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     """A public Generate request as the transport decoded it."""
@@ -39,6 +42,7 @@ class GenerateInput:
     color: str = ""  # x-llm-color: pins a traffic color / subset
     deadline: float | None = None  # time.monotonic() by which the client wants an answer
     truncation: str = ""  # how to cut a long history; empty: the tenant's choice
+    cache_salt: str = ""  # the client's partition of its tenant's prefix cache (vLLM's)
     # A conversation sent whole with the request (OpenAI's messages); with a session, the
     # turns that continue it (the Responses API's input items), stored with the answer.
     inline_history: History | None = None

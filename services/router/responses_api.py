@@ -222,6 +222,7 @@ class ResponsesApi:
             inline_history=new_turns,
             inline_field="input",
             session_use=use,
+            cache_salt=body.cache_salt or "",
         )
 
     async def _finish(

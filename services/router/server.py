@@ -92,6 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             color=metadata_value(context, COLOR) or "",
             deadline=_deadline(context),
             truncation=request.truncation,
+            cache_salt=request.cache_salt,
         )
 
 

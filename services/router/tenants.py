@@ -275,15 +275,17 @@ class Tenants:
             raise Unauthenticated("unknown API key")
         return tenant
 
-    def cache_salt(self, tenant: str) -> str:
+    def cache_salt(self, tenant: str, requested: str = "") -> str:
         """The engines' prefix-cache partition for ``tenant``'s requests: a digest of its
-        group (the tenant itself by default), so that the salt names no tenant in the
-        engines' logs."""
+        group (the tenant itself by default) and of the client's own salt, if it sent one
+        (vLLM's cache_salt, a partition within the tenant's), so that the salt names no
+        tenant in the engines' logs and no client can reach another tenant's partition."""
         spec = self.spec(tenant)
         group = spec.prefix_cache_group or f"tenant:{spec.id}"
-        return hashlib.blake2b(
-            group.encode(), digest_size=16, person=b"llm-mesh-prefix"
-        ).hexdigest()
+        digest = hashlib.blake2b(digest_size=16, person=b"llm-mesh-prefix")
+        for part in (group, requested):
+            digest.update(len(part).to_bytes(4, "little") + part.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
 
     def spec(self, tenant: str) -> TenantSpec:
         if not self._enabled:

@@ -393,12 +393,23 @@ def test_a_tenants_cached_prefixes_are_its_own(stack: Stack, tmp_path: Path) -> 
     ]
     with tenant_router(stack, tmp_path, tenants) as (base, keys):
 
-        def cached(tenant: str) -> int:
+        def cached(tenant: str, salt: str | None = None) -> int:
             client = openai.OpenAI(base_url=base, api_key=keys[tenant], max_retries=0)
-            reply = client.chat.completions.create(model="llm", messages=chat, max_tokens=1)
+            extra = {"cache_salt": salt} if salt else None
+            reply = client.chat.completions.create(
+                model="llm", messages=chat, max_tokens=1, extra_body=extra
+            )
             usage = reply.usage
             assert usage is not None and usage.prompt_tokens_details is not None
             return usage.prompt_tokens_details.cached_tokens or 0
 
         assert [cached(t) for t in ("a", "b", "c")] == [0, 0, 0]
         assert cached("a") > 0 and cached("d") > 0
+        # vLLM's cache_salt: a partition within the tenant's own.
+        assert cached("a", "user-1") == 0 and cached("a", "user-1") > 0
+        client = openai.OpenAI(base_url=base, api_key=keys["a"], max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="llm", messages=chat, max_tokens=1, extra_body={"cache_salt": "s" * 257}
+            )
+        assert info.value.body["param"] == "cache_salt"  # type: ignore[index]

@@ -460,6 +460,9 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     with pytest.raises(InvalidArgument) as info:
         core.validate(replace(request(), color="no spaces"))
     assert info.value.field == "x-llm-color"
+    with pytest.raises(InvalidArgument) as info:
+        core.validate(replace(request(), cache_salt="s" * 257))
+    assert info.value.field == "cache_salt"
 
 
 def test_every_message_of_a_conversation_has_the_prompts_limit_and_the_whole_a_limit() -> None:

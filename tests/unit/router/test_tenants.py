@@ -251,5 +251,9 @@ def test_each_tenant_has_its_own_prefix_cache_unless_it_shares_a_group() -> None
     salts = {spec.id: tenants.cache_salt(spec.id) for spec in specs}
     assert len({salts["a"], salts["b"], salts["c"]}) == 3 and salts["c"] == salts["d"]
     assert all(s.isalnum() and "org" not in s for s in salts.values())
+    # A client's own salt partitions its tenant's cache further, never reaching another's.
+    own = tenants.cache_salt("a", "user-1")
+    assert own not in salts.values() and own != tenants.cache_salt("b", "user-1")
+    assert tenants.cache_salt("c", "user-1") == tenants.cache_salt("d", "user-1")
     with pytest.raises(ValueError, match="prefix_cache_group"):
         TenantSpec(id="e", prefix_cache_group="tenant:a")  # cannot pose as a tenant's own
