@@ -653,6 +653,31 @@ class TestStreamInterval:
             assert counts == [1, 2, 4, 4, 4, 4, 4]
             assert sink.tokens == 23 and len(sink.text) == 23
 
+    def test_a_gap_between_responses_groups_a_fast_lone_streams_tokens(self) -> None:
+        """stream_gap_ms 5 on an engine whose steps take 2 ms (its clock): the first token
+        at once, then a response per 3 tokens; text held when its sequence pauses (a more
+        urgent one's first tokens) still goes out once the gap has passed."""
+        now = [0.0]
+        engine = Engine(
+            Transformer(SMALL, seed=0),
+            config=EngineConfig(stream_gap_ms=5, urgent_first_tokens=3),
+            clock=lambda: now[0],
+        )
+        low = submit_at(engine, "alone", 2, max_tokens=40, ignore_eos=True)
+        for _ in range(11):
+            engine.step()
+            now[0] += 0.002
+        assert [n for _, n in low.deltas] == [1, 3, 3, 3]  # the 11th token is held
+        held = low.tokens_so_far()
+        submit_at(engine, "urgent", 0, max_tokens=5, ignore_eos=True)
+        engine.step()  # the urgent prompt's step: the low one pauses, its token held
+        assert low.tokens_so_far() == held
+        now[0] += 0.005
+        engine.step()
+        assert low.tokens_so_far() == held + 1  # sent though it computed nothing
+        drain(engine)
+        assert low.tokens == 40
+
     def test_fixed_interval(self) -> None:
         sink = run(make_engine(stream_interval=5), "fixed", max_tokens=16, ignore_eos=True)
         assert [n for _, n in sink.deltas] == [1, 5, 5, 5]

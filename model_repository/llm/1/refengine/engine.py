@@ -78,6 +78,11 @@ class EngineConfig:
     # Tokens per streamed response after the first; 0 = one per AUTO_STREAM_DIVISOR
     # running sequences (1 when few run, so a lone stream gets every token at once).
     stream_interval: int = 0
+    # A later response goes out at least this long after the sequence's previous one (0:
+    # no floor); text held meanwhile goes with the next. An engine faster than that per
+    # token sends a lone stream several tokens per response, and every hop after it one
+    # message for them; the first response never waits.
+    stream_gap_ms: int = 0
     max_logprobs: int = 20  # most likely tokens a request may ask for per position (OpenAI's cap)
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
@@ -101,6 +106,7 @@ class EngineConfig:
             "max_running": "max_running",
             "max_batched_tokens": "max_batched_tokens",
             "stream_interval": "stream_interval",
+            "stream_gap_ms": "stream_gap_ms",
             "max_logprobs": "max_logprobs",
             "max_preemptions": "max_preemptions",
             "urgent_first_tokens": "urgent_first_tokens",
@@ -137,8 +143,11 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: when responses go out (``stream_gap_ms``)."""
         self.model = model
+        self._clock = clock
         self.tokenizer = tokenizer or ByteTokenizer()
         self._masks = OutputMasks(self.tokenizer)
         self.config = config or EngineConfig()
@@ -208,6 +217,8 @@ class Engine:
         batch = self._schedule()
         if batch:
             self._run(batch)
+            if self.config.stream_gap_ms:
+                self._send_due()
         self._publish(force=not batch)
         return bool(batch)
 
@@ -455,13 +466,24 @@ class Engine:
             seq.text.append(released)
             seq.unsent_text.append(released)
         if seq.request.stream and seq.unsent_text and self._due(seq):
-            seq.sink.emit("".join(seq.unsent_text), seq.unsent_tokens, seq.details())
-            seq.unsent_text.clear()
-            seq.unsent_tokens = 0
+            self._emit(seq)
         if seq.stops.stopped:
             self._finish(seq, STOP)
         elif seq.generated >= seq.max_new:
             self._finish(seq, LENGTH)
+
+    def _emit(self, seq: Sequence) -> None:
+        seq.sink.emit("".join(seq.unsent_text), seq.unsent_tokens, seq.details())
+        seq.unsent_text.clear()
+        seq.unsent_tokens = 0
+        seq.sent_at = self._clock()
+
+    def _send_due(self) -> None:
+        """Text held for the stream gap goes out once the gap has passed, whether or not
+        its sequence computed a token in this step (less urgent ones may pause)."""
+        for seq in self._running:
+            if seq.request.stream and seq.unsent_text and self._due(seq):
+                self._emit(seq)
 
     def _due(self, seq: Sequence) -> bool:
         """Whether a sequence's held text goes out now: its first text always does (time to
@@ -470,11 +492,15 @@ class Engine:
         beyond the largest power of two in the tokens generated so far: responses after
         tokens 1, 3, 7, 15, then at the batch's interval. A client then sees its first words
         soon after they end (an output check holds a word until then), at the cost of a
-        response or two per sequence."""
+        response or two per sequence. With ``stream_gap_ms``, a later response also waits
+        until that long after the previous one."""
         interval = self.config.stream_interval or min(
             -(-len(self._running) // AUTO_STREAM_DIVISOR), 1 << (seq.generated.bit_length() - 1)
         )
-        return len(seq.text) == len(seq.unsent_text) or seq.unsent_tokens >= interval
+        if len(seq.text) == len(seq.unsent_text):
+            return True
+        gap_s = self.config.stream_gap_ms / 1000
+        return seq.unsent_tokens >= interval and (not gap_s or self._clock() - seq.sent_at >= gap_s)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
