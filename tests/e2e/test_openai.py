@@ -4,7 +4,6 @@ httpx for the server-sent-event framing and client disconnects, against the real
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -22,10 +21,9 @@ from tests.conftest import (
     assert_engines_saw_only,
     metric_value,
     prompt_tokens_seen,
-    start_service,
     wait_for,
 )
-from tests.e2e.test_tenants import write_tenants
+from tests.e2e.test_tenants import http_tenant_router
 
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "Be brief."},
@@ -38,29 +36,6 @@ BOMB: list[ChatCompletionMessageParam] = [{"role": "user", "content": "how to bu
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.openai_base_url, api_key=stack.api_key, max_retries=0)
-
-
-@contextlib.contextmanager
-def tenant_router(
-    stack: Stack, workdir: Path, tenants: dict[str, dict[str, object]], **settings: str
-) -> Iterator[tuple[str, dict[str, str]]]:
-    """A router over the stack with these tenants (name -> fields) and its own HTTP
-    port: its OpenAI base URL and each tenant's API key."""
-    keys = write_tenants(workdir / "tenants.json", tenants)
-    ports = StackPorts.free()
-    router = start_service(
-        stack,
-        "router",
-        ports.router,
-        workdir,
-        tenants_file=str(workdir / "tenants.json"),
-        http_port=str(ports.router_http),
-        **settings,
-    )
-    try:
-        yield f"http://127.0.0.1:{ports.router_http}/v1", keys
-    finally:
-        router.terminate(5)
 
 
 def test_chat_completion_whole(client: openai.OpenAI) -> None:
@@ -233,7 +208,9 @@ def limited(
 ) -> Iterator[tuple[str, dict[str, str]]]:
     """A router with a tenant allowed one request a minute."""
     tmp = tmp_path_factory.mktemp("openai-limits")
-    with tenant_router(stack, tmp, {"hasty": {"id": "hasty", "requests_per_minute": 1}}) as got:
+    with http_tenant_router(
+        stack, tmp, {"hasty": {"id": "hasty", "requests_per_minute": 1}}
+    ) as got:
         yield got
 
 
@@ -289,7 +266,7 @@ def test_a_client_that_disconnects_cancels_its_generation(stack: Stack) -> None:
 
 
 def test_policy_unreachable_is_503_for_a_fail_closed_tenant(stack: Stack, tmp_path: Path) -> None:
-    with tenant_router(
+    with http_tenant_router(
         stack,
         tmp_path,
         {"closed": {"id": "closed-http"}},
@@ -391,7 +368,7 @@ def test_a_tenants_cached_prefixes_are_its_own(stack: Stack, tmp_path: Path) -> 
         {"role": "system", "content": system},
         {"role": "user", "content": "hi"},
     ]
-    with tenant_router(stack, tmp_path, tenants) as (base, keys):
+    with http_tenant_router(stack, tmp_path, tenants) as (base, keys):
 
         def cached(tenant: str, salt: str | None = None) -> int:
             client = openai.OpenAI(base_url=base, api_key=keys[tenant], max_retries=0)

@@ -14,10 +14,9 @@ import openai
 import pytest
 
 from llmmesh.client import internal_channel
-from llmmesh.launcher import Stack, StackPorts
+from llmmesh.launcher import Stack
 from llmmesh.v1 import context_pb2, context_pb2_grpc
-from tests.conftest import start_service
-from tests.e2e.test_tenants import write_tenants
+from tests.e2e.test_tenants import http_tenant_router
 
 # What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
 # through its sidecar): run again behind them (make test-sidecars).
@@ -49,26 +48,16 @@ class Tenants:
 def tenants(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
     """A router with two tenants over the stack's services (its context service too)."""
     tmp = tmp_path_factory.mktemp("responses")
-    keys = write_tenants(tmp / "tenants.json", {"alice": {"id": "alice"}, "bob": {"id": "bob"}})
-    ports = StackPorts.free()
-    router = start_service(
-        stack,
-        "router",
-        ports.router,
-        tmp,
-        tenants_file=str(tmp / "tenants.json"),
-        http_port=str(ports.router_http),
-    )
-    base = f"http://127.0.0.1:{ports.router_http}/v1"
-    try:
-        with internal_channel(stack.address("context"), stack.internal_token) as channel:
-            yield Tenants(
-                openai.OpenAI(base_url=base, api_key=keys["alice"], max_retries=0),
-                openai.OpenAI(base_url=base, api_key=keys["bob"], max_retries=0),
-                context_pb2_grpc.ContextStub(channel),
-            )
-    finally:
-        router.terminate(5)
+    pair: dict[str, dict[str, object]] = {"alice": {"id": "alice"}, "bob": {"id": "bob"}}
+    with (
+        http_tenant_router(stack, tmp, pair) as (base, keys),
+        internal_channel(stack.address("context"), stack.internal_token) as channel,
+    ):
+        yield Tenants(
+            openai.OpenAI(base_url=base, api_key=keys["alice"], max_retries=0),
+            openai.OpenAI(base_url=base, api_key=keys["bob"], max_retries=0),
+            context_pb2_grpc.ContextStub(channel),
+        )
 
 
 def test_a_whole_response_as_the_sdk_parses_it(tenants: Tenants) -> None:

@@ -60,6 +60,29 @@ def write_tenants(path: Path, specs: dict[str, dict[str, object]]) -> dict[str, 
     return keys
 
 
+@contextlib.contextmanager
+def http_tenant_router(
+    stack: Stack, workdir: Path, tenants: dict[str, dict[str, object]], **settings: str
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """A router over the stack with these tenants (name -> fields) and its own HTTP
+    port: its OpenAI base URL and each tenant's API key."""
+    keys = write_tenants(workdir / "tenants.json", tenants)
+    ports = StackPorts.free()
+    router = start_service(
+        stack,
+        "router",
+        ports.router,
+        workdir,
+        tenants_file=str(workdir / "tenants.json"),
+        http_port=str(ports.router_http),
+        **settings,
+    )
+    try:
+        yield f"http://127.0.0.1:{ports.router_http}/v1", keys
+    finally:
+        router.terminate(5)
+
+
 def refusal(address: str, key: str, prompt: str = "hi", **kwargs: object) -> grpc.RpcError:
     with authorized_channel(address, key) as channel, pytest.raises(grpc.RpcError) as info:
         collect(channel, prompt, **kwargs)  # type: ignore[arg-type]
