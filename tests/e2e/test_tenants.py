@@ -23,7 +23,13 @@ from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.v1 import common_pb2, generation_pb2_grpc
 from services.router.tenants import hash_key
-from tests.conftest import collect, metric_value, start_service, wait_for
+from tests.conftest import (
+    bad_request_fields,
+    collect,
+    metric_value,
+    start_service,
+    wait_for,
+)
 
 TENANTS: dict[str, dict[str, object]] = {
     "alice": {"models": ["llm"]},
@@ -193,6 +199,31 @@ def test_a_session_id_never_reaches_another_tenants_conversation(
         fresh = collect(bob, "What is my name?", max_tokens=8, session_id=session + "-b")
     # Bob's prompt under Alice's session id carries no history: exactly a fresh session's.
     assert same_id[-1].usage.prompt_tokens == fresh[-1].usage.prompt_tokens
+
+
+def test_a_clients_cache_salt_partitions_only_its_own_tenants_cache(
+    tenant_router: tuple[str, dict[str, str]],
+) -> None:
+    """Over gRPC (GenerateRequest.cache_salt), through Triton's engine: the same salt from
+    another tenant reaches nothing of this tenant's, no salt is another partition, and an
+    overlong salt is refused naming the field."""
+    address, keys = tenant_router
+    prompt = f"A long shared preamble {secrets.token_hex(8)}. " * 4
+
+    def cached(tenant: str, salt: str) -> int:
+        request = build_request(prompt, max_tokens=1)
+        request.cache_salt = salt
+        with authorized_channel(address, keys[tenant]) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return list(stub.Generate(request, timeout=60))[-1].usage.cached_tokens
+
+    assert cached("alice", "user-1") == 0
+    assert cached("bob", "user-1") == 0 and cached("alice", "") == 0
+    assert cached("alice", "user-1") > 0
+    with pytest.raises(grpc.RpcError) as refused:
+        cached("alice", "s" * 257)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(refused.value) == ["cache_salt"]
 
 
 @dataclass(frozen=True)
