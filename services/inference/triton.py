@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.health import EngineUnreachable
+from services.inference.warm_streams import WarmStreams
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +158,24 @@ def _position(position: dict[str, Any], top: int) -> TokenLogprob:
 
 
 class TritonBackend:
-    """A long-lived channel to one Triton server; one gRPC stream per generation, so that
-    cancelling a generation cancels exactly its request inside Triton."""
+    """A long-lived channel to one Triton server; one gRPC stream per generation at a time,
+    so that cancelling a generation cancels exactly its request inside Triton. Streams
+    whose generation finished are kept open for the next (``WarmStreams``)."""
 
     def __init__(self, url: str, stream_timeout_s: float) -> None:
         self.url = url
         self._timeout = stream_timeout_s
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer)
         self._reports_cached: dict[str, bool] = {}  # per model: it declares the flag
 
+    @property
+    def idle_streams(self) -> int:
+        return self._streams.idle
+
     async def close(self) -> None:
+        await self._streams.close()
         await self._channel.close()
 
     async def _connected(self) -> None:
@@ -183,23 +191,48 @@ class TritonBackend:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
         cached = await self._declares_cached_tokens(call.model)
-        stream = self._stub.ModelStreamInfer(timeout=self._timeout)
-        finished = False
+        stream = await self._start(build_request(call, cached))
+        deadline = _Deadline(stream, self._timeout)
+        ended = False  # Triton sent the generation's last response
         try:
-            await self._send(stream, build_request(call, cached))
-            while not finished:
-                reply = await self._next(stream)
+            while not ended:
+                reply = await self._next(stream, deadline)
                 if reply.error_message:
-                    finished = True
+                    ended = True
+                    self._streams.discard(stream)
                     raise _stream_error(reply.error_message, call.model)
+                if reply.infer_response.id != call.request_id:
+                    continue  # an earlier generation's stray on a reused stream
                 chunk = parse_response(reply.infer_response, call.sampling.logprobs)
-                finished = chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    # Back before the last yield: a caller may stop at the last chunk.
+                    ended = True
+                    deadline.cancel()
+                    self._streams.put_back(stream)
                 yield chunk
         finally:
+            deadline.cancel()
             # Cancel only a generation cut short: cancelling a stream Triton has finished
             # leaves it waiting for that stream at shutdown.
-            if not finished:
+            if not ended:
                 stream.cancel()
+
+    async def _start(self, request: service_pb2.ModelInferRequest) -> Any:
+        """A stream with ``request`` written to it: an idle one if any, a new one if the
+        idle one broke meanwhile (its first write fails)."""
+        stream, was_idle = self._streams.take()
+        try:
+            await stream.write(request)
+            return stream
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            if not was_idle:
+                raise _write_error(exc, self.url) from None
+        stream = self._stub.ModelStreamInfer()
+        try:
+            await stream.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise _write_error(exc, self.url) from None
+        return stream
 
     async def _declares_cached_tokens(self, model: str) -> bool:
         """Whether the model takes the cached-tokens flag (its metadata, asked once)."""
@@ -279,16 +312,50 @@ class TritonBackend:
         except grpc.aio.AioRpcError as exc:
             raise _transport_error(exc, self.url) from None
 
-    async def _next(self, stream: Any) -> service_pb2.ModelStreamInferResponse:
+    async def _next(
+        self, stream: Any, deadline: _Deadline | None = None
+    ) -> service_pb2.ModelStreamInferResponse:
         try:
             reply = await stream.read()
         except grpc.aio.AioRpcError as exc:
             raise _transport_error(exc, self.url) from None
+        except asyncio.CancelledError:
+            if deadline is None or not deadline.expired or _task_cancelled():
+                raise
+            raise Unavailable("Triton did not finish the stream in time") from None
         if reply is grpc.aio.EOF:
             log.warning("Triton ended a stream early", extra={"fields": {"triton": self.url}})
             raise Unavailable("Triton ended the stream before the last response")
         result: service_pb2.ModelStreamInferResponse = reply
         return result
+
+
+class _Deadline:
+    """Cancels a generation's stream once it has run ``seconds`` (the stream outlives a
+    generation, so gRPC's per-call deadline cannot be this)."""
+
+    def __init__(self, stream: Any, seconds: float) -> None:
+        self.expired = False
+        self._handle = asyncio.get_running_loop().call_later(seconds, self._expire, stream)
+
+    def _expire(self, stream: Any) -> None:
+        self.expired = True
+        stream.cancel()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _task_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _write_error(exc: Exception, url: str) -> MeshError:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return _transport_error(exc, url)
+    log.warning("Triton stream ended before the request", extra={"fields": {"triton": url}})
+    return TritonUnreachable("Triton is unavailable")
 
 
 def _transport_error(exc: grpc.aio.AioRpcError, url: str) -> MeshError:
