@@ -39,7 +39,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.cpu import CpuMeter, busy_seconds, pin
+from bench.cpu import CpuMeter, busy_seconds, split
 from bench.metrics import RequestRecord
 from bench.paced_replica import start_paced_replica
 from bench.targets import RouterTarget
@@ -225,8 +225,7 @@ def _place(router: int, rest: list[int]) -> str:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("--scenario capacity needs at least two CPUs")
-    pin([router], set(cpus[:1]))
-    pin([*rest, os.getpid()], set(cpus[1:]))  # h2load, started from here, inherits it
+    split([router], set(cpus[:1]), rest, set(cpus[1:]))  # h2load, started from here, inherits
     return (
         f"the router alone on CPU {cpus[0]}; the paced replicas, the stack's services, "
         f"h2load and the probe on CPUs {cpus[1:]}"

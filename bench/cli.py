@@ -58,9 +58,10 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--target",
-        choices=["router", "openai", "triton"],
+        choices=["router", "openai", "triton", "triton-new-streams"],
         action="append",
-        help="what to load (repeatable; default: router)",
+        help="what to load (repeatable; default: router); triton-new-streams: Triton "
+        "with a new stream per request instead of one kept open between requests",
     )
     bench.add_argument(
         "--scenario",
@@ -303,7 +304,8 @@ def _stack_meter(stack: Any) -> CpuMeter:
 def _place(placement: str, meters: Iterable[CpuMeter]) -> str:
     engine = [pid for meter in meters for pid in meter.roots.get("triton", ())]
     mesh = [
-        pid for meter in meters for name, pids in meter.roots.items() if name != "triton"
+        pid for meter in meters for name, pids in meter.roots.items()
+        if name not in ("triton", LOADGEN)  # this process, whose children include Triton
         for pid in pids
     ]  # fmt: skip
     return place(placement, engine, mesh)
@@ -863,7 +865,9 @@ def _targets(args: argparse.Namespace) -> list[Target]:
             targets.append(OpenAiTarget(base, args.model or "llm", key))
         else:
             url = args.triton or state.get("triton_grpc", "127.0.0.1:8001")
-            targets.append(TritonTarget(url, args.model or "llm"))
+            kept = name == "triton"
+            target = TritonTarget(url, args.model or "llm", keep_streams=kept)
+            targets.append(target if kept else named(target, name))
     if getattr(args, "against_router", None):
         against = RouterTarget(args.against_router, args.model or "llm", args.against_key)
         targets.append(named(against, _against_name(args)))

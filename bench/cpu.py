@@ -135,11 +135,28 @@ def pin(pids: Iterable[int], cpus: set[int]) -> None:
     they start later inherit it."""
     for root in pids:
         for pid in descendants(root):
-            for task in _tasks(pid):
-                try:
-                    os.sched_setaffinity(task, cpus)
-                except OSError:  # gone meanwhile
-                    continue
+            pin_process(pid, cpus)
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus``, not its children (the bench's process, whose
+    children are the stacks it started)."""
+    for task in _tasks(pid):
+        try:
+            os.sched_setaffinity(task, cpus)
+        except OSError:  # gone meanwhile
+            continue
+
+
+def split(
+    apart: Iterable[int], apart_cpus: set[int], rest: Iterable[int], rest_cpus: set[int]
+) -> None:
+    """``apart`` and the processes under them on ``apart_cpus``; ``rest`` and this process
+    on ``rest_cpus``: this process's own threads only, since the processes it started
+    (``apart`` among them) are its children."""
+    pin(apart, apart_cpus)
+    pin(rest, rest_cpus)
+    pin_process(os.getpid(), rest_cpus)
 
 
 def place(placement: str, engine: Iterable[int], mesh: Iterable[int]) -> str:
@@ -150,8 +167,7 @@ def place(placement: str, engine: Iterable[int], mesh: Iterable[int]) -> str:
     if len(cpus) < 2:
         raise SystemExit("--placement pinned needs at least two CPUs")
     engine_cpus, mesh_cpus = set(cpus[-1:]), set(cpus[:-1])
-    pin(engine, engine_cpus)
-    pin([*mesh, os.getpid()], mesh_cpus)
+    split(engine, engine_cpus, mesh, mesh_cpus)
     return (
         f"pinned: Triton and its model processes on CPU {sorted(engine_cpus)}, the mesh "
         f"and the load generator on CPUs {sorted(mesh_cpus)}"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.cpu import CpuMeter, CpuSpent, cpu_seconds, descendants, pin
+from bench.cpu import CpuMeter, CpuSpent, cpu_seconds, descendants, pin, pin_process, split
 from bench.metrics import RequestRecord, Slo, summarize
 from bench.report import Run, cpu_table
 from tests.conftest import wait_for
@@ -93,3 +93,18 @@ def test_a_group_alone_counts_only_its_own_process(
     wait_for(lambda: cpu_seconds(child) > first.seconds["family"] + 0.2, 30, "the child's CPU")
     spent = meter.sample().minus(first)
     assert spent.seconds["family"] >= 0.2 > spent.seconds["parent"]
+
+
+def test_a_process_set_apart_stays_apart_from_the_process_that_started_it(
+    family: tuple[subprocess.Popen[str], int],
+) -> None:
+    parent, child = family  # this process's child, as the stack's Triton is the bench's
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        split([parent.pid], {cpus[-1]}, [], set(cpus[:-1]))
+        for pid in (parent.pid, child):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                assert os.sched_getaffinity(int(task)) == {cpus[-1]}
+        assert os.sched_getaffinity(0) == set(cpus[:-1])
+    finally:
+        pin_process(os.getpid(), set(cpus))
