@@ -19,6 +19,7 @@ from llmmesh.client import auth_metadata, build_request
 from llmmesh.types import InferenceCall, Sampling
 from llmmesh.v1 import generation_pb2_grpc
 from services.inference.triton import TritonBackend
+from services.inference.warm_streams import MAX_IDLE_STREAMS
 from services.router.tenants import hash_key
 
 # Router settings that turn admission control off: a window too wide to matter, which
@@ -49,7 +50,7 @@ class Target(Protocol):
     async def close(self) -> None: ...
 
 
-T = TypeVar("T", "RouterTarget", "OpenAiTarget")
+T = TypeVar("T", "RouterTarget", "OpenAiTarget", "TritonTarget")
 
 
 def named(target: T, name: str) -> T:
@@ -144,8 +145,11 @@ class TritonTarget:
 
     name = "triton"
 
-    def __init__(self, url: str, model: str) -> None:
-        self._backend = TritonBackend(url, stream_timeout_s=600)
+    def __init__(self, url: str, model: str, keep_streams: bool = True) -> None:
+        """``keep_streams``: a stream serves one request after another, as tritonclient's
+        stream API is used; False: a stream of its own per request."""
+        idle = MAX_IDLE_STREAMS if keep_streams else 0
+        self._backend = TritonBackend(url, stream_timeout_s=600, max_idle_streams=idle)
         self._model = model
         self._counter = 0
 

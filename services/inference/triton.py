@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.health import EngineUnreachable
-from services.inference.warm_streams import WarmStreams
+from services.inference.warm_streams import MAX_IDLE_STREAMS, WarmStreams
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +162,14 @@ class TritonBackend:
     so that cancelling a generation cancels exactly its request inside Triton. Streams
     whose generation finished are kept open for the next (``WarmStreams``)."""
 
-    def __init__(self, url: str, stream_timeout_s: float) -> None:
+    def __init__(
+        self, url: str, stream_timeout_s: float, max_idle_streams: int = MAX_IDLE_STREAMS
+    ) -> None:
         self.url = url
         self._timeout = stream_timeout_s
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
-        self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer)
+        self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
         self._reports_cached: dict[str, bool] = {}  # per model: it declares the flag
 
     @property

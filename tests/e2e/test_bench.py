@@ -92,3 +92,29 @@ def test_poisson_arrivals_against_the_router(
     (run,) = json.loads(out.read_text())["runs"]
     assert run["load"] == "rate 20.0/s"
     assert run["summary"]["requests"] == 6 and run["summary"]["failed"] == 0
+
+
+def test_paired_triton_with_a_new_stream_per_request_against_streams_kept(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "bench",
+            "--scenario",
+            "paired",
+            "--target",
+            "triton-new-streams",
+            "--target",
+            "triton",
+            "--triton",
+            stack.address("triton_grpc"),
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "4",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| triton-new-streams | 6 |" in table and "| triton | 6 |" in table
