@@ -31,7 +31,7 @@ from services.inference.config import SERVICE, InferenceConfig
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE as INFERENCE
-from services.inference.server import InferenceServicer
+from services.inference.server import configured_servicer
 
 ALPHABET = "etaoinshrdlu "
 
@@ -141,9 +141,7 @@ def build(config: InferenceConfig) -> GrpcService:
         )
 
     monitor = LoadMonitor(engine_page, lambda: core.in_flight, core.latency)
-    servicer = InferenceServicer(
-        core, monitor, f"{config.host}:{config.grpc_port}", config.multiplex_hold_ms / 1000
-    )
+    servicer = configured_servicer(config, core, monitor)
     service = GrpcService(
         config,
         [INFERENCE.full_name],

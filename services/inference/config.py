@@ -34,6 +34,9 @@ class InferenceConfig(ServiceConfig):
     # Multiplexed streams (routers): a generation's later responses may wait this long for
     # others to go out in the same message (its first and last never wait); each message
     # costs both ends a wakeup. 0: every response on its own, at once.
-    multiplex_hold_ms: float = Field(default=2.0, ge=0, le=50)
+    multiplex_hold_ms: float = Field(default=8.0, ge=0, le=50)
+    # A generation's first responses that never wait: its client's first words (a streamed
+    # output check shows a word only once the next one starts).
+    multiplex_first_unheld: int = Field(default=8, ge=1)
     # For drills and tests only: faults this replica injects into its generations.
     faults: FaultSettings = Field(default_factory=FaultSettings)

@@ -11,10 +11,12 @@ of responses the caller has not taken yet, so a slow reader holds back only its 
 Every message costs both ends a wakeup across gRPC's threads, which on a small machine
 costs far more than the bytes. So a generation's later responses may wait ``hold_s`` for
 others to go with them (the responses of one engine step reach this service one stream
-at a time, a little apart); its first response, its last and an error never wait, nor
-hold back what waits with them. Nor does anything wait while responses come further apart
-than ``hold_s`` (one stream on an engine slower per token than the hold): no company
-would come, and the wait would cost a timer's wakeup per response.
+at a time, a little apart) and for its own next ones; its first ``first_unheld``
+responses (a client's first words: a streamed output check shows a word only once the
+next one starts), its last and an error never wait, nor hold back what waits with them.
+Nor does anything wait while responses come further apart than ``hold_s`` (one stream on
+an engine slower per token than the hold): no company would come, and the wait would
+cost a timer's wakeup per response.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ class Arrivals:
 class MultiplexSession:
     """One caller's stream: its running generations and the frames waiting to go out."""
 
-    def __init__(self, responses: Responses, hold_s: float = 0.0) -> None:
+    def __init__(self, responses: Responses, hold_s: float = 0.0, first_unheld: int = 1) -> None:
         self._responses = responses
         self._hold_s = hold_s
+        self._first_unheld = first_unheld
         self._running: dict[int, _Generation] = {}
         self._outbox: list[inference_pb2.GenerationFrame] = []
         self._held_since = 0.0  # loop time the oldest frame waiting was posted
@@ -199,12 +202,13 @@ class MultiplexSession:
         span = tracing.tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.SERVER)
         try:
             with trace.use_span(span, end_on_exit=True):
-                first = True
+                sent = 0
                 async for response in self._responses(request, request_id):
                     await generation.take()
                     frame = inference_pb2.GenerationFrame(generation_id=number, response=response)
-                    self._post(frame, urgent=first or bool(response.finish_reason))
-                    first = False
+                    early = sent < self._first_unheld
+                    self._post(frame, urgent=early or bool(response.finish_reason))
+                    sent += 1
         except asyncio.CancelledError:
             pass  # the caller cancelled it (or left): nothing more goes out for it
         except MeshError as err:

@@ -37,10 +37,16 @@ DEFAULT_REPORT_INTERVAL_S = 0.05
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(
-        self, core: InferenceCore, monitor: LoadMonitor, replica: str, hold_s: float = 0.0
+        self,
+        core: InferenceCore,
+        monitor: LoadMonitor,
+        replica: str,
+        hold_s: float = 0.0,
+        first_unheld: int = 1,
     ) -> None:
         self._core = core
         self._hold_s = hold_s  # Multiplex: how long later responses wait for company
+        self._first_unheld = first_unheld  # ... and how many come first, never waiting
         self._monitor = monitor
         self._replica = replica
         self._sessions: set[MultiplexSession] = set()
@@ -74,7 +80,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Multiplex(  # noqa: N802 (gRPC method name)
         self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: AnyContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-        session = MultiplexSession(self._responses, self._hold_s)
+        session = MultiplexSession(self._responses, self._hold_s, self._first_unheld)
         self._sessions.add(session)
         if self._draining:
             session.drain()
@@ -137,6 +143,18 @@ def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.Loa
     )
 
 
+def configured_servicer(
+    config: InferenceConfig, core: InferenceCore, monitor: LoadMonitor
+) -> InferenceServicer:
+    return InferenceServicer(
+        core,
+        monitor,
+        f"{config.host}:{config.grpc_port}",
+        config.multiplex_hold_ms / 1000,
+        config.multiplex_first_unheld,
+    )
+
+
 def build_service(config: InferenceConfig) -> GrpcService:
     backend = TritonBackend(config.triton_url, config.stream_timeout_s)
     health = ModelHealth(config.stall_timeout_s)
@@ -157,9 +175,7 @@ def build_service(config: InferenceConfig) -> GrpcService:
         core.latency,
         config.load_poll_interval_s,
     )
-    servicer = InferenceServicer(
-        core, monitor, f"{config.host}:{config.grpc_port}", config.multiplex_hold_ms / 1000
-    )
+    servicer = configured_servicer(config, core, monitor)
 
     async def start() -> None:
         keeper.start()

@@ -80,9 +80,11 @@ async def _no_engine_page() -> str:
 
 
 class CountingServicer(InferenceServicer):
-    def __init__(self, core: InferenceCore, progress: Progress, hold_s: float = 0.0) -> None:
+    def __init__(
+        self, core: InferenceCore, progress: Progress, hold_s: float = 0.0, first_unheld: int = 1
+    ) -> None:
         monitor = LoadMonitor(_no_engine_page, lambda: 0, core.latency)
-        super().__init__(core, monitor, "test", hold_s)
+        super().__init__(core, monitor, "test", hold_s, first_unheld)
         self._progress = progress
         self.streams = 0  # Multiplex calls opened
         self.open_streams = 0
@@ -114,12 +116,17 @@ Scenario = Callable[[Replica], Awaitable[None]]
 
 
 def run(
-    scenario: Scenario, *, window: int = 64, idle_close_s: float = 30.0, hold_s: float = 0.0
+    scenario: Scenario,
+    *,
+    window: int = 64,
+    idle_close_s: float = 30.0,
+    hold_s: float = 0.0,
+    first_unheld: int = 1,
 ) -> None:
     async def main() -> None:
         engine = ScriptedEngine()
         core = InferenceCore(engine, max_tokens_limit=512)
-        servicer = CountingServicer(core, engine.progress, hold_s)
+        servicer = CountingServicer(core, engine.progress, hold_s, first_unheld)
         server = grpc.aio.server()
         add_servicer(server, servicer, SERVICE)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -180,6 +187,17 @@ def test_later_responses_wait_for_company_and_the_first_and_last_never_wait() ->
         assert chunks[-1].finish_reason is FinishReason.LENGTH
 
     run(scenario, hold_s=10.0)  # far longer than the test: only the last ends the wait
+
+
+def test_a_generations_first_responses_never_wait() -> None:
+    async def scenario(replica: Replica) -> None:
+        chunks = await collect(replica.mux.generate(call("quick", max_tokens=8)))
+        sizes = [c.num_tokens for c in chunks]
+        # The first three went at once (with whatever was ready beside them: the router may
+        # take what arrived together as one chunk); the rest waited for the last.
+        assert sizes[0] == 1 and len(sizes) >= 3 and sizes[-1] >= 4 and sum(sizes) == 8
+
+    run(scenario, hold_s=10.0, first_unheld=3)
 
 
 def test_starts_that_come_together_never_make_a_message_past_the_limit() -> None:
