@@ -26,6 +26,7 @@ from bench.cpu import PLACEMENTS, CpuMeter, CpuSpent, place
 from bench.loadgen import LoadShape, Measurement, run_load
 from bench.metrics import Slo
 from bench.plots import write_plots
+from bench.policy import input_rules_tenant
 from bench.policy import run as run_policy
 from bench.report import (
     Run,
@@ -205,6 +206,13 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--section", default="baseline")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument(
+        "--rules",
+        choices=["default", "input"],
+        default="default",
+        help="with --start-stack: the demo tenant's rule set, the default set on prompts "
+        "and output, or its rules on input only (no streamed output check)",
+    )
+    bench.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default="shared",
@@ -273,13 +281,14 @@ def _bench_stack(args: argparse.Namespace, code: Path | None) -> Iterator[Any]:
 
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         models = [args.model] if args.model else ["llm"]
+        env = input_rules_tenant(Path(workdir)) if args.rules == "input" else {}
         if code is None:
-            stack = Stack(Path(workdir), StackPorts.free(), models=models)
+            stack = Stack(Path(workdir), StackPorts.free(), models=models, env=env)
         else:
             root = code.resolve()
             stack = Stack(
                 Path(workdir), StackPorts.free(), models=models,
-                model_repository=root / "model_repository", env={"PYTHONPATH": str(root)},
+                model_repository=root / "model_repository", env={**env, "PYTHONPATH": str(root)},
             )  # fmt: skip
         print(f"starting a local stack on {code or 'this checkout'} ...", file=sys.stderr)
         with stack:
@@ -337,6 +346,7 @@ def _measure_and_report(
         args.section,
         f", {args.rounds} x {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} output tokens each (ignore_eos); {args.placement} placement"
+        + ("; the default set's rules on input only" if args.rules == "input" else "")
         + (f"; against {args.against}" if getattr(args, "against", None) else "")
         + ".",
         f"{results_table(runs)}\n\n{comparison}{figures}",

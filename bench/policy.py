@@ -26,6 +26,7 @@ from bench.targets import RouterTarget
 from bench.workload import BenchRequest, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
+from llmmesh.launcher.stack import DEMO_KEY_FILE
 from llmmesh.policy import OutputScanner, Part, RuleLibrary, RuleSet, check_input
 from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
@@ -194,19 +195,38 @@ def _input_only(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "rules": [{**r, "stage": "input"} for r in doc["rules"]]}
 
 
+def write_default_sets(rules: Path) -> None:
+    """The default set (``default``) and its rules on input only (``default-input``)."""
+    rules.mkdir(parents=True, exist_ok=True)
+    (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
+    default_set = yaml.safe_load(DEFAULT_RULES.read_text())
+    (rules / "default-input.yaml").write_text(yaml.safe_dump(_input_only(default_set)))
+
+
+def input_rules_tenant(workdir: Path) -> dict[str, str]:
+    """Prepares a local stack's work directory, before it starts, so that its demo tenant
+    has the default set's rules on input only: the rule sets, and the demo tenant's key
+    and tenants file (which the stack keeps when it finds them). Returns the environment
+    that points the stack's policy service at the rule sets."""
+    rules = workdir / "rules"
+    write_default_sets(rules)
+    key = "llmm-" + secrets.token_urlsafe(24)
+    (workdir / DEMO_KEY_FILE).write_text(key + "\n")
+    tenant = {"id": "demo", "policy_set": "default-input", "api_key_hashes": [hash_key(key)]}
+    (workdir / "tenants.yaml").write_text(json.dumps({"tenants": [tenant]}))
+    return {"LLM_MESH_POLICY_RULES_PATH": str(rules)}
+
+
 @contextmanager
 def policy_fleet(workdir: Path, model: str = "llm") -> Iterator[PolicyFleet]:
     """The local stack, a policy service with the 200-rule set as default and a set that
     checks input only, and a router with a tenant on each."""
     rules = workdir / "rules"
-    rules.mkdir(parents=True)
-    (rules / "default.yaml").write_text(DEFAULT_RULES.read_text())
+    write_default_sets(rules)
     (rules / "none.yaml").write_text(yaml.safe_dump({"version": "none", "rules": []}))
     bench_set = yaml.safe_load(synthetic_rules())
     (rules / "bench.yaml").write_text(yaml.safe_dump(bench_set))
     (rules / "bench-input-only.yaml").write_text(yaml.safe_dump(_input_only(bench_set)))
-    default_set = yaml.safe_load(DEFAULT_RULES.read_text())
-    (rules / "default-input.yaml").write_text(yaml.safe_dump(_input_only(default_set)))
     keys = {name: secrets.token_urlsafe(16) for name in TENANT_SETS}
     sets = TENANT_SETS
     tenants = workdir / "tenants.json"
