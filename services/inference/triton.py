@@ -13,6 +13,7 @@ import json
 import logging
 import struct
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -40,6 +41,18 @@ _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PRIORITY_PARAMETER = "scheduling_priority"
 CACHE_SALT_PARAMETER = "cache_salt"
+HOLD_PARAMETER = "response_hold_ms"
+HOLD_AFTER_PARAMETER = "response_hold_after"
+
+
+@dataclass(frozen=True)
+class ResponseHold:
+    """Asks the engine to hold a generation's text up to ``seconds`` after its first
+    ``after`` responses, for the next tokens to join it: fewer responses, the same text.
+    The reference engine reads it; others send every token."""
+
+    seconds: float = 0.0
+    after: int = 0
 
 
 def bytes_tensor(value: bytes) -> bytes:
@@ -55,11 +68,12 @@ def first_bytes_element(raw: bytes) -> bytes:
 
 
 def build_request(
-    call: InferenceCall, cached_tokens: bool = False
+    call: InferenceCall, cached_tokens: bool = False, hold: ResponseHold = ResponseHold()
 ) -> service_pb2.ModelInferRequest:
     """The vLLM backend's inputs for ``call``, streaming, prompt excluded from the output;
     ``cached_tokens``: ask for the prefix cache's share of the prompt too (an input the
-    reference engine's models declare, the vLLM backend's do not)."""
+    reference engine's models declare, the vLLM backend's do not); ``hold``: the
+    engine's response hold."""
     request = service_pb2.ModelInferRequest(model_name=call.model, id=call.request_id)
     inputs: Iterable[tuple[str, str, bytes]] = (
         ("text_input", "BYTES", bytes_tensor(call.prompt.encode("utf-8"))),
@@ -83,6 +97,9 @@ def build_request(
         request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
     if call.cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = call.cache_salt
+    if hold.seconds > 0:
+        request.parameters[HOLD_PARAMETER].double_param = hold.seconds * 1000
+        request.parameters[HOLD_AFTER_PARAMETER].int64_param = hold.after
     return request
 
 
@@ -163,10 +180,17 @@ class TritonBackend:
     whose generation finished are kept open for the next (``WarmStreams``)."""
 
     def __init__(
-        self, url: str, stream_timeout_s: float, max_idle_streams: int = MAX_IDLE_STREAMS
+        self,
+        url: str,
+        stream_timeout_s: float,
+        max_idle_streams: int = MAX_IDLE_STREAMS,
+        hold: ResponseHold = ResponseHold(),
     ) -> None:
+        """``hold``: the engine's response hold asked of every generation (none: each
+        token in a response of its own, as any Triton client gets them)."""
         self.url = url
         self._timeout = stream_timeout_s
+        self._hold = hold
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
@@ -193,7 +217,7 @@ class TritonBackend:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
         cached = await self._declares_cached_tokens(call.model)
-        stream = await self._start(build_request(call, cached))
+        stream = await self._start(build_request(call, cached, self._hold))
         deadline = _Deadline(stream, self._timeout)
         ended = False  # Triton sent the generation's last response
         try:

@@ -39,9 +39,11 @@ def _stream(
     params: dict[str, Any],
     flags: tuple[str, ...] = (),
     outputs: tuple[str, ...] = BASIC_OUTPUTS,
+    parameters: dict[str, Any] | None = None,
 ) -> list[Any]:
     """A plain tritonclient streaming request, as Triton's own docs show it; ``flags``:
-    optional BOOL inputs set true (the vLLM backend's ``return_*``)."""
+    optional BOOL inputs set true (the vLLM backend's ``return_*``); ``parameters``: the
+    request's parameters."""
     results: queue.Queue[Any] = queue.Queue()
     client = triton_grpc.InferenceServerClient(stack.address("triton_grpc"))
     client.start_stream(callback=lambda result, error: results.put(error or result))
@@ -51,6 +53,7 @@ def _stream(
             _inputs(prompt, True, params) + [_tensor(f, True, "BOOL") for f in flags],
             request_id="contract-1",
             outputs=[triton_grpc.InferRequestedOutput(name) for name in outputs],
+            parameters=parameters,
         )
         items = []
         while True:
@@ -79,6 +82,33 @@ def test_streaming_request_with_the_vllm_contract(stack: Stack) -> None:
     assert sum(tokens) == 200
     assert len("".join(texts)) == 200
     assert reasons[-1] == "length" and not any(reasons[:-1])
+
+
+def _texts(items: list[Any]) -> list[str]:
+    return [i.as_numpy("text_output")[0].decode() for i in items]
+
+
+def test_a_response_hold_sends_the_same_text_in_fewer_responses(stack: Stack) -> None:
+    """Held for a second after its first two responses, a generation far shorter than
+    that sends the rest with its last response: never held, so not a second late."""
+    sampling = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    plain = _stream(stack, "Hello Triton", sampling)
+    hold = {"response_hold_ms": 1000.0, "response_hold_after": 2}
+    held = _stream(stack, "Hello Triton", sampling, parameters=hold)
+    assert "".join(_texts(held)) == "".join(_texts(plain)) and len(_texts(plain)[0]) >= 1
+    assert 2 <= len(held) <= 4  # the first two (merged when the sender lags), the last
+    assert sum(int(i.as_numpy("num_output_tokens")[0]) for i in held) == 60
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("response_hold_ms", -1), ("response_hold_after", "many")]
+)
+def test_a_response_hold_out_of_range_is_refused_by_name(
+    stack: Stack, name: str, value: Any
+) -> None:
+    items = _stream(stack, "x", {"max_tokens": 2}, parameters={name: value})
+    assert isinstance(items[-1], InferenceServerException)
+    assert name in items[-1].message()
 
 
 def test_invalid_sampling_parameters_are_reported(stack: Stack) -> None:

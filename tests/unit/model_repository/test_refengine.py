@@ -20,7 +20,13 @@ from refengine import (
     rowstable,
 )
 from refengine.attention import Segment
-from refengine.contract import parse_cache_salt, parse_priority, parse_sampling_parameters
+from refengine.contract import (
+    ResponseHold,
+    parse_cache_salt,
+    parse_priority,
+    parse_response_hold,
+    parse_sampling_parameters,
+)
 from refengine.kvcache import BlockPool
 from refengine.quant import quantize
 from refengine.rowstable import (
@@ -568,6 +574,30 @@ class TestEngine:
         with pytest.raises(RequestError, match="cache_salt"):
             parse_cache_salt({"cache_salt": value})
         assert parse_cache_salt({}) == "" and parse_cache_salt({"cache_salt": "t"}) == "t"
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("response_hold_ms", -1),
+            ("response_hold_ms", 1001),
+            ("response_hold_ms", float("nan")),
+            ("response_hold_ms", "8"),
+            ("response_hold_ms", True),
+            ("response_hold_after", -1),
+            ("response_hold_after", 2.5),
+            ("response_hold_after", None),
+        ],
+    )
+    def test_a_response_hold_out_of_its_range_is_refused_by_name(
+        self, name: str, value: Any
+    ) -> None:
+        with pytest.raises(RequestError, match=name):
+            parse_response_hold({name: value})
+
+    def test_a_response_hold_is_read_in_seconds_and_none_without_it(self) -> None:
+        assert parse_response_hold({}) == ResponseHold(0.0, 0)
+        asked = {"response_hold_ms": 8.0, "response_hold_after": 3}
+        assert parse_response_hold(asked) == ResponseHold(0.008, 3)
 
     def test_the_first_response_says_how_much_of_the_prompt_was_cached(self) -> None:
         """Once, on the first response: the prompt's full blocks found in the cache (a

@@ -85,6 +85,40 @@ def parse_cache_salt(parameters: object) -> str:
     return value
 
 
+MAX_RESPONSE_HOLD_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class ResponseHold:
+    """The request parameters ``response_hold_ms`` and ``response_hold_after``: after its
+    first ``after`` responses, a streamed generation's text may wait up to ``seconds`` for
+    the next tokens to go in the same response (fewer, larger responses, each of which
+    costs every hop a wakeup). Its last response never waits. Absent: none waits."""
+
+    seconds: float = 0.0
+    after: int = 0
+
+
+def parse_response_hold(parameters: object) -> ResponseHold:
+    """The request's ResponseHold; RequestError naming the parameter when one is not a
+    number in [0, MAX_RESPONSE_HOLD_MS] (ms) or a non-negative integer (after)."""
+    if not isinstance(parameters, dict):
+        return ResponseHold()
+    hold_ms = parameters.get("response_hold_ms", 0.0)
+    valid = isinstance(hold_ms, int | float) and not isinstance(hold_ms, bool)
+    if not valid or not 0.0 <= hold_ms <= MAX_RESPONSE_HOLD_MS:
+        raise RequestError(
+            f"response_hold_ms: must be a number of milliseconds in [0, "
+            f"{MAX_RESPONSE_HOLD_MS:g}], got {hold_ms!r:.40}"
+        )
+    after = parameters.get("response_hold_after", 0)
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise RequestError(
+            f"response_hold_after: must be a non-negative integer, got {after!r:.40}"
+        )
+    return ResponseHold(hold_ms / 1000.0, after)
+
+
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them
 _KNOWN_KEYS = {
     "max_tokens",
