@@ -44,12 +44,13 @@ class Progress:
 @dataclass
 class ScriptedEngine:
     """Generates ``max_tokens`` letters, one per chunk; a prompt starting with "wait"
-    pauses after each chunk until ``go`` is set. Counts what it produced and which
-    generations ended early."""
+    pauses after each chunk until ``go`` is set, one starting with "step" until ``steps``
+    is released once more. Counts what it produced and which generations ended early."""
 
     produced: dict[str, int] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
     go: asyncio.Event = field(default_factory=asyncio.Event)
+    steps: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(0))
     progress: Progress = field(default_factory=Progress)
 
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
@@ -61,6 +62,8 @@ class ScriptedEngine:
                 await asyncio.sleep(0)  # a real engine's chunks are never ready at once
                 if call.prompt.startswith("wait") and i:
                     await self.go.wait()
+                if call.prompt.startswith("step") and i:
+                    await self.steps.acquire()
                 self.produced[call.prompt] += 1
                 self.progress.bump()
                 last = FinishReason.LENGTH if i == total - 1 else None
@@ -191,11 +194,15 @@ def test_later_responses_wait_for_company_and_the_first_and_last_never_wait() ->
 
 def test_a_generations_first_responses_never_wait() -> None:
     async def scenario(replica: Replica) -> None:
-        chunks = await collect(replica.mux.generate(call("quick", max_tokens=8)))
-        sizes = [c.num_tokens for c in chunks]
-        # The first three went at once (with whatever was ready beside them: the router may
-        # take what arrived together as one chunk); the rest waited for the last.
-        assert sizes[0] == 1 and len(sizes) >= 3 and sizes[-1] >= 4 and sum(sizes) == 8
+        chunks = replica.mux.generate(call("step by step", max_tokens=8))
+        for _ in range(3):  # each reaches the router before the engine makes the next
+            first = await asyncio.wait_for(anext(chunks), 5)  # held: 10 s
+            assert first.num_tokens == 1
+            replica.engine.steps.release()
+        for _ in range(4):
+            replica.engine.steps.release()
+        rest = await collect(chunks)  # the later four waited for the last
+        assert [c.num_tokens for c in rest] == [5]
 
     run(scenario, hold_s=10.0, first_unheld=3)
 
