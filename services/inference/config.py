@@ -38,12 +38,13 @@ class InferenceConfig(ServiceConfig):
     # A generation's first responses that never wait: its client's first words (a streamed
     # output check shows a word only once the next one starts).
     multiplex_first_unheld: int = Field(default=8, ge=1)
-    # Triton's responses to one generation: after its first engine_first_unheld, the
-    # engine may hold a response's text this long for the next tokens to join it (request
-    # parameters response_hold_ms and response_hold_after; a model that does not read them
-    # sends every token). Each response costs Triton, this service and its stream a
-    # wakeup; the Multiplex hold above then finds them already together.
-    engine_hold_ms: float = Field(default=8.0, ge=0, le=50)
-    engine_first_unheld: int = Field(default=8, ge=0)
+    # Asked of the engine for every generation (the request parameters stream_gap_ms and
+    # stream_gap_after): after its first engine_stream_gap_after responses, the next go
+    # at least this far apart, the tokens between them together (the reference engine; a
+    # model that does not read them streams as it would). Each response costs Triton,
+    # this service and its stream a wakeup; the Multiplex hold above then finds them
+    # already together. 0: the model's own gap.
+    engine_stream_gap_ms: float = Field(default=8.0, ge=0, le=50)
+    engine_stream_gap_after: int = Field(default=8, ge=0)
     # For drills and tests only: faults this replica injects into its generations.
     faults: FaultSettings = Field(default_factory=FaultSettings)

@@ -22,7 +22,7 @@ from services.inference.faults import FaultyBackend
 from services.inference.health import HealthKeeper, ModelHealth
 from services.inference.load import LoadMonitor, LoadSnapshot
 from services.inference.multiplex import MultiplexSession
-from services.inference.triton import ResponseHold, TritonBackend
+from services.inference.triton import StreamGap, TritonBackend
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ def configured_servicer(
 
 
 def build_service(config: InferenceConfig) -> GrpcService:
-    hold = ResponseHold(config.engine_hold_ms / 1000, config.engine_first_unheld)
-    backend = TritonBackend(config.triton_url, config.stream_timeout_s, hold=hold)
+    gap = StreamGap(config.engine_stream_gap_ms / 1000, config.engine_stream_gap_after)
+    backend = TritonBackend(config.triton_url, config.stream_timeout_s, gap=gap)
     health = ModelHealth(config.stall_timeout_s)
     served_models = set(config.model_aliases.values()) or set(config.models)
     keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)

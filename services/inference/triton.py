@@ -41,15 +41,15 @@ _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PRIORITY_PARAMETER = "scheduling_priority"
 CACHE_SALT_PARAMETER = "cache_salt"
-HOLD_PARAMETER = "response_hold_ms"
-HOLD_AFTER_PARAMETER = "response_hold_after"
+GAP_PARAMETER = "stream_gap_ms"
+GAP_AFTER_PARAMETER = "stream_gap_after"
 
 
 @dataclass(frozen=True)
-class ResponseHold:
-    """Asks the engine to hold a generation's text up to ``seconds`` after its first
-    ``after`` responses, for the next tokens to join it: fewer responses, the same text.
-    The reference engine reads it; others send every token."""
+class StreamGap:
+    """Asks the engine to send a generation's responses at least ``seconds`` apart once
+    its first ``after`` have gone, the text between them together: fewer responses, the
+    same text; its last never waits. The reference engine reads it; others ignore it."""
 
     seconds: float = 0.0
     after: int = 0
@@ -68,12 +68,12 @@ def first_bytes_element(raw: bytes) -> bytes:
 
 
 def build_request(
-    call: InferenceCall, cached_tokens: bool = False, hold: ResponseHold = ResponseHold()
+    call: InferenceCall, cached_tokens: bool = False, gap: StreamGap = StreamGap()
 ) -> service_pb2.ModelInferRequest:
     """The vLLM backend's inputs for ``call``, streaming, prompt excluded from the output;
     ``cached_tokens``: ask for the prefix cache's share of the prompt too (an input the
-    reference engine's models declare, the vLLM backend's do not); ``hold``: the
-    engine's response hold."""
+    reference engine's models declare, the vLLM backend's do not); ``gap``: the
+    engine's stream gap (none: the model's own)."""
     request = service_pb2.ModelInferRequest(model_name=call.model, id=call.request_id)
     inputs: Iterable[tuple[str, str, bytes]] = (
         ("text_input", "BYTES", bytes_tensor(call.prompt.encode("utf-8"))),
@@ -97,9 +97,9 @@ def build_request(
         request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
     if call.cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = call.cache_salt
-    if hold.seconds > 0:
-        request.parameters[HOLD_PARAMETER].double_param = hold.seconds * 1000
-        request.parameters[HOLD_AFTER_PARAMETER].int64_param = hold.after
+    if gap.seconds > 0:
+        request.parameters[GAP_PARAMETER].double_param = gap.seconds * 1000
+        request.parameters[GAP_AFTER_PARAMETER].int64_param = gap.after
     return request
 
 
@@ -184,13 +184,13 @@ class TritonBackend:
         url: str,
         stream_timeout_s: float,
         max_idle_streams: int = MAX_IDLE_STREAMS,
-        hold: ResponseHold = ResponseHold(),
+        gap: StreamGap = StreamGap(),
     ) -> None:
-        """``hold``: the engine's response hold asked of every generation (none: each
-        token in a response of its own, as any Triton client gets them)."""
+        """``gap``: the engine's stream gap asked of every generation (none: the model's
+        own, as any Triton client gets it)."""
         self.url = url
         self._timeout = stream_timeout_s
-        self._hold = hold
+        self._gap = gap
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
@@ -217,7 +217,7 @@ class TritonBackend:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
         cached = await self._declares_cached_tokens(call.model)
-        stream = await self._start(build_request(call, cached, self._hold))
+        stream = await self._start(build_request(call, cached, self._gap))
         deadline = _Deadline(stream, self._timeout)
         ended = False  # Triton sent the generation's last response
         try:

@@ -88,25 +88,22 @@ def _texts(items: list[Any]) -> list[str]:
     return [i.as_numpy("text_output")[0].decode() for i in items]
 
 
-def test_a_response_hold_sends_the_same_text_in_fewer_responses(stack: Stack) -> None:
-    """Held for a second after its first two responses, a generation far shorter than
-    that sends the rest with its last response: never held, so not a second late."""
+def test_a_requests_stream_gap_sends_the_same_text_in_fewer_responses(stack: Stack) -> None:
+    """A second's gap after its first two responses: a generation far shorter than that
+    sends the rest with its last response, which never waits."""
     sampling = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
     plain = _stream(stack, "Hello Triton", sampling)
-    hold = {"response_hold_ms": 1000.0, "response_hold_after": 2}
-    held = _stream(stack, "Hello Triton", sampling, parameters=hold)
+    gap = {"stream_gap_ms": 1000.0, "stream_gap_after": 2}
+    held = _stream(stack, "Hello Triton", sampling, parameters=gap)
     assert "".join(_texts(held)) == "".join(_texts(plain)) and len(_texts(plain)[0]) >= 1
     assert 2 <= len(held) <= 4  # the first two (merged when the sender lags), the last
     assert sum(int(i.as_numpy("num_output_tokens")[0]) for i in held) == 60
 
 
-@pytest.mark.parametrize(
-    ("name", "value"), [("response_hold_ms", -1), ("response_hold_after", "many")]
-)
-def test_a_response_hold_out_of_range_is_refused_by_name(
-    stack: Stack, name: str, value: Any
-) -> None:
-    items = _stream(stack, "x", {"max_tokens": 2}, parameters={name: value})
+@pytest.mark.parametrize(("name", "value"), [("stream_gap_ms", -1), ("stream_gap_after", "many")])
+def test_a_stream_gap_out_of_range_is_refused_by_name(stack: Stack, name: str, value: Any) -> None:
+    parameters = {"stream_gap_ms": 8, name: value}
+    items = _stream(stack, "x", {"max_tokens": 2}, parameters=parameters)
     assert isinstance(items[-1], InferenceServerException)
     assert name in items[-1].message()
 

@@ -4,8 +4,8 @@ Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
          exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
 Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
          num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports).
-Request parameters: scheduling_priority, cache_salt, response_hold_ms and
-         response_hold_after (refengine/contract.py), model_card (the model's card).
+Request parameters: scheduling_priority, cache_salt, stream_gap_ms and stream_gap_after
+         (refengine/contract.py), model_card (the model's card instead of a generation).
 """
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from refengine import Engine, EngineConfig, EngineStats, GenerationRequest, RequestError
 from refengine.contract import (
-    ResponseHold,
     decode_text,
     parse_cache_salt,
     parse_priority,
-    parse_response_hold,
     parse_sampling_parameters,
+    parse_stream_gap,
 )
 from refengine.families import build_model
 from refengine.sequence import Details, logprob_entry
@@ -39,15 +38,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 Payload = tuple[str, str, int, Details | None] | str
 
 
-@dataclass
-class _Queued:
-    """A request's responses waiting for the IO thread, and when the first may go."""
-
-    sender: Any
-    items: list[tuple[Payload, int]]
-    due: float  # time.monotonic(); 0: at once
-
-
 class TritonIO:
     """The one thread that talks to Triton: responses, cancellation polls, metrics.
 
@@ -57,14 +47,13 @@ class TritonIO:
     While a request's earlier text still waits to be sent, new text for it joins that
     response instead of queueing another one: when many streams share the engine, fewer
     and larger responses keep sending from becoming the bottleneck, and an idle engine
-    still sends every token at once, unless its request asked for its text to wait
-    (``due``: a ResponseHold).
+    still sends every token at once.
     """
 
     def __init__(self, exporter: StatsExporter, poll_interval_s: float = 0.1) -> None:
         self._exporter = exporter
         self._poll_interval = poll_interval_s
-        self._pending: OrderedDict[int, _Queued] = OrderedDict()
+        self._pending: OrderedDict[int, tuple[Any, list[tuple[Payload, int]]]] = OrderedDict()
         self._sinks: set[TritonSink] = set()
         self._stats: EngineStats | None = None
         self._ready = threading.Condition()
@@ -72,15 +61,9 @@ class TritonIO:
         self._thread = threading.Thread(target=self._run, name="triton-io", daemon=True)
         self._thread.start()
 
-    def put(self, sender: Any, payload: Payload, flags: int = 0, due: float = 0.0) -> None:
-        """Queues a response, to be sent once ``due`` (time.monotonic()) has come; text
-        that joins waiting text goes when that text goes, or sooner if ``due`` is."""
+    def put(self, sender: Any, payload: Payload, flags: int = 0) -> None:
         with self._ready:
-            queued = self._pending.get(id(sender))
-            if queued is None:
-                queued = self._pending[id(sender)] = _Queued(sender, [], due)
-            queued.due = min(queued.due, due)
-            items = queued.items
+            _, items = self._pending.setdefault(id(sender), (sender, []))
             last = items[-1][0] if items else None
             if isinstance(last, tuple) and not last[1] and isinstance(payload, tuple):
                 # Unsent text that is not the last response takes the new text along.
@@ -116,9 +99,12 @@ class TritonIO:
         next_poll = time.monotonic() + self._poll_interval
         while True:
             with self._ready:
-                item = self._wait_for_work(next_poll)
-                if item is None and self._closed and not self._pending:
+                while not (self._pending or self._stats or self._closed):
+                    if not self._ready.wait(max(0.0, next_poll - time.monotonic())):
+                        break
+                if self._closed and not self._pending:
                     return
+                item = self._take()
                 stats, self._stats = self._stats, None
                 poll_due = time.monotonic() >= next_poll
                 sinks = list(self._sinks) if poll_due else []
@@ -131,27 +117,14 @@ class TritonIO:
                     sink.poll_cancelled()
                 next_poll = time.monotonic() + self._poll_interval
 
-    def _wait_for_work(self, next_poll: float) -> tuple[Any, Payload, int] | None:
-        """A response that is due, once one is, or None when statistics wait, a poll is
-        due or the IO closes (holding the lock)."""
-        while True:
-            now = time.monotonic()
-            item = self._take(now)
-            if item is not None or self._stats is not None or self._closed or now >= next_poll:
-                return item
-            wake = min([next_poll, *(q.due for q in self._pending.values())])
-            self._ready.wait(wake - now)
-
-    def _take(self, now: float) -> tuple[Any, Payload, int] | None:
-        """The first request's first response that is due (every one, once closing)."""
-        key = next((k for k, q in self._pending.items() if q.due <= now or self._closed), None)
-        if key is None:
+    def _take(self) -> tuple[Any, Payload, int] | None:
+        if not self._pending:
             return None
-        queued = self._pending.pop(key)
-        payload, flags = queued.items.pop(0)
-        if queued.items:  # the request's later responses wait behind the other requests'
-            self._pending[key] = queued
-        return queued.sender, payload, flags
+        key, (sender, items) = self._pending.popitem(last=False)
+        payload, flags = items.pop(0)
+        if items:  # the request's later responses wait behind the other requests'
+            self._pending[key] = (sender, items)
+        return sender, payload, flags
 
 
 def _send(sender: Any, payload: Payload, flags: int) -> None:
@@ -172,9 +145,6 @@ class TritonSink:
         self._request = request
         self._sender = request.get_response_sender()
         self._io = io
-        self._hold = ResponseHold()
-        self._emitted = 0
-        self._last_emit = 0.0
         self._cancelled = False
         # Triton frees the request once its final response is sent: from the moment that
         # response is queued, nothing may touch the request (the lock orders the two).
@@ -194,21 +164,8 @@ class TritonSink:
     def is_cancelled(self) -> bool:
         return self._cancelled
 
-    def hold(self, hold: ResponseHold) -> None:
-        self._hold = hold
-
     def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
-        self._io.put(self._sender, (text, "", num_tokens, details), due=self._due())
-
-    def _due(self) -> float:
-        """When this text may go: at once among the first responses, and while tokens
-        come further apart than the hold (none would join it); else after the hold."""
-        now = time.monotonic()
-        gap, self._last_emit = now - self._last_emit, now
-        self._emitted += 1
-        if self._emitted <= self._hold.after or gap >= self._hold.seconds:
-            return 0.0
-        return now + self._hold.seconds
+        self._io.put(self._sender, (text, "", num_tokens, details))
 
     def finish(
         self, text: str, num_tokens: int, reason: str, details: Details | None = None
@@ -357,7 +314,6 @@ class TritonPythonModel:
                 sink.finish(self.card, 0, "stop")
                 continue
             try:
-                sink.hold(parse_response_hold(_parameters(request)))
                 self.engine.submit(_parse(request), sink)
             except RequestError as exc:
                 sink.fail(str(exc))
@@ -388,6 +344,7 @@ def _parse(request: Any) -> GenerationRequest:
     return GenerationRequest(
         priority=parse_priority(parameters),
         cache_salt=parse_cache_salt(parameters),
+        stream_gap=parse_stream_gap(parameters),
         prompt=decode_text(prompt, "text_input"),
         stream=_flag(request, "stream"),
         exclude_input_in_output=_flag(request, "exclude_input_in_output"),

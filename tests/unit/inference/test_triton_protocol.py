@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import FinishReason, InferenceCall, Sampling, TokenLogprob
 from services.inference.triton import (
-    ResponseHold,
+    StreamGap,
     _stream_error,
     build_request,
     bytes_tensor,
@@ -147,9 +147,9 @@ def test_a_cache_salt_travels_as_the_cache_salt_parameter() -> None:
     assert salted.parameters["cache_salt"].string_param == "s"
 
 
-def test_a_response_hold_travels_as_the_engines_parameters_and_none_is_not_sent() -> None:
+def test_a_stream_gap_travels_as_the_engines_parameters_and_none_is_not_sent() -> None:
     call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=1))
-    assert "response_hold_ms" not in build_request(call).parameters
-    held = build_request(call, hold=ResponseHold(0.008, 3)).parameters
-    assert held["response_hold_ms"].double_param == 8.0
-    assert held["response_hold_after"].int64_param == 3
+    assert "stream_gap_ms" not in build_request(call).parameters
+    gapped = build_request(call, gap=StreamGap(0.008, 3)).parameters
+    assert gapped["stream_gap_ms"].double_param == 8.0
+    assert gapped["stream_gap_after"].int64_param == 3

@@ -21,11 +21,11 @@ from refengine import (
 )
 from refengine.attention import Segment
 from refengine.contract import (
-    ResponseHold,
+    StreamGap,
     parse_cache_salt,
     parse_priority,
-    parse_response_hold,
     parse_sampling_parameters,
+    parse_stream_gap,
 )
 from refengine.kvcache import BlockPool
 from refengine.quant import quantize
@@ -575,30 +575,6 @@ class TestEngine:
             parse_cache_salt({"cache_salt": value})
         assert parse_cache_salt({}) == "" and parse_cache_salt({"cache_salt": "t"}) == "t"
 
-    @pytest.mark.parametrize(
-        ("name", "value"),
-        [
-            ("response_hold_ms", -1),
-            ("response_hold_ms", 1001),
-            ("response_hold_ms", float("nan")),
-            ("response_hold_ms", "8"),
-            ("response_hold_ms", True),
-            ("response_hold_after", -1),
-            ("response_hold_after", 2.5),
-            ("response_hold_after", None),
-        ],
-    )
-    def test_a_response_hold_out_of_its_range_is_refused_by_name(
-        self, name: str, value: Any
-    ) -> None:
-        with pytest.raises(RequestError, match=name):
-            parse_response_hold({name: value})
-
-    def test_a_response_hold_is_read_in_seconds_and_none_without_it(self) -> None:
-        assert parse_response_hold({}) == ResponseHold(0.0, 0)
-        asked = {"response_hold_ms": 8.0, "response_hold_after": 3}
-        assert parse_response_hold(asked) == ResponseHold(0.008, 3)
-
     def test_the_first_response_says_how_much_of_the_prompt_was_cached(self) -> None:
         """Once, on the first response: the prompt's full blocks found in the cache (a
         preemption's recompute, which hits the sequence's own blocks, is not counted)."""
@@ -707,6 +683,45 @@ class TestStreamInterval:
         assert low.tokens_so_far() == held + 1  # sent though it computed nothing
         drain(engine)
         assert low.tokens == 40
+
+    def test_a_requests_own_gap_replaces_the_models_after_its_first_responses(self) -> None:
+        """stream_gap_ms 6 after 3 responses, asked by the request, on an engine of no gap
+        whose steps take 2 ms: three responses of a token each, then one per 3 tokens."""
+        now = [0.0]
+        engine = Engine(Transformer(SMALL, seed=0), clock=lambda: now[0])
+        sampling = SamplingParams(max_tokens=14, ignore_eos=True, seed=7)
+        plain, gapped = RecordingSink(), RecordingSink()
+        engine.submit(GenerationRequest("same", sampling=sampling), plain)
+        asked = GenerationRequest("same", sampling=sampling, stream_gap=StreamGap(0.006, 3))
+        engine.submit(asked, gapped)
+        while engine.step():
+            now[0] += 0.002
+        assert [n for _, n in plain.deltas] == [1] * 14  # the model's own: no gap
+        assert [n for _, n in gapped.deltas] == [1, 1, 1, 3, 3, 3]
+        assert gapped.final is not None and gapped.final[1] == 2  # the last never waits
+        assert gapped.text == plain.text
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [
+            ("stream_gap_ms", -1),
+            ("stream_gap_ms", 1001),
+            ("stream_gap_ms", float("nan")),
+            ("stream_gap_ms", "8"),
+            ("stream_gap_ms", True),
+            ("stream_gap_after", -1),
+            ("stream_gap_after", 2.5),
+            ("stream_gap_after", None),
+        ],
+    )
+    def test_a_stream_gap_out_of_its_range_is_refused_by_name(self, name: str, value: Any) -> None:
+        with pytest.raises(RequestError, match=name):
+            parse_stream_gap({"stream_gap_ms": 8, name: value})
+
+    def test_a_stream_gap_is_read_in_seconds_and_none_without_it(self) -> None:
+        assert parse_stream_gap({}) is None and parse_stream_gap({"stream_gap_after": 2}) is None
+        asked = {"stream_gap_ms": 8.0, "stream_gap_after": 3}
+        assert parse_stream_gap(asked) == StreamGap(0.008, 3)
 
     def test_fixed_interval(self) -> None:
         sink = run(make_engine(stream_interval=5), "fixed", max_tokens=16, ignore_eos=True)

@@ -36,6 +36,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MAX_STREAM_GAP_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class StreamGap:
+    """The request parameters ``stream_gap_ms`` and ``stream_gap_after``: once a
+    streamed generation has sent ``after`` responses, each later one goes out no sooner
+    than ``seconds`` after the previous one, its text held meanwhile (fewer, larger
+    responses, each of which costs every hop after the engine a wakeup). Its first and
+    last responses never wait. Replaces the model's ``stream_gap_ms`` for the request."""
+
+    seconds: float
+    after: int = 0
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str
@@ -55,6 +70,9 @@ class GenerationRequest:
     # blocks computed for requests with the same salt (the mesh sends one per tenant, so
     # that no tenant can read, or time, another's cached prefixes). Empty: shared.
     cache_salt: str = ""
+    # The request parameters ``stream_gap_ms`` and ``stream_gap_after`` (None: the model's
+    # stream gap applies).
+    stream_gap: StreamGap | None = None
 
 
 def parse_priority(parameters: object) -> int:
@@ -85,38 +103,25 @@ def parse_cache_salt(parameters: object) -> str:
     return value
 
 
-MAX_RESPONSE_HOLD_MS = 1000.0
-
-
-@dataclass(frozen=True)
-class ResponseHold:
-    """The request parameters ``response_hold_ms`` and ``response_hold_after``: after its
-    first ``after`` responses, a streamed generation's text may wait up to ``seconds`` for
-    the next tokens to go in the same response (fewer, larger responses, each of which
-    costs every hop a wakeup). Its last response never waits. Absent: none waits."""
-
-    seconds: float = 0.0
-    after: int = 0
-
-
-def parse_response_hold(parameters: object) -> ResponseHold:
-    """The request's ResponseHold; RequestError naming the parameter when one is not a
-    number in [0, MAX_RESPONSE_HOLD_MS] (ms) or a non-negative integer (after)."""
+def parse_stream_gap(parameters: object) -> StreamGap | None:
+    """The request's StreamGap, None without ``stream_gap_ms``; RequestError naming the
+    parameter when one is not a number in [0, MAX_STREAM_GAP_MS] or a non-negative
+    integer."""
     if not isinstance(parameters, dict):
-        return ResponseHold()
-    hold_ms = parameters.get("response_hold_ms", 0.0)
-    valid = isinstance(hold_ms, int | float) and not isinstance(hold_ms, bool)
-    if not valid or not 0.0 <= hold_ms <= MAX_RESPONSE_HOLD_MS:
-        raise RequestError(
-            f"response_hold_ms: must be a number of milliseconds in [0, "
-            f"{MAX_RESPONSE_HOLD_MS:g}], got {hold_ms!r:.40}"
-        )
-    after = parameters.get("response_hold_after", 0)
+        return None
+    after = parameters.get("stream_gap_after", 0)
     if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise RequestError(f"stream_gap_after: must be a non-negative integer, got {after!r:.40}")
+    if "stream_gap_ms" not in parameters:
+        return None
+    gap_ms = parameters["stream_gap_ms"]
+    valid = isinstance(gap_ms, int | float) and not isinstance(gap_ms, bool)
+    if not valid or not 0.0 <= gap_ms <= MAX_STREAM_GAP_MS:
         raise RequestError(
-            f"response_hold_after: must be a non-negative integer, got {after!r:.40}"
+            f"stream_gap_ms: must be a number of milliseconds in [0, "
+            f"{MAX_STREAM_GAP_MS:g}], got {gap_ms!r:.40}"
         )
-    return ResponseHold(hold_ms / 1000.0, after)
+    return StreamGap(gap_ms / 1000.0, after)
 
 
 SEED_LIMIT = 1 << 63  # seeds are unsigned 63-bit integers, as an int64 field holds them

@@ -101,6 +101,7 @@ class Sequence:
     next_cancel_check: float = 0.0
     unsent_tokens: int = 0
     sent_at: float = 0.0  # the engine's clock at its last response
+    responses: int = 0  # streamed responses sent
     unsent_text: list[str] = field(default_factory=list)  # streamed text held back
     text: list[str] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
