@@ -39,8 +39,8 @@ class InferenceConfig(ServiceConfig):
     # output check shows a word only once the next one starts).
     multiplex_first_unheld: int = Field(default=8, ge=1)
     # Asked of the engine for every generation (the request parameters stream_gap_ms and
-    # stream_gap_after): after its first engine_stream_gap_after responses, the next go
-    # at least this far apart, the tokens between them together (the reference engine; a
+    # stream_gap_after): after its first engine_stream_gap_after responses (at the
+    # model's own gap), the next go at least this far apart, the tokens between them together (the reference engine; a
     # model that does not read them streams as it would). Each response costs Triton,
     # this service and its stream a wakeup; the Multiplex hold above then finds them
     # already together. 0: the model's own gap.

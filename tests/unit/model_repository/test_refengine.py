@@ -685,19 +685,21 @@ class TestStreamInterval:
         assert low.tokens == 40
 
     def test_a_requests_own_gap_replaces_the_models_after_its_first_responses(self) -> None:
-        """stream_gap_ms 6 after 3 responses, asked by the request, on an engine of no gap
-        whose steps take 2 ms: three responses of a token each, then one per 3 tokens."""
+        """stream_gap_ms 6 after 2 responses, asked by the request, on an engine whose
+        own gap is 4 ms and whose steps take 2 ms: the first token at once, the next two
+        4 ms later (the model's gap), then a response per 3 tokens."""
         now = [0.0]
-        engine = Engine(Transformer(SMALL, seed=0), clock=lambda: now[0])
+        config = EngineConfig(stream_gap_ms=4)
+        engine = Engine(Transformer(SMALL, seed=0), config=config, clock=lambda: now[0])
         sampling = SamplingParams(max_tokens=14, ignore_eos=True, seed=7)
         plain, gapped = RecordingSink(), RecordingSink()
         engine.submit(GenerationRequest("same", sampling=sampling), plain)
-        asked = GenerationRequest("same", sampling=sampling, stream_gap=StreamGap(0.006, 3))
+        asked = GenerationRequest("same", sampling=sampling, stream_gap=StreamGap(0.006, 2))
         engine.submit(asked, gapped)
         while engine.step():
             now[0] += 0.002
-        assert [n for _, n in plain.deltas] == [1] * 14  # the model's own: no gap
-        assert [n for _, n in gapped.deltas] == [1, 1, 1, 3, 3, 3]
+        assert [n for _, n in plain.deltas] == [1, 2, 2, 2, 2, 2, 2]  # the model's own
+        assert [n for _, n in gapped.deltas] == [1, 2, 3, 3, 3]
         assert gapped.final is not None and gapped.final[1] == 2  # the last never waits
         assert gapped.text == plain.text
 

@@ -42,10 +42,10 @@ MAX_STREAM_GAP_MS = 1000.0
 @dataclass(frozen=True)
 class StreamGap:
     """The request parameters ``stream_gap_ms`` and ``stream_gap_after``: once a
-    streamed generation has sent ``after`` responses, each later one goes out no sooner
-    than ``seconds`` after the previous one, its text held meanwhile (fewer, larger
-    responses, each of which costs every hop after the engine a wakeup). Its first and
-    last responses never wait. Replaces the model's ``stream_gap_ms`` for the request."""
+    streamed generation has sent ``after`` responses (at the model's own
+    ``stream_gap_ms``), each later one goes out no sooner than ``seconds`` after the
+    previous one, its text held meanwhile (fewer, larger responses, each of which costs
+    every hop after the engine a wakeup). Its first and last responses never wait."""
 
     seconds: float
     after: int = 0

@@ -492,18 +492,20 @@ class Engine:
         beyond the largest power of two in the tokens generated so far: responses after
         tokens 1, 3, 7, 15, then at the batch's interval. A client then sees its first words
         soon after they end (an output check holds a word until then), at the cost of a
-        response or two per sequence. With a stream gap (the request's, else the model's
-        ``stream_gap_ms``), a later response also waits until that long after the previous
-        one, once the request's ``stream_gap_after`` responses have gone."""
+        response or two per sequence. With a stream gap, a later response also waits until
+        that long after the previous one: the model's ``stream_gap_ms``, or the request's
+        own once its ``stream_gap_after`` responses have gone."""
         interval = self.config.stream_interval or min(
             -(-len(self._running) // AUTO_STREAM_DIVISOR), 1 << (seq.generated.bit_length() - 1)
         )
         if len(seq.text) == len(seq.unsent_text):
             return True
         asked = seq.request.stream_gap
-        gap_s = asked.seconds if asked else self.config.stream_gap_ms / 1000
-        waits = gap_s > 0 and seq.responses >= (asked.after if asked else 0)
-        return seq.unsent_tokens >= interval and (not waits or self._clock() - seq.sent_at >= gap_s)
+        if asked and seq.responses >= asked.after:
+            gap_s = asked.seconds
+        else:
+            gap_s = self.config.stream_gap_ms / 1000
+        return seq.unsent_tokens >= interval and (not gap_s or self._clock() - seq.sent_at >= gap_s)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
