@@ -40,10 +40,10 @@ class InferenceConfig(ServiceConfig):
     multiplex_first_unheld: int = Field(default=8, ge=1)
     # Asked of the engine for every generation (the request parameters stream_gap_ms and
     # stream_gap_after): after its first engine_stream_gap_after responses (at the
-    # model's own gap), the next go at least this far apart, the tokens between them together (the reference engine; a
-    # model that does not read them streams as it would). Each response costs Triton,
-    # this service and its stream a wakeup; the Multiplex hold above then finds them
-    # already together. 0: the model's own gap.
+    # model's own gap), the next go at least this far apart, the tokens between them
+    # together (the reference engine; a model that does not read them streams as it
+    # would). Each response costs Triton, this service and its stream a wakeup; the
+    # Multiplex hold above then finds them already together. 0: the model's own gap.
     engine_stream_gap_ms: float = Field(default=8.0, ge=0, le=50)
     engine_stream_gap_after: int = Field(default=8, ge=0)
     # For drills and tests only: faults this replica injects into its generations.
