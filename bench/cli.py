@@ -31,7 +31,9 @@ from bench.policy import run as run_policy
 from bench.report import (
     Run,
     comparison_table,
+    cpu_ratio_table,
     cpu_table,
+    path_cpu_ms,
     results_table,
     scaling_table,
     update_markdown,
@@ -335,6 +337,9 @@ def _measure_and_report(
         comparison = (
             f"{comparison}\n\nCPU beyond each process's idle rate ({args.placement}):\n\n{cpu}"
         )
+    if getattr(args, "against", None):
+        ratios = cpu_ratio_table(runs, _against_name(args), "router")
+        comparison += f"\n\n{ratios}" if ratios else ""
     if comparison:
         print("\n" + comparison)
     figures = ""
@@ -918,6 +923,7 @@ async def _run_all(
     order = {target.name: i for i, target in enumerate(targets)}
     pooled: dict[tuple[int, str], Measurement] = {}
     spent: dict[tuple[int, str], CpuSpent] = {}
+    per_round: dict[tuple[int, str], list[float]] = {}
     meters = meters or {}
     idle = {id(m): m.idle() for m in {id(m): m for m in meters.values()}.values()}
     try:
@@ -938,6 +944,9 @@ async def _run_all(
                     if meter is not None and before is not None:
                         cost = meter.sample().minus(before).beyond(idle[id(meter)])
                         spent[key] = spent[key].plus(cost) if key in spent else cost
+                        summary = measured.summary(slo)
+                        done = summary.requests - summary.failed
+                        per_round.setdefault(key, []).append(path_cpu_ms(cost, done))
                     if key in pooled:
                         pooled[key].add(measured)
                     else:
@@ -953,6 +962,7 @@ async def _run_all(
             measured.summary(slo),
             measured.records,
             spent.get((index, name)),
+            per_round.get((index, name), []),
         )
         for (index, name), measured in sorted(
             pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])

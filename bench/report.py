@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ class Run:
     summary: Summary
     records: list[RequestRecord] = field(default_factory=list)  # for the plots
     cpu: CpuSpent | None = None  # each process group's CPU beyond its idle rate
+    # Router plus inference CPU per request (ms) in each round, for the spread of a ratio.
+    cpu_rounds: list[float] = field(default_factory=list)
 
     @property
     def responses(self) -> int:
@@ -36,7 +39,13 @@ def write_json(path: Path, command: str, config: dict[str, Any], runs: list[Run]
         "machine": {"cpus": _cpus(), "python": platform.python_version()},
         "config": config,
         "runs": [
-            {"target": r.target, "load": r.load, "summary": r.summary.as_dict()} for r in runs
+            {
+                "target": r.target,
+                "load": r.load,
+                "summary": r.summary.as_dict(),
+                "router_inference_cpu_ms_per_round": r.cpu_rounds,
+            }
+            for r in runs
         ],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +128,48 @@ def cpu_table(runs: list[Run]) -> str:
             + f" | {mesh * 1000 / done:.2f} | {per_response:.0f} |"
         )
     return "\n".join(lines)
+
+
+# The services a request crosses on its way to the engine: the CPU the cost goal counts.
+PATH_GROUPS = ("router", "inference")
+
+
+def path_cpu_ms(cpu: CpuSpent, requests: int) -> float:
+    """Router plus inference CPU per request, in ms."""
+    return sum(cpu.seconds.get(g, 0.0) for g in PATH_GROUPS) * 1000 / max(requests, 1)
+
+
+def cpu_ratio_table(runs: list[Run], baseline: str, candidate: str) -> str:
+    """Per load: the candidate's router plus inference CPU per request over the baseline's,
+    pooled and round by round (the rounds alternate, so each pair ran minutes apart)."""
+    by_load: dict[str, dict[str, Run]] = {}
+    for run in runs:
+        by_load.setdefault(run.load, {})[run.target] = run
+    lines = [
+        f"| load | router plus inference CPU per request ({candidate} / {baseline}) "
+        "| per round: median (lowest - highest) |",
+        "| --- | --- | --- |",
+    ]
+    for load, targets in by_load.items():
+        base, cand = targets.get(baseline), targets.get(candidate)
+        if base is None or cand is None or base.cpu is None or cand.cpu is None:
+            continue
+        pooled = path_cpu_ms(cand.cpu, _done(cand)) / max(path_cpu_ms(base.cpu, _done(base)), 1e-9)
+        rounds = sorted(
+            c / b for c, b in zip(cand.cpu_rounds, base.cpu_rounds, strict=False) if b > 0
+        )
+        spread = (
+            f"{statistics.median(rounds):.2f}x ({rounds[0]:.2f}x - {rounds[-1]:.2f}x, "
+            f"{len(rounds)} rounds)"
+            if rounds
+            else "n/a"
+        )
+        lines.append(f"| {load} | {pooled:.2f}x | {spread} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _done(run: Run) -> int:
+    return run.summary.requests - run.summary.failed
 
 
 def _group_order(name: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from bench.cpu import CpuMeter, CpuSpent, cpu_seconds, descendants, pin, pin_process, split
 from bench.metrics import RequestRecord, Slo, summarize
-from bench.report import Run, cpu_table
+from bench.report import Run, cpu_ratio_table, cpu_table
 from tests.conftest import wait_for
 
 # A parent that starts a child which burns CPU until told to stop (a line on stdin).
@@ -82,6 +82,21 @@ def test_cost_beyond_idle_and_per_request() -> None:
     # 1 s of router CPU over 4 requests and 8 responses: 250 ms each, 125,000 µs each.
     assert row.startswith("| concurrency 1 | router | 4 | 8 | 250.00 |")
     assert row.endswith("| 250.00 | 125000 |")
+
+
+def test_a_cpu_ratio_is_reported_pooled_and_round_by_round() -> None:
+    records = [RequestRecord(sent_at=0.0, first_token_at=0.01, finished_at=0.1) for _ in range(4)]
+    summary = summarize(records, 4.0, Slo())
+
+    def run(name: str, router_s: float, rounds: list[float]) -> Run:
+        cpu = CpuSpent(4.0, {"router": router_s, "inference": 1.0, "triton": 9.0})
+        return Run(name, "concurrency 1", 1, summary, records, cpu, rounds)
+
+    runs = [run("router (main)", 3.0, [10.0, 8.0, 12.0]), run("router", 1.0, [4.0, 6.0, 3.0])]
+    row = cpu_ratio_table(runs, "router (main)", "router").splitlines()[-1]
+    # Pooled: (1 + 1) s against (3 + 1) s of router and inference CPU; triton's not counted.
+    # By round: 0.4x, 0.75x, 0.25x.
+    assert row == "| concurrency 1 | 0.50x | 0.40x (0.25x - 0.75x, 3 rounds) |"
 
 
 def test_a_group_alone_counts_only_its_own_process(
