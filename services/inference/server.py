@@ -155,9 +155,14 @@ def configured_servicer(
     )
 
 
-def build_service(config: InferenceConfig) -> GrpcService:
+def triton_backend(config: InferenceConfig) -> TritonBackend:
+    """This replica's Triton client, asking the engine for the configured stream gap."""
     gap = StreamGap(config.engine_stream_gap_ms / 1000, config.engine_stream_gap_after)
-    backend = TritonBackend(config.triton_url, config.stream_timeout_s, gap=gap)
+    return TritonBackend(config.triton_url, config.stream_timeout_s, gap=gap)
+
+
+def build_service(config: InferenceConfig) -> GrpcService:
+    backend = triton_backend(config)
     health = ModelHealth(config.stall_timeout_s)
     served_models = set(config.model_aliases.values()) or set(config.models)
     keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)

@@ -190,7 +190,7 @@ class TritonBackend:
         own, as any Triton client gets it)."""
         self.url = url
         self._timeout = stream_timeout_s
-        self._gap = gap
+        self.gap = gap
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
@@ -217,7 +217,7 @@ class TritonBackend:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
         cached = await self._declares_cached_tokens(call.model)
-        stream = await self._start(build_request(call, cached, self._gap))
+        stream = await self._start(build_request(call, cached, self.gap))
         deadline = _Deadline(stream, self._timeout)
         ended = False  # Triton sent the generation's last response
         try:

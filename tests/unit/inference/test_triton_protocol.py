@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 
@@ -10,6 +11,8 @@ from tritonclient.grpc import service_pb2
 
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import FinishReason, InferenceCall, Sampling, TokenLogprob
+from services.inference.config import InferenceConfig
+from services.inference.server import triton_backend
 from services.inference.triton import (
     StreamGap,
     _stream_error,
@@ -153,3 +156,16 @@ def test_a_stream_gap_travels_as_the_engines_parameters_and_none_is_not_sent() -
     gapped = build_request(call, gap=StreamGap(0.008, 3)).parameters
     assert gapped["stream_gap_ms"].double_param == 8.0
     assert gapped["stream_gap_after"].int64_param == 3
+
+
+def test_a_replica_asks_the_engine_for_its_configured_stream_gap() -> None:
+    async def gaps() -> tuple[StreamGap, StreamGap]:
+        default = triton_backend(InferenceConfig())
+        tuned = triton_backend(InferenceConfig(engine_stream_gap_ms=12, engine_stream_gap_after=3))
+        try:
+            return default.gap, tuned.gap
+        finally:
+            await default.close()
+            await tuned.close()
+
+    assert asyncio.run(gaps()) == (StreamGap(0.008, 8), StreamGap(0.012, 3))
