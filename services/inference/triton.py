@@ -22,7 +22,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.health import EngineUnreachable
-from services.inference.warm_streams import MAX_IDLE_STREAMS, WarmStreams
+from services.inference.warm_streams import (
+    CLOSE_WAIT_S,
+    MAX_IDLE_STREAMS,
+    WarmStreams,
+    end_stream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -278,11 +283,17 @@ class TritonBackend:
         """The model's card, asked of the model itself."""
         await self._connected()  # the first card is often asked just after Triton came up
         stream = self._stub.ModelStreamInfer(timeout=timeout_s)
+        answered = False
         try:
             await self._send(stream, build_card_request(model))
             reply = await self._next(stream)
+            answered = True
         finally:
-            stream.cancel()
+            if answered:  # the card is the request's final response: end, never cancel
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(end_stream(stream), CLOSE_WAIT_S)
+            else:
+                stream.cancel()
         if reply.error_message:
             error = _stream_error(reply.error_message, model)
             if isinstance(error, InvalidArgument) and error.field == "model":

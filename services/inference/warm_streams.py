@@ -11,6 +11,7 @@ still cancels its own stream, which is then never reused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
@@ -19,12 +20,16 @@ from typing import Generic, Protocol, TypeVar
 MAX_IDLE_STREAMS = 64
 # ... as are streams idle this long (each holds a little state in Triton).
 IDLE_LIFETIME_S = 30.0
+# Closing waits at most this long for Triton to end the streams it was asked to.
+CLOSE_WAIT_S = 2.0
 
 
 class Stream(Protocol):
     def done(self) -> bool: ...
 
     async def done_writing(self) -> None: ...
+
+    async def code(self) -> object: ...
 
 
 S = TypeVar("S", bound=Stream)
@@ -75,16 +80,18 @@ class WarmStreams(Generic[S]):
         """Close ``stream`` without reuse (its generation ended with an error)."""
         self._close(stream)
 
-    async def close(self) -> None:
-        """Half-close every idle stream, so Triton ends them, and wait for that."""
+    async def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Half-close every idle stream, so Triton ends them, and wait up to ``wait_s``
+        for that: a channel closed sooner cancels them, which keeps Triton from
+        unloading the model at shutdown until its exit timeout."""
         while self._idle:
             self._close(self._idle.pop()[0])
-        await self.settle()
+        await self.settle(wait_s)
 
-    async def settle(self) -> None:
-        """Wait until the streams being half-closed are."""
+    async def settle(self, wait_s: float | None = None) -> None:
+        """Wait until Triton has ended the streams being half-closed (at most ``wait_s``)."""
         if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+            await asyncio.wait(set(self._closing), timeout=wait_s)
 
     def _expire(self) -> None:
         oldest = self._clock() - self._lifetime
@@ -94,8 +101,16 @@ class WarmStreams(Generic[S]):
     def _close(self, stream: S) -> None:
         if stream.done():
             return
-        # Half-close, never cancel: Triton has finished with the stream's requests, and a
-        # stream it finished that is then cancelled keeps it waiting at shutdown.
-        task = asyncio.get_running_loop().create_task(stream.done_writing())
+        task = asyncio.get_running_loop().create_task(end_stream(stream))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+async def end_stream(stream: Stream) -> None:
+    """Half-closes ``stream`` whose requests Triton has finished, and waits for Triton to
+    end it. Never cancel such a stream: Triton 2.51 then waits for a cancellation
+    callback that never comes, and the model stays loaded at shutdown until Triton's
+    exit timeout. Waiting also keeps the call referenced (one collected is cancelled)."""
+    with contextlib.suppress(Exception):  # a stream that broke meanwhile has ended anyway
+        await stream.done_writing()
+        await stream.code()

@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from types import SimpleNamespace
 
+import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
-from llmmesh.types import FinishReason, InferenceCall, Sampling, TokenLogprob
+from llmmesh.types import FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.config import InferenceConfig
 from services.inference.server import triton_backend
 from services.inference.triton import (
     StreamGap,
+    TritonBackend,
     _stream_error,
     build_request,
     bytes_tensor,
@@ -169,3 +172,65 @@ def test_a_replica_asks_the_engine_for_its_configured_stream_gap() -> None:
             await tuned.close()
 
     assert asyncio.run(gaps()) == (StreamGap(0.008, 8), StreamGap(0.012, 3))
+
+
+class _CardStream:
+    """One ModelStreamInfer call as describe() uses it; ``reply`` None: Triton ends the
+    stream before answering."""
+
+    def __init__(self, reply: service_pb2.ModelStreamInferResponse | None) -> None:
+        self.reply = reply
+        self.half_closed = False
+        self.cancelled = False
+        self.waited_for_its_end = False
+
+    async def write(self, request: service_pb2.ModelInferRequest) -> None:
+        assert request.parameters["model_card"].bool_param
+
+    async def done_writing(self) -> None:
+        self.half_closed = True
+
+    async def read(self) -> object:
+        return self.reply if self.reply is not None else grpc.aio.EOF
+
+    async def code(self) -> grpc.StatusCode:
+        self.waited_for_its_end = self.half_closed
+        return grpc.StatusCode.OK
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _describe(stream: _CardStream) -> ModelCard:
+    async def main() -> ModelCard:
+        backend = TritonBackend("127.0.0.1:1", stream_timeout_s=5)
+        backend._stub = SimpleNamespace(ModelStreamInfer=lambda timeout: stream)
+
+        async def connected() -> None:
+            return None
+
+        backend._connected = connected  # type: ignore[method-assign]
+        try:
+            return await backend.describe("llm")
+        finally:
+            await backend.close()
+
+    return asyncio.run(main())
+
+
+def test_a_card_stream_is_ended_by_triton_never_cancelled_once_answered() -> None:
+    """Triton 2.51 waits forever for the cancellation of a stream whose request it has
+    finished, and keeps the model loaded at shutdown until its exit timeout."""
+    response = service_pb2.ModelInferResponse(model_name="llm", id="model-card")
+    response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+    response.raw_output_contents.append(bytes_tensor(json.dumps({"max_context": 256}).encode()))
+    stream = _CardStream(service_pb2.ModelStreamInferResponse(infer_response=response))
+    assert _describe(stream).max_context == 256
+    assert stream.half_closed and stream.waited_for_its_end and not stream.cancelled
+
+
+def test_a_card_stream_that_broke_before_the_answer_is_cancelled() -> None:
+    stream = _CardStream(None)
+    with pytest.raises(Unavailable):
+        _describe(stream)
+    assert stream.cancelled

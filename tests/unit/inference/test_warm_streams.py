@@ -11,16 +11,32 @@ from services.inference.warm_streams import WarmStreams
 class FakeStream:
     ids = itertools.count()
 
-    def __init__(self) -> None:
+    def __init__(self, turns_to_end: int | None = 0) -> None:
+        """``turns_to_end``: event-loop turns Triton takes to end the stream once
+        half-closed (None: never)."""
         self.id = next(self.ids)
         self.ended = False
         self.half_closed = False
+        self.turns_to_end = turns_to_end
+        self.ended_by_triton = asyncio.Event()
 
     def done(self) -> bool:
         return self.ended
 
     async def done_writing(self) -> None:
         self.half_closed = True
+        if self.turns_to_end is not None:
+            self._end_in(self.turns_to_end)
+
+    def _end_in(self, turns: int) -> None:
+        if turns == 0:
+            self.ended_by_triton.set()
+        else:
+            asyncio.get_running_loop().call_soon(self._end_in, turns - 1)
+
+    async def code(self) -> str:
+        await self.ended_by_triton.wait()
+        return "OK"
 
 
 class Clock:
@@ -103,5 +119,30 @@ def test_discarded_and_remaining_streams_are_half_closed_never_reused() -> None:
         pool.put_back(kept)
         await pool.close()
         assert bad.half_closed and kept.half_closed and pool.idle == 0
+
+    asyncio.run(main())
+
+
+def test_closing_waits_until_triton_has_ended_the_half_closed_streams() -> None:
+    """A channel closed before Triton ended a stream cancels it, and a finished stream
+    cancelled keeps Triton from unloading its model at shutdown."""
+
+    async def main() -> None:
+        pool = WarmStreams(lambda: FakeStream(turns_to_end=20))
+        stream, _ = pool.take()
+        pool.put_back(stream)
+        await asyncio.wait_for(pool.close(), 5)
+        assert stream.half_closed and stream.ended_by_triton.is_set()
+
+    asyncio.run(main())
+
+
+def test_closing_gives_up_on_a_stream_that_triton_never_ends() -> None:
+    async def main() -> None:
+        pool = WarmStreams(lambda: FakeStream(turns_to_end=None))
+        stream, _ = pool.take()
+        pool.put_back(stream)
+        await asyncio.wait_for(pool.close(wait_s=0.05), 5)
+        assert stream.half_closed and not stream.ended_by_triton.is_set()
 
     asyncio.run(main())
