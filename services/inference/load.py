@@ -132,21 +132,39 @@ class LoadMonitor:
         self._changed = asyncio.Condition()
         self._watchers = 0
         self._poller: asyncio.Task[None] | None = None
+        self._ending = False
+        self._ended: asyncio.Task[None] | None = None
 
     async def watch(self, max_interval_s: float) -> AsyncIterator[LoadSnapshot]:
-        """The current load now, then on every change and at least every ``max_interval_s``."""
+        """The current load now, then on every change and at least every ``max_interval_s``,
+        until ``end_watches``."""
         self._watchers += 1
         try:
             await self._refresh()
-            while True:
+            while self._watching():
                 if self._poller is None or self._poller.done():
                     self._poller = asyncio.create_task(self._poll())
                 yield self._snapshot
                 async with self._changed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), max_interval_s)
+                    if self._watching():  # checked under the lock: its wake-up is not missed
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._changed.wait(), max_interval_s)
         finally:
             self._watchers -= 1
+
+    def end_watches(self) -> None:
+        """Shutdown begins: every watch ends now. Its watcher (a router) takes the end as
+        this replica gone and picks others at once, and the server's grace period is left
+        to the generations in flight instead of waiting on streams that never end."""
+        self._ending = True
+        self._ended = asyncio.get_running_loop().create_task(self._wake_watchers())
+
+    def _watching(self) -> bool:
+        return not self._ending
+
+    async def _wake_watchers(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     async def close(self) -> None:
         if self._poller is not None:
@@ -177,5 +195,4 @@ class LoadMonitor:
         changed = not snapshot.same_load(self._snapshot)
         self._snapshot = snapshot
         if changed:
-            async with self._changed:
-                self._changed.notify_all()
+            await self._wake_watchers()

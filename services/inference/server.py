@@ -92,10 +92,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def drain(self) -> None:
         """Shutdown begins: multiplexed streams take no new generation and end with their
-        last running one (each caller then opens a stream to another replica)."""
+        last running one (each caller then opens a stream to another replica); load
+        report streams end at once."""
         self._draining = True
         for session in self._sessions:
             session.drain()
+        self._monitor.end_watches()
 
     async def _responses(
         self, request: inference_pb2.InferenceRequest, request_id: str

@@ -15,7 +15,7 @@ import pytest
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
-from llmmesh.v1 import common_pb2, inference_pb2
+from llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE, InferenceServicer
@@ -113,6 +113,7 @@ class Replica:
     per_call: ReplicaClient
     servicer: CountingServicer
     engine: ScriptedEngine
+    stub: inference_pb2_grpc.InferenceStub  # the replica's other calls
 
 
 Scenario = Callable[[Replica], Awaitable[None]]
@@ -136,7 +137,8 @@ def run(
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         mux = GenerationMux(channel, "test", window=window, idle_close_s=idle_close_s)
-        replica = Replica(mux, ReplicaClient(channel, "test"), servicer, engine)
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        replica = Replica(mux, ReplicaClient(channel, "test"), servicer, engine, stub)
         try:
             await asyncio.wait_for(scenario(replica), 30)
         finally:
@@ -275,6 +277,21 @@ def test_a_draining_replica_ends_its_stream_after_its_last_generation() -> None:
         engine.go.set()
         assert await tokens(running) == 3  # the running one ends whole
         await engine.progress.until(lambda: servicer.open_streams == 0)
+
+    run(scenario)
+
+
+def test_a_draining_replica_ends_the_load_reports_it_streams_at_once() -> None:
+    """Left open, a router's report stream would hold the server's grace period to its
+    end; ended, it tells the router at once that the replica takes no more work."""
+
+    async def scenario(replica: Replica) -> None:
+        watch = inference_pb2.WatchLoadRequest(max_interval_ms=60_000)  # a report a minute
+        call: Any = replica.stub.WatchLoad(watch)  # an aio stub, typed as the sync one
+        reports = aiter(call)
+        assert (await anext(reports)).replica == "test"
+        replica.servicer.drain()
+        assert await asyncio.wait_for(anext(reports, None), 5) is None
 
     run(scenario)
 
