@@ -133,7 +133,7 @@ class LoadMonitor:
         self._watchers = 0
         self._poller: asyncio.Task[None] | None = None
         self._ending = False
-        self._ended: asyncio.Task[None] | None = None
+        self._wake_task: asyncio.Task[None] | None = None  # held: asyncio keeps weak refs
 
     async def watch(self, max_interval_s: float) -> AsyncIterator[LoadSnapshot]:
         """The current load now, then on every change and at least every ``max_interval_s``,
@@ -157,7 +157,7 @@ class LoadMonitor:
         this replica gone and picks others at once, and the server's grace period is left
         to the generations in flight instead of waiting on streams that never end."""
         self._ending = True
-        self._ended = asyncio.get_running_loop().create_task(self._wake_watchers())
+        self._wake_task = asyncio.get_running_loop().create_task(self._wake_watchers())
 
     def _watching(self) -> bool:
         return not self._ending
