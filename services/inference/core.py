@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -47,7 +47,7 @@ class InferenceCore:
         self.in_flight = 0
         self.latency = RecentLatency()
 
-    async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
+    async def generate(self, call: InferenceCall) -> AsyncGenerator[Chunk, None]:
         if not call.model:
             raise InvalidArgument("model", "required")
         if not call.prompt:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
@@ -93,11 +94,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def drain(self) -> None:
         """Shutdown begins: multiplexed streams take no new generation and end with their
         last running one (each caller then opens a stream to another replica); load
-        report streams end at once."""
+        report streams end with the last generation (``_drained_when_idle``)."""
         self._draining = True
         for session in self._sessions:
             session.drain()
-        self._monitor.end_watches()
+        self._drained_when_idle()
+
+    def _drained_when_idle(self) -> None:
+        """Draining, with no generation left: the load report streams end, which routers
+        take as this replica gone, and the server's grace period need not wait for them.
+        Not sooner: a router ends the streams it has on a replica whose reports stopped."""
+        if self._draining and self._core.in_flight == 0:
+            self._monitor.end_watches()
 
     async def _responses(
         self, request: inference_pb2.InferenceRequest, request_id: str
@@ -111,15 +119,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             cache_salt=request.cache_salt,
         )
         total = 0
-        async for chunk in self._core.generate(call):
-            total += chunk.num_tokens
-            yield inference_pb2.InferenceResponse(
-                text=chunk.text,
-                num_output_tokens=total,
-                finish_reason=finish_reason_to_pb(chunk.finish_reason),
-                logprobs=logprobs_to_pb(chunk.logprobs),
-                cached_tokens=chunk.cached_tokens,
-            )
+        try:
+            async with contextlib.aclosing(self._core.generate(call)) as chunks:
+                async for chunk in chunks:
+                    total += chunk.num_tokens
+                    yield inference_pb2.InferenceResponse(
+                        text=chunk.text,
+                        num_output_tokens=total,
+                        finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                        logprobs=logprobs_to_pb(chunk.logprobs),
+                        cached_tokens=chunk.cached_tokens,
+                    )
+        finally:
+            self._drained_when_idle()
 
 
 def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.LoadReport:

@@ -82,3 +82,29 @@ def test_sigterm_drains_the_stream_in_flight(
         assert router.process.wait(30) == 0
     finally:
         router.terminate(5)
+
+
+def test_an_inference_replicas_sigterm_lets_a_routers_stream_finish(
+    stack: Stack, tmp_path: Path, extra_ports: StackPorts
+) -> None:
+    """The replica drains: the router's stream on it ends whole, and the replica's load
+    report stream, which the router watches, ends only after it (a router ends the
+    streams on a replica whose reports stop) and does not hold the replica's exit."""
+    inference = start_service(stack, "inference", extra_ports.inference, tmp_path)
+    router = start_service(
+        stack, "router", extra_ports.router, tmp_path,
+        endpoints_file="", inference_addresses=f'["127.0.0.1:{extra_ports.inference}"]',
+    )  # fmt: skip
+    try:
+        with authorized_channel(f"127.0.0.1:{extra_ports.router}", stack.api_key) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(build_request("drain me", max_tokens=300, ignore_eos=True))
+            replies = [next(call)]  # in flight on the replica
+            inference.process.send_signal(signal.SIGTERM)
+            replies.extend(call)
+        assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert replies[-1].usage.completion_tokens == 300
+        assert inference.process.wait(30) == 0
+    finally:
+        router.terminate(5)
+        inference.terminate(5)

@@ -281,17 +281,27 @@ def test_a_draining_replica_ends_its_stream_after_its_last_generation() -> None:
     run(scenario)
 
 
-def test_a_draining_replica_ends_the_load_reports_it_streams_at_once() -> None:
+def test_a_draining_replica_ends_its_load_reports_with_its_last_generation() -> None:
     """Left open, a router's report stream would hold the server's grace period to its
-    end; ended, it tells the router at once that the replica takes no more work."""
+    end; ended while a generation runs, it would have the router end that generation as
+    if the replica had fallen silent."""
 
     async def scenario(replica: Replica) -> None:
+        mux, servicer, engine = replica.mux, replica.servicer, replica.engine
         watch = inference_pb2.WatchLoadRequest(max_interval_ms=60_000)  # a report a minute
-        call: Any = replica.stub.WatchLoad(watch)  # an aio stub, typed as the sync one
-        reports = aiter(call)
+        stream: Any = replica.stub.WatchLoad(watch)  # an aio stub, typed as the sync one
+        reports = aiter(stream)
         assert (await anext(reports)).replica == "test"
-        replica.servicer.drain()
-        assert await asyncio.wait_for(anext(reports, None), 5) is None
+        running = mux.generate(call("wait for the drain", max_tokens=4))
+        assert (await anext(running)).text
+        servicer.drain()
+        ended = asyncio.ensure_future(anext(reports, None))
+        with pytest.raises(Unavailable, match="shutting down"):
+            await collect(mux.generate(call("too late")))  # the drain has taken effect
+        assert not ended.done()  # the running generation keeps the reports going
+        engine.go.set()
+        assert await tokens(running) == 3
+        assert await asyncio.wait_for(ended, 5) is None
 
     run(scenario)
 
