@@ -153,9 +153,11 @@ class LoadMonitor:
             self._watchers -= 1
 
     def end_watches(self) -> None:
-        """Shutdown begins: every watch ends now. Its watcher (a router) takes the end as
-        this replica gone and picks others at once, and the server's grace period is left
-        to the generations in flight instead of waiting on streams that never end."""
+        """Every watch ends now, for good (shutdown, once no generation is left). Its
+        watcher (a router) takes the end as this replica gone, and the server's grace
+        period does not wait on streams that would never end."""
+        if self._ending:
+            return
         self._ending = True
         self._wake_task = asyncio.get_running_loop().create_task(self._wake_watchers())
 
