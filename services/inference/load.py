@@ -162,6 +162,7 @@ class LoadMonitor:
         self._wake_task = asyncio.get_running_loop().create_task(self._wake_watchers())
 
     def _watching(self) -> bool:
+        # A call, not the attribute: mypy would keep the loop's test narrowed across awaits.
         return not self._ending
 
     async def _wake_watchers(self) -> None:

@@ -248,7 +248,9 @@ def test_ending_streams_again_before_they_ended_is_harmless() -> None:
 
         assert await poll_until_async(watching, 5)
         health.end_streams("llm")
-        # One step of the loop, deterministic: its timer fires, the stream not yet unwound.
+        # Exactly one step of the loop, which is the state under test: the expiry callback
+        # queued before this task runs, the stream task it cancels is queued after it. Not
+        # a wait for something: waiting on any condition would let the stream unwind first.
         await asyncio.sleep(0)
         health.end_streams("llm")
         with pytest.raises(Unavailable, match="stalled"):
