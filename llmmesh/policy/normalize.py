@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import icu
@@ -40,6 +41,7 @@ MAX_IGNORED_RUN = 32
 
 _ASCII_SEPARATOR = np.zeros(128, dtype=bool)
 _ASCII_SEPARATOR[[ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128]] = True
+_ASCII_SEPARATOR_BYTES = bytes(sorted(ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128))
 
 _SPOOF: Any = icu.SpoofChecker()
 
@@ -82,29 +84,49 @@ def keyword_char(char: str) -> str:
     return "".join(c for c in _strip_marks(folded) if not _is_separator(c))
 
 
+Origin = npt.NDArray[np.int64]
+
+
 class View:
     """A view of ``original``: its text, and where each of its characters came from."""
 
-    __slots__ = ("_origin", "original", "text")
+    __slots__ = ("_origin", "_origin_of", "original", "text")
 
-    def __init__(self, original: str, text: str, origin: npt.NDArray[np.int64] | None) -> None:
+    def __init__(
+        self,
+        original: str,
+        text: str,
+        origin: Origin | None,
+        origin_of: Callable[[], Origin] | None = None,
+    ) -> None:
+        """``origin``: the original index of each view character (None: the same); or
+        ``origin_of`` works it out when a position is first mapped (most texts match
+        nothing, and need none)."""
         self.original = original
         self.text = text
-        self._origin = origin  # original index of each view character; None: the same
+        self._origin = origin
+        self._origin_of = origin_of
+
+    def _map(self) -> Origin | None:
+        if self._origin_of is not None:
+            self._origin, self._origin_of = self._origin_of(), None
+        return self._origin
 
     def start(self, index: int) -> int:
         """The original position of the view character at ``index``."""
-        if self._origin is None:
+        origin = self._map()
+        if origin is None:
             return index
-        return int(self._origin[index]) if index < len(self.text) else len(self.original)
+        return int(origin[index]) if index < len(self.text) else len(self.original)
 
     def end(self, index: int) -> int:
         """The original end of a match that ends before view position ``index``: past the
         character that produced the view's character ``index - 1`` and any ignored
         characters (combining marks) that follow it."""
-        if self._origin is None:
+        origin = self._map()
+        if origin is None:
             return index
-        end = int(self._origin[index - 1]) + 1
+        end = int(origin[index - 1]) + 1
         original = self.original
         while end < len(original) and ignored(original[end]):
             end += 1
@@ -112,9 +134,12 @@ class View:
 
     def position(self, original_index: int) -> int:
         """The view position of the original position ``original_index``."""
-        if self._origin is None:
+        if original_index == 0:  # a text's start is its views' start
+            return 0
+        origin = self._map()
+        if origin is None:
             return original_index
-        return int(np.searchsorted(self._origin, original_index))
+        return int(np.searchsorted(origin, original_index))
 
 
 _TABLE_LIMIT = 1 << 16
@@ -153,10 +178,19 @@ def pattern_view(text: str) -> View:
 
 def keyword_view(text: str) -> View:
     if text.isascii():
-        codes = np.frombuffer(text.lower().encode("ascii"), dtype=np.uint8)
-        keep = ~_ASCII_SEPARATOR[codes]
-        return View(text, codes[keep].tobytes().decode("ascii"), np.flatnonzero(keep))
+        # Byte operations only: a prompt's check often runs with cold caches, where each
+        # library touched costs far more than its work.
+        lowered = text.lower().encode("ascii")
+        kept = lowered.translate(None, _ASCII_SEPARATOR_BYTES).decode("ascii")
+        if len(kept) == len(text):
+            return View(text, kept, None)
+        return View(text, kept, None, partial(_ascii_kept, lowered))
     return _mapped(text, _KEYWORD)
+
+
+def _ascii_kept(lowered: bytes) -> Origin:
+    """The original index of each character an ASCII keyword view keeps."""
+    return np.flatnonzero(~_ASCII_SEPARATOR[np.frombuffer(lowered, dtype=np.uint8)])
 
 
 def is_word(char: str) -> bool:

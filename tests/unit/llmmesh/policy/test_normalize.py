@@ -79,6 +79,20 @@ def test_a_match_maps_back_to_its_original_characters() -> None:
     assert rules.check_input(text).text == "our [REDACTED], then"
 
 
+def test_an_ascii_match_through_separators_maps_back_to_its_original_characters() -> None:
+    rules = RuleSet.from_text(
+        "version: v\nrules:\n  - {id: r, action: redact, keywords: [secret plan]}\n", "t"
+    )
+    assert rules.check_input("our S-e.c_r e*t  p-l-a-n, then").text == "our [REDACTED], then"
+    kv = keyword_view("a-b c")
+    assert (kv.text, [kv.start(i) for i in range(3)], kv.position(2), kv.end(3)) == (
+        "abc",
+        [0, 2, 4],
+        1,
+        5,
+    )
+
+
 def test_views_map_each_character_on_its_own() -> None:
     text = "B\u200bo\u0301\uff4d-b \u0430"
     for view in (keyword_view, pattern_view):
