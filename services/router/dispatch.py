@@ -10,6 +10,7 @@ failed: the refusal goes to the client, with no retry and no mark on the replica
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -54,6 +55,8 @@ RESUMED = Counter("llm_router_resumed_streams_total", "Streams moved to another 
 
 # What a replica failing looks like; anything else it raises is the request's own.
 REPLICA_FAILURES = (Unavailable, ResourceExhausted)
+# Jittered pauses between attempts: retries from many requests do not arrive together.
+RETRY_WAIT = wait_random_exponential(multiplier=0.02, max=0.5)
 
 
 class Dispatcher:
@@ -174,14 +177,23 @@ class Dispatcher:
     ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """Picks a replica and waits for its first chunk, retrying elsewhere on failure;
         the replica, whether its subset is a fallback, its stream and first chunk."""
+        failed = set(request.avoid)
+        try:
+            # Most first attempts succeed, and tenacity's loop costs a request more than
+            # its pick when caches are cold (docs/benchmarks.md): it runs the retries.
+            return await self._attempt(call, request, hints.tier, failed)
+        except REPLICA_FAILURES:
+            if self._settings.attempts == 1 or _past(hints.deadline):
+                raise
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._settings.attempts) | _deadline_reached(hints.deadline),
-            wait=wait_random_exponential(multiplier=0.02, max=0.5),
+            stop=stop_after_attempt(self._settings.attempts - 1)
+            | _deadline_reached(hints.deadline),
+            wait=RETRY_WAIT,
             retry=retry_if_exception_type(REPLICA_FAILURES),
+            before=_pause_before_first_retry,
             before_sleep=lambda _: RETRIES.inc(),
             reraise=True,
         )
-        failed = set(request.avoid)
         async for attempt in retrying:
             with attempt:
                 avoiding = replace(request, avoid=frozenset(failed))
@@ -234,6 +246,14 @@ def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> Infe
     """The call that continues a broken stream: the text already sent becomes prompt."""
     sampling = replace(call.sampling, max_tokens=call.sampling.max_tokens - sent_tokens)
     return replace(call, prompt=call.prompt + sent_text, sampling=sampling)
+
+
+async def _pause_before_first_retry(retry_state: RetryCallState) -> None:
+    """The pause between the first attempt, made outside tenacity's loop, and its first
+    (tenacity pauses between the ones it makes)."""
+    if retry_state.attempt_number == 1:
+        RETRIES.inc()
+        await asyncio.sleep(RETRY_WAIT(retry_state))
 
 
 def _past(deadline: float | None) -> bool:

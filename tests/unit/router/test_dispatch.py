@@ -20,7 +20,7 @@ from llmmesh.waiting import poll_until_async
 from services.router.breaker import BreakerState
 from services.router.config import PoolSettings
 from services.router.connector import LoadReport
-from services.router.dispatch import Dispatcher
+from services.router.dispatch import RETRIES, Dispatcher
 from services.router.endpoints import Endpoint, FixedDiscovery
 from services.router.replicas import ReplicaSet
 from services.router.routing import PolicyHolder, RoutingPolicy
@@ -110,6 +110,23 @@ def test_a_stream_that_keeps_breaking_gives_up_after_its_resumes() -> None:
             await collect(f, call(20))
         tried = [len(f[r].calls) for r in ("a:1", "b:1", "c:1")]
         assert tried[0] == 1 and sorted(tried) == [0, 1, 1]  # the first, then one resume
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("attempts", [1, 2, 3])
+def test_attempts_bound_the_tries_before_the_first_token(attempts: int) -> None:
+    async def scenario() -> None:
+        f = fleet(("a:1", "b:1", "c:1", "d:1"), attempts=attempts)
+        for replica in ("a:1", "b:1", "c:1", "d:1"):
+            f[replica].fail_next(0)
+        retries = RETRIES._value.get()
+        with pytest.raises(Unavailable):
+            await collect(f, call())
+        assert RETRIES._value.get() - retries == attempts - 1
+        tried = [len(f[r].calls) for r in ("a:1", "b:1", "c:1", "d:1")]
+        # Each on another replica.
+        assert sorted(tried, reverse=True) == [1] * attempts + [0] * (4 - attempts)
 
     run(scenario)
 
