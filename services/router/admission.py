@@ -169,6 +169,9 @@ class AdmissionQueue:
             now,
             asyncio.get_running_loop().create_future(),
         )
+        if not any(self._waiting.values()) and self._room(tier):
+            self._grant(ticket)  # nothing waits and its tier has room: the common case
+            return Slot(self, ticket)
         self._enqueue(ticket)
         self._dispatch()  # granted now if its tier has room and nothing before it waits
         if ticket.granted.done():
