@@ -55,7 +55,8 @@ class InferenceCore:
         if call.priority is not None and call.priority < 0:
             raise InvalidArgument("priority", f"must be >= 0 (lower: sooner), got {call.priority}")
         check_sampling(call.sampling, self._limit)
-        served = replace(call, model=self._aliases.get(call.model, call.model))
+        alias = self._aliases.get(call.model)
+        served = call if alias is None else replace(call, model=alias)
         self.health.check(served.model)
         started, first_at, tokens, outcome = time.perf_counter(), 0.0, 0, "error"
         self.in_flight += 1

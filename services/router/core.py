@@ -373,13 +373,14 @@ class RouterCore:
                     held_logprobs += chunk.logprobs
                     held_cached += chunk.cached_tokens
                     continue
-                chunk = replace(
-                    chunk,
-                    num_tokens=chunk.num_tokens + held_tokens,
-                    logprobs=held_logprobs + chunk.logprobs,
-                    cached_tokens=chunk.cached_tokens + held_cached,
-                )
-                held_tokens, held_logprobs, held_cached = 0, (), 0
+                if held_tokens or held_logprobs or held_cached:
+                    chunk = replace(
+                        chunk,
+                        num_tokens=chunk.num_tokens + held_tokens,
+                        logprobs=held_logprobs + chunk.logprobs,
+                        cached_tokens=chunk.cached_tokens + held_cached,
+                    )
+                    held_tokens, held_logprobs, held_cached = 0, (), 0
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     TTFT.labels(model, tier).observe(time.perf_counter() - prepared.received_at)
