@@ -249,8 +249,8 @@ def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> Infe
 
 
 async def _pause_before_first_retry(retry_state: RetryCallState) -> None:
-    """The pause between the first attempt, made outside tenacity's loop, and its first
-    (tenacity pauses between the ones it makes)."""
+    """The pause before the first retry: the first attempt is made outside tenacity's
+    loop, which pauses only between the attempts it makes."""
     if retry_state.attempt_number == 1:
         RETRIES.inc()
         await asyncio.sleep(RETRY_WAIT(retry_state))
