@@ -14,6 +14,9 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
 tracer = trace.get_tracer("llm-mesh")
+# The names a caller's trace context and baggage come under (W3C): a call without them
+# has nothing to extract, and the propagators need not run.
+_CARRIED = frozenset({"traceparent", "tracestate", "baggage"})
 
 
 def configure(service: str, otlp_endpoint: str) -> None:
@@ -46,7 +49,11 @@ def outgoing() -> tuple[tuple[str, str], ...]:
 
 
 def incoming(metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str]) -> Context:
-    """The caller's trace context, from gRPC metadata or HTTP headers."""
+    """The caller's trace context, from gRPC metadata or HTTP headers (an empty one when
+    the caller sent none). Spans started from it carry the caller's trace on even when
+    this process exports none: a service mesh's sidecars join their spans that way."""
     items = metadata.items() if isinstance(metadata, Mapping) else metadata
     carrier = {k.lower(): v for k, v in items if isinstance(v, str)}
+    if _CARRIED.isdisjoint(carrier):
+        return Context()
     return propagate.extract(carrier)
