@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario truncation
 	$(BENCH) --scenario capacity
 	$(BENCH) --scenario peer-hop --num-prompts 300 --output-len 4
+	$(BENCH) --scenario cold
 
 setup: $(STAMP)
 

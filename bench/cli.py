@@ -89,6 +89,7 @@ def add_bench_parser(commands: Any) -> None:
             "capacity",
             "peer-hop",
             "peer-routing",
+            "cold",
         ],
         default="load",
         help="load: latency and throughput under load (default); hol: TTFT while 15 long "
@@ -134,7 +135,8 @@ def add_bench_parser(commands: Any) -> None:
         "the router alone, --num-prompts pairs over the OpenAI HTTP API, order alternating; "
         "peer-routing: vllm-router (--peer-policy) over one router per engine against the "
         "mesh's picker over the same 4 engines, the routing scenario's sessions at each of "
-        "--session-rates, the client keeping the history (OpenAI HTTP API)",
+        "--session-rates, the client keeping the history (OpenAI HTTP API); cold: steps of "
+        "a request's path timed alone, hot and after idle gaps (no stack)",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
@@ -253,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         "capacity": _capacity,
         "peer-hop": _peer_hop,
         "peer-routing": _peer_routing,
+        "cold": _cold,
     }.get(args.scenario)
     if own_fleet is not None:
         return own_fleet(args)
@@ -531,6 +534,22 @@ def _policy(args: argparse.Namespace) -> int:
         "on input and output, the 200 rules on input only, or on input and output; "
         f"{args.model or 'llm'}.",
         result.table(),
+    )
+    return 0
+
+
+def _cold(args: argparse.Namespace) -> int:
+    from bench.cold import measure, table
+
+    print("timing each step hot and after idle gaps ...", file=sys.stderr)
+    result = table(measure())
+    print(result)
+    _record(
+        args,
+        _section(args, "cold"),
+        "; each step alone in this process, 100 calls per gap (medians): back to back, "
+        "after a sleep, and after a busy wait.",
+        result,
     )
     return 0
 
