@@ -438,6 +438,8 @@ class RouterCore:
                 tokens.drop()
             return replace(chunk, text="", finish_reason=FinishReason.POLICY, logprobs=()), guard
         if tokens is None:
+            if guarded.text == chunk.text:  # most chunks: let out whole, as they came
+                return chunk, guard
             return replace(chunk, text=guarded.text), guard
         tokens.add(chunk.text, chunk.logprobs)
         released = tokens.release(guarded.text, guarded.held)
