@@ -39,7 +39,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.cpu import CpuMeter, busy_seconds, split
+from bench.cpu import CpuMeter, busy_seconds, reference_ms, split, stolen_seconds
 from bench.metrics import RequestRecord
 from bench.paced_replica import start_paced_replica
 from bench.targets import RouterTarget
@@ -77,13 +77,18 @@ class Step:
     router_cpu: float  # the router's share of its CPU over the step
     others_cpu: float  # how busy the other CPUs were (the harness: is it the bottleneck?)
     failed: int  # h2load's failed streams, and the router's requests not served
+    # The router's CPU's speed just before the step (bench/cpu.py reference_ms), and the
+    # share of the step the hypervisor held that CPU: this machine's speed drifts.
+    reference_ms: float = math.nan
+    stolen: float = 0.0
 
     def row(self, base_ttft_ms: float) -> str:
         growth = self.ttft_p50_ms / base_ttft_ms if base_ttft_ms else math.inf
         return (
             f"| {self.load} | {self.served_per_s:.0f} | {self.tokens_per_s:,.0f} | "
             f"{self.latency_p50_ms:.1f} | {self.ttft_p50_ms:.1f} | {self.ttft_p99_ms:.1f} | "
-            f"{growth:.2f}x | {self.router_cpu:.0%} | {self.others_cpu:.0%} | {self.failed} |"
+            f"{growth:.2f}x | {self.router_cpu:.0%} | {self.others_cpu:.0%} | {self.failed} | "
+            f"{self.reference_ms:.1f} | {self.stolen:.0%} |"
         )
 
 
@@ -102,8 +107,9 @@ class Sweep:
         base = self.steps[0].ttft_p50_ms
         head = (
             f"| {self.name} | requests/s | tokens/s | h2load latency p50 (ms) | probe TTFT p50 "
-            "(ms) | probe TTFT p99 (ms) | TTFT p50 / first | router CPU | other CPUs | failed |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+            "(ms) | probe TTFT p99 (ms) | TTFT p50 / first | router CPU | other CPUs | failed | "
+            "reference task (ms) | stolen |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         )
         return "\n".join([head, *(s.row(base) for s in self.steps)])
 
@@ -130,9 +136,13 @@ class Capacity:
                 f"router CPU {best_streams.router_cpu:.0%})"
             )
         verdict = "; ".join(said) or "no step within twice the first step's TTFT"
+        references = [s.reference_ms for s in (*self.rates.steps, *self.streams.steps)]
         return (
             f"{self.rates.table()}\n\n{self.streams.table()}\n\nWithin {LATENCY_GROWTH:.0f}x the "
-            f"first step's probe TTFT p50 and every request served: {verdict}."
+            f"first step's probe TTFT p50 and every request served: {verdict}. The reference "
+            f"task took {min(references):.1f} to {max(references):.1f} ms on the router's CPU "
+            "before the steps (the same task in a run of another hour says whether its CPU "
+            "was as fast)."
         )
 
     def as_json(self) -> dict[str, object]:
@@ -166,6 +176,7 @@ class CapacityFleet:
     meter: CpuMeter
     placement: str
     workdir: Path
+    router_cpu: int
     others: list[int]  # the CPUs the router does not run on
 
     def served(self) -> dict[str, float]:
@@ -203,6 +214,7 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
                 metrics_port=str(ports.router_metrics),
             )  # fmt: skip
             children.append(router)
+            router_cpu = min(os.sched_getaffinity(0))  # _place gives the router the first
             yield CapacityFleet(
                 f"127.0.0.1:{ports.router}",
                 f"http://127.0.0.1:{ports.router_metrics}/metrics",
@@ -210,6 +222,7 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
                 CpuMeter({"router": [router.process.pid]}),
                 _place(router.process.pid, [*stack.pids().values(), *_pids(children[:-1])]),
                 workdir,
+                router_cpu,
                 sorted(os.sched_getaffinity(0)),  # the bench's own, once placed
             )
         finally:
@@ -280,8 +293,10 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     message.write_bytes(grpc_message(new_salt() + "x" * 120, tokens))
     log = fleet.workdir / "h2load.log"
     log.unlink(missing_ok=True)  # h2load appends to it
+    reference = reference_ms(fleet.router_cpu)
     before, served_before = fleet.meter.sample(), fleet.served()
     others_before = busy_seconds(fleet.others)
+    stolen_before = stolen_seconds([fleet.router_cpu])
     started = time.monotonic()
 
     async def probe_beside_h2load() -> list[float]:
@@ -295,6 +310,7 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     ttft = asyncio.run(probe_beside_h2load())
     spent = fleet.meter.sample().minus(before)
     others = (busy_seconds(fleet.others) - others_before) / spent.wall_s / len(fleet.others)
+    stolen = (stolen_seconds([fleet.router_cpu]) - stolen_before) / spent.wall_s
     outcomes = fleet.served()
     unserved = sum(  # h2load cuts what runs when its time is up: that is not a failure
         n - served_before.get(outcome, 0.0)
@@ -313,6 +329,8 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
         spent.seconds["router"] / spent.wall_s if spent.wall_s else 0.0,
         others,
         failed + int(unserved),
+        reference,
+        stolen,
     )
 
 

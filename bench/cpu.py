@@ -15,6 +15,8 @@ to place them (the default).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -47,16 +49,67 @@ def _tasks(pid: int) -> list[int]:
 
 
 def busy_seconds(cpus: Iterable[int]) -> float:
-    """Time the ``cpus`` have spent on anything but idling and waiting for I/O so far
-    (/proc/stat), in seconds."""
+    """Time the ``cpus`` have spent running anything so far (/proc/stat), in seconds: not
+    idling, not waiting for I/O, and not stolen (the hypervisor running another guest)."""
+    times = cpu_ticks(Path("/proc/stat").read_text(), cpus)
+    return sum(busy for busy, _ in times) / CLOCK_TICKS
+
+
+def stolen_seconds(cpus: Iterable[int]) -> float:
+    """Time the hypervisor has held the ``cpus`` from this machine so far (/proc/stat's
+    steal), in seconds: on a shared host, one way a run is slowed from outside."""
+    times = cpu_ticks(Path("/proc/stat").read_text(), cpus)
+    return sum(stolen for _, stolen in times) / CLOCK_TICKS
+
+
+def cpu_ticks(proc_stat: str, cpus: Iterable[int]) -> list[tuple[int, int]]:
+    """(busy, stolen) ticks of each of ``cpus`` in the text of /proc/stat."""
     wanted = {f"cpu{c}" for c in cpus}
-    busy = 0
-    for line in Path("/proc/stat").read_text().splitlines():
+    times = []
+    for line in proc_stat.splitlines():
         name, *ticks = line.split()
         if name in wanted:
             values = [int(t) for t in ticks]
-            busy += sum(values) - values[3] - values[4]  # idle, iowait
-    return busy / CLOCK_TICKS
+            idle, iowait, steal = values[3], values[4], values[7]
+            times.append((sum(values) - idle - iowait - steal, steal))
+    return times
+
+
+# A fixed task of the kind a service's request is made of (JSON, a regular expression,
+# strings, dicts), timed hot: what it takes says how fast a CPU runs Python right now.
+_REFERENCE_TASK = """
+import json, os, re, statistics, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+doc = {"messages": [{"role": "user", "content": "a few words " * 30}] * 8, "n": list(range(64))}
+address = re.compile(r"[\\w.+-]+@[\\w-]+\\.[\\w.]+")
+def task():
+    for _ in range(100):
+        text = json.dumps(doc)
+        json.loads(text)
+        address.search(text)
+        {word: len(word) for word in text.split()}
+task()
+times = []
+for _ in range(int(sys.argv[2])):
+    started = time.perf_counter()
+    task()
+    times.append(time.perf_counter() - started)
+print(statistics.median(times) * 1000)
+"""
+
+
+def reference_ms(cpu: int, repeats: int = 7) -> float:
+    """The median time (ms) of a fixed Python task on ``cpu`` now, in a process of its own
+    pinned there: this machine's speed drifts (its neighbours on the host), and runs far
+    apart are comparable only beside it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _REFERENCE_TASK, str(cpu), str(repeats)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return float(done.stdout)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -9,7 +9,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.cpu import CpuMeter, CpuSpent, cpu_seconds, descendants, pin, pin_process, split
+from bench.cpu import (
+    CpuMeter,
+    CpuSpent,
+    cpu_seconds,
+    cpu_ticks,
+    descendants,
+    pin,
+    pin_process,
+    reference_ms,
+    split,
+)
 from bench.metrics import RequestRecord, Slo, summarize
 from bench.report import Run, cpu_ratio_table, cpu_table
 from tests.conftest import wait_for
@@ -123,3 +133,17 @@ def test_a_process_set_apart_stays_apart_from_the_process_that_started_it(
         assert os.sched_getaffinity(0) == set(cpus[:-1])
     finally:
         pin_process(os.getpid(), set(cpus))
+
+
+def test_busy_time_leaves_out_idle_iowait_and_what_the_hypervisor_stole() -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat = "cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 10 1 5 100 7 2 3 40 0 0\ncpu1 1 1 1 1 1 1 1 1 0 0\n"
+    assert cpu_ticks(stat, [0]) == [(10 + 1 + 5 + 2 + 3, 40)]
+    assert cpu_ticks(stat, [0, 1]) == [(21, 40), (5, 1)]
+
+
+def test_the_reference_task_is_timed_on_the_cpu_asked() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    assert 0 < reference_ms(cpu, repeats=3) < 10_000
+    with pytest.raises(subprocess.CalledProcessError):  # no such CPU: it cannot be pinned
+        reference_ms(os.cpu_count() or 1, repeats=1)
