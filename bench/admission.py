@@ -329,6 +329,38 @@ class AdmissionComparison:
     def table(self) -> str:
         return table(self)
 
+    def as_json(self) -> dict[str, Any]:
+        """Every request of every run, for a look at what the table sums up."""
+        return {
+            "capacity_rps": self.capacity_rps,
+            "unloaded_p99_s": self.unloaded_p99_s,
+            "timeout_s": self.timeout_s,
+            "mixes": [
+                {"name": mix.name, "runs": [_run_json(run) for run in mix.all()]}
+                for mix in self.mixes
+            ],
+        }
+
+
+def _run_json(run: RunResult) -> dict[str, Any]:
+    return {
+        "router": run.router,
+        "rate": run.rate,
+        "duration_s": run.duration_s,
+        "requests": [
+            {
+                "tier": r.tier,
+                "good": r.good(),
+                "error": r.record.error,
+                "ttft_s": r.record.ttft if r.record.ok else None,
+                "tpot_s": r.record.tpot if r.record.ok else None,
+                "e2e_s": r.record.e2e,
+                "output_tokens": r.record.output_tokens,
+            }
+            for r in run.records
+        ],
+    }
+
 
 async def compare(
     fleet: Fleet, duration_s: float, shape: Shape, timeout_s: float = 30.0

@@ -496,6 +496,8 @@ def _admission(args: argparse.Namespace) -> int:
         shape = AdmissionShape()
         with admission_fleet(Path(workdir), shape) as fleet:
             outcome = asyncio.run(admission_compare(fleet, args.duration, shape))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(outcome.as_json(), indent=1))
     plot = _admission_plot(args)
     plot_admission(outcome.mixes, plot)
     print(outcome.table())

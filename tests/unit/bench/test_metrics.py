@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -82,6 +83,12 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     assert "engine priority 440 ms = 1.10x the floor's 400 ms (goal <= 1.1x)" in table
     # Good: critical within 0.5 s, standard 1 s, sheddable 2 s (TPOT 1/63 s each).
     assert "engine priority 0.30 req/s, admission without it 0.00 (" in table
+    # --out: every request of every run, the floor's too.
+    saved = json.loads(json.dumps(AdmissionComparison(30.0, 0.05, [mix], 30.0).as_json()))
+    runs_saved = saved["mixes"][0]["runs"]
+    assert [r["router"] for r in runs_saved] == [*runs, "critical alone"]
+    first = runs_saved[2]["requests"][0]
+    assert first["tier"] == "critical" and first["good"] and first["ttft_s"] == 0.44
 
 
 def test_an_admission_run_that_records_nothing_leaves_the_documented_plot_alone() -> None:
