@@ -256,9 +256,13 @@ class AdmissionQueue:
             # Slots that lower tiers hold are the engine's to take back (it preempts their
             # generations): a tier counts only its own and the higher tiers'.
             held = sum(self._in_flight_by_tier[t] for t in TIERS[: TIERS.index(tier) + 1])
+            # Yet not the slots the higher tiers' recent traffic is about to take: each
+            # would come back as a preemption, and a generation preempted again and again
+            # loses its first-token target as surely as one kept waiting here.
             # A lower tier's request that would only queue in the engines waits here
             # instead, where the newest go first and the hopeless are refused.
-            return held < self.limit and (tier == TIERS[0] or not self._saturated())
+            room = held + self._reserved_above(tier) < self.limit
+            return room and (tier == TIERS[0] or not self._saturated())
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
 

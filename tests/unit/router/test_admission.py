@@ -303,6 +303,36 @@ def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
     asyncio.run(scenario())
 
 
+def test_with_engine_priority_lower_tiers_still_leave_free_what_critical_is_about_to_need() -> None:
+    """No fixed share, but the slots critical's recent traffic is about to take stay free:
+    each would come back as a preemption of a lower tier's generation."""
+
+    async def scenario() -> None:
+        now = [0.0]
+        q = queue(limit=20, clock=lambda: now[0])
+        # As above: about 4 critical requests at once, 8 reserved with room for bursts.
+        for arrival in range(10):
+            now[0] = arrival + 0.5
+            slot = await q.acquire("c", "critical", 1, None)
+            slot.ticket.granted_at = now[0] - 4.0
+            slot.release(None)
+        now[0] = 10.0
+        held = [await q.acquire("s", "standard", 1, None) for _ in range(12)]
+        assert q.in_flight == 12  # 11 + 8 reserved < 20 (no 80% share): room for one more
+        waiting = asyncio.create_task(q.acquire("s", "standard", 1, None))
+        await run_ready_tasks()
+        assert not waiting.done()  # a thirteenth would take a slot critical is about to need
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
+        critical.release(None)
+        now[0] += 60.0  # critical traffic stopped: nothing is reserved for it any more
+        held.pop().release(None)
+        await asyncio.wait_for(waiting, 5)
+        for slot in held:
+            slot.release(None)
+
+    asyncio.run(scenario())
+
+
 def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() -> None:
     """A lower tier's request that would only queue in the engines waits in the router
     (where the newest go first and the hopeless are refused); critical still goes in,
