@@ -2,8 +2,8 @@
 three routers in one run: without admission control (FIFO: every request goes straight to
 the engine, without a priority), with it but without engine priority (adaptive window,
 tier shares of it, queue priority, shedding), and with it and engine priority (the tier
-reaches the engine, which preempts a lower tier's generation for a higher one; every tier
-may fill the window).
+reaches the engine, which preempts a lower tier's generation for a higher one; no tier
+share of the window, only the higher tiers' expected slots left free).
 
 Capacity is measured first (closed loop, many streams, through the FIFO router); the
 offered load is then Poisson at twice that, in two mixes: a third of the requests per

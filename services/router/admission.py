@@ -8,10 +8,10 @@ oldest has waited most of its target: in arrival order, every later request woul
 late too). The window adapts (AIMD): it grows while requests get their
 first token within their tier's target and shrinks when they do not (once per round of
 requests), so the engines stay busy without the queue moving into them. Lower tiers
-leave free a share of the window and the slots the higher tiers' recent traffic is
-expected to need. When the fleet is saturated, ``sheddable`` requests are refused at
-once, ``standard`` ones when their wait would exceed their tier's bound, and
-``critical`` ones only when their deadline cannot be met.
+leave free the slots the higher tiers' recent traffic is expected to need, and a share
+of the window too unless the engines preempt by priority. When the fleet is saturated,
+``sheddable`` requests are refused at once, ``standard`` ones when their wait would
+exceed their tier's bound, and ``critical`` ones only when their deadline cannot be met.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ class AdmissionSettings(BaseModel):
     # higher ones (a slot, once given, is held for a whole generation).
     window_share: dict[str, float] = _per_tier(1.0, 0.8, 0.5)
     # The engines order and preempt by each request's priority (its tier): the reference
-    # engine does, and vLLM with --scheduling-policy priority. Every tier may then fill
-    # the whole window (a lower tier's slot is the engine's to take back), and no slots
-    # are held free for the higher tiers; the window, the queue's strict priority and
-    # shedding stay for what the engines cannot absorb. False: the tier shares apply, and
-    # requests go to the engines without a priority.
+    # engine does, and vLLM with --scheduling-policy priority. No tier share then (a
+    # lower tier's slot is the engine's to take back), but the slots the higher tiers'
+    # recent traffic is about to take stay free (each would be a preemption); the window,
+    # the queue's strict priority and shedding stay for what the engines cannot absorb.
+    # False: the tier shares apply, and requests go to the engines without a priority.
     # Lower tiers go on only while some engine has no queue (a report's ``waiting``, the
     # routing document's saturation).
     engine_priority: bool = True
