@@ -239,23 +239,38 @@ def test_lower_tiers_leave_headroom_for_critical() -> None:
     asyncio.run(scenario())
 
 
-def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need() -> None:
+async def ten_seconds_of_critical_traffic(q: AdmissionQueue, now: list[float]) -> None:
+    """Critical traffic at 1 request/s, each holding its slot for 4 s: about 4 at once, 8
+    with room for bursts; the clock is left at 10 s."""
+    for arrival in range(10):
+        now[0] = arrival + 0.5
+        slot = await q.acquire("c", "critical", 1, None)
+        slot.ticket.granted_at = now[0] - 4.0
+        slot.release(None)
+    now[0] = 10.0
+
+
+@pytest.mark.parametrize(
+    ("engine_priority", "room"),
+    [
+        (False, 8),  # 7 + 8 reserved < 16, the standard share of 20
+        (True, 12),  # 11 + 8 reserved < 20: no share, the engine preempts, yet each
+        # reserved slot taken would come back as a preemption
+    ],
+)
+def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need(
+    engine_priority: bool, room: int
+) -> None:
     async def scenario() -> None:
         now = [0.0]
-        q = queue(limit=20, clock=lambda: now[0], engine_priority=False)
-        # Critical traffic at 1 request/s, each holding its slot for 4 s: about 4 at once,
-        # 8 with room for bursts, against a window of 20.
-        for arrival in range(10):
-            now[0] = arrival + 0.5
-            slot = await q.acquire("c", "critical", 1, None)
-            slot.ticket.granted_at = now[0] - 4.0
-            slot.release(None)
-        now[0] = 10.0
-        held = [await q.acquire("s", "standard", 1, None) for _ in range(8)]
-        assert q.in_flight == 8  # 7 + 8 reserved < 16, the standard share: room for one more
+        q = queue(limit=20, clock=lambda: now[0], engine_priority=engine_priority)
+        await ten_seconds_of_critical_traffic(q, now)  # 8 slots reserved of 20
+        held = [await q.acquire("s", "standard", 1, None) for _ in range(room)]
         waiting = asyncio.create_task(q.acquire("s", "standard", 1, None))
         await run_ready_tasks()
-        assert not waiting.done()  # a ninth would eat into critical's reserve
+        assert not waiting.done()  # one more would take a slot critical is about to need
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
+        critical.release(None)
         now[0] += 60.0  # critical traffic stopped: nothing is reserved for it any more
         held.pop().release(None)
         await asyncio.wait_for(waiting, 5)
@@ -299,36 +314,6 @@ def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
         for slot in [*held, *standard]:
             slot.release(None)
         await asyncio.wait_for(sheddable, 5)
-
-    asyncio.run(scenario())
-
-
-def test_with_engine_priority_lower_tiers_still_leave_free_what_critical_is_about_to_need() -> None:
-    """No fixed share, but the slots critical's recent traffic is about to take stay free:
-    each would come back as a preemption of a lower tier's generation."""
-
-    async def scenario() -> None:
-        now = [0.0]
-        q = queue(limit=20, clock=lambda: now[0])
-        # As above: about 4 critical requests at once, 8 reserved with room for bursts.
-        for arrival in range(10):
-            now[0] = arrival + 0.5
-            slot = await q.acquire("c", "critical", 1, None)
-            slot.ticket.granted_at = now[0] - 4.0
-            slot.release(None)
-        now[0] = 10.0
-        held = [await q.acquire("s", "standard", 1, None) for _ in range(12)]
-        assert q.in_flight == 12  # 11 + 8 reserved < 20 (no 80% share): room for one more
-        waiting = asyncio.create_task(q.acquire("s", "standard", 1, None))
-        await run_ready_tasks()
-        assert not waiting.done()  # a thirteenth would take a slot critical is about to need
-        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
-        critical.release(None)
-        now[0] += 60.0  # critical traffic stopped: nothing is reserved for it any more
-        held.pop().release(None)
-        await asyncio.wait_for(waiting, 5)
-        for slot in held:
-            slot.release(None)
 
     asyncio.run(scenario())
 
