@@ -18,6 +18,11 @@ picked: the per-request work), or holds a number of long generations open (relay
 per-token work), while a probe sends one-token requests one at a time and times them
 (TTFT). A step's TTFT p50 is compared with the first step's; the capacity is the highest
 step within twice it, with every request served.
+
+Each step runs again at once against a bare grpc.aio server on the router's CPU (bench/
+bare_streamer.py: the same Generate method streaming the same paced tokens, nothing
+else): what the transport itself does there in the same minutes, the ceiling under the
+router's figure on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.cpu import CpuMeter, busy_seconds, reference_ms, split, stolen_seconds
+from bench.bare_streamer import start_bare_streamer
+from bench.cpu import CpuMeter, busy_seconds, pin, reference_ms, split, stolen_seconds
 from bench.metrics import RequestRecord
 from bench.paced_replica import start_paced_replica
 from bench.targets import RouterTarget
@@ -59,8 +65,9 @@ class CapacityShape:
     replicas: int = 2
     ttft_ms: float = 1.0
     itl_ms: float = 10.0
-    rates: tuple[int, ...] = (40, 100, 200, 300, 400, 500, 600, 800)  # CLIENTS divide them
-    streams: tuple[int, ...] = (16, 32, 64, 128, 192, 256)
+    # CLIENTS divide them; the sweeps stop past the knee
+    rates: tuple[int, ...] = (40, 100, 200, 300, 400, 500, 600, 800, 1200, 1600)
+    streams: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384)
     stream_tokens: int = 200
     seconds: float = 8.0
     prompt_chars: int = 128
@@ -74,7 +81,7 @@ class Step:
     latency_p50_ms: float  # of h2load's requests, to the end of each
     ttft_p50_ms: float  # the probe's
     ttft_p99_ms: float
-    router_cpu: float  # the router's share of its CPU over the step
+    server_cpu: float  # the measured server's share of its CPU over the step
     others_cpu: float  # how busy the other CPUs were (the harness: is it the bottleneck?)
     failed: int  # h2load's failed streams, and the router's requests not served
     # The router's CPU's speed just before the step (bench/cpu.py reference_ms), and the
@@ -87,7 +94,7 @@ class Step:
         return (
             f"| {self.load} | {self.served_per_s:.0f} | {self.tokens_per_s:,.0f} | "
             f"{self.latency_p50_ms:.1f} | {self.ttft_p50_ms:.1f} | {self.ttft_p99_ms:.1f} | "
-            f"{growth:.2f}x | {self.router_cpu:.0%} | {self.others_cpu:.0%} | {self.failed} | "
+            f"{growth:.2f}x | {self.server_cpu:.0%} | {self.others_cpu:.0%} | {self.failed} | "
             f"{self.reference_ms:.1f} | {self.stolen:.0%} |"
         )
 
@@ -96,6 +103,7 @@ class Step:
 class Sweep:
     name: str
     steps: list[Step]
+    server: str = "router"  # whose CPU the table's CPU column is
 
     def within(self) -> Step | None:
         """The highest step whose probe TTFT p50 is within LATENCY_GROWTH x the first's."""
@@ -107,11 +115,26 @@ class Sweep:
         base = self.steps[0].ttft_p50_ms
         head = (
             f"| {self.name} | requests/s | tokens/s | h2load latency p50 (ms) | probe TTFT p50 "
-            "(ms) | probe TTFT p99 (ms) | TTFT p50 / first | router CPU | other CPUs | failed | "
-            "reference task (ms) | stolen |\n"
+            f"(ms) | probe TTFT p99 (ms) | TTFT p50 / first | {self.server} CPU | other CPUs | "
+            "failed | reference task (ms) | stolen |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         )
         return "\n".join([head, *(s.row(base) for s in self.steps)])
+
+    def verdict(self, what: str) -> str:
+        """The highest rate, or tokens/s, within LATENCY_GROWTH x the first's TTFT."""
+        best = self.within()
+        if best is None:
+            return f"no step of the {self.name} within {LATENCY_GROWTH:.0f}x the first's TTFT"
+        figure = (
+            f"**{best.served_per_s:.0f} requests/s** {what}"
+            if self.name == "arrivals"
+            else f"**{best.tokens_per_s:,.0f} tokens/s** {what} over {best.load}"
+        )
+        return (
+            f"{figure} (probe TTFT p50 {best.ttft_p50_ms:.1f} ms, {self.server} CPU "
+            f"{best.server_cpu:.0%})"
+        )
 
 
 @dataclass(frozen=True)
@@ -120,29 +143,26 @@ class Capacity:
     placement: str
     rates: Sweep
     streams: Sweep
+    # The same steps against the bare streamer on the router's CPU: gRPC's own ceiling.
+    bare_rates: Sweep
+    bare_streams: Sweep
 
     def report(self) -> str:
-        best_rate, best_streams = self.rates.within(), self.streams.within()
-        said = []
-        if best_rate is not None:
-            said.append(
-                f"**{best_rate.served_per_s:.0f} requests/s** admitted and picked (probe TTFT "
-                f"p50 {best_rate.ttft_p50_ms:.1f} ms, router CPU {best_rate.router_cpu:.0%})"
-            )
-        if best_streams is not None:
-            said.append(
-                f"**{best_streams.tokens_per_s:,.0f} tokens/s** relayed over "
-                f"{best_streams.load} (probe TTFT p50 {best_streams.ttft_p50_ms:.1f} ms, "
-                f"router CPU {best_streams.router_cpu:.0%})"
-            )
-        verdict = "; ".join(said) or "no step within twice the first step's TTFT"
-        references = [s.reference_ms for s in (*self.rates.steps, *self.streams.steps)]
+        verdict = f"{self.rates.verdict('admitted and picked')}; {self.streams.verdict('relayed')}"
+        sweeps = [self.rates, self.streams, self.bare_rates, self.bare_streams]
+        references = [step.reference_ms for sweep in sweeps for step in sweep.steps]
         return (
-            f"{self.rates.table()}\n\n{self.streams.table()}\n\nWithin {LATENCY_GROWTH:.0f}x the "
-            f"first step's probe TTFT p50 and every request served: {verdict}. The reference "
-            f"task took {min(references):.1f} to {max(references):.1f} ms on the router's CPU "
-            "before the steps (the same task in a run of another hour says whether its CPU "
-            "was as fast)."
+            f"{self.rates.table()}\n\n{self.streams.table()}\n\nWithin {LATENCY_GROWTH:.0f}x "
+            f"the first step's probe TTFT p50 and every request served: {verdict}.\n\n"
+            "Each step was run at once against a bare grpc.aio server on the router's CPU as "
+            "well (bench/bare_streamer.py: the public Generate method streaming the same "
+            "paced tokens, its clock included, and nothing else), the transport's own "
+            f"ceiling:\n\n{self.bare_rates.table()}\n\n{self.bare_streams.table()}\n\n"
+            f"Within {LATENCY_GROWTH:.0f}x, the bare server: "
+            f"{self.bare_rates.verdict('answered')}; {self.bare_streams.verdict('streamed')}. "
+            f"The reference task took {min(references):.1f} to {max(references):.1f} "
+            "ms on the router's CPU before the steps (the same task in a run of another hour "
+            "says whether its CPU was as fast)."
         )
 
     def as_json(self) -> dict[str, object]:
@@ -151,6 +171,8 @@ class Capacity:
             "placement": self.placement,
             "rates": [asdict(s) for s in self.rates.steps],
             "streams": [asdict(s) for s in self.streams.steps],
+            "bare_rates": [asdict(s) for s in self.bare_rates.steps],
+            "bare_streams": [asdict(s) for s in self.bare_streams.steps],
         }
 
 
@@ -170,17 +192,19 @@ def grpc_message(prompt: str, max_tokens: int) -> bytes:
 
 @dataclass(frozen=True)
 class CapacityFleet:
-    router: str
-    metrics_url: str
+    server: str  # what h2load and the probe call: the router, or the bare streamer
+    metrics_url: str | None  # the router's; the bare streamer keeps no count
     api_key: str
-    meter: CpuMeter
+    meter: CpuMeter  # the server's process, as "server"
     placement: str
     workdir: Path
-    router_cpu: int
-    others: list[int]  # the CPUs the router does not run on
+    server_cpu: int  # the first CPU, the measured server's alone
+    others: list[int]  # the CPUs the measured server does not run on
 
     def served(self) -> dict[str, float]:
         """The router's requests so far, by outcome."""
+        if self.metrics_url is None:
+            return {}
         with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
             text = reply.read().decode()
         return {
@@ -214,15 +238,15 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
                 metrics_port=str(ports.router_metrics),
             )  # fmt: skip
             children.append(router)
-            router_cpu = min(os.sched_getaffinity(0))  # _place gives the router the first
+            first_cpu = min(os.sched_getaffinity(0))  # _place gives the router the first
             yield CapacityFleet(
                 f"127.0.0.1:{ports.router}",
                 f"http://127.0.0.1:{ports.router_metrics}/metrics",
                 stack.api_key,
-                CpuMeter({"router": [router.process.pid]}),
+                CpuMeter({"server": [router.process.pid]}),
                 _place(router.process.pid, [*stack.pids().values(), *_pids(children[:-1])]),
                 workdir,
-                router_cpu,
+                first_cpu,
                 sorted(os.sched_getaffinity(0)),  # the bench's own, once placed
             )
         finally:
@@ -252,7 +276,7 @@ def _h2load(
         h2load_command(), *load, "-D", str(round(seconds)), "-d", str(message),
         "-H", "content-type: application/grpc", "-H", "te: trailers",
         "-H", f"authorization: Bearer {fleet.api_key}",
-        "--log-file", str(log), f"http://{fleet.router}{GENERATE_PATH}",
+        "--log-file", str(log), f"http://{fleet.server}{GENERATE_PATH}",
     ]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, timeout=seconds + 120)
 
@@ -273,7 +297,7 @@ def read_h2load_log(log: Path) -> tuple[int, int, list[float]]:
 async def _probe(fleet: CapacityFleet, until: float) -> list[float]:
     """One-token requests, PROBES_PER_S of them a second, one at a time, until ``until``:
     their TTFT."""
-    target = RouterTarget(fleet.router, "llm", fleet.api_key, timeout_s=60)
+    target = RouterTarget(fleet.server, "llm", fleet.api_key, timeout_s=60)
     ttft = []
     try:
         while (now := time.monotonic()) < until:
@@ -293,10 +317,10 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     message.write_bytes(grpc_message(new_salt() + "x" * 120, tokens))
     log = fleet.workdir / "h2load.log"
     log.unlink(missing_ok=True)  # h2load appends to it
-    reference = reference_ms(fleet.router_cpu)
+    reference = reference_ms(fleet.server_cpu)
     before, served_before = fleet.meter.sample(), fleet.served()
     others_before = busy_seconds(fleet.others)
-    stolen_before = stolen_seconds([fleet.router_cpu])
+    stolen_before = stolen_seconds([fleet.server_cpu])
     started = time.monotonic()
 
     async def probe_beside_h2load() -> list[float]:
@@ -310,7 +334,7 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     ttft = asyncio.run(probe_beside_h2load())
     spent = fleet.meter.sample().minus(before)
     others = (busy_seconds(fleet.others) - others_before) / spent.wall_s / len(fleet.others)
-    stolen = (stolen_seconds([fleet.router_cpu]) - stolen_before) / spent.wall_s
+    stolen = (stolen_seconds([fleet.server_cpu]) - stolen_before) / spent.wall_s
     outcomes = fleet.served()
     unserved = sum(  # h2load cuts what runs when its time is up: that is not a failure
         n - served_before.get(outcome, 0.0)
@@ -326,7 +350,7 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
         statistics.median(latencies) * 1000 if latencies else math.nan,
         statistics.median(ttft) * 1000,
         ttft[min(len(ttft) - 1, len(ttft) * 99 // 100)] * 1000,
-        spent.seconds["router"] / spent.wall_s if spent.wall_s else 0.0,
+        spent.seconds["server"] / spent.wall_s if spent.wall_s else 0.0,
         others,
         failed + int(unserved),
         reference,
@@ -334,29 +358,64 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     )
 
 
-def _sweep(
-    name: str, steps: list[tuple[str, list[str], int]], fleet: CapacityFleet, seconds: float
-) -> Sweep:
-    done: list[Step] = []
+def _past_the_knee(done: list[Step]) -> bool:
+    """The last step failed or took far past twice the first's TTFT: the rest would only
+    queue."""
+    return bool(done) and (
+        done[-1].failed > 0 or done[-1].ttft_p50_ms > 4 * LATENCY_GROWTH * done[0].ttft_p50_ms
+    )
+
+
+def _sweeps(
+    name: str, steps: Load, router: CapacityFleet, bare: CapacityFleet, seconds: float
+) -> tuple[Sweep, Sweep]:
+    """Each step against the router, then at once against the bare streamer: this machine's
+    speed drifts within minutes, so the pair of figures of a step is of one speed."""
+    routed: list[Step] = []
+    streamed: list[Step] = []
     for label, load, tokens in steps:
-        step = _step(fleet, label, load, tokens, seconds)
-        done.append(step)
-        print(step.row(done[0].ttft_p50_ms), file=sys.stderr)
-        if step.failed or step.ttft_p50_ms > 4 * LATENCY_GROWTH * done[0].ttft_p50_ms:
-            break  # far past the knee: the rest would only queue
-    return Sweep(name, done)
+        for done, fleet in ((routed, router), (streamed, bare)):
+            if not _past_the_knee(done):
+                done.append(_step(fleet, label, load, tokens, seconds))
+                server = "router" if fleet is router else "bare"
+                print(f"{server:6} {done[-1].row(done[0].ttft_p50_ms)}", file=sys.stderr)
+        if _past_the_knee(routed) and _past_the_knee(streamed):
+            break
+    return Sweep(name, routed), Sweep(name, streamed, "server")
+
+
+@contextmanager
+def bare_beside_router(fleet: CapacityFleet, shape: CapacityShape) -> Iterator[CapacityFleet]:
+    """The bare streamer on the router's CPU, as a fleet whose measured server it is (each
+    idles while the other is measured)."""
+    child, address = start_bare_streamer(fleet.workdir, shape.ttft_ms, shape.itl_ms)
+    try:
+        pin([child.process.pid], {fleet.server_cpu})
+        meter = CpuMeter({"server": [child.process.pid]})
+        yield replace(fleet, server=address, metrics_url=None, meter=meter)
+    finally:
+        child.terminate(10)
+
+
+Load = list[tuple[str, list[str], int]]  # per step: its label, h2load's options, tokens
+
+
+def _arrivals(rates: Iterable[int]) -> Load:
+    return [
+        (f"{rate} req/s", ["-c", str(CLIENTS), "-m", "64", "--rps", str(rate // CLIENTS)], 1)
+        for rate in rates
+    ]
+
+
+def _streams(counts: Iterable[int], tokens: int) -> Load:
+    return [(f"{n} streams", ["-c", str(n), "-m", "1"], tokens) for n in counts]
 
 
 def measure(workdir: Path, shape: CapacityShape) -> Capacity:
-    with capacity_fleet(workdir, shape) as fleet:
-        print(fleet.placement, file=sys.stderr)
-        rates = [
-            (f"{rate} req/s", ["-c", str(CLIENTS), "-m", "64", "--rps", str(rate // CLIENTS)], 1)
-            for rate in shape.rates
-        ]
-        streams = [
-            (f"{n} streams", ["-c", str(n), "-m", "1"], shape.stream_tokens) for n in shape.streams
-        ]
-        by_rate = _sweep("arrivals", rates, fleet, shape.seconds)
-        by_streams = _sweep("streams", streams, fleet, shape.seconds)
-    return Capacity(shape, fleet.placement, by_rate, by_streams)
+    with capacity_fleet(workdir, shape) as router, bare_beside_router(router, shape) as bare:
+        print(router.placement, file=sys.stderr)
+        rates = _arrivals(shape.rates)
+        by_rate, bare_rates = _sweeps("arrivals", rates, router, bare, shape.seconds)
+        streams = _streams(shape.streams, shape.stream_tokens)
+        by_streams, bare_streams = _sweeps("streams", streams, router, bare, shape.seconds)
+    return Capacity(shape, router.placement, by_rate, by_streams, bare_rates, bare_streams)

@@ -131,10 +131,11 @@ def add_bench_parser(commands: Any) -> None:
         "BLEU-4 against the whole history's answers, prompt tokens, prefix cache hits, TTFT; "
         "capacity: the requests/s one router process admits and picks and the tokens/s it "
         "relays, alone on one CPU over paced replicas (never the bottleneck), before its "
-        "TTFT p50 doubles; peer-hop: vllm-router (from PyPI) in front of the router against "
-        "the router alone, --num-prompts pairs over the OpenAI HTTP API, order alternating; "
-        "peer-routing: vllm-router (--peer-policy) over one router per engine against the "
-        "mesh's picker over the same 4 engines, the routing scenario's sessions at each of "
+        "TTFT p50 doubles, each step also against a bare grpc.aio streamer there; peer-hop: "
+        "vllm-router (from PyPI) in front of the router against the router alone, "
+        "--num-prompts pairs over the OpenAI HTTP API, order alternating; peer-routing: "
+        "vllm-router (--peer-policy) over one router per engine against the mesh's picker "
+        "over the same 4 engines, the routing scenario's sessions at each of "
         "--session-rates, the client keeping the history (OpenAI HTTP API); cold: steps of "
         "a request's path timed alone, hot and after idle gaps (no stack)",
     )
@@ -792,7 +793,8 @@ def _capacity(args: argparse.Namespace) -> int:
         f"per step: arrivals of one-token requests ({shape.prompt_chars}-character "
         f"prompts), or streams of {shape.stream_tokens} tokens held open; a probe times "
         "one-token requests one at a time; the local stack's tenant (the default rule set, "
-        "prompt and output checked).",
+        "prompt and output checked); each step again at once against a bare grpc.aio "
+        "streamer on the router's CPU.",
         capacity.report(),
     )
     return 0

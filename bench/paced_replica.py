@@ -115,23 +115,34 @@ def start_paced_replica(
         "LLM_MESH_INFERENCE_GRPC_PORT": str(port),
         "LLM_MESH_INFERENCE_METRICS_PORT": "0",
         "LLM_MESH_INFERENCE_MODELS": '["llm"]',
-        "LLM_MESH_PACED_TTFT_MS": str(ttft_ms),
-        "LLM_MESH_PACED_ITL_MS": str(itl_ms),
     }
-    name = f"paced-{port}"
-    command = [sys.executable, "-m", "bench.paced_replica"]
-    child = Child.spawn(name, command, env, workdir / f"{name}.log", workdir)
+    return spawn_paced("bench.paced_replica", port, env, workdir, ttft_ms=ttft_ms, itl_ms=itl_ms)
+
+
+def spawn_paced(
+    module: str, port: int, env: dict[str, str], workdir: Path, *, ttft_ms: float, itl_ms: float
+) -> tuple[Child, str]:
+    """``python -m module`` serving on ``port`` over a PacedBackend of these terms; returns
+    once it serves, with its address."""
+    env = env | {"LLM_MESH_PACED_TTFT_MS": str(ttft_ms), "LLM_MESH_PACED_ITL_MS": str(itl_ms)}
+    name = f"{module.rsplit('.', 1)[-1]}-{port}"
+    child = Child.spawn(name, [sys.executable, "-m", module], env, workdir / f"{name}.log", workdir)
     address = f"127.0.0.1:{port}"
     child.wait_serving(address, time.monotonic() + 60)
     return child, address
 
 
-def build(config: InferenceConfig) -> GrpcService:
-    backend = PacedBackend(
+def paced_backend() -> PacedBackend:
+    """The backend spawn_paced's environment describes."""
+    return PacedBackend(
         float(os.environ.get("LLM_MESH_PACED_TTFT_MS", "20")) / 1000,
         float(os.environ.get("LLM_MESH_PACED_ITL_MS", "10")) / 1000,
         int(os.environ.get("LLM_MESH_PACED_MAX_CONTEXT", "2048")),
     )
+
+
+def build(config: InferenceConfig) -> GrpcService:
+    backend = paced_backend()
     core = InferenceCore(backend, config.max_tokens_limit)
     models = config.models
 

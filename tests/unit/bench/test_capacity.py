@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.capacity import grpc_message, read_h2load_log
+from bench.capacity import (
+    Capacity,
+    CapacityShape,
+    Step,
+    Sweep,
+    grpc_message,
+    read_h2load_log,
+)
 from llmmesh.v1 import generation_pb2
 
 
@@ -24,3 +31,32 @@ def test_the_log_counts_what_was_served_and_what_failed(tmp_path: Path) -> None:
     served, failed, latencies = read_h2load_log(log)
     assert (served, failed) == (2, 1)
     assert latencies == [0.0015, 0.0025]
+
+
+def _step(load: str, served: float, tokens: float, ttft_ms: float, failed: int = 0) -> Step:
+    return Step(load, served, tokens, 10.0, ttft_ms, 2 * ttft_ms, 0.5, 0.3, failed, 18.0)
+
+
+def test_the_capacity_is_the_highest_step_within_twice_the_first_steps_ttft() -> None:
+    sweep = Sweep(
+        "streams",
+        [
+            _step("16 streams", 6, 1_200, 5.0),
+            _step("32 streams", 12, 2_400, 9.9),
+            _step("64 streams", 24, 4_800, 7.0, failed=1),  # within, but a request failed
+            _step("128 streams", 48, 9_600, 10.1),  # past twice the first
+        ],
+    )
+    assert sweep.within() == sweep.steps[1]
+    assert sweep.verdict("relayed").startswith("**2,400 tokens/s** relayed over 32 streams")
+
+
+def test_the_report_sets_the_bare_servers_ceiling_beside_the_routers_figure() -> None:
+    rates = Sweep("arrivals", [_step("40 req/s", 40, 40, 4.0), _step("500 req/s", 500, 500, 7.0)])
+    streams = Sweep("streams", [_step("16 streams", 6, 1_200, 5.0)])
+    bare = Sweep("arrivals", [_step("40 req/s", 40, 40, 2.0), _step("1200 req/s", 1200, 1200, 3)])
+    bare_streams = Sweep("streams", [_step("16 streams", 6, 1_200, 2.0)], "server")
+    report = Capacity(CapacityShape(), "", rates, streams, bare, bare_streams).report()
+    assert "**500 requests/s** admitted and picked" in report
+    assert "the bare server: **1200 requests/s** answered" in report
+    assert "| server CPU |" in report and "took 18.0 to 18.0 ms" in report

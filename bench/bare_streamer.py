@@ -1,0 +1,69 @@
+"""A benchmark harness, never part of the product: the public Generate method served by a
+grpc.aio server that does nothing but stream the paced replica's tokens, one
+GenerateResponse each, as the router relays them. No tenant, no check, no pick, no hop:
+what h2load's streams cost through it is what grpc.aio itself costs on a CPU, the ceiling
+under the router's own figure in the capacity scenario (bench/capacity.py).
+
+Run as ``python -m bench.bare_streamer`` with ``LLM_MESH_BARE_STREAMER_GRPC_PORT``,
+``LLM_MESH_PACED_TTFT_MS`` and ``LLM_MESH_PACED_ITL_MS``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from bench.paced_replica import PacedBackend, paced_backend, spawn_paced
+from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
+from llmmesh.launcher import StackPorts
+from llmmesh.launcher.process import Child
+from llmmesh.runtime import GrpcService, service_main
+from llmmesh.runtime.config import ServiceConfig
+from llmmesh.types import InferenceCall
+from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+SERVICE = "bare_streamer"
+
+
+class BareGeneration(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, backend: PacedBackend) -> None:
+        self._backend = backend
+
+    async def Generate(  # noqa: N802 (gRPC's method name)
+        self, request: generation_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        sampling = sampling_from_pb(request.sampling)
+        call = InferenceCall("bare", request.model, request.prompt, sampling)
+        async for chunk in self._backend.generate(call):
+            if chunk.finish_reason is None:
+                yield generation_pb2.GenerateResponse(text=chunk.text)
+            else:  # the last: as the router's, with the usage
+                usage = common_pb2.Usage(completion_tokens=sampling.max_tokens)
+                reason = finish_reason_to_pb(chunk.finish_reason)
+                yield generation_pb2.GenerateResponse(
+                    text=chunk.text, finish_reason=reason, usage=usage
+                )
+
+
+def start_bare_streamer(workdir: Path, ttft_ms: float, itl_ms: float) -> tuple[Child, str]:
+    """The bare streamer on a free port; returns once it serves, with its address."""
+    port = StackPorts.free().router
+    env = dict(os.environ) | {"LLM_MESH_BARE_STREAMER_GRPC_PORT": str(port)}
+    return spawn_paced("bench.bare_streamer", port, env, workdir, ttft_ms=ttft_ms, itl_ms=itl_ms)
+
+
+def build(config: ServiceConfig) -> GrpcService:
+    backend = paced_backend()
+    servicer = BareGeneration(backend)
+    return GrpcService(
+        config,
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
+        internal=False,
+    )
+
+
+if __name__ == "__main__":
+    service_main(SERVICE, ServiceConfig, build)
