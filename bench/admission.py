@@ -272,7 +272,7 @@ def _rows(mix: MixRuns) -> list[str]:
     return rows
 
 
-def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float) -> list[str]:
+def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float, capacity: float) -> list[str]:
     fifo, plain, priority = (mix.runs[name] for name in ROUTERS)
     alone = mix.critical_alone
     crit, floor = priority.ttft_p99("critical"), alone.ttft_p99("critical")
@@ -286,7 +286,10 @@ def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float) -> list[str]:
         "points below)",
         f"- overall goodput: engine priority {priority.goodput():.2f} req/s, admission "
         f"without it {plain.goodput():.2f} ({_ratio(priority, plain):.2f}x, goal >= 1.2x), "
-        f"FIFO {fifo.goodput():.2f} ({_ratio(priority, fifo):.1f}x, goal >= 10x)",
+        f"FIFO {fifo.goodput():.2f} ({_ratio(priority, fifo):.1f}x, goal >= 10x); of the "
+        f"capacity, engine priority {priority.goodput() / capacity:.0%} and admission without "
+        f"it {plain.goodput() / capacity:.0%}, so 1.2x admission's is "
+        f"{1.2 * plain.goodput() / capacity:.0%} of it",
         f"- answered after their deadline ({timeout_s:.0f} s): "
         + ", ".join(f"{name} {n}" for name, n in late.items())
         + " (goal 0)",
@@ -309,7 +312,12 @@ def table(comparison: AdmissionComparison) -> str:
     ]
     for mix in comparison.mixes:
         rows += _rows(mix)
-        summary += ["", *_summary(mix, comparison.unloaded_p99_s, comparison.timeout_s)]
+        summary += [
+            "",
+            *_summary(
+                mix, comparison.unloaded_p99_s, comparison.timeout_s, comparison.capacity_rps
+            ),
+        ]
     sixth = comparison.mixes[-1].runs["engine priority"]
     crit = sixth.ttft_p99("critical")
     summary.append(

@@ -83,6 +83,9 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     assert "engine priority 440 ms = 1.10x the floor's 400 ms (goal <= 1.1x)" in table
     # Good: critical within 0.5 s, standard 1 s, sheddable 2 s (TPOT 1/63 s each).
     assert "engine priority 0.30 req/s, admission without it 0.00 (" in table
+    # Goodput against what the fleet can serve at all (30 req/s): 1.2x admission's may be
+    # more than that.
+    assert "of the capacity, engine priority 1% and admission without it 0%" in table
     # --out: every request of every run, the floor's too.
     saved = json.loads(json.dumps(AdmissionComparison(30.0, 0.05, [mix], 30.0).as_json()))
     runs_saved = saved["mixes"][0]["runs"]
