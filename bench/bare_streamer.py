@@ -5,7 +5,7 @@ what h2load's streams cost through it is what grpc.aio itself costs on a CPU, th
 under the router's own figure in the capacity scenario (bench/capacity.py).
 
 Run as ``python -m bench.bare_streamer`` with ``LLM_MESH_BARE_STREAMER_GRPC_PORT``,
-``LLM_MESH_PACED_TTFT_MS`` and ``LLM_MESH_PACED_ITL_MS``.
+``LLM_MESH_PACED_TTFT_MS``, ``LLM_MESH_PACED_ITL_MS`` and ``LLM_MESH_PACED_STREAM_GAP_MS``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
         sampling = sampling_from_pb(request.sampling)
         call = InferenceCall("bare", request.model, request.prompt, sampling)
         async for chunk in self._backend.generate(call):
-            if chunk.finish_reason is None:
+            if chunk.finish_reason is None:  # one token, or several within a stream gap
                 yield generation_pb2.GenerateResponse(text=chunk.text)
             else:  # the last: as the router's, with the usage
                 usage = common_pb2.Usage(completion_tokens=sampling.max_tokens)
@@ -47,11 +47,14 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
                 )
 
 
-def start_bare_streamer(workdir: Path, ttft_ms: float, itl_ms: float) -> tuple[Child, str]:
+def start_bare_streamer(
+    workdir: Path, ttft_ms: float, itl_ms: float, gap_ms: float = 0.0
+) -> tuple[Child, str]:
     """The bare streamer on a free port; returns once it serves, with its address."""
     port = StackPorts.free().router
     env = dict(os.environ) | {"LLM_MESH_BARE_STREAMER_GRPC_PORT": str(port)}
-    return spawn_paced("bench.bare_streamer", port, env, workdir, ttft_ms=ttft_ms, itl_ms=itl_ms)
+    pace = {"ttft_ms": ttft_ms, "itl_ms": itl_ms, "gap_ms": gap_ms}
+    return spawn_paced("bench.bare_streamer", port, env, workdir, **pace)
 
 
 def build(config: ServiceConfig) -> GrpcService:

@@ -69,6 +69,10 @@ class CapacityShape:
     rates: tuple[int, ...] = (40, 100, 200, 300, 400, 500, 600, 800, 1200, 1600)
     streams: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384)
     stream_tokens: int = 200
+    # The stream gap the upstreams keep after a stream's first responses (the inference
+    # service's engine_stream_gap_ms, which the reference engine honours); 0: a response
+    # per token, as an engine that is not asked streams.
+    stream_gap_ms: float = 0.0
     seconds: float = 8.0
     prompt_chars: int = 128
 
@@ -224,7 +228,9 @@ def capacity_fleet(workdir: Path, shape: CapacityShape) -> Iterator[CapacityFlee
         try:
             addresses = []
             for _ in range(shape.replicas):
-                child, address = start_paced_replica(stack, workdir, shape.ttft_ms, shape.itl_ms)
+                child, address = start_paced_replica(
+                    stack, workdir, shape.ttft_ms, shape.itl_ms, shape.stream_gap_ms
+                )
                 children.append(child)
                 addresses.append(address)
             endpoints = workdir / "paced.json"
@@ -388,7 +394,9 @@ def _sweeps(
 def bare_beside_router(fleet: CapacityFleet, shape: CapacityShape) -> Iterator[CapacityFleet]:
     """The bare streamer on the router's CPU, as a fleet whose measured server it is (each
     idles while the other is measured)."""
-    child, address = start_bare_streamer(fleet.workdir, shape.ttft_ms, shape.itl_ms)
+    child, address = start_bare_streamer(
+        fleet.workdir, shape.ttft_ms, shape.itl_ms, shape.stream_gap_ms
+    )
     try:
         pin([child.process.pid], {fleet.server_cpu})
         meter = CpuMeter({"server": [child.process.pid]})

@@ -140,6 +140,14 @@ def add_bench_parser(commands: Any) -> None:
         "a request's path timed alone, hot and after idle gaps (no stack)",
     )
     bench.add_argument("--duration", type=float, default=40.0, help="admission: seconds")
+    bench.add_argument(
+        "--stream-gap-ms",
+        type=float,
+        default=0.0,
+        help="capacity: the paced upstreams' stream gap after a stream's first responses, as "
+        "the inference service's engine_stream_gap_ms asks of the engine (0: a response per "
+        "token)",
+    )
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
     bench.add_argument(
         "--budget-tokens", type=int, default=512, help="truncation: the model's context to cut to"
@@ -776,8 +784,15 @@ def _truncation(args: argparse.Namespace) -> int:
 
 def _capacity(args: argparse.Namespace) -> int:
     from bench.capacity import CapacityShape, measure
+    from services.inference.config import InferenceConfig
 
-    shape = CapacityShape()
+    shape = CapacityShape(stream_gap_ms=args.stream_gap_ms)
+    gap = (
+        f", responses at least {shape.stream_gap_ms:.0f} ms apart after a stream's first "
+        f"{InferenceConfig.model_fields['engine_stream_gap_after'].default}"
+        if shape.stream_gap_ms
+        else ""
+    )
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print("starting a stack, paced replicas and a router on a CPU of its own ...",
               file=sys.stderr)  # fmt: skip
@@ -789,7 +804,7 @@ def _capacity(args: argparse.Namespace) -> int:
         args,
         _section(args, "capacity"),
         f"; {capacity.placement}; {shape.replicas} paced replicas ({shape.ttft_ms:.0f} ms to "
-        f"the first token, a step every {shape.itl_ms:.0f} ms); h2load {shape.seconds:.0f} s "
+        f"the first token, a step every {shape.itl_ms:.0f} ms{gap}); h2load {shape.seconds:.0f} s "
         f"per step: arrivals of one-token requests ({shape.prompt_chars}-character "
         f"prompts), or streams of {shape.stream_tokens} tokens held open; a probe times "
         "one-token requests one at a time; the local stack's tenant (the default rule set, "

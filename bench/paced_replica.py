@@ -8,7 +8,7 @@ step every ``itl_ms`` gives every running sequence its next token at once.
 
 Run as ``python -m bench.paced_replica`` with the inference service's settings
 (``LLM_MESH_INFERENCE_GRPC_PORT``, ...) and ``LLM_MESH_PACED_TTFT_MS``,
-``LLM_MESH_PACED_ITL_MS``, ``LLM_MESH_PACED_MAX_CONTEXT``.
+``LLM_MESH_PACED_ITL_MS``, ``LLM_MESH_PACED_MAX_CONTEXT``, ``LLM_MESH_PACED_STREAM_GAP_MS``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE as INFERENCE
 from services.inference.server import configured_servicer
+from services.inference.triton import StreamGap
 
 ALPHABET = "etaoinshrdlu "
 
@@ -65,12 +66,18 @@ class StepClock:
 
 
 class PacedBackend:
-    """Tokens on a clock: the first after ``ttft_s``, then one every step of ``itl_s``."""
+    """Tokens on a clock: the first after ``ttft_s``, then one every step of ``itl_s``; with
+    a ``gap``, as the reference engine streams when the inference service asks it for one:
+    after the first ``gap.after`` responses, a response goes no sooner than ``gap.seconds``
+    after the one before, the tokens between together; the last never waits."""
 
-    def __init__(self, ttft_s: float, itl_s: float, max_context: int) -> None:
+    def __init__(
+        self, ttft_s: float, itl_s: float, max_context: int, gap: StreamGap | None = None
+    ) -> None:
         self._ttft = ttft_s
         self.clock = StepClock(itl_s)
         self._max_context = max_context
+        self._gap = gap or StreamGap()
         self.running = 0
 
     async def describe(self, model: str) -> ModelCard:
@@ -79,6 +86,8 @@ class PacedBackend:
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         rng = random.Random(call.sampling.seed)
         self.running += 1
+        held: list[Chunk] = []
+        responses, sent_at = 0, 0.0
         try:
             await asyncio.sleep(self._ttft)  # the simulated prefill
             total = call.sampling.max_tokens
@@ -86,11 +95,27 @@ class PacedBackend:
                 text = rng.choice(ALPHABET)
                 scored = _scored(text, rng, call.sampling.logprobs)
                 last = FinishReason.LENGTH if n == total else None
-                yield Chunk(text, 1, last, logprobs=scored)
+                held.append(Chunk(text, 1, last, logprobs=scored))
+                now = time.monotonic()
+                if last or responses < self._gap.after or now - sent_at >= self._gap.seconds:
+                    yield _together(held)
+                    held, responses, sent_at = [], responses + 1, now
                 if last is None:
                     await self.clock.step()
         finally:
             self.running -= 1
+
+
+def _together(chunks: list[Chunk]) -> Chunk:
+    """Chunks of consecutive steps as one response."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return Chunk(
+        "".join(c.text for c in chunks),
+        len(chunks),
+        chunks[-1].finish_reason,
+        logprobs=tuple(lp for c in chunks for lp in c.logprobs),
+    )
 
 
 def _scored(text: str, rng: random.Random, top: int | None) -> tuple[TokenLogprob, ...]:
@@ -106,7 +131,7 @@ def _scored(text: str, rng: random.Random, top: int | None) -> tuple[TokenLogpro
 
 
 def start_paced_replica(
-    stack: Stack, workdir: Path, ttft_ms: float, itl_ms: float
+    stack: Stack, workdir: Path, ttft_ms: float, itl_ms: float, gap_ms: float = 0.0
 ) -> tuple[Child, str]:
     """A paced replica of the tiny model beside ``stack`` (its inference settings, its
     credential), on a free port; returns once it serves, with its address."""
@@ -116,15 +141,27 @@ def start_paced_replica(
         "LLM_MESH_INFERENCE_METRICS_PORT": "0",
         "LLM_MESH_INFERENCE_MODELS": '["llm"]',
     }
-    return spawn_paced("bench.paced_replica", port, env, workdir, ttft_ms=ttft_ms, itl_ms=itl_ms)
+    pace = {"ttft_ms": ttft_ms, "itl_ms": itl_ms, "gap_ms": gap_ms}
+    return spawn_paced("bench.paced_replica", port, env, workdir, **pace)
 
 
 def spawn_paced(
-    module: str, port: int, env: dict[str, str], workdir: Path, *, ttft_ms: float, itl_ms: float
+    module: str,
+    port: int,
+    env: dict[str, str],
+    workdir: Path,
+    *,
+    ttft_ms: float,
+    itl_ms: float,
+    gap_ms: float,
 ) -> tuple[Child, str]:
     """``python -m module`` serving on ``port`` over a PacedBackend of these terms; returns
     once it serves, with its address."""
-    env = env | {"LLM_MESH_PACED_TTFT_MS": str(ttft_ms), "LLM_MESH_PACED_ITL_MS": str(itl_ms)}
+    env = env | {
+        "LLM_MESH_PACED_TTFT_MS": str(ttft_ms),
+        "LLM_MESH_PACED_ITL_MS": str(itl_ms),
+        "LLM_MESH_PACED_STREAM_GAP_MS": str(gap_ms),
+    }
     name = f"{module.rsplit('.', 1)[-1]}-{port}"
     child = Child.spawn(name, [sys.executable, "-m", module], env, workdir / f"{name}.log", workdir)
     address = f"127.0.0.1:{port}"
@@ -133,11 +170,15 @@ def spawn_paced(
 
 
 def paced_backend() -> PacedBackend:
-    """The backend spawn_paced's environment describes."""
+    """The backend spawn_paced's environment describes. A stream gap (0: none) spares the
+    inference service's first ``engine_stream_gap_after`` responses, as it asks the
+    engine to."""
+    after = InferenceConfig.model_fields["engine_stream_gap_after"].default
     return PacedBackend(
         float(os.environ.get("LLM_MESH_PACED_TTFT_MS", "20")) / 1000,
         float(os.environ.get("LLM_MESH_PACED_ITL_MS", "10")) / 1000,
         int(os.environ.get("LLM_MESH_PACED_MAX_CONTEXT", "2048")),
+        StreamGap(float(os.environ.get("LLM_MESH_PACED_STREAM_GAP_MS", "0")) / 1000, after),
     )
 
 

@@ -8,6 +8,7 @@ import math
 
 from bench.paced_replica import PacedBackend
 from llmmesh.types import Chunk, FinishReason, InferenceCall, Sampling
+from services.inference.triton import StreamGap
 
 
 def generate(backend: PacedBackend, seed: int, logprobs: int | None = None) -> list[Chunk]:
@@ -50,3 +51,20 @@ def test_running_sequences_share_each_step_as_in_an_engine() -> None:
     streams = asyncio.run(together())
     assert [sum(c.num_tokens for c in s) for s in streams] == [5, 5, 5]
     assert backend.clock.steps == 4  # one step per token after the first, for all three
+
+
+def test_with_a_stream_gap_later_tokens_go_together_and_the_text_is_the_same() -> None:
+    """The first responses go a token each; then no sooner than the gap after the one
+    before (here longer than any run: everything left goes with the last)."""
+    gap = StreamGap(seconds=60.0, after=2)
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=6, seed=3, logprobs=1))
+
+    async def collect(backend: PacedBackend) -> list[Chunk]:
+        return [chunk async for chunk in backend.generate(call)]
+
+    gapped = asyncio.run(collect(PacedBackend(0.0, 0.0, 2048, gap)))
+    alone = asyncio.run(collect(PacedBackend(0.0, 0.0, 2048)))
+    assert [c.num_tokens for c in gapped] == [1, 1, 4]
+    assert gapped[-1].finish_reason == FinishReason.LENGTH
+    assert "".join(c.text for c in gapped) == "".join(c.text for c in alone)
+    assert [lp for c in gapped for lp in c.logprobs] == [lp for c in alone for lp in c.logprobs]
