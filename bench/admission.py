@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import random
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from llmmesh.launcher.process import Child
 TIERS = ("critical", "standard", "sheddable")
 TTFT_TARGET_S = {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
 TPOT_TARGET_S = 0.1
+CAPACITY_ROUNDS = 3  # the capacity's measurements; the load is twice their median
 ROUTERS = ("fifo", "admission", "engine priority")
 # Router settings beside the tenants (FIFO also has NO_ADMISSION_CONTROL).
 ROUTER_SETTINGS = {
@@ -159,9 +161,16 @@ def requests(n: int, seed: int, shape: Shape) -> list[BenchRequest]:
     ]
 
 
-async def capacity_rps(target: RouterTarget, shape: Shape) -> float:
+async def capacity_rounds(target: RouterTarget, shape: Shape) -> list[float]:
+    """The fleet's capacity measured CAPACITY_ROUNDS times in a row: this machine's speed
+    changes within seconds, and one round of a few seconds may catch a fast or a slow
+    stretch; the load is set from their median."""
+    return [await capacity_rps(target, shape, seed) for seed in range(1, CAPACITY_ROUNDS + 1)]
+
+
+async def capacity_rps(target: RouterTarget, shape: Shape, seed: int = 1) -> float:
     """Requests per second the fleet completes with plenty of streams in flight."""
-    work = requests(96, 1, shape)
+    work = requests(96, seed, shape)
     started = time.perf_counter()
     pending = list(work)
 
@@ -296,6 +305,12 @@ def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float, capacity: floa
     ]
 
 
+def _rounds(rounds: list[float]) -> str:
+    if len(rounds) < 2:
+        return ""
+    return f", the median of {len(rounds)} rounds ({', '.join(f'{r:.2f}' for r in rounds)})"
+
+
 def _ratio(better: RunResult, worse: RunResult) -> float:
     return better.goodput() / max(worse.goodput(), 1e-9)
 
@@ -307,8 +322,9 @@ def table(comparison: AdmissionComparison) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     summary = [
-        f"Capacity (closed loop, 32 streams): {comparison.capacity_rps:.2f} req/s; offered "
-        f"twice that. Critical TTFT p99 unloaded: {comparison.unloaded_p99_s * 1e3:.0f} ms.",
+        f"Capacity (closed loop, 32 streams): {comparison.capacity_rps:.2f} req/s"
+        f"{_rounds(comparison.capacity_rounds)}; offered twice that. Critical TTFT p99 "
+        f"unloaded: {comparison.unloaded_p99_s * 1e3:.0f} ms.",
     ]
     for mix in comparison.mixes:
         rows += _rows(mix)
@@ -333,6 +349,7 @@ class AdmissionComparison:
     unloaded_p99_s: float
     mixes: list[MixRuns]
     timeout_s: float
+    capacity_rounds: list[float] = field(default_factory=list)  # capacity_rps: their median
 
     def table(self) -> str:
         return table(self)
@@ -341,6 +358,7 @@ class AdmissionComparison:
         """Every request of every run, for a look at what the table sums up."""
         return {
             "capacity_rps": self.capacity_rps,
+            "capacity_rounds": self.capacity_rounds,
             "unloaded_p99_s": self.unloaded_p99_s,
             "timeout_s": self.timeout_s,
             "mixes": [
@@ -379,7 +397,8 @@ async def compare(
         for name, address in fleet.routers.items()
     }
     try:
-        capacity = await capacity_rps(targets["fifo"]["standard"], shape)
+        rounds = await capacity_rounds(targets["fifo"]["standard"], shape)
+        capacity = statistics.median(rounds)
         mixes = []
         for name, tiers in MIXES.items():
             runs = {
@@ -398,4 +417,4 @@ async def compare(
         for by_tier in targets.values():
             for target in by_tier.values():
                 await target.close()
-    return AdmissionComparison(capacity, fleet.unloaded_p99_s, mixes, timeout_s)
+    return AdmissionComparison(capacity, fleet.unloaded_p99_s, mixes, timeout_s, rounds)

@@ -77,7 +77,8 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     runs = {"fifo": run("fifo", 60.0, slow), "admission": run("admission", 60.0, slow)}
     runs["engine priority"] = run("engine priority", 60.0, fast)
     mix = MixRuns("a third each", runs, run("critical alone", 20.0, {"critical": 0.4}))
-    table = AdmissionComparison(30.0, 0.05, [mix], 30.0).table()
+    table = AdmissionComparison(30.0, 0.05, [mix], 30.0, [24.0, 30.0, 31.0]).table()
+    assert "30.00 req/s, the median of 3 rounds (24.00, 30.00, 31.00)" in table
     assert "| a third each | critical alone | critical | 1 |" in table
     assert "| a third each | critical alone | standard" not in table  # not sent: no row
     assert "engine priority 440 ms = 1.10x the floor's 400 ms (goal <= 1.1x)" in table
