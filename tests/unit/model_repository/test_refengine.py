@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -643,6 +644,21 @@ class TestEngine:
         assert sink.tokens == 5
 
 
+def auto_responses(tokens: int, running: int, word_ends: int) -> list[int]:
+    """Tokens per streamed response before the last token (whose response depends on how
+    many finish before it in that step) when the interval grows with the batch: after
+    tokens 1, 3, 7, ..., then every running / 4, and with the token that ends the first
+    word."""
+    counts, unsent = [], 0
+    for generated in range(1, tokens):
+        unsent += 1
+        interval = min(-(-running // 4), 1 << (generated.bit_length() - 1))
+        if generated == word_ends or unsent >= interval:
+            counts.append(unsent)
+            unsent = 0
+    return counts
+
+
 class TestStreamInterval:
     def test_lone_stream_gets_every_token(self) -> None:
         sink = run(make_engine(), "alone", max_tokens=12, ignore_eos=True)
@@ -653,11 +669,13 @@ class TestStreamInterval:
         sinks = [submit(engine, f"busy {i}", max_tokens=23, ignore_eos=True) for i in range(16)]
         drain(engine)
         for sink in sinks:
-            counts = [n for _, n in sink.deltas]
-            # Time to first token is not traded away and the first words follow soon;
-            # then, with 16 running, one response per 4 tokens.
-            assert counts == [1, 2, 4, 4, 4, 4, 4]
+            # Time to first token is not traded away and the first words follow soon (a
+            # response with the token that ends the first word); then, with 16 running,
+            # one response per 4 tokens.
+            expected = auto_responses(23, running=16, word_ends=first_word_tokens(sink))
+            assert [n for _, n in sink.deltas][: len(expected)] == expected
             assert sink.tokens == 23 and len(sink.text) == 23
+        assert any(first_word_tokens(s) not in (0, 1, 3, 7, 11, 15, 19) for s in sinks)
 
     def test_a_gap_between_responses_groups_a_fast_lone_streams_tokens(self) -> None:
         """stream_gap_ms 5 on an engine whose steps take 2 ms (its clock): the first token
@@ -669,10 +687,11 @@ class TestStreamInterval:
             config=EngineConfig(stream_gap_ms=5, urgent_first_tokens=3),
             clock=lambda: now[0],
         )
-        low = submit_at(engine, "alone", 2, max_tokens=40, ignore_eos=True)
+        low = submit_at(engine, "alone", 2, max_tokens=40, ignore_eos=True, seed=7)
         for _ in range(11):
             engine.step()
             now[0] += 0.002
+        assert first_word_tokens(low) == 7  # the end of a response anyway
         assert [n for _, n in low.deltas] == [1, 3, 3, 3]  # the 11th token is held
         held = low.tokens_so_far()
         submit_at(engine, "urgent", 0, max_tokens=5, ignore_eos=True)
@@ -699,8 +718,10 @@ class TestStreamInterval:
         while engine.step():
             now[0] += 0.002
         assert [n for _, n in plain.deltas] == [1, 2, 2, 2, 2, 2, 2]  # the model's own
-        assert [n for _, n in gapped.deltas] == [1, 2, 3, 3, 3]
-        assert gapped.final is not None and gapped.final[1] == 2  # the last never waits
+        # The 7th token ends the first word, which goes out at once, gap or not.
+        assert first_word_tokens(gapped) == 7
+        assert [n for _, n in gapped.deltas] == [1, 2, 3, 1, 3, 3]
+        assert gapped.final is not None and gapped.final[1] == 1  # the last never waits
         assert gapped.text == plain.text
 
     @pytest.mark.parametrize(
@@ -810,6 +831,18 @@ class TestQuantizedWeights:
             quantize(np.zeros((33, 2), np.float32), "q4")
 
 
+def urgent_kw(seed: int) -> dict[str, Any]:
+    return {"max_tokens": 16, "ignore_eos": True, "seed": seed}
+
+
+def first_word_tokens(sink: RecordingSink) -> int:
+    """Tokens until a space follows the first word (byte tokens: one per character), or
+    0 if none does."""
+    text = "".join(t for t, _ in sink.deltas) + (sink.final[0] if sink.final else "")
+    found = re.search(r"\S\s", text)
+    return found.end() if found and text[: found.end()].isascii() else 0
+
+
 def submit_at(engine: Engine, prompt: str, priority: int, **kw: Any) -> RecordingSink:
     sink = RecordingSink()
     request = GenerationRequest(prompt, sampling=SamplingParams(**kw), priority=priority)
@@ -841,37 +874,58 @@ class TestPriority:
         assert engine.pool.stats().used == 0
 
     def test_an_urgent_prompt_is_prefilled_in_a_step_of_its_own(self) -> None:
-        """Room for it (no preemption): the step that prefills it leaves the less urgent
-        decodes out, which go on in the next one; an equal priority's do not pause."""
+        """Room for it (no preemption): the step that prefills it leaves out the less
+        urgent decodes and, while it does, an equal priority's stream too; both go on in
+        the next one."""
         engine = make_engine()
         low = [submit_at(engine, f"low {i}", 2, max_tokens=20, ignore_eos=True) for i in (1, 2)]
         peer = submit_at(engine, "peer", 0, max_tokens=20, ignore_eos=True)
         for _ in range(3):
             engine.step()
         before = [s.tokens_so_far() for s in (*low, peer)]
-        urgent = submit_at(engine, "urgent", 0, max_tokens=2, ignore_eos=True)
+        urgent = submit_at(engine, "urgent", 0, max_tokens=1, ignore_eos=True)
         engine.step()
-        after = [s.tokens_so_far() for s in (*low, peer)]
-        assert urgent.deltas and after[:2] == before[:2] and after[2] == before[2] + 1
+        assert urgent.done.is_set() and [s.tokens_so_far() for s in (*low, peer)] == before
         engine.step()
-        assert [s.tokens_so_far() for s in low] == [b + 1 for b in before[:2]]
+        assert [s.tokens_so_far() for s in (*low, peer)] == [b + 1 for b in before]
         assert engine.stats.preemptions == 0
         drain(engine)
 
-    def test_an_urgent_sequences_first_tokens_come_in_steps_of_their_own(self) -> None:
-        """With urgent_first_tokens=3 the less urgent decodes pause for the urgent one's
-        prefill and its next two tokens, then go on beside it."""
-        engine = make_engine(urgent_first_tokens=3)
-        low = submit_at(engine, "low", 2, max_tokens=20, ignore_eos=True)
+    def test_a_batch_of_one_priority_does_not_pause_for_a_first_word(self) -> None:
+        """Nothing less urgent runs: a new arrival's prompt shares its step with the
+        streams of its equals, as continuous batching has it."""
+        engine = make_engine(urgent_first_tokens=8)
+        peers = [submit_at(engine, f"peer {i}", 1, max_tokens=20, ignore_eos=True) for i in (1, 2)]
+        for _ in range(9):  # past their own first words
+            engine.step()
+        before = [s.tokens_so_far() for s in peers]
+        submit_at(engine, "new", 1, max_tokens=4, ignore_eos=True)
+        engine.step()
+        assert [s.tokens_so_far() for s in peers] == [b + 1 for b in before]
+        drain(engine)
+
+    @pytest.mark.parametrize("bound", [10, 2])
+    def test_an_urgent_sequences_first_word_comes_in_steps_of_its_own(self, bound: int) -> None:
+        """The less urgent decodes pause for the urgent one's prefill and its tokens until
+        its first word has ended (a space after it; here at token ``ends``, known from a
+        run alone), at most ``urgent_first_tokens`` of them, then go on beside it."""
+        seed, ends = next(
+            (seed, ends)
+            for seed in range(50)
+            if 3 <= (ends := first_word_tokens(run(make_engine(), "urgent", **urgent_kw(seed)))) < 8
+        )
+        paused = min(ends, bound)
+        engine = make_engine(urgent_first_tokens=bound)
+        low = submit_at(engine, "low", 2, max_tokens=30, ignore_eos=True)
         for _ in range(3):
             engine.step()
         before = low.tokens_so_far()
-        urgent = submit_at(engine, "urgent", 0, max_tokens=10, ignore_eos=True)
-        for _ in range(3):
+        urgent = submit_at(engine, "urgent", 0, **urgent_kw(seed))
+        for _ in range(paused):
             engine.step()
-        assert urgent.tokens_so_far() == 3 and low.tokens_so_far() == before
+        assert urgent.tokens_so_far() == paused and low.tokens_so_far() == before
         engine.step()
-        assert urgent.tokens_so_far() == 4 and low.tokens_so_far() == before + 1
+        assert urgent.tokens_so_far() == paused + 1 and low.tokens_so_far() == before + 1
         drain(engine)
 
     def test_less_urgent_prompts_are_prefilled_a_bounded_chunk_per_step(self) -> None:

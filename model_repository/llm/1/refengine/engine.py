@@ -87,10 +87,11 @@ class EngineConfig:
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
     max_preemptions: int = 4
-    # A sequence's first this many tokens are computed in steps that leave out the work of
-    # less urgent ones: its first words come as on an idle engine (a streamed output
-    # check releases a word once the next one starts), and theirs pause that many steps
-    # (1: only the step that prefills it; 0: off).
+    # A sequence's tokens until its first word has ended (a space after it), at most
+    # this many, are computed in steps that leave out the work of less urgent ones: its
+    # first words come as on an idle engine (a streamed output check releases a word once
+    # the character after it shows), and theirs pause that many steps (1: only the step
+    # that prefills it; 0: off).
     urgent_first_tokens: int = 1
     # While more urgent sequences run, a step computes at most this many prompt tokens
     # (first or recomputed) of less urgent ones (0: no bound): a step's time grows with its
@@ -308,15 +309,25 @@ class Engine:
         return bounded
 
     def _urgent_first(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        """The step without the work of sequences less urgent than one computing its first
-        ``urgent_first_tokens`` tokens (prompt included), their decodes and their
-        (re)computation alike: first tokens are the most waited-for there are."""
+        """The step without the work of sequences less urgent than one still computing its
+        first word (prompt included; at most ``urgent_first_tokens`` tokens), their decodes
+        and their (re)computation alike: first words are the most waited-for there are.
+        While it leaves that work out, it leaves out its equals' decodes too: a step's time
+        grows with every sequence in it, and an equal already streaming loses a step's
+        pause, where the less urgent lose the step's whole time. A batch of one priority
+        is left as it is (nothing in it waits for a more urgent first word)."""
         first = self.config.urgent_first_tokens
-        starting = [seq.priority for seq, _ in batch if seq.generated < first]
+        starting = [seq.priority for seq, _ in batch if seq.starting(first)]
         if not starting:
             return batch
         urgent = min(starting)
-        return [(seq, n) for seq, n in batch if seq.priority <= urgent]
+        if all(seq.priority <= urgent for seq, _ in batch):
+            return batch
+        return [
+            (seq, n)
+            for seq, n in batch
+            if seq.priority < urgent or (seq.priority == urgent and seq.starting(first))
+        ]
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
         """The running sequence ``urgent`` may preempt: the least urgent of those less
@@ -462,6 +473,7 @@ class Engine:
             return
         released = seq.stops.push(seq.decoder.push(token))
         if released:
+            seq.note_text(released)
             seq.text.append(released)
             seq.unsent_text.append(released)
         if seq.request.stream and seq.unsent_text and self._due(seq):
@@ -490,16 +502,21 @@ class Engine:
         first token); later, every ``stream_interval`` tokens. By default the interval grows
         with the batch, so that per-response costs do not eat the batching gains, but not
         beyond the largest power of two in the tokens generated so far: responses after
-        tokens 1, 3, 7, 15, then at the batch's interval. A client then sees its first words
-        soon after they end (an output check holds a word until then), at the cost of a
-        response or two per sequence. With a stream gap, a later response also waits until
+        tokens 1, 3, 7, 15, then at the batch's interval, and with the token that ends its
+        first word. A client then sees its first words as soon as they end (an
+        output check holds a word until then), at the cost of a response or two per
+        sequence. With a stream gap, a later response also waits until
         that long after the previous one: the model's ``stream_gap_ms``, or the request's
-        own once its ``stream_gap_after`` responses have gone."""
-        interval = self.config.stream_interval or min(
-            -(-len(self._running) // AUTO_STREAM_DIVISOR), 1 << (seq.generated.bit_length() - 1)
-        )
+        own once its ``stream_gap_after`` responses have gone; the first text and the
+        first word's end never wait."""
         if len(seq.text) == len(seq.unsent_text):
             return True
+        fixed = self.config.stream_interval
+        if not fixed and seq.first_word_tokens == seq.generated:
+            return True
+        interval = fixed or min(
+            -(-len(self._running) // AUTO_STREAM_DIVISOR), 1 << (seq.generated.bit_length() - 1)
+        )
         asked = seq.request.stream_gap
         if asked and seq.responses >= asked.after:
             gap_s = asked.seconds
