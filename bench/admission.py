@@ -20,13 +20,17 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.loadgen import send_one
 from bench.metrics import RequestRecord, percentile
+from bench.routing import triton_metrics_url
 from bench.targets import NO_ADMISSION_CONTROL, RouterTarget, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
@@ -87,6 +91,9 @@ class RunResult:
     duration_s: float
     records: list[TierRecord] = field(default_factory=list)
     started: float = 0.0
+    # Of the engine's time in steps during the run, the share in steps that left less
+    # urgent work out for a first word (None: not measured).
+    first_word_share: float | None = None
 
     def of(self, tier: str) -> list[TierRecord]:
         return [r for r in self.records if r.tier == tier]
@@ -112,6 +119,40 @@ class Fleet:
     routers: dict[str, str]  # name -> address
     keys: dict[str, str]  # tier -> API key of that tier's tenant
     unloaded_p99_s: float  # critical TTFT p99 with nothing else running
+    engine_metrics: str = ""  # Triton's /metrics (the engine's counters); "": not read
+
+
+@dataclass(frozen=True)
+class EngineTime:
+    """The engine's time in steps so far, and in steps that left work out for a first word."""
+
+    steps_s: float = 0.0
+    first_word_s: float = 0.0
+
+    def share_since(self, before: EngineTime) -> float | None:
+        spent = self.steps_s - before.steps_s
+        return (self.first_word_s - before.first_word_s) / spent if spent > 0 else None
+
+
+ENGINE_TIME = {
+    "llm_engine_step_seconds_total": "steps_s",
+    "llm_engine_first_word_step_seconds_total": "first_word_s",
+}
+
+
+def engine_time_of(text: str) -> EngineTime:
+    """EngineTime of Triton's metrics text, summed over its models."""
+    totals = dict.fromkeys(ENGINE_TIME.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ENGINE_TIME:
+                totals[ENGINE_TIME[sample.name]] += sample.value
+    return EngineTime(**totals)
+
+
+def read_engine_time(metrics_url: str) -> EngineTime:
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        return engine_time_of(reply.read().decode())
 
 
 async def _unloaded(stack: Stack, shape: Shape) -> float:
@@ -148,7 +189,7 @@ def admission_fleet(workdir: Path, shape: Shape) -> Iterator[Fleet]:
                 }
                 children.append(stack.start_service("router", port, workdir, **settings))
                 routers[name] = f"127.0.0.1:{port}"
-            yield Fleet(routers, keys, unloaded)
+            yield Fleet(routers, keys, unloaded, triton_metrics_url(stack))
         finally:
             for child in children:
                 child.terminate(10)
@@ -216,6 +257,17 @@ async def open_loop(
     for tier, task in tasks:
         result.records.append(TierRecord(tier, await task))
     result.duration_s = time.perf_counter() - result.started
+    return result
+
+
+async def _measured(metrics_url: str, run: Awaitable[RunResult]) -> RunResult:
+    """``run``, with the share of the engine's step time it spent on first words."""
+    if not metrics_url:
+        return await run
+    before = await asyncio.to_thread(read_engine_time, metrics_url)
+    result = await run
+    after = await asyncio.to_thread(read_engine_time, metrics_url)
+    result.first_word_share = after.share_since(before)
     return result
 
 
@@ -306,6 +358,17 @@ def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float, capacity: floa
         f"- answered after their deadline ({timeout_s:.0f} s): "
         + ", ".join(f"{name} {n}" for name, n in late.items())
         + " (goal 0)",
+        *_first_word_time(priority),
+    ]
+
+
+def _first_word_time(run: RunResult) -> list[str]:
+    """What engine priority cost the batch: its steps that left lower tiers out."""
+    if run.first_word_share is None:
+        return []
+    return [
+        f"- the engine's step time with engine priority in steps that left lower tiers out "
+        f"for a first word: {run.first_word_share:.0%}"
     ]
 
 
@@ -377,6 +440,7 @@ def _run_json(run: RunResult) -> dict[str, Any]:
         "router": run.router,
         "rate": run.rate,
         "duration_s": run.duration_s,
+        "first_word_share": run.first_word_share,
         "requests": [
             {
                 "tier": r.tier,
@@ -406,8 +470,11 @@ async def compare(
         mixes = []
         for name, tiers in MIXES.items():
             runs = {
-                router: await open_loop(
-                    router, targets[router], 2 * capacity, duration_s, shape, tiers=tiers
+                router: await _measured(
+                    fleet.engine_metrics,
+                    open_loop(
+                        router, targets[router], 2 * capacity, duration_s, shape, tiers=tiers
+                    ),
                 )
                 for router in ROUTERS
             }

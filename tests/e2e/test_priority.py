@@ -86,6 +86,7 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
 ) -> None:
     idle = [first_token_s(tiers.router, tiers.keys["critical"], question(n)) for n in range(7)]
     preempted_before = tiers.engine("llm_engine_priority_preemptions_total", priority="2")
+    first_word_before = tiers.engine("llm_engine_first_word_steps_total")
     channel = authorized_channel(tiers.router, tiers.keys["sheddable"])
     stub = generation_pb2_grpc.GenerationStub(channel)
     long = [
@@ -101,6 +102,12 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
             first_token_s(tiers.router, tiers.keys["critical"], question(7 + n)) for n in range(7)
         ]
         preempted = tiers.engine("llm_engine_priority_preemptions_total", priority="2")
+        # The steps that left the sheddable work out for a critical first word, counted.
+        wait_for(
+            lambda: tiers.engine("llm_engine_first_word_steps_total") > first_word_before,
+            10,
+            "first-word steps counted",
+        )
     finally:
         for stream in long:
             stream.cancel()

@@ -204,6 +204,15 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
         "Tokens computed again after a preemption",
         lambda s: s.recomputed_tokens,
     ),
+    "llm_engine_step_seconds_total": ("Time in engine steps", lambda s: s.step_seconds),
+    "llm_engine_first_word_steps_total": (
+        "Steps that left less urgent work out for a more urgent sequence's first word",
+        lambda s: s.first_word_steps,
+    ),
+    "llm_engine_first_word_step_seconds_total": (
+        "Time in steps that left less urgent work out for a first word",
+        lambda s: s.first_word_step_seconds,
+    ),
 }
 GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "llm_engine_running_sequences": ("Sequences being generated", lambda s: s.running),

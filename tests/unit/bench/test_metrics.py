@@ -76,6 +76,7 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     fast = {"critical": 0.44, "standard": 0.5, "sheddable": 1.0}
     runs = {"fifo": run("fifo", 60.0, slow), "admission": run("admission", 60.0, slow)}
     runs["engine priority"] = run("engine priority", 60.0, fast)
+    runs["engine priority"].first_word_share = 0.21
     mix = MixRuns("a third each", runs, run("critical alone", 20.0, {"critical": 0.4}))
     table = AdmissionComparison(30.0, 0.05, [mix], 30.0, [24.0, 30.0, 31.0]).table()
     assert "30.00 req/s, the median of 3 rounds (24.00, 30.00, 31.00)" in table
@@ -87,12 +88,33 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     # Goodput against what the fleet can serve at all (30 req/s): 1.2x admission's may be
     # more than that.
     assert "of the capacity, engine priority 1% and admission without it 0%" in table
+    assert "in steps that left lower tiers out for a first word: 21%" in table
     # --out: every request of every run, the floor's too.
     saved = json.loads(json.dumps(AdmissionComparison(30.0, 0.05, [mix], 30.0).as_json()))
     runs_saved = saved["mixes"][0]["runs"]
     assert [r["router"] for r in runs_saved] == [*runs, "critical alone"]
     first = runs_saved[2]["requests"][0]
     assert first["tier"] == "critical" and first["good"] and first["ttft_s"] == 0.44
+
+
+def test_the_engines_first_word_time_is_read_from_tritons_metrics() -> None:
+    from bench.admission import EngineTime, engine_time_of
+
+    def text(steps: float, first_word: float) -> str:
+        return "".join(
+            f"# TYPE {name} counter\n"
+            + "".join(f'{name}{{model="{m}"}} {value / 2}\n' for m in ("llm", "llm_canary"))
+            for name, value in (
+                ("llm_engine_step_seconds_total", steps),
+                ("llm_engine_first_word_step_seconds_total", first_word),
+            )
+        )
+
+    before, after = engine_time_of(text(10.0, 1.0)), engine_time_of(text(20.0, 3.5))
+    assert after == EngineTime(20.0, 3.5)  # summed over the models
+    assert after.share_since(before) == 0.25
+    assert before.share_since(before) is None  # no step in between: no share
+    assert engine_time_of("") == EngineTime()
 
 
 def test_an_admission_run_that_records_nothing_leaves_the_documented_plot_alone() -> None:

@@ -903,6 +903,7 @@ class TestPriority:
         engine.step()
         assert [s.tokens_so_far() for s in peers] == [b + 1 for b in before]
         drain(engine)
+        assert engine.stats.first_word_steps == 0 and engine.stats.step_seconds > 0
 
     @pytest.mark.parametrize("bound", [10, 2])
     def test_an_urgent_sequences_first_word_comes_in_steps_of_its_own(self, bound: int) -> None:
@@ -926,6 +927,10 @@ class TestPriority:
         assert urgent.tokens_so_far() == paused and low.tokens_so_far() == before
         engine.step()
         assert urgent.tokens_so_far() == paused + 1 and low.tokens_so_far() == before + 1
+        # Counted, as what priority costs the batch.
+        stats = engine.stats
+        assert stats.first_word_steps == paused
+        assert 0 < stats.first_word_step_seconds < stats.step_seconds
         drain(engine)
 
     def test_less_urgent_prompts_are_prefilled_a_bounded_chunk_per_step(self) -> None:

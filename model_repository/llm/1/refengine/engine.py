@@ -130,6 +130,11 @@ class EngineStats:
     preemptions_by_priority: Counter[int] = field(default_factory=Counter)
     preempted_seconds: float = 0.0  # time preempted sequences spent out of the batch
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    step_seconds: float = 0.0  # time in steps (forward pass, sampling, responses)
+    # Of those, the steps that left less urgent work out for a first word, and their time:
+    # what priority costs the batch (such a step holds few sequences).
+    first_word_steps: int = 0
+    first_word_step_seconds: float = 0.0
     finished: Counter[str] = field(default_factory=Counter)
 
     @property
@@ -170,6 +175,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._published_at = 0.0
+        self._for_first_word = False  # this step leaves work out for a first word
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Validates and enqueues a request; raises RequestError if it can never be served."""
@@ -217,10 +223,18 @@ class Engine:
         self._drop_cancelled()
         batch = self._schedule()
         if batch:
+            started = time.monotonic()
             self._run(batch)
             self._send_due()
+            self._count_step(time.monotonic() - started)
         self._publish(force=not batch)
         return bool(batch)
+
+    def _count_step(self, seconds: float) -> None:
+        self.stats.step_seconds += seconds
+        if self._for_first_word:
+            self.stats.first_word_steps += 1
+            self.stats.first_word_step_seconds += seconds
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -287,7 +301,10 @@ class Engine:
             self._running.append(seq)
             batch.append((seq, min(len(seq.pending), budget)))
             budget -= batch[-1][1]
-        return self._urgent_first(self._bound_lower_prefill(batch))
+        bounded = self._bound_lower_prefill(batch)
+        step = self._urgent_first(bounded)
+        self._for_first_word = len(step) < len(bounded)
+        return step
 
     def _bound_lower_prefill(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """The step with at most ``lower_prefill_tokens`` prompt tokens of sequences less
