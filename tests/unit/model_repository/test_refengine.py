@@ -891,6 +891,23 @@ class TestPriority:
         assert engine.stats.preemptions == 0
         drain(engine)
 
+    def test_no_pause_for_a_first_word_while_its_equals_wait_for_room(self) -> None:
+        """The batch is full and the less urgent stream may not be preempted again: a
+        second urgent request waits, so the first one's first-word steps keep the less
+        urgent stream in (its tier needs the batch's throughput)."""
+        engine = make_engine(max_running=2, urgent_first_tokens=8, max_preemptions=0)
+        low = submit_at(engine, "low", 2, max_tokens=30, ignore_eos=True)
+        for _ in range(3):
+            engine.step()
+        first = submit_at(engine, "first", 0, max_tokens=20, ignore_eos=True)
+        engine.step()  # its prompt's step: nothing waits yet, the low stream pauses
+        before = low.tokens_so_far()
+        submit_at(engine, "second", 0, max_tokens=20, ignore_eos=True)
+        engine.step()
+        assert first.tokens_so_far() == 2 and low.tokens_so_far() == before + 1
+        assert engine.stats.first_word_steps == 1
+        drain(engine)
+
     def test_a_batch_of_one_priority_does_not_pause_for_a_first_word(self) -> None:
         """Nothing less urgent runs: a new arrival's prompt shares its step with the
         streams of its equals, as continuous batching has it."""

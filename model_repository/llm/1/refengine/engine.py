@@ -332,19 +332,25 @@ class Engine:
         While it leaves that work out, it leaves out its equals' decodes too: a step's time
         grows with every sequence in it, and an equal already streaming loses a step's
         pause, where the less urgent lose the step's whole time. A batch of one priority
-        is left as it is (nothing in it waits for a more urgent first word)."""
+        is left as it is (nothing in it waits for a more urgent first word), and so is a
+        step while sequences as urgent wait for room: their tier then needs the batch's
+        throughput more than one of its first words needs a short step."""
         first = self.config.urgent_first_tokens
         starting = [seq.priority for seq, _ in batch if seq.starting(first)]
         if not starting:
             return batch
         urgent = min(starting)
-        if all(seq.priority <= urgent for seq, _ in batch):
+        if all(seq.priority <= urgent for seq, _ in batch) or self._queued_at(urgent):
             return batch
         return [
             (seq, n)
             for seq, n in batch
             if seq.priority < urgent or (seq.priority == urgent and seq.starting(first))
         ]
+
+    def _queued_at(self, priority: int) -> bool:
+        """Whether a sequence of ``priority`` or more urgent waits (the queue is sorted)."""
+        return bool(self._waiting) and self._waiting[0].priority <= priority
 
     def _displaceable(self, urgent: Sequence) -> Sequence | None:
         """The running sequence ``urgent`` may preempt: the least urgent of those less
