@@ -22,9 +22,9 @@ import statistics
 import time
 import urllib.request
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +35,8 @@ from bench.targets import NO_ADMISSION_CONTROL, RouterTarget, write_tenants
 from bench.workload import BenchRequest, new_salt, text_of_length
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
+
+T = TypeVar("T")
 
 TIERS = ("critical", "standard", "sheddable")
 TTFT_TARGET_S = {"critical": 0.5, "standard": 1.0, "sheddable": 2.0}
@@ -91,9 +93,7 @@ class RunResult:
     duration_s: float
     records: list[TierRecord] = field(default_factory=list)
     started: float = 0.0
-    # Of the engine's time in steps during the run, the share in steps that left less
-    # urgent work out for a first word (None: not measured).
-    first_word_share: float | None = None
+    engine: EngineWork | None = None  # what the run made the engine do (None: not read)
 
     def of(self, tier: str) -> list[TierRecord]:
         return [r for r in self.records if r.tier == tier]
@@ -123,36 +123,62 @@ class Fleet:
 
 
 @dataclass(frozen=True)
-class EngineTime:
-    """The engine's time in steps so far, and in steps that left work out for a first word."""
+class EngineWork:
+    """The engine's counters (Triton's /metrics, summed over its models): time in steps, the
+    part of it in steps that left work out for a first word, and tokens. Subtracted, what
+    one run made the engine do."""
 
     steps_s: float = 0.0
     first_word_s: float = 0.0
+    generated: float = 0.0
+    recomputed: float = 0.0
+    wall_s: float = 0.0  # a run's: the time between the two readings
 
-    def share_since(self, before: EngineTime) -> float | None:
-        spent = self.steps_s - before.steps_s
-        return (self.first_word_s - before.first_word_s) / spent if spent > 0 else None
+    def since(self, before: EngineWork, wall_s: float) -> EngineWork:
+        return EngineWork(
+            self.steps_s - before.steps_s,
+            self.first_word_s - before.first_word_s,
+            self.generated - before.generated,
+            self.recomputed - before.recomputed,
+            wall_s,
+        )
+
+    @property
+    def busy_share(self) -> float:
+        return self.steps_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_busy_s(self) -> float:
+        """Generated tokens per second of steps: with every request the same size, the
+        engine's throughput while it works, whatever its scheduling costs it."""
+        return self.generated / self.steps_s if self.steps_s > 0 else 0.0
+
+    @property
+    def first_word_share(self) -> float:
+        return self.first_word_s / self.steps_s if self.steps_s > 0 else 0.0
 
 
-ENGINE_TIME = {
+ENGINE_WORK = {
     "llm_engine_step_seconds_total": "steps_s",
     "llm_engine_first_word_step_seconds_total": "first_word_s",
+    "llm_engine_generation_tokens_total": "generated",
+    "llm_engine_recomputed_tokens_total": "recomputed",
 }
 
 
-def engine_time_of(text: str) -> EngineTime:
-    """EngineTime of Triton's metrics text, summed over its models."""
-    totals = dict.fromkeys(ENGINE_TIME.values(), 0.0)
+def engine_work_of(text: str) -> EngineWork:
+    """EngineWork of Triton's metrics text, summed over its models."""
+    totals = dict.fromkeys(ENGINE_WORK.values(), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in ENGINE_TIME:
-                totals[ENGINE_TIME[sample.name]] += sample.value
-    return EngineTime(**totals)
+            if sample.name in ENGINE_WORK:
+                totals[ENGINE_WORK[sample.name]] += sample.value
+    return EngineWork(**totals)
 
 
-def read_engine_time(metrics_url: str) -> EngineTime:
+def read_engine_work(metrics_url: str) -> EngineWork:
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        return engine_time_of(reply.read().decode())
+        return engine_work_of(reply.read().decode())
 
 
 async def _unloaded(stack: Stack, shape: Shape) -> float:
@@ -260,14 +286,21 @@ async def open_loop(
     return result
 
 
-async def _measured(metrics_url: str, run: Awaitable[RunResult]) -> RunResult:
-    """``run``, with the share of the engine's step time it spent on first words."""
+async def _measured(metrics_url: str, run: Awaitable[T]) -> tuple[T, EngineWork | None]:
+    """``run``'s result, and what it made the engine do."""
     if not metrics_url:
-        return await run
-    before = await asyncio.to_thread(read_engine_time, metrics_url)
+        return await run, None
+    before = await asyncio.to_thread(read_engine_work, metrics_url)
+    started = time.monotonic()
     result = await run
-    after = await asyncio.to_thread(read_engine_time, metrics_url)
-    result.first_word_share = after.share_since(before)
+    wall_s = time.monotonic() - started
+    after = await asyncio.to_thread(read_engine_work, metrics_url)
+    return result, after.since(before, wall_s)
+
+
+async def _measured_run(metrics_url: str, run: Awaitable[RunResult]) -> RunResult:
+    result, engine = await _measured(metrics_url, run)
+    result.engine = engine
     return result
 
 
@@ -337,7 +370,13 @@ def _rows(mix: MixRuns) -> list[str]:
     return rows
 
 
-def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float, capacity: float) -> list[str]:
+def _summary(
+    mix: MixRuns,
+    unloaded_p99: float,
+    timeout_s: float,
+    capacity: float,
+    capacity_engine: EngineWork | None = None,
+) -> list[str]:
     fifo, plain, priority = (mix.runs[name] for name in ROUTERS)
     alone = mix.critical_alone
     crit, floor = priority.ttft_p99("critical"), alone.ttft_p99("critical")
@@ -358,17 +397,30 @@ def _summary(mix: MixRuns, unloaded_p99: float, timeout_s: float, capacity: floa
         f"- answered after their deadline ({timeout_s:.0f} s): "
         + ", ".join(f"{name} {n}" for name, n in late.items())
         + " (goal 0)",
-        *_first_word_time(priority),
+        *_engine_work(mix, capacity_engine),
     ]
 
 
-def _first_word_time(run: RunResult) -> list[str]:
-    """What engine priority cost the batch: its steps that left lower tiers out."""
-    if run.first_word_share is None:
+def _engine_work(mix: MixRuns, capacity: EngineWork | None) -> list[str]:
+    """What each router's run made the engine do: whether it was kept busy, and how much it
+    generated per second of steps (what its scheduling costs the batch)."""
+    if any(run.engine is None for run in mix.runs.values()):
         return []
+    works = {name: run.engine for name, run in mix.runs.items() if run.engine is not None}
+    reference = (
+        f", {capacity.tokens_per_busy_s:,.0f} in the capacity run" if capacity is not None else ""
+    )
+    each = "; ".join(
+        f"{name} {w.busy_share:.0%}, {w.tokens_per_busy_s:,.0f}" for name, w in works.items()
+    )
+    priority, plain = works["engine priority"], works["admission"]
+    efficiency = priority.tokens_per_busy_s / max(plain.tokens_per_busy_s, 1e-9)
     return [
-        f"- the engine's step time with engine priority in steps that left lower tiers out "
-        f"for a first word: {run.first_word_share:.0%}"
+        f"- the engine in each run, busy share and generated tokens per busy second{reference}: "
+        f"{each}; engine priority {efficiency:.2f}x admission's per busy second, "
+        f"{priority.recomputed:,.0f} tokens recomputed after preemptions, "
+        f"{priority.first_word_share:.0%} of its step time in steps that left lower tiers out "
+        "for a first word"
     ]
 
 
@@ -398,7 +450,11 @@ def table(comparison: AdmissionComparison) -> str:
         summary += [
             "",
             *_summary(
-                mix, comparison.unloaded_p99_s, comparison.timeout_s, comparison.capacity_rps
+                mix,
+                comparison.unloaded_p99_s,
+                comparison.timeout_s,
+                comparison.capacity_rps,
+                comparison.capacity_engine,
             ),
         ]
     sixth = comparison.mixes[-1].runs["engine priority"]
@@ -417,6 +473,7 @@ class AdmissionComparison:
     mixes: list[MixRuns]
     timeout_s: float
     capacity_rounds: list[float] = field(default_factory=list)  # capacity_rps: their median
+    capacity_engine: EngineWork | None = None  # what the capacity rounds made the engine do
 
     def table(self) -> str:
         return table(self)
@@ -426,6 +483,7 @@ class AdmissionComparison:
         return {
             "capacity_rps": self.capacity_rps,
             "capacity_rounds": self.capacity_rounds,
+            "capacity_engine": asdict(self.capacity_engine) if self.capacity_engine else None,
             "unloaded_p99_s": self.unloaded_p99_s,
             "timeout_s": self.timeout_s,
             "mixes": [
@@ -440,7 +498,7 @@ def _run_json(run: RunResult) -> dict[str, Any]:
         "router": run.router,
         "rate": run.rate,
         "duration_s": run.duration_s,
-        "first_word_share": run.first_word_share,
+        "engine": asdict(run.engine) if run.engine is not None else None,
         "requests": [
             {
                 "tier": r.tier,
@@ -465,12 +523,14 @@ async def compare(
         for name, address in fleet.routers.items()
     }
     try:
-        rounds = await capacity_rounds(targets["fifo"]["standard"], shape)
+        rounds, capacity_engine = await _measured(
+            fleet.engine_metrics, capacity_rounds(targets["fifo"]["standard"], shape)
+        )
         capacity = statistics.median(rounds)
         mixes = []
         for name, tiers in MIXES.items():
             runs = {
-                router: await _measured(
+                router: await _measured_run(
                     fleet.engine_metrics,
                     open_loop(
                         router, targets[router], 2 * capacity, duration_s, shape, tiers=tiers
@@ -488,4 +548,6 @@ async def compare(
         for by_tier in targets.values():
             for target in by_tier.values():
                 await target.close()
-    return AdmissionComparison(capacity, fleet.unloaded_p99_s, mixes, timeout_s, rounds)
+    return AdmissionComparison(
+        capacity, fleet.unloaded_p99_s, mixes, timeout_s, rounds, capacity_engine
+    )

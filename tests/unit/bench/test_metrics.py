@@ -66,7 +66,7 @@ def test_engine_scenario_times_prefill_and_decode_steps() -> None:
 
 
 def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
-    from bench.admission import AdmissionComparison, MixRuns, RunResult, TierRecord
+    from bench.admission import AdmissionComparison, EngineWork, MixRuns, RunResult, TierRecord
 
     def run(name: str, rate: float, ttfts: dict[str, float]) -> RunResult:
         records = [TierRecord(t, _record(0.0, ttft, ttft + 1.0, 64)) for t, ttft in ttfts.items()]
@@ -76,9 +76,13 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     fast = {"critical": 0.44, "standard": 0.5, "sheddable": 1.0}
     runs = {"fifo": run("fifo", 60.0, slow), "admission": run("admission", 60.0, slow)}
     runs["engine priority"] = run("engine priority", 60.0, fast)
-    runs["engine priority"].first_word_share = 0.21
+    runs["fifo"].engine = EngineWork(9.9, 0.0, 14_850.0, 0.0, 10.0)
+    runs["admission"].engine = EngineWork(9.0, 0.0, 13_500.0, 0.0, 10.0)
+    runs["engine priority"].engine = EngineWork(10.0, 2.1, 14_250.0, 640.0, 10.0)
     mix = MixRuns("a third each", runs, run("critical alone", 20.0, {"critical": 0.4}))
-    table = AdmissionComparison(30.0, 0.05, [mix], 30.0, [24.0, 30.0, 31.0]).table()
+    capacity_engine = EngineWork(12.0, 0.0, 18_000.0, 0.0, 12.5)
+    rounds = [24.0, 30.0, 31.0]
+    table = AdmissionComparison(30.0, 0.05, [mix], 30.0, rounds, capacity_engine).table()
     assert "30.00 req/s, the median of 3 rounds (24.00, 30.00, 31.00)" in table
     assert "| a third each | critical alone | critical | 1 |" in table
     assert "| a third each | critical alone | standard" not in table  # not sent: no row
@@ -88,33 +92,46 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     # Goodput against what the fleet can serve at all (30 req/s): 1.2x admission's may be
     # more than that.
     assert "of the capacity, engine priority 1% and admission without it 0%" in table
-    assert "in steps that left lower tiers out for a first word: 21%" in table
+    # What each run made the engine do: busy share, generated tokens per busy second.
+    assert (
+        "busy share and generated tokens per busy second, 1,500 in the capacity run: "
+        "fifo 99%, 1,500; admission 90%, 1,500; engine priority 100%, 1,425; "
+        "engine priority 0.95x admission's per busy second, 640 tokens recomputed after "
+        "preemptions, 21% of its step time in steps that left lower tiers out" in table
+    )
     # --out: every request of every run, the floor's too.
     saved = json.loads(json.dumps(AdmissionComparison(30.0, 0.05, [mix], 30.0).as_json()))
     runs_saved = saved["mixes"][0]["runs"]
     assert [r["router"] for r in runs_saved] == [*runs, "critical alone"]
+    assert runs_saved[2]["engine"]["recomputed"] == 640.0 and runs_saved[3]["engine"] is None
     first = runs_saved[2]["requests"][0]
     assert first["tier"] == "critical" and first["good"] and first["ttft_s"] == 0.44
 
 
-def test_the_engines_first_word_time_is_read_from_tritons_metrics() -> None:
-    from bench.admission import EngineTime, engine_time_of
+def test_the_engines_work_is_read_from_tritons_metrics() -> None:
+    from bench.admission import EngineWork, engine_work_of
 
-    def text(steps: float, first_word: float) -> str:
+    def text(steps: float, first_word: float, generated: float) -> str:
         return "".join(
             f"# TYPE {name} counter\n"
             + "".join(f'{name}{{model="{m}"}} {value / 2}\n' for m in ("llm", "llm_canary"))
             for name, value in (
                 ("llm_engine_step_seconds_total", steps),
                 ("llm_engine_first_word_step_seconds_total", first_word),
+                ("llm_engine_generation_tokens_total", generated),
+                ("llm_engine_recomputed_tokens_total", 8.0),
             )
         )
 
-    before, after = engine_time_of(text(10.0, 1.0)), engine_time_of(text(20.0, 3.5))
-    assert after == EngineTime(20.0, 3.5)  # summed over the models
-    assert after.share_since(before) == 0.25
-    assert before.share_since(before) is None  # no step in between: no share
-    assert engine_time_of("") == EngineTime()
+    before = engine_work_of(text(10.0, 1.0, 3_000.0))
+    after = engine_work_of(text(20.0, 3.5, 18_000.0))
+    assert after == EngineWork(20.0, 3.5, 18_000.0, 8.0)  # summed over the models
+    run = after.since(before, wall_s=12.5)
+    assert run == EngineWork(10.0, 2.5, 15_000.0, 0.0, 12.5)
+    assert (run.busy_share, run.tokens_per_busy_s, run.first_word_share) == (0.8, 1_500.0, 0.25)
+    idle = before.since(before, wall_s=0.0)  # no step in between: no shares, no rates
+    assert (idle.busy_share, idle.tokens_per_busy_s, idle.first_word_share) == (0.0, 0.0, 0.0)
+    assert engine_work_of("") == EngineWork()
 
 
 def test_an_admission_run_that_records_nothing_leaves_the_documented_plot_alone() -> None:
