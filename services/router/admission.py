@@ -233,9 +233,19 @@ class AdmissionQueue:
             if displaceable > 0 and ticket.granted_at >= self._decreased_at:
                 self.limit = max(self._bound("min_limit"), held, self.limit * s.decrease)
                 self._decreased_at = self._clock()
-        elif not self._saturated() and self.in_flight + 1 >= self.limit:
+        elif not self._saturated() and self._window_binds():
             self.limit = min(self._bound("max_limit"), self.limit + 1 / self.limit)  # +1/window
         LIMIT.set(self.limit)
+
+    def _window_binds(self) -> bool:
+        """Whether the window is what holds work back: it is full, or, with engine
+        priority, requests wait here while no engine queues (the slots kept for the higher
+        tiers' coming traffic are inside the window, and an engine that can take a slot
+        back by preemption should run full). Without engine priority, a tier held to its
+        share waits by design: that share is the higher tiers' headroom."""
+        if self.in_flight + 1 >= self.limit:
+            return True
+        return self.settings.engine_priority and any(self._waiting.values())
 
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1

@@ -280,6 +280,32 @@ def test_lower_tiers_leave_free_what_critical_traffic_is_about_to_need(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("engine_priority", [True, False])
+def test_the_window_grows_while_work_waits_for_room_only_if_the_engines_preempt(
+    engine_priority: bool,
+) -> None:
+    """Slots kept for critical traffic hold a standard request back below a full window:
+    with engine priority the engines could run it (they take a slot back by preemption),
+    so a met target grows the window; without, the tier's share is critical's headroom."""
+
+    async def scenario() -> None:
+        now = [0.0]
+        q = queue(limit=20, clock=lambda: now[0], engine_priority=engine_priority)
+        await ten_seconds_of_critical_traffic(q, now)  # 8 slots reserved of 20
+        room = 12 if engine_priority else 8
+        held = [await q.acquire("s", "standard", 1, None) for _ in range(room)]
+        waiting = asyncio.create_task(q.acquire("s", "standard", 1, None))
+        await run_ready_tasks()
+        assert not waiting.done() and q.in_flight + 1 < q.limit
+        held.pop().release(now[0] + 0.01)  # its first token on time
+        assert (q.limit > 20) is engine_priority
+        await asyncio.wait_for(waiting, 5)  # the freed slot goes to the waiter either way
+        for slot in held:
+            slot.release(None)
+
+    asyncio.run(scenario())
+
+
 def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
     """With N routers, each holds 1/N of the window, and its bounds: rebalanced when a
     router joins or leaves."""
