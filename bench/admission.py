@@ -132,6 +132,7 @@ class EngineWork:
     first_word_s: float = 0.0
     generated: float = 0.0
     recomputed: float = 0.0
+    steps: float = 0.0
     wall_s: float = 0.0  # a run's: the time between the two readings
 
     def since(self, before: EngineWork, wall_s: float) -> EngineWork:
@@ -140,6 +141,7 @@ class EngineWork:
             self.first_word_s - before.first_word_s,
             self.generated - before.generated,
             self.recomputed - before.recomputed,
+            self.steps - before.steps,
             wall_s,
         )
 
@@ -154,6 +156,12 @@ class EngineWork:
         return self.generated / self.steps_s if self.steps_s > 0 else 0.0
 
     @property
+    def tokens_per_step(self) -> float:
+        """The sequences a step samples, on average: how full the engine's batch ran (this
+        engine's throughput grows with it)."""
+        return self.generated / self.steps if self.steps > 0 else 0.0
+
+    @property
     def first_word_share(self) -> float:
         return self.first_word_s / self.steps_s if self.steps_s > 0 else 0.0
 
@@ -163,6 +171,7 @@ ENGINE_WORK = {
     "llm_engine_first_word_step_seconds_total": "first_word_s",
     "llm_engine_generation_tokens_total": "generated",
     "llm_engine_recomputed_tokens_total": "recomputed",
+    "llm_engine_steps_total": "steps",
 }
 
 
@@ -408,15 +417,20 @@ def _engine_work(mix: MixRuns, capacity: EngineWork | None) -> list[str]:
         return []
     works = {name: run.engine for name, run in mix.runs.items() if run.engine is not None}
     reference = (
-        f", {capacity.tokens_per_busy_s:,.0f} in the capacity run" if capacity is not None else ""
+        f", {capacity.tokens_per_busy_s:,.0f} and {capacity.tokens_per_step:.1f} in the "
+        "capacity run"
+        if capacity is not None
+        else ""
     )
     each = "; ".join(
-        f"{name} {w.busy_share:.0%}, {w.tokens_per_busy_s:,.0f}" for name, w in works.items()
+        f"{name} {w.busy_share:.0%}, {w.tokens_per_busy_s:,.0f}, {w.tokens_per_step:.1f}"
+        for name, w in works.items()
     )
     priority, plain = works["engine priority"], works["admission"]
     efficiency = priority.tokens_per_busy_s / max(plain.tokens_per_busy_s, 1e-9)
     return [
-        f"- the engine in each run, busy share and generated tokens per busy second{reference}: "
+        f"- the engine in each run, busy share, generated tokens per busy second and per "
+        f"step{reference}: "
         f"{each}; engine priority {efficiency:.2f}x admission's per busy second, "
         f"{priority.recomputed:,.0f} tokens recomputed after preemptions, "
         f"{priority.first_word_share:.0%} of its step time in steps that left lower tiers out "

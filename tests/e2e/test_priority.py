@@ -87,6 +87,7 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
     idle = [first_token_s(tiers.router, tiers.keys["critical"], question(n)) for n in range(7)]
     preempted_before = tiers.engine("llm_engine_priority_preemptions_total", priority="2")
     first_word_before = tiers.engine("llm_engine_first_word_steps_total")
+    steps_before = tiers.engine("llm_engine_steps_total")
     channel = authorized_channel(tiers.router, tiers.keys["sheddable"])
     stub = generation_pb2_grpc.GenerationStub(channel)
     long = [
@@ -108,6 +109,8 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
             10,
             "first-word steps counted",
         )
+        # Every step is counted: at least one per token of the critical requests' answers.
+        assert tiers.engine("llm_engine_steps_total") > steps_before + 7
     finally:
         for stream in long:
             stream.cancel()

@@ -204,6 +204,7 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
         "Tokens computed again after a preemption",
         lambda s: s.recomputed_tokens,
     ),
+    "llm_engine_steps_total": ("Engine steps run", lambda s: s.steps),
     "llm_engine_step_seconds_total": ("Time in engine steps", lambda s: s.step_seconds),
     "llm_engine_first_word_steps_total": (
         "Steps that left less urgent work out for a more urgent sequence's first word",

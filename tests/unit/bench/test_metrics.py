@@ -76,11 +76,11 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     fast = {"critical": 0.44, "standard": 0.5, "sheddable": 1.0}
     runs = {"fifo": run("fifo", 60.0, slow), "admission": run("admission", 60.0, slow)}
     runs["engine priority"] = run("engine priority", 60.0, fast)
-    runs["fifo"].engine = EngineWork(9.9, 0.0, 14_850.0, 0.0, 10.0)
-    runs["admission"].engine = EngineWork(9.0, 0.0, 13_500.0, 0.0, 10.0)
-    runs["engine priority"].engine = EngineWork(10.0, 2.1, 14_250.0, 640.0, 10.0)
+    runs["fifo"].engine = EngineWork(9.9, 0.0, 14_850.0, 0.0, 990.0, 10.0)
+    runs["admission"].engine = EngineWork(9.0, 0.0, 13_500.0, 0.0, 900.0, 10.0)
+    runs["engine priority"].engine = EngineWork(10.0, 2.1, 14_250.0, 640.0, 1_900.0, 10.0)
     mix = MixRuns("a third each", runs, run("critical alone", 20.0, {"critical": 0.4}))
-    capacity_engine = EngineWork(12.0, 0.0, 18_000.0, 0.0, 12.5)
+    capacity_engine = EngineWork(12.0, 0.0, 18_000.0, 0.0, 600.0, 12.5)
     rounds = [24.0, 30.0, 31.0]
     table = AdmissionComparison(30.0, 0.05, [mix], 30.0, rounds, capacity_engine).table()
     assert "30.00 req/s, the median of 3 rounds (24.00, 30.00, 31.00)" in table
@@ -92,12 +92,14 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     # Goodput against what the fleet can serve at all (30 req/s): 1.2x admission's may be
     # more than that.
     assert "of the capacity, engine priority 1% and admission without it 0%" in table
-    # What each run made the engine do: busy share, generated tokens per busy second.
+    # What each run made the engine do: busy share, generated tokens per busy second and
+    # per step (its batch).
     assert (
-        "busy share and generated tokens per busy second, 1,500 in the capacity run: "
-        "fifo 99%, 1,500; admission 90%, 1,500; engine priority 100%, 1,425; "
-        "engine priority 0.95x admission's per busy second, 640 tokens recomputed after "
-        "preemptions, 21% of its step time in steps that left lower tiers out" in table
+        "busy share, generated tokens per busy second and per step, 1,500 and 30.0 in the "
+        "capacity run: fifo 99%, 1,500, 15.0; admission 90%, 1,500, 15.0; engine priority "
+        "100%, 1,425, 7.5; engine priority 0.95x admission's per busy second, 640 tokens "
+        "recomputed after preemptions, 21% of its step time in steps that left lower tiers "
+        "out" in table
     )
     # --out: every request of every run, the floor's too.
     saved = json.loads(json.dumps(AdmissionComparison(30.0, 0.05, [mix], 30.0).as_json()))
@@ -120,17 +122,20 @@ def test_the_engines_work_is_read_from_tritons_metrics() -> None:
                 ("llm_engine_first_word_step_seconds_total", first_word),
                 ("llm_engine_generation_tokens_total", generated),
                 ("llm_engine_recomputed_tokens_total", 8.0),
+                ("llm_engine_steps_total", steps * 100),
             )
         )
 
     before = engine_work_of(text(10.0, 1.0, 3_000.0))
     after = engine_work_of(text(20.0, 3.5, 18_000.0))
-    assert after == EngineWork(20.0, 3.5, 18_000.0, 8.0)  # summed over the models
+    assert after == EngineWork(20.0, 3.5, 18_000.0, 8.0, 2_000.0)  # summed over the models
     run = after.since(before, wall_s=12.5)
-    assert run == EngineWork(10.0, 2.5, 15_000.0, 0.0, 12.5)
+    assert run == EngineWork(10.0, 2.5, 15_000.0, 0.0, 1_000.0, 12.5)
     assert (run.busy_share, run.tokens_per_busy_s, run.first_word_share) == (0.8, 1_500.0, 0.25)
+    assert run.tokens_per_step == 15.0
     idle = before.since(before, wall_s=0.0)  # no step in between: no shares, no rates
-    assert (idle.busy_share, idle.tokens_per_busy_s, idle.first_word_share) == (0.0, 0.0, 0.0)
+    rates = (idle.busy_share, idle.tokens_per_busy_s, idle.tokens_per_step, idle.first_word_share)
+    assert rates == (0.0, 0.0, 0.0, 0.0)
     assert engine_work_of("") == EngineWork()
 
 

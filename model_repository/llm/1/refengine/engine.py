@@ -130,9 +130,11 @@ class EngineStats:
     preemptions_by_priority: Counter[int] = field(default_factory=Counter)
     preempted_seconds: float = 0.0  # time preempted sequences spent out of the batch
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    steps: int = 0  # steps run: generated tokens per step is the batch a step samples
     step_seconds: float = 0.0  # time in steps (forward pass, sampling, responses)
-    # Of those, the steps that left less urgent work out for a first word, and their time:
-    # what priority costs the batch (such a step holds few sequences).
+    # Of those, the steps that left less urgent work out for a first word, and their time
+    # (the urgent work in them included: not what they cost the batch, which is read from
+    # the tokens generated per second of steps against a run without priorities).
     first_word_steps: int = 0
     first_word_step_seconds: float = 0.0
     finished: Counter[str] = field(default_factory=Counter)
@@ -231,6 +233,7 @@ class Engine:
         return bool(batch)
 
     def _count_step(self, seconds: float) -> None:
+        self.stats.steps += 1
         self.stats.step_seconds += seconds
         if self._for_first_word:
             self.stats.first_word_steps += 1
