@@ -945,7 +945,8 @@ class TestPriority:
         assert urgent.tokens_so_far() == paused and low.tokens_so_far() == before
         engine.step()
         assert urgent.tokens_so_far() == paused + 1 and low.tokens_so_far() == before + 1
-        # Counted, as what priority costs the batch.
+        # Counted: the steps that left the less urgent work out, and their time (the
+        # urgent work in them included).
         stats = engine.stats
         assert stats.first_word_steps == paused
         assert 0 < stats.first_word_step_seconds < stats.step_seconds
