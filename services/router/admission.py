@@ -123,9 +123,11 @@ class AdmissionQueue:
         settings: AdmissionSettings | None = None,
         saturated: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        running_slots: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.settings = settings or AdmissionSettings()
         self._saturated = saturated
+        self._running_slots = running_slots  # the fleet's engines' (0: not reported)
         self._clock = clock
         self.limit = self.settings.initial_limit
         self.in_flight = 0
@@ -238,14 +240,19 @@ class AdmissionQueue:
         LIMIT.set(self.limit)
 
     def _window_binds(self) -> bool:
-        """Whether the window is what holds work back: it is full, or, with engine
-        priority, requests wait here while no engine queues (the slots kept for the higher
-        tiers' coming traffic are inside the window, and an engine that can take a slot
-        back by preemption should run full). Without engine priority, a tier held to its
-        share waits by design: that share is the higher tiers' headroom."""
+        """Whether the window is what holds work back: it is full, or requests wait here
+        while no engine queues. With engine priority always then (the slots kept for the
+        higher tiers' coming traffic are inside the window, and an engine that can take a
+        slot back by preemption should run full). Without it, a tier held to its share
+        waits by design, that share being the higher tiers' headroom, but only a share of
+        what the engines run at once: the window grows up to the fleet's running slots
+        (this router's part of them), so that a fleet larger than the initial window is
+        not held to a fraction of it."""
         if self.in_flight + 1 >= self.limit:
             return True
-        return self.settings.engine_priority and any(self._waiting.values())
+        if not any(self._waiting.values()):
+            return False
+        return self.settings.engine_priority or self.limit < self._running_slots() * self._share
 
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1

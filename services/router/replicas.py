@@ -55,6 +55,8 @@ class PeerInFlight(Protocol):
 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
+# The engine's running limit in a load report's metrics (llm_engine_max_running_sequences).
+RUNNING_LIMIT = "max_running_sequences"
 
 
 @dataclass
@@ -201,6 +203,17 @@ class ReplicaSet:
                 for load in r.reports.values()
             )
             for r in reporting
+        )
+
+    def running_slots(self) -> float:
+        """Sequences the fleet's engines run at once, as their reports say: per replica,
+        the largest running limit among its models (each model's engine has its own, and
+        traffic for one model can fill only that one); 0 when no engine reports one."""
+        now = self._clock()
+        return sum(
+            max((load.get(RUNNING_LIMIT, 0.0) for load in r.reports.values()), default=0.0)
+            for r in self._replicas.values()
+            if self._fresh(r, now) and r.engine_reachable
         )
 
     def _fresh(self, replica: Replica, now: float) -> bool:

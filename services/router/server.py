@@ -214,7 +214,11 @@ class Upstreams:
             session_home=self.shared.session_home,
         )
         self.inference = Mirror(dispatcher, self.routing, self.canary)
-        self.admission = AdmissionQueue(config.admission, self.inference.saturated)
+        self.admission = AdmissionQueue(
+            config.admission,
+            self.inference.saturated,
+            running_slots=self.replicas.running_slots,
+        )
         self.replicas.on_report(self.admission.fleet_changed)
         self._documents = [
             (offer, source)

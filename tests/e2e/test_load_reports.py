@@ -27,7 +27,11 @@ def test_load_reports_follow_a_generation(stack: Stack) -> None:
         reports = stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=50), timeout=60)
         first = next(reports)
         assert first.engine_reachable and first.replica == stack.address("inference")
-        assert _llm(first) is not None
+        llm = _llm(first)
+        assert llm is not None
+        # Its running limit (config.pbtxt's max_running): a router's window without engine
+        # priority grows to the fleet's.
+        assert llm.metrics["max_running_sequences"] == 32
 
         router = generation_pb2_grpc.GenerationStub(
             authorized_channel(stack.address("router"), stack.api_key)

@@ -218,6 +218,10 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
 GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "llm_engine_running_sequences": ("Sequences being generated", lambda s: s.running),
     "llm_engine_waiting_sequences": ("Sequences queued", lambda s: s.waiting),
+    "llm_engine_max_running_sequences": (
+        "Sequences the engine runs at once",
+        lambda s: s.max_running,
+    ),
     "llm_engine_kv_blocks_used": ("KV cache blocks in use", lambda s: s.kv_blocks_used),
     "llm_engine_kv_blocks_total": ("KV cache blocks", lambda s: s.kv_blocks_total),
     # What an autoscaler scales on: queue depth, and this (no ratio of two series needed).

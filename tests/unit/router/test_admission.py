@@ -306,6 +306,40 @@ def test_the_window_grows_while_work_waits_for_room_only_if_the_engines_preempt(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(("running_slots", "grown_to"), [(0.0, 10.0), (12.0, 12.0)])
+def test_without_engine_priority_the_window_grows_to_the_fleets_running_slots(
+    running_slots: float, grown_to: float
+) -> None:
+    """A tier held to its share waits by design (the rest is critical's headroom), but the
+    share is of what the engines run at once: with the fleet's running slots reported,
+    met targets while standard work waits at its share (8 of a window of 10, so the
+    window is not full) grow the window up to them, and no further; with none reported
+    the window stays."""
+
+    async def scenario() -> None:
+        settings = AdmissionSettings(
+            initial_limit=10,
+            engine_priority=False,
+            max_queue_wait_s={"critical": 30.0, "standard": 60.0, "sheddable": 1.0},
+        )
+        q = AdmissionQueue(settings, running_slots=lambda: running_slots)
+        held: list[Slot] = []
+        for _ in range(60):  # each round: a waiter, then a slot released on time
+            waiter = asyncio.create_task(q.acquire("s", "standard", 1, None))
+            await run_ready_tasks()  # admitted at once while the share has room
+            if waiter.done():
+                held.append(waiter.result())
+                continue
+            assert q.in_flight + 1 < q.limit  # the share binds, not the window
+            held.pop(0).release(time.monotonic())
+            held.append(await asyncio.wait_for(waiter, 5))
+        assert grown_to <= q.limit < grown_to + 0.1
+        for slot in held:
+            slot.release(None)
+
+    asyncio.run(scenario())
+
+
 def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
     """With N routers, each holds 1/N of the window, and its bounds: rebalanced when a
     router joins or leaves."""

@@ -369,3 +369,30 @@ def test_each_report_taken_in_tells_the_listeners() -> None:
         assert heard[0] == 1  # called once the report was taken in
 
     run(scenario)
+
+
+def test_the_fleets_running_slots_are_each_replicas_largest_engine_limit() -> None:
+    """What admission sizes its window to without engine priority: per replica the largest
+    running limit among its models (traffic for one model fills only its engine), over
+    the replicas that report and reach their engine; 0 when none reports one."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1", "b:1", "c:1"))
+        assert f.replicas.running_slots() == 0
+        limits: dict[str, dict[str, float]] = {
+            "llm": {"max_running_sequences": 32.0},
+            "small": {"max_running_sequences": 8.0},
+        }
+        f["a:1"].reports.put_nowait(LoadReport(limits))
+        f["b:1"].reports.put_nowait(LoadReport({"llm": {"max_running_sequences": 16.0}}))
+        f["c:1"].reports.put_nowait(LoadReport(limits, engine_reachable=False))
+
+        async def all_reported() -> bool:
+            return all(f.replicas[a].last_report_at is not None for a in ("a:1", "b:1", "c:1"))
+
+        assert await poll_until_async(all_reported, 5)
+        assert f.replicas.running_slots() == 32 + 16
+        f.clock[0] += 3600  # the reports went stale
+        assert f.replicas.running_slots() == 0
+
+    run(scenario)

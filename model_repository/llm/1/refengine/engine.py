@@ -120,6 +120,7 @@ class EngineConfig:
 class EngineStats:
     running: int = 0
     waiting: int = 0
+    max_running: int = 0  # the running limit: a router sizes its window to the fleet's
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     prompt_tokens: int = 0  # prompt tokens admitted (cached or computed)
@@ -167,7 +168,9 @@ class Engine:
             shape.n_kv_heads,
             shape.head_dim,
         )
-        self.stats = EngineStats(kv_blocks_total=self.config.kv_blocks)
+        self.stats = EngineStats(
+            max_running=self.config.max_running, kv_blocks_total=self.config.kv_blocks
+        )
         self._on_stats = on_stats or (lambda _: None)
         self._incoming: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._waiting: list[Sequence] = []  # by Sequence.queue_key
