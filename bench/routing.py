@@ -175,7 +175,14 @@ def replica_fleet(workdir: Path) -> Iterator[tuple[Stack, list[str], Path, str, 
     and the list of children to stop with the fleet (routers added by the caller). The
     tenant is a ``critical`` one, which admission queues rather than sheds: a refused turn
     has no TTFT, so refusals would leave the slowest turns out of the percentiles."""
-    stack = Stack(workdir / "stack", StackPorts.free(), model_repository=build_repository(workdir))
+    # Triton loads only the models it is told to (explicit model control): the replicas'
+    # copies too, or a replica's first requests would find its model not served.
+    stack = Stack(
+        workdir / "stack",
+        StackPorts.free(),
+        model_repository=build_repository(workdir),
+        models=("llm", *(replica_model(n) for n in range(REPLICAS))),
+    )
     tenants = workdir / "bench-tenants.json"
     api_key = write_tenants(tenants, ["critical"])["critical"]
     children: list[Child] = []
