@@ -240,14 +240,14 @@ class AdmissionQueue:
         LIMIT.set(self.limit)
 
     def _window_binds(self) -> bool:
-        """Whether the window is what holds work back: it is full, or requests wait here
-        while no engine queues. With engine priority always then (the slots kept for the
-        higher tiers' coming traffic are inside the window, and an engine that can take a
-        slot back by preemption should run full). Without it, a tier held to its share
-        waits by design, that share being the higher tiers' headroom, but only a share of
-        what the engines run at once: the window grows up to the fleet's running slots
-        (this router's part of them), so that a fleet larger than the initial window is
-        not held to a fraction of it."""
+        """Whether the window is what holds work back (the caller has seen some engine
+        without a queue): it is full, or requests wait here. With engine priority always
+        then (the slots kept for the higher tiers' coming traffic are inside the window,
+        and an engine that can take a slot back by preemption should run full). Without
+        it, a tier held to its share waits by design, that share being the higher tiers'
+        headroom, but only a share of what the engines run at once: the window grows up
+        to the fleet's running slots (this router's part of them), so that a fleet larger
+        than the initial window is not held to a fraction of it."""
         if self.in_flight + 1 >= self.limit:
             return True
         if not any(self._waiting.values()):
