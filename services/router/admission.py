@@ -150,8 +150,26 @@ class AdmissionQueue:
         self._dispatch()
 
     def fleet_changed(self) -> None:
-        """A load report came: waiters held back by the engines' queues may go now."""
+        """A load report came: waiters held back by the engines' queues may go now, and
+        without engine priority a window above the fleet's running slots comes down to
+        them (the lower tiers' share of it would queue in engines that serve in arrival
+        order, ahead of the next critical arrivals)."""
+        ceiling = self._ceiling()
+        if self.limit > ceiling:
+            self.limit = ceiling
+            LIMIT.set(self.limit)
         self._dispatch()
+
+    def _fleet_slots(self) -> float:
+        """This router's part of the fleet's running slots; 0 if no engine reports them."""
+        return self._running_slots() * self._share
+
+    def _ceiling(self) -> float:
+        """The window's upper bound: ``max_limit``, and without engine priority the fleet's
+        running slots, where reported."""
+        ceiling = self._bound("max_limit")
+        slots = 0.0 if self.settings.engine_priority else self._fleet_slots()
+        return min(ceiling, max(slots, self._bound("min_limit"))) if slots else ceiling
 
     def _bound(self, name: str) -> float:
         return max(1.0, float(getattr(self.settings, name)) * self._share)
@@ -236,7 +254,7 @@ class AdmissionQueue:
                 self.limit = max(self._bound("min_limit"), held, self.limit * s.decrease)
                 self._decreased_at = self._clock()
         elif not self._saturated() and self._window_binds():
-            self.limit = min(self._bound("max_limit"), self.limit + 1 / self.limit)  # +1/window
+            self.limit = min(self._ceiling(), self.limit + 1 / self.limit)  # +1/window
         LIMIT.set(self.limit)
 
     def _window_binds(self) -> bool:
@@ -252,7 +270,7 @@ class AdmissionQueue:
             return True
         if not any(self._waiting.values()):
             return False
-        return self.settings.engine_priority or self.limit < self._running_slots() * self._share
+        return self.settings.engine_priority or self.limit < self._fleet_slots()
 
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1

@@ -340,6 +340,38 @@ def test_without_engine_priority_the_window_grows_to_the_fleets_running_slots(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(("engine_priority", "window"), [(False, 8.0), (True, 32.0)])
+def test_without_engine_priority_a_window_above_the_fleets_slots_comes_down_to_them(
+    engine_priority: bool, window: float
+) -> None:
+    """Engines that serve in arrival order would queue the lower tiers' share of a window
+    larger than their slots ahead of the next critical arrivals: a report of 8 slots
+    brings the initial 32 down to 8. Engines that preempt may hold lower tiers' work
+    beyond their slots: the window stays."""
+    settings = AdmissionSettings(initial_limit=32, engine_priority=engine_priority)
+    q = AdmissionQueue(settings, running_slots=lambda: 8.0)
+    q.fleet_changed()  # the first load report
+    assert q.limit == window
+
+
+def test_without_engine_priority_a_full_window_grows_no_further_than_the_fleets_slots() -> None:
+    async def scenario() -> None:
+        settings = AdmissionSettings(initial_limit=8, engine_priority=False)
+        q = AdmissionQueue(settings, running_slots=lambda: 8.0)
+        held = [await q.acquire("c", "critical", 1, None) for _ in range(8)]
+        for slot in held:
+            slot.release(time.monotonic())  # each on time, with the window full
+        assert q.limit == 8
+        q = AdmissionQueue(settings)  # no slots reported: it grows as before
+        held = [await q.acquire("c", "critical", 1, None) for _ in range(8)]
+        held[0].release(time.monotonic())
+        assert q.limit > 8
+        for slot in held[1:]:
+            slot.release(None)
+
+    asyncio.run(scenario())
+
+
 def test_a_router_of_a_fleet_holds_its_share_of_the_window() -> None:
     """With N routers, each holds 1/N of the window, and its bounds: rebalanced when a
     router joins or leaves."""
