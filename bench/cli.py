@@ -169,6 +169,14 @@ def add_bench_parser(commands: Any) -> None:
         "in Redis, behind an Envoy front)",
     )
     bench.add_argument(
+        "--engine-cpu",
+        type=_cpu_share,
+        help="routing and peer-routing: hold each engine (its model's backend process) to "
+        "this share of a CPU, its own: an idle engine's share is not lent to the others, as "
+        "replicas on accelerators of their own cannot lend theirs (a CPU cgroup each; needs "
+        "root). Default: the engines share every CPU",
+    )
+    bench.add_argument(
         "--peer-policy",
         default="cache_aware",
         help="peer-routing: vllm-router's policy (cache_aware, power_of_two, ...)",
@@ -470,7 +478,8 @@ def _routing(args: argparse.Namespace) -> int:
                 f"starting {REPLICAS} replicas and {routers} router(s) per picker ...",
                 file=sys.stderr,
             )
-            with routing_fleet(Path(workdir), routers) as (fronts, key, metrics):
+            fleet = routing_fleet(Path(workdir), routers, args.engine_cpu)
+            with fleet as (fronts, key, metrics):
 
                 async def measure() -> Compared:
                     targets = router_targets(fronts, key)
@@ -492,7 +501,7 @@ def _routing(args: argparse.Namespace) -> int:
         f"{spec.prefix_groups} shared {spec.shared_prefix_len}-token preambles and "
         f"{spec.context_len} tokens of its own; every turn asks a {spec.question_len}-token "
         f"question and gets {spec.output_len} tokens back, and the router prepends the "
-        "history.",
+        f"history{_engine_budget(args)}.",
         "\n\n".join(tables),
     )
     return 1 if failed else 0
@@ -857,7 +866,8 @@ def _peer_routing(args: argparse.Namespace) -> int:
     peer = f"vllm-router {args.peer_policy}"
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print(f"starting {REPLICAS} replicas, 5 routers and vllm-router ...", file=sys.stderr)
-        with peer_routing_fleet(Path(workdir), args.peer_policy) as (urls, key, metrics):
+        fleet = peer_routing_fleet(Path(workdir), args.peer_policy, args.engine_cpu)
+        with fleet as (urls, key, metrics):
 
             async def measure() -> Compared:
                 targets: dict[str, Target] = {
@@ -877,10 +887,28 @@ def _peer_routing(args: argparse.Namespace) -> int:
         f"replica each, against one router over the same {REPLICAS} replicas (llm_aware); "
         f"per rate and picker, {args.rounds} runs of {spec.sessions} sessions x "
         f"{spec.turns} turns, the routing scenario's, through the OpenAI HTTP API; the "
-        "client resends the session's earlier prompts with every turn (no session id).",
+        "client resends the session's earlier prompts with every turn (no session "
+        f"id){_engine_budget(args)}.",
         result.table(),
     )
     return 0
+
+
+def _cpu_share(text: str) -> float:
+    share = float(text)
+    cpus = len(os.sched_getaffinity(0))
+    if not 0.1 <= share <= cpus:
+        raise argparse.ArgumentTypeError(f"a share of a CPU from 0.1 to {cpus}, not {text}")
+    return share
+
+
+def _engine_budget(args: argparse.Namespace) -> str:
+    if args.engine_cpu is None:
+        return "; the engines share every CPU"
+    return (
+        f"; each engine held to {args.engine_cpu:g} of a CPU of its own (a CPU cgroup), "
+        "none lending its idle share to the others"
+    )
 
 
 def _command() -> str:

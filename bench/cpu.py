@@ -10,15 +10,22 @@ Placement: ``pinned`` puts Triton and its model processes on the last CPU and ev
 else (the mesh's services, Redis, the load generator) on the others, as on a GPU host
 where the engine does not compete with the mesh for CPU; ``shared`` leaves the scheduler
 to place them (the default).
+
+CPU budgets: several engines on a few CPUs borrow each other's idle time, as engines on
+accelerators of their own cannot; ``cpu_budgets`` holds each engine's backend processes
+to a share of a CPU of its own (a CPU cgroup each, a CFS quota), never more however idle
+the others are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,3 +232,104 @@ def place(placement: str, engine: Iterable[int], mesh: Iterable[int]) -> str:
         f"pinned: Triton and its model processes on CPU {sorted(engine_cpus)}, the mesh "
         f"and the load generator on CPUs {sorted(mesh_cpus)}"
     )
+
+
+# -- CPU budgets --------------------------------------------------------------------------
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Short, so that a budget spent waits at most this long for its next share (the kernel's
+# shortest quota is 1 ms: budgets of at least a tenth of a CPU).
+BUDGET_PERIOD_US = 10_000
+
+
+def model_processes(triton_pid: int, models: Iterable[str]) -> dict[str, list[int]]:
+    """The backend processes of each of ``models`` under Triton, known by the instance
+    name Triton passes each (``<model>_<group>_<index>``)."""
+    names = {model: re.compile(rf"{re.escape(model)}_\d+_\d+") for model in models}
+    found: dict[str, list[int]] = {model: [] for model in names}
+    for pid in descendants(triton_pid):
+        arguments = _arguments(pid)
+        for model, name in names.items():
+            if any(name.fullmatch(argument) for argument in arguments):
+                found[model].append(pid)
+    missing = sorted(model for model, pids in found.items() if not pids)
+    if missing:
+        raise RuntimeError(f"no backend process under Triton for {', '.join(missing)}")
+    return found
+
+
+def _arguments(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def quota_settings(cpus: float, unified: bool, period_us: int = BUDGET_PERIOD_US) -> dict[str, str]:
+    """A CPU cgroup's files that hold it to ``cpus`` of a CPU: cgroup v2's ``cpu.max``, or
+    v1's period and quota."""
+    quota = round(cpus * period_us)
+    if quota < 1000:
+        raise ValueError(f"a CPU budget of {cpus:g} is under the kernel's 1 ms a period")
+    if unified:
+        return {"cpu.max": f"{quota} {period_us}"}
+    return {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota)}
+
+
+def _cpu_controller(root: Path) -> tuple[Path, bool]:
+    """Where CPU cgroups are made, and whether it is cgroup v2 (one hierarchy)."""
+    if (root / "cgroup.controllers").exists():
+        return root, True
+    return root / "cpu", False
+
+
+@contextlib.contextmanager
+def cpu_budgets(
+    groups: Mapping[str, Iterable[int]], cpus: float, root: Path = CGROUP_ROOT
+) -> Iterator[dict[str, Path]]:
+    """Each group of processes (by name) in a CPU cgroup of its own, held to ``cpus`` of
+    a CPU together however idle the rest are; yields each group's cgroup. On exit the
+    processes go back to the root group and the cgroups are removed."""
+    controller, unified = _cpu_controller(root)
+    settings = quota_settings(cpus, unified)
+    made: dict[str, Path] = {}
+    try:
+        if unified:  # v2 hands the CPU controller to child groups only when asked
+            (controller / "cgroup.subtree_control").write_text("+cpu")
+        for name, pids in groups.items():
+            group = controller / f"llm-mesh-bench-{os.getpid()}-{name}"
+            group.mkdir()
+            made[name] = group
+            for file, value in settings.items():
+                (group / file).write_text(value)
+            for pid in pids:
+                (group / "cgroup.procs").write_text(str(pid))
+    except OSError as err:
+        _release(made.values(), controller)
+        raise SystemExit(
+            f"cannot hold engines to a CPU budget: a CPU cgroup under {controller} ({err}); "
+            "it takes root and a writable cgroup filesystem"
+        ) from None
+    try:
+        yield made
+    finally:
+        _release(made.values(), controller)
+
+
+def _release(groups: Iterable[Path], controller: Path) -> None:
+    """Back to the root group, each cgroup's processes that are still alive; the cgroups
+    removed."""
+    for group in groups:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                (controller / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def throttled_periods(group: Path) -> int:
+    """How many periods the kernel has held ``group`` to its budget so far."""
+    for line in (group / "cpu.stat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == "nr_throttled":
+            return int(value)
+    return 0

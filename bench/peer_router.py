@@ -78,13 +78,15 @@ def peer_router(workers: Sequence[str], policy: str, workdir: Path) -> Iterator[
 
 
 @contextmanager
-def peer_routing_fleet(workdir: Path, policy: str) -> Iterator[tuple[dict[str, str], str, str]]:
+def peer_routing_fleet(
+    workdir: Path, policy: str, engine_cpu: float | None = None
+) -> Iterator[tuple[dict[str, str], str, str]]:
     """The routing scenario's replicas, behind the mesh's picker (one router over all of
     them) and behind vllm-router with ``policy`` over one router per replica; yields the
     OpenAI base URL of each (by picker), the sessions' tenant's API key and Triton's
-    metrics URL. Every router
-    runs as deployed (admission control, the tenant's rules)."""
-    with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
+    metrics URL. Every router runs as deployed (admission control, the tenant's rules).
+    ``engine_cpu``: as ``replica_fleet``'s."""
+    with replica_fleet(workdir, engine_cpu) as (stack, replicas, tenants, api_key, children):
 
         def router(name: str, over: list[str]) -> str:
             grpc_port, http_port = free_ports(2)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cpu import cpu_budgets, model_processes
 from bench.loadgen import Measurement, send_one
 from bench.metrics import PERCENTILES, RequestRecord, Slo, Summary, percentile
 from bench.targets import RouterTarget, Target, write_tenants
@@ -125,6 +126,10 @@ def replica_model(n: int) -> str:
     return f"llm_r{n}"
 
 
+def replica_models() -> list[str]:
+    return [replica_model(n) for n in range(REPLICAS)]
+
+
 def build_repository(root: Path) -> Path:
     """The stack's models plus ``REPLICAS`` copies of llm, each its own engine."""
     repo = root / "models"
@@ -169,24 +174,31 @@ def router_settings(
 
 
 @contextlib.contextmanager
-def replica_fleet(workdir: Path) -> Iterator[tuple[Stack, list[str], Path, str, list[Child]]]:
+def replica_fleet(
+    workdir: Path, engine_cpu: float | None = None
+) -> Iterator[tuple[Stack, list[str], Path, str, list[Child]]]:
     """The stack over the fleet's repository and its ``REPLICAS`` replicas; yields the
     stack, the replicas' addresses, the tenants file, the API key of the sessions' tenant
     and the list of children to stop with the fleet (routers added by the caller). The
     tenant is a ``critical`` one, which admission queues rather than sheds: a refused turn
-    has no TTFT, so refusals would leave the slowest turns out of the percentiles."""
+    has no TTFT, so refusals would leave the slowest turns out of the percentiles.
+    ``engine_cpu``: each replica's engine held to that share of a CPU of its own
+    (``cpu_budgets``), as on accelerators of their own; none: engines share every CPU."""
     # Triton loads only the models it is told to (explicit model control): the replicas'
     # copies too, or a replica's first requests would find its model not served.
     stack = Stack(
         workdir / "stack",
         StackPorts.free(),
         model_repository=build_repository(workdir),
-        models=("llm", *(replica_model(n) for n in range(REPLICAS))),
+        models=("llm", *replica_models()),
     )
     tenants = workdir / "bench-tenants.json"
     api_key = write_tenants(tenants, ["critical"])["critical"]
     children: list[Child] = []
-    with stack:
+    with stack, contextlib.ExitStack() as budgets:
+        if engine_cpu is not None:
+            engines = model_processes(stack.pids()["triton"], replica_models())
+            budgets.enter_context(cpu_budgets(engines, engine_cpu))
         try:
             replicas = start_replicas(stack, workdir, children)
             yield stack, replicas, tenants, api_key, children
@@ -196,12 +208,15 @@ def replica_fleet(workdir: Path) -> Iterator[tuple[Stack, list[str], Path, str, 
 
 
 @contextlib.contextmanager
-def routing_fleet(workdir: Path, routers: int = 1) -> Iterator[tuple[dict[str, str], str, str]]:
+def routing_fleet(
+    workdir: Path, routers: int = 1, engine_cpu: float | None = None
+) -> Iterator[tuple[dict[str, str], str, str]]:
     """Starts the fleet; yields router address by algorithm, the API key of the
     sessions' tenant and Triton's metrics URL. The routers run as deployed, admission
     control included. With ``routers`` > 1, each algorithm has that many routers sharing
-    their state through a Redis, behind an Envoy front, whose address is the one yielded."""
-    with replica_fleet(workdir) as (stack, replicas, tenants, api_key, children):
+    their state through a Redis, behind an Envoy front, whose address is the one yielded.
+    ``engine_cpu``: as ``replica_fleet``'s."""
+    with replica_fleet(workdir, engine_cpu) as (stack, replicas, tenants, api_key, children):
         redis_url = ""
         if routers > 1:
             port = StackPorts.free().redis

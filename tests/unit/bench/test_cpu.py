@@ -5,20 +5,27 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bench.cpu import (
+    CGROUP_ROOT,
     CpuMeter,
     CpuSpent,
+    cpu_budgets,
     cpu_seconds,
     cpu_ticks,
     descendants,
+    model_processes,
     pin,
     pin_process,
+    quota_settings,
     reference_ms,
     split,
+    throttled_periods,
 )
 from bench.metrics import RequestRecord, Slo, summarize
 from bench.report import Run, cpu_ratio_table, cpu_table
@@ -147,3 +154,68 @@ def test_the_reference_task_is_timed_on_the_cpu_asked() -> None:
     assert 0 < reference_ms(cpu, repeats=3) < 10_000
     with pytest.raises(subprocess.CalledProcessError):  # no such CPU: it cannot be pinned
         reference_ms(os.cpu_count() or 1, repeats=1)
+
+
+def _stub(instance: str) -> subprocess.Popen[str]:
+    """A process with the arguments Triton gives a Python-backend process, waiting."""
+    arguments = ["/m/model.py", "shm_region", "1048576", "1048576", "1", "/b", "336"]
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline()", *arguments, instance],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_each_models_backend_processes_are_found_by_their_instance_names() -> None:
+    stubs = {name: _stub(name) for name in ("llm_r0_0_0", "llm_r0_1_0", "llm_r1_0_0", "llm_0_0")}
+    try:
+        wait_for(
+            lambda: all(Path(f"/proc/{s.pid}/cmdline").read_bytes().count(b"\0") > 8
+                        for s in stubs.values()),
+            30,
+            "the processes' arguments",
+        )  # fmt: skip
+        found = model_processes(os.getpid(), ["llm_r0", "llm"])
+        assert sorted(found["llm_r0"]) == sorted([stubs["llm_r0_0_0"].pid, stubs["llm_r0_1_0"].pid])
+        assert found["llm"] == [stubs["llm_0_0"].pid]  # llm_r1's instance is not llm's
+        with pytest.raises(RuntimeError, match="llm_r2"):
+            model_processes(os.getpid(), ["llm_r0", "llm_r2"])
+    finally:
+        for stub in stubs.values():
+            stub.kill()
+            stub.wait(10)
+
+
+def test_a_budget_is_written_as_either_cgroup_version_reads_it() -> None:
+    assert quota_settings(0.4, unified=True) == {"cpu.max": "4000 10000"}
+    assert quota_settings(0.4, unified=False) == {
+        "cpu.cfs_period_us": "10000",
+        "cpu.cfs_quota_us": "4000",
+    }
+    with pytest.raises(ValueError, match="1 ms"):
+        quota_settings(0.05, unified=True)
+
+
+def _cpu_cgroup(pid: int) -> str:
+    """The process's group in the CPU controller's hierarchy (v1), or the one hierarchy's."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" or "cpu" in controllers.split(","):
+            return path
+    raise AssertionError(f"no CPU cgroup for {pid}")
+
+
+def test_a_cpu_budget_holds_a_busy_process_to_its_share_and_lets_go(
+    family: tuple[subprocess.Popen[str], int],
+) -> None:
+    _, child = family  # burns a whole CPU when it can
+    with cpu_budgets({"burner": [child]}, 0.2, CGROUP_ROOT) as groups:
+        group = groups["burner"]
+        assert _cpu_cgroup(child) == "/" + group.name
+        wait_for(lambda: throttled_periods(group) > 0, 30, "the budget to hold the process")
+        before, started = cpu_seconds(child), time.monotonic()
+        time.sleep(1.0)  # the measuring window
+        share = (cpu_seconds(child) - before) / (time.monotonic() - started)
+        assert share < 0.3  # 0.2 of a CPU, and a tick of /proc's accounting
+    assert not group.exists()
+    assert _cpu_cgroup(child) == "/"
