@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 import grpc
@@ -30,6 +30,11 @@ from services.router.upstreams import ChunkReader, ReplicaClient, inference_requ
 log = logging.getLogger(__name__)
 
 UPSTREAM = "inference replica"
+# Frames of generations past their first handed over per loop turn: an engine step's
+# responses for many generations come in one message, and each wakes a relay; in slices,
+# what arrives meanwhile (a new request, another first token) waits for a slice, not the
+# whole message.
+RELAY_SLICE = 32
 # A message of controls stays well under gRPC's 4 MB default limit (one start is at most
 # a prompt the router accepted, far less than this).
 MAX_MESSAGE_BYTES = 1024 * 1024
@@ -40,13 +45,15 @@ Frame = inference_pb2.GenerationFrame | MeshError
 class _Inbox:
     """A generation's frames as they arrive, taken all at once by its reader."""
 
-    __slots__ = ("_frames", "_ready")
+    __slots__ = ("_frames", "_ready", "started")
 
     def __init__(self) -> None:
         self._frames: list[Frame] = []
         self._ready = asyncio.Event()
+        self.started = False  # a frame has come: its first token is on its way
 
     def put(self, frame: Frame) -> None:
+        self.started = True
         self._frames.append(frame)
         self._ready.set()
 
@@ -132,10 +139,7 @@ class _Stream:
         ended: MeshError = Unavailable(f"{UPSTREAM} ended the stream")
         try:
             async for message in self._call:
-                for frame in message.frames:
-                    inbox = self.inboxes.get(frame.generation_id)
-                    if inbox is not None:  # else: frames that crossed its cancellation
-                        inbox.put(frame)
+                await self._hand_over(message.frames)
         except grpc.aio.AioRpcError as err:
             self.unsupported = err.code() == grpc.StatusCode.UNIMPLEMENTED
             ended = from_rpc_error(err, UPSTREAM, self._where)
@@ -144,6 +148,25 @@ class _Stream:
             self._wake.set()  # the writer ends too
             for inbox in self.inboxes.values():
                 inbox.put(ended)
+
+    async def _hand_over(self, frames: Iterable[inference_pb2.GenerationFrame]) -> None:
+        """Each frame to its generation's inbox (frames that crossed a cancellation, to
+        none): first frames first, since a first token is what a client waits for most, and
+        the rest a slice per loop turn. A generation's own frames keep their order."""
+        later: list[tuple[_Inbox, inference_pb2.GenerationFrame]] = []
+        for frame in frames:
+            inbox = self.inboxes.get(frame.generation_id)
+            if inbox is None:
+                continue
+            if inbox.started:
+                later.append((inbox, frame))
+            else:
+                inbox.put(frame)
+        for start in range(0, len(later), RELAY_SLICE):
+            if start:
+                await asyncio.sleep(0)  # one loop turn: what arrived meanwhile runs first
+            for inbox, frame in later[start : start + RELAY_SLICE]:
+                inbox.put(frame)
 
 
 class GenerationMux:

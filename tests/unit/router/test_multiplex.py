@@ -401,3 +401,109 @@ def test_a_message_that_cannot_be_written_fails_the_stream_rather_than_hang(
 
     monkeypatch.setattr(multiplex._Stream, "_next_message", unwritable)
     run(scenario)
+
+
+class _ScriptedCall:
+    """A Multiplex call whose replica sends ``messages``, then ends the stream."""
+
+    def __init__(self, messages: list[inference_pb2.MultiplexResponse]) -> None:
+        self._messages = messages
+
+    async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        for message in self._messages:
+            yield message
+
+    def __aiter__(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        return self._replies()
+
+    async def write(self, message: inference_pb2.MultiplexRequest) -> None:
+        return None
+
+    async def done_writing(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _ScriptedStub:
+    def __init__(self, call: _ScriptedCall) -> None:
+        self._call = call
+
+    def Multiplex(self, metadata: Any = ()) -> _ScriptedCall:  # noqa: N802 (gRPC method name)
+        return self._call
+
+
+class _RecordingInbox(multiplex._Inbox):
+    """Notes each frame's text as it is handed over, in a list shared by a test's inboxes."""
+
+    __slots__ = ("handed",)
+
+    def __init__(self, handed: list[str], started: bool = False) -> None:
+        super().__init__()
+        self.handed = handed
+        self.started = started
+
+    def put(self, frame: multiplex.Frame) -> None:
+        if not isinstance(frame, Unavailable):  # the stream's end, after the script
+            assert not isinstance(frame, BaseException)
+            self.handed.append(frame.response.text)
+        super().put(frame)
+
+
+def _frame(generation: int, text: str) -> inference_pb2.GenerationFrame:
+    response = inference_pb2.InferenceResponse(text=text)
+    return inference_pb2.GenerationFrame(generation_id=generation, response=response)
+
+
+def _read_through(
+    messages: list[inference_pb2.MultiplexResponse],
+    inboxes: dict[int, multiplex._Inbox],
+) -> None:
+    async def scenario() -> None:
+        stub: Any = _ScriptedStub(_ScriptedCall(messages))
+        stream = multiplex._Stream(stub, (), "replica")
+        stream.inboxes.update(inboxes)  # before the reader's first turn
+        await stream.done
+
+    asyncio.run(scenario())
+
+
+def test_a_first_token_is_handed_over_before_other_generations_later_ones() -> None:
+    handed: list[str] = []
+    streaming = _RecordingInbox(handed, started=True)
+    starting = _RecordingInbox(handed)
+    message = inference_pb2.MultiplexResponse(
+        frames=[_frame(1, "later"), _frame(2, "first"), _frame(1, "later still"),
+                _frame(2, "second")]
+    )  # fmt: skip
+    _read_through([message], {1: streaming, 2: starting})
+    # the first token ahead; each generation's own frames in their order
+    assert handed == ["first", "later", "later still", "second"]
+
+
+def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
+    handed: list[str] = []
+    count = 2 * multiplex.RELAY_SLICE + 1
+    inboxes: dict[int, multiplex._Inbox] = {
+        n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)
+    }
+    message = inference_pb2.MultiplexResponse(
+        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
+    )
+
+    class _Meanwhile(_RecordingInbox):
+        def put(self, frame: multiplex.Frame) -> None:
+            if not isinstance(frame, Unavailable):  # its token, not the stream's end
+                loop = asyncio.get_running_loop()
+                loop.call_soon(handed.append, "work that came meanwhile")
+            super().put(frame)
+
+    inboxes[1] = _Meanwhile(handed, started=True)
+    _read_through([message], inboxes)
+    # what the first frame's hand-over scheduled ran after one slice, not after them all
+    assert handed.index("work that came meanwhile") == multiplex.RELAY_SLICE
+    assert handed.count("work that came meanwhile") == 1
+    assert [text for text in handed if text.startswith("token")] == [
+        f"token {n}" for n in range(1, count + 1)
+    ]
