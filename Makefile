@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BENCH) --target triton --scenario prefix
 	$(BENCH) --scenario routing --routers 1,2 --rounds 3 --output-len 96
 	$(BENCH) --scenario peer-routing --rounds 3 --output-len 96
+	$(BENCH) --scenario peer-routing --rounds 3 --output-len 96 --engine-cpu 0.4 --section peer-routing-budget
 	$(BENCH) --scenario admission --duration 40
 	$(BENCH) --scenario policy --rounds 5
 	$(BENCH) --scenario policy --rounds 3 --model smollm2 --section policy-smollm2
