@@ -156,34 +156,49 @@ def test_the_reference_task_is_timed_on_the_cpu_asked() -> None:
         reference_ms(os.cpu_count() or 1, repeats=1)
 
 
-def _stub(instance: str) -> subprocess.Popen[str]:
-    """A process with the arguments Triton gives a Python-backend process, waiting."""
-    arguments = ["/m/model.py", "shm_region", "1048576", "1048576", "1", "/b", "336"]
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.readline()", *arguments, instance],
-        stdin=subprocess.PIPE,
-        text=True,
-    )
+# A parent, as Triton is, of processes with the arguments Triton gives its Python-backend
+# processes (the instance's name last); it prints their pids and waits for a line on stdin.
+# The names come to it as one argument, which no instance name matches whole.
+TRITON_LIKE = """
+import subprocess, sys
+arguments = ["/m/model.py", "shm_region", "1048576", "1048576", "1", "/b", "336"]
+stubs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()",
+                           *arguments, name], stdin=subprocess.PIPE)
+         for name in sys.argv[1].split(",")]
+print(*(stub.pid for stub in stubs), flush=True)
+sys.stdin.readline()
+for stub in stubs:
+    stub.kill()
+    stub.wait()
+"""
 
 
 def test_each_models_backend_processes_are_found_by_their_instance_names() -> None:
-    stubs = {name: _stub(name) for name in ("llm_r0_0_0", "llm_r0_1_0", "llm_r1_0_0", "llm_0_0")}
+    names = ("llm_r0_0_0", "llm_r0_1_0", "llm_r1_0_0", "llm_0_0")
+    triton = subprocess.Popen(
+        [sys.executable, "-c", TRITON_LIKE, ",".join(names)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert triton.stdout is not None and triton.stdin is not None
+    stubs = dict(zip(names, (int(pid) for pid in triton.stdout.readline().split()), strict=True))
     try:
         wait_for(
-            lambda: all(Path(f"/proc/{s.pid}/cmdline").read_bytes().count(b"\0") > 8
-                        for s in stubs.values()),
+            lambda: all(Path(f"/proc/{pid}/cmdline").read_bytes().count(b"\0") > 8
+                        for pid in stubs.values()),
             30,
             "the processes' arguments",
         )  # fmt: skip
-        found = model_processes(os.getpid(), ["llm_r0", "llm"])
-        assert sorted(found["llm_r0"]) == sorted([stubs["llm_r0_0_0"].pid, stubs["llm_r0_1_0"].pid])
-        assert found["llm"] == [stubs["llm_0_0"].pid]  # llm_r1's instance is not llm's
+        found = model_processes(triton.pid, ["llm_r0", "llm"])
+        assert sorted(found["llm_r0"]) == sorted([stubs["llm_r0_0_0"], stubs["llm_r0_1_0"]])
+        assert found["llm"] == [stubs["llm_0_0"]]  # llm_r1's instance is not llm's
         with pytest.raises(RuntimeError, match="llm_r2"):
-            model_processes(os.getpid(), ["llm_r0", "llm_r2"])
+            model_processes(triton.pid, ["llm_r0", "llm_r2"])
     finally:
-        for stub in stubs.values():
-            stub.kill()
-            stub.wait(10)
+        triton.stdin.write("stop\n")
+        triton.stdin.flush()
+        triton.wait(10)
 
 
 def test_a_budget_is_written_as_either_cgroup_version_reads_it() -> None:
