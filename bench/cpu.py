@@ -326,10 +326,8 @@ def _release(groups: Iterable[Path], controller: Path) -> None:
         group.rmdir()
 
 
-def throttled_periods(group: Path) -> int:
-    """How many periods the kernel has held ``group`` to its budget so far."""
-    for line in (group / "cpu.stat").read_text().splitlines():
-        name, _, value = line.partition(" ")
-        if name == "nr_throttled":
-            return int(value)
-    return 0
+def cpu_stat(group: Path) -> dict[str, int]:
+    """A CPU cgroup's counters so far: ``nr_periods`` (periods it had work to run in),
+    ``nr_throttled`` (those the kernel held it to its budget in), and the rest."""
+    counters = (line.split() for line in (group / "cpu.stat").read_text().splitlines())
+    return {name: int(value) for name, value in counters}

@@ -17,6 +17,7 @@ from bench.cpu import (
     CpuSpent,
     cpu_budgets,
     cpu_seconds,
+    cpu_stat,
     cpu_ticks,
     descendants,
     model_processes,
@@ -25,7 +26,6 @@ from bench.cpu import (
     quota_settings,
     reference_ms,
     split,
-    throttled_periods,
 )
 from bench.metrics import RequestRecord, Slo, summarize
 from bench.report import Run, cpu_ratio_table, cpu_table
@@ -229,9 +229,11 @@ def test_a_cpu_budget_holds_a_busy_process_to_its_share_and_lets_go(
     with cpu_budgets({"burner": [child]}, 0.2, CGROUP_ROOT) as groups:
         group = groups["burner"]
         assert _cpu_cgroup(child) == "/" + group.name
-        wait_for(lambda: throttled_periods(group) > 0, 30, "the budget to hold the process")
+        wait_for(lambda: cpu_stat(group)["nr_throttled"] > 0, 30, "the budget to hold it")
+        first = cpu_stat(group)["nr_periods"]
         before, started = cpu_seconds(child), time.monotonic()
-        time.sleep(1.0)  # the measuring window
+        # measured over 100 of the budget's 10 ms periods, counted by the kernel
+        wait_for(lambda: cpu_stat(group)["nr_periods"] >= first + 100, 30, "100 periods")
         share = (cpu_seconds(child) - before) / (time.monotonic() - started)
         assert share < 0.3  # 0.2 of a CPU, and a tick of /proc's accounting
     assert not group.exists()
