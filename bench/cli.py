@@ -33,6 +33,7 @@ from bench.report import (
     comparison_table,
     cpu_ratio_table,
     cpu_table,
+    idle_table,
     path_cpu_ms,
     results_table,
     scaling_table,
@@ -357,6 +358,10 @@ def _measure_and_report(
         comparison = (
             f"{comparison}\n\nCPU beyond each process's idle rate ({args.placement}):\n\n{cpu}"
         )
+    idle = idle_table(runs)
+    if idle:
+        heading = "Idle: each process's CPU with no request in flight, in shares of one CPU"
+        comparison += f"\n\n{heading}:\n\n{idle}"
     if getattr(args, "against", None):
         ratios = cpu_ratio_table(runs, _against_name(args), "router")
         comparison += f"\n\n{ratios}" if ratios else ""
@@ -1029,6 +1034,7 @@ async def _run_all(
             measured.records,
             spent.get((index, name)),
             per_round.get((index, name), []),
+            idle[id(meters[name])] if name in meters else None,
         )
         for (index, name), measured in sorted(
             pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])

@@ -25,6 +25,7 @@ class Run:
     cpu: CpuSpent | None = None  # each process group's CPU beyond its idle rate
     # Router plus inference CPU per request (ms) in each round, for the spread of a ratio.
     cpu_rounds: list[float] = field(default_factory=list)
+    idle: CpuSpent | None = None  # each process group's CPU with no request in flight
 
     @property
     def responses(self) -> int:
@@ -127,6 +128,24 @@ def cpu_table(runs: list[Run]) -> str:
             + " | ".join(f"{v:.2f}" for v in per_request)
             + f" | {mesh * 1000 / done:.2f} | {per_response:.0f} |"
         )
+    return "\n".join(lines)
+
+
+def idle_table(runs: list[Run]) -> str:
+    """Per target: each process group's CPU with no request in flight, as a share of a
+    CPU (what a stack costs its host while it waits)."""
+    idle = {r.target: r.idle for r in runs if r.idle is not None and r.idle.wall_s > 0}
+    if not idle:
+        return ""
+    groups = sorted({g for spent in idle.values() for g in spent.seconds}, key=_group_order)
+    lines = [
+        "| target | " + " | ".join(groups) + " | mesh |",
+        "| --- | " + " | ".join("---" for _ in groups) + " | --- |",
+    ]
+    for target, spent in idle.items():
+        shares = [spent.seconds.get(g, 0.0) / spent.wall_s for g in groups]
+        mesh = sum(spent.seconds.get(g, 0.0) for g in MESH_GROUPS) / spent.wall_s
+        lines.append(f"| {target} | " + " | ".join(f"{v:.1%}" for v in shares) + f" | {mesh:.1%} |")
     return "\n".join(lines)
 
 

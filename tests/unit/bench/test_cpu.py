@@ -28,7 +28,7 @@ from bench.cpu import (
     split,
 )
 from bench.metrics import RequestRecord, Slo, summarize
-from bench.report import Run, cpu_ratio_table, cpu_table
+from bench.report import Run, cpu_ratio_table, cpu_table, idle_table
 from tests.conftest import wait_for
 
 # A parent that starts a child which burns CPU until told to stop (a line on stdin).
@@ -99,6 +99,17 @@ def test_cost_beyond_idle_and_per_request() -> None:
     # 1 s of router CPU over 4 requests and 8 responses: 250 ms each, 125,000 µs each.
     assert row.startswith("| concurrency 1 | router | 4 | 8 | 250.00 |")
     assert row.endswith("| 250.00 | 125000 |")
+
+
+def test_idle_cpu_is_reported_per_target_as_a_share_of_a_cpu() -> None:
+    summary = summarize([], 1.0, Slo())
+    idle = CpuSpent(4.0, {"router": 0.04, "inference": 0.08, "triton": 0.2})
+    loads = ("concurrency 1", "concurrency 16")
+    runs = [Run("router", load, None, summary, idle=idle) for load in loads]
+    table = idle_table([*runs, Run("triton", "concurrency 1", None, summary)]).splitlines()
+    assert table[0] == "| target | router | inference | triton | mesh |"
+    assert table[2:] == ["| router | 1.0% | 2.0% | 5.0% | 3.0% |"]  # once per target
+    assert idle_table([Run("triton", "concurrency 1", None, summary)]) == ""
 
 
 def test_a_cpu_ratio_is_reported_pooled_and_round_by_round() -> None:
