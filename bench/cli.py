@@ -995,6 +995,7 @@ async def _run_all(
     pooled: dict[tuple[int, str], Measurement] = {}
     spent: dict[tuple[int, str], CpuSpent] = {}
     per_round: dict[tuple[int, str], list[float]] = {}
+    with_idle: dict[tuple[int, str], list[float]] = {}
     meters = meters or {}
     idle = {id(m): m.idle() for m in {id(m): m for m in meters.values()}.values()}
     try:
@@ -1013,11 +1014,13 @@ async def _run_all(
                     )
                     key = (index, target.name)
                     if meter is not None and before is not None:
-                        cost = meter.sample().minus(before).beyond(idle[id(meter)])
+                        whole = meter.sample().minus(before)
+                        cost = whole.beyond(idle[id(meter)])
                         spent[key] = spent[key].plus(cost) if key in spent else cost
                         summary = measured.summary(slo)
                         done = summary.requests - summary.failed
                         per_round.setdefault(key, []).append(path_cpu_ms(cost, done))
+                        with_idle.setdefault(key, []).append(path_cpu_ms(whole, done))
                     if key in pooled:
                         pooled[key].add(measured)
                     else:
@@ -1035,6 +1038,7 @@ async def _run_all(
             spent.get((index, name)),
             per_round.get((index, name), []),
             idle[id(meters[name])] if name in meters else None,
+            with_idle.get((index, name), []),
         )
         for (index, name), measured in sorted(
             pooled.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])

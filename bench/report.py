@@ -26,6 +26,8 @@ class Run:
     # Router plus inference CPU per request (ms) in each round, for the spread of a ratio.
     cpu_rounds: list[float] = field(default_factory=list)
     idle: CpuSpent | None = None  # each process group's CPU with no request in flight
+    # The same per round, idle rate included: all the CPU the two spent while it ran.
+    cpu_rounds_with_idle: list[float] = field(default_factory=list)
 
     @property
     def responses(self) -> int:
@@ -160,31 +162,50 @@ def path_cpu_ms(cpu: CpuSpent, requests: int) -> float:
 
 def cpu_ratio_table(runs: list[Run], baseline: str, candidate: str) -> str:
     """Per load: the candidate's router plus inference CPU per request over the baseline's,
-    pooled and round by round (the rounds alternate, so each pair ran minutes apart)."""
+    pooled and round by round (the rounds alternate, so each pair ran minutes apart); then
+    the same with each one's idle rate left in: code that idles more cheaply has less of
+    its CPU subtracted, so the first ratio alone would count that against it."""
     by_load: dict[str, dict[str, Run]] = {}
     for run in runs:
         by_load.setdefault(run.load, {})[run.target] = run
     lines = [
         f"| load | router plus inference CPU per request ({candidate} / {baseline}) "
-        "| per round: median (lowest - highest) |",
-        "| --- | --- | --- |",
+        "| per round: median (lowest - highest) | idle rate included | per round |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for load, targets in by_load.items():
         base, cand = targets.get(baseline), targets.get(candidate)
         if base is None or cand is None or base.cpu is None or cand.cpu is None:
             continue
         pooled = path_cpu_ms(cand.cpu, _done(cand)) / max(path_cpu_ms(base.cpu, _done(base)), 1e-9)
-        rounds = sorted(
-            c / b for c, b in zip(cand.cpu_rounds, base.cpu_rounds, strict=False) if b > 0
+        with_idle = _with_idle_ms(cand) / max(_with_idle_ms(base), 1e-9)
+        lines.append(
+            f"| {load} | {pooled:.2f}x | {_spread(cand.cpu_rounds, base.cpu_rounds)} "
+            f"| {with_idle:.2f}x "
+            f"| {_spread(cand.cpu_rounds_with_idle, base.cpu_rounds_with_idle)} |"
         )
-        spread = (
-            f"{statistics.median(rounds):.2f}x ({rounds[0]:.2f}x - {rounds[-1]:.2f}x, "
-            f"{len(rounds)} rounds)"
-            if rounds
-            else "n/a"
-        )
-        lines.append(f"| {load} | {pooled:.2f}x | {spread} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _with_idle_ms(run: Run) -> float:
+    """Router plus inference CPU per request over the whole run, idle rate included."""
+    assert run.cpu is not None
+    idle = run.idle
+    rate = {g: idle.seconds.get(g, 0.0) / idle.wall_s for g in PATH_GROUPS} if idle else {}
+    spent = sum(
+        run.cpu.seconds.get(g, 0.0) + rate.get(g, 0.0) * run.cpu.wall_s for g in PATH_GROUPS
+    )
+    return spent * 1000 / max(_done(run), 1)
+
+
+def _spread(candidate: list[float], baseline: list[float]) -> str:
+    rounds = sorted(c / b for c, b in zip(candidate, baseline, strict=False) if b > 0)
+    if not rounds:
+        return "n/a"
+    return (
+        f"{statistics.median(rounds):.2f}x ({rounds[0]:.2f}x - {rounds[-1]:.2f}x, "
+        f"{len(rounds)} rounds)"
+    )
 
 
 def _done(run: Run) -> int:

@@ -112,19 +112,28 @@ def test_idle_cpu_is_reported_per_target_as_a_share_of_a_cpu() -> None:
     assert idle_table([Run("triton", "concurrency 1", None, summary)]) == ""
 
 
-def test_a_cpu_ratio_is_reported_pooled_and_round_by_round() -> None:
+def test_a_cpu_ratio_is_reported_pooled_and_round_by_round_and_with_idle_rates() -> None:
     records = [RequestRecord(sent_at=0.0, first_token_at=0.01, finished_at=0.1) for _ in range(4)]
     summary = summarize(records, 4.0, Slo())
 
-    def run(name: str, router_s: float, rounds: list[float]) -> Run:
+    def run(name: str, router_s: float, idle_s: float, rounds: list[float]) -> Run:
         cpu = CpuSpent(4.0, {"router": router_s, "inference": 1.0, "triton": 9.0})
-        return Run(name, "concurrency 1", 1, summary, records, cpu, rounds)
+        idle = CpuSpent(2.0, {"inference": idle_s, "triton": 1.0})
+        whole = [r + idle_s * 2 * 1000 / 4 for r in rounds]  # 4 s of the idle rate / 4 req
+        return Run(name, "concurrency 1", 1, summary, records, cpu, rounds, idle, whole)
 
-    runs = [run("router (main)", 3.0, [10.0, 8.0, 12.0]), run("router", 1.0, [4.0, 6.0, 3.0])]
+    runs = [
+        run("router (main)", 3.0, 1.0, [1000.0, 800.0, 1200.0]),
+        run("router", 1.0, 0.0, [400.0, 600.0, 300.0]),
+    ]
     row = cpu_ratio_table(runs, "router (main)", "router").splitlines()[-1]
     # Pooled: (1 + 1) s against (3 + 1) s of router and inference CPU; triton's not counted.
-    # By round: 0.4x, 0.75x, 0.25x.
-    assert row == "| concurrency 1 | 0.50x | 0.40x (0.25x - 0.75x, 3 rounds) |"
+    # By round: 0.4x, 0.75x, 0.25x. Idle included: main's inference idled at half a CPU,
+    # 2 s more over the 4 s: 2 s against 6 s; by round 400 / 1500, 600 / 1300, 300 / 1700.
+    assert row == (
+        "| concurrency 1 | 0.50x | 0.40x (0.25x - 0.75x, 3 rounds) "
+        "| 0.33x | 0.27x (0.18x - 0.46x, 3 rounds) |"
+    )
 
 
 def test_a_group_alone_counts_only_its_own_process(
