@@ -124,13 +124,23 @@ def _model_load(model: str, v: Mapping[str, float], gauges: Mapping[str, float])
     )
 
 
+# The recent latencies' medians are taken at every load reading (20 a second): of the
+# newest this many at most, so that their cost does not grow with the request rate.
+RECENT_SAMPLES = 256
+
+
+def _samples() -> deque[tuple[float, float]]:
+    return deque(maxlen=RECENT_SAMPLES)
+
+
 @dataclass
 class RecentLatency:
-    """Latencies of the requests finished in the last ``window_s`` seconds."""
+    """Latencies of the requests finished in the last ``window_s`` seconds (the newest
+    RECENT_SAMPLES of them)."""
 
     window_s: float = 30.0
-    _ttft: deque[tuple[float, float]] = field(default_factory=deque)
-    _tpot: deque[tuple[float, float]] = field(default_factory=deque)
+    _ttft: deque[tuple[float, float]] = field(default_factory=_samples)
+    _tpot: deque[tuple[float, float]] = field(default_factory=_samples)
 
     def add(self, ttft_s: float | None, tpot_s: float | None) -> None:
         now = time.monotonic()

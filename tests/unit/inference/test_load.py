@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from services.inference.core import InferenceCore
 from services.inference.load import (
+    RECENT_SAMPLES,
     LoadMonitor,
     ModelLoad,
     RecentLatency,
@@ -64,6 +65,15 @@ def test_recent_latency_medians() -> None:
         latency.add(ttft, tpot)
     assert latency.medians() == (0.02, 0.002)
     assert RecentLatency().medians() == (0.0, 0.0)
+
+
+def test_recent_latency_keeps_the_newest_samples_only() -> None:
+    latency = RecentLatency()
+    for _ in range(RECENT_SAMPLES):
+        latency.add(0.5, 0.5)
+    for _ in range(RECENT_SAMPLES // 2 + 1):
+        latency.add(0.01, None)  # newer, and faster: now the median
+    assert latency.medians() == (0.01, 0.5)
 
 
 def test_monitor_pushes_changes_and_reports_an_unreachable_engine() -> None:
