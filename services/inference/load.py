@@ -5,13 +5,6 @@ The engine publishes its statistics as Triton custom metrics; the monitor reads 
 and wakes every watcher when the load changes. Watchers also get a report at least every
 interval, so a silent replica is distinguishable from an idle one.
 
-The reference engine's models also carry their gauges on a response now and then (the
-first sent after each publication; TritonBackend hands them to ``engine_reported``):
-while they come, the page is read only once a second (for models without traffic, and
-reachability), since reading it costs this service and Triton each about a millisecond of
-CPU, twenty times a second, which at a few dozen requests a second is more than a
-millisecond per request.
-
 While neither this service nor the engine has work, the monitor reads the engine's metrics
 far less often, and again one polling period after a generation starts: an idle stack
 otherwise spends its CPU serving and parsing metrics pages that say nothing new (on a
@@ -23,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import re
 import statistics
 import time
@@ -98,29 +90,15 @@ def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
         if name in gauges:
             exported.setdefault(model, {})[name[_PREFIX:]] = float(value)
     return tuple(
-        _model_load(model, v, exported.get(model, {})) for model, v in sorted(values.items())
-    )
-
-
-def in_band_load(model: str, gauges: Mapping[str, float]) -> ModelLoad:
-    """A model's load from the gauges a response carried (named without ``llm_engine_``,
-    as in ModelLoad.metrics)."""
-    named = {
-        key: gauges[name[_PREFIX:]]
-        for name, key in _ENGINE_METRICS.items()
-        if name[_PREFIX:] in gauges
-    }
-    return _model_load(model, named, gauges)
-
-
-def _model_load(model: str, v: Mapping[str, float], gauges: Mapping[str, float]) -> ModelLoad:
-    return ModelLoad(
-        model=model,
-        running=int(v.get("running", 0)),
-        waiting=int(v.get("waiting", 0)),
-        kv_utilization=v.get("kv_used", 0.0) / v["kv_total"] if v.get("kv_total") else 0.0,
-        prefix_cache_hit_rate=v.get("prefix_hit_rate", 0.0),
-        metrics=dict(gauges),
+        ModelLoad(
+            model=model,
+            running=int(v.get("running", 0)),
+            waiting=int(v.get("waiting", 0)),
+            kv_utilization=v.get("kv_used", 0.0) / v["kv_total"] if v.get("kv_total") else 0.0,
+            prefix_cache_hit_rate=v.get("prefix_hit_rate", 0.0),
+            metrics=exported.get(model, {}),
+        )
+        for model, v in sorted(values.items())
     )
 
 
@@ -161,23 +139,14 @@ def _median(samples: deque[tuple[float, float]]) -> float:
     return statistics.median(v for _, v in samples) if samples else 0.0
 
 
-# While gauges come with responses, the metrics page is read this often (models with no
-# traffic, reachability) ...
-PAGE_REFRESH_S = 1.0
-# ... and once a model's have not come for this many polling periods.
-IN_BAND_STALE_POLLS = 2
-
-
 class LoadMonitor:
     def __init__(
         self,
         read_engine_metrics: Callable[[], Awaitable[str]],
         in_flight: Callable[[], int],
         latency: RecentLatency,
-        *,
         poll_interval_s: float = 0.05,
         idle_poll_interval_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read = read_engine_metrics
         self._in_flight = in_flight
@@ -185,11 +154,6 @@ class LoadMonitor:
         self._interval = poll_interval_s
         self._idle_interval = max(idle_poll_interval_s, poll_interval_s)
         self._started = asyncio.Event()  # a generation started since the last idle read
-        self._clock = clock
-        self._page: tuple[ModelLoad, ...] = ()  # as the metrics page last said
-        self._page_reachable = False
-        self._page_at = -math.inf
-        self._in_band: dict[str, tuple[float, ModelLoad]] = {}  # model -> (when, load)
         self._snapshot = LoadSnapshot()
         self._changed = asyncio.Condition()
         self._watchers = 0
@@ -202,7 +166,7 @@ class LoadMonitor:
         until ``end_watches``."""
         self._watchers += 1
         try:
-            await self.refresh()
+            await self._refresh()
             while self._watching():
                 if self._poller is None or self._poller.done():
                     self._poller = asyncio.create_task(self._poll())
@@ -227,34 +191,9 @@ class LoadMonitor:
         # A call, not the attribute: mypy would keep the loop's test narrowed across awaits.
         return not self._ending
 
-    def _page_due(self, now: float) -> bool:
-        """The page is read at least every PAGE_REFRESH_S; sooner when no gauges came with
-        responses since it was, or a model's stopped coming (its last stream ended: they
-        may say it runs what has finished)."""
-        if now - self._page_at >= PAGE_REFRESH_S:
-            return True
-        newer = [at for at, _ in self._in_band.values() if at > self._page_at]
-        return not newer or now - min(newer) > IN_BAND_STALE_POLLS * self._interval
-
-    def _models(self) -> tuple[ModelLoad, ...]:
-        """The page's models, each with the gauges a response carried since, if any."""
-        by_name = {load.model: load for load in self._page}
-        for model, (at, load) in self._in_band.items():
-            if at > self._page_at:
-                by_name[model] = load
-        return tuple(by_name[name] for name in sorted(by_name))
-
     async def _wake_watchers(self) -> None:
         async with self._changed:
             self._changed.notify_all()
-
-    @property
-    def snapshot(self) -> LoadSnapshot:
-        return self._snapshot
-
-    def engine_reported(self, model: str, gauges: Mapping[str, float]) -> None:
-        """A response carried ``model``'s engine gauges: the load until newer comes."""
-        self._in_band[model] = (self._clock(), in_band_load(model, gauges))
 
     def generation_started(self) -> None:
         """A generation starts here: an idle poller reads the engine's load again."""
@@ -268,7 +207,7 @@ class LoadMonitor:
         while self._watchers > 0:
             self._started.clear()  # a start from now on, even during the read, is seen
             try:
-                await self.refresh()
+                await self._refresh()
             except Exception:  # a poller that died would leave watchers its last snapshot
                 log.exception("reading the engine's load failed")
             await self._until_next_read()
@@ -283,17 +222,11 @@ class LoadMonitor:
             # compete with the generation's prefill for the CPU.
             await asyncio.sleep(self._interval)
 
-    async def refresh(self) -> None:
-        """Takes the load now (reading the metrics page if the gauges responses carried
-        do not stand for it) and wakes the watchers if it changed."""
-        now = self._clock()
-        if self._page_due(now):
-            try:
-                self._page, self._page_reachable = parse_engine_metrics(await self._read()), True
-            except (OSError, ValueError):
-                self._page, self._page_reachable = (), False
-            self._page_at = now
-        models, reachable = self._models(), self._page_reachable
+    async def _refresh(self) -> None:
+        try:
+            models, reachable = parse_engine_metrics(await self._read()), True
+        except (OSError, ValueError):
+            models, reachable = (), False
         ttft, tpot = self._latency.medians()
         snapshot = LoadSnapshot(
             timestamp_ms=int(time.time() * 1000),

@@ -194,10 +194,9 @@ def build_service(config: InferenceConfig) -> GrpcService:
         metrics_page.read,
         lambda: core.in_flight,
         core.latency,
-        poll_interval_s=config.load_poll_interval_s,
-        idle_poll_interval_s=config.load_idle_poll_interval_s,
+        config.load_poll_interval_s,
+        config.load_idle_poll_interval_s,
     )
-    backend.on_engine_load = monitor.engine_reported
     servicer = configured_servicer(config, core, monitor)
 
     async def start() -> None:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import struct
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +44,6 @@ TRITON_CHANNEL_OPTIONS = [
 ]
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
-# The reference engine's models carry the engine's gauges on some responses when asked
-# (model_repository/llm/1/model.py): the load reports then need no metrics page read.
-LOAD_OUTPUT = "engine_load"
 PRIORITY_PARAMETER = "scheduling_priority"
 CACHE_SALT_PARAMETER = "cache_salt"
 GAP_PARAMETER = "stream_gap_ms"
@@ -76,16 +73,12 @@ def first_bytes_element(raw: bytes) -> bytes:
 
 
 def build_request(
-    call: InferenceCall,
-    cached_tokens: bool = False,
-    gap: StreamGap = StreamGap(),
-    engine_load: bool = False,
+    call: InferenceCall, cached_tokens: bool = False, gap: StreamGap = StreamGap()
 ) -> service_pb2.ModelInferRequest:
     """The vLLM backend's inputs for ``call``, streaming, prompt excluded from the output;
     ``cached_tokens``: ask for the prefix cache's share of the prompt too (an input the
     reference engine's models declare, the vLLM backend's do not); ``gap``: the
-    engine's stream gap (none: the model's own); ``engine_load``: ask for the engine's
-    gauges (an output the reference engine's models declare)."""
+    engine's stream gap (none: the model's own)."""
     request = service_pb2.ModelInferRequest(model_name=call.model, id=call.request_id)
     inputs: Iterable[tuple[str, str, bytes]] = (
         ("text_input", "BYTES", bytes_tensor(call.prompt.encode("utf-8"))),
@@ -100,8 +93,6 @@ def build_request(
     if cached_tokens:
         inputs = (*inputs, (CACHED_TOKENS_FLAG, "BOOL", _TRUE))
         outputs = (*outputs, "num_cached_tokens")
-    if engine_load:
-        outputs = (*outputs, LOAD_OUTPUT)
     for name, datatype, raw in inputs:
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
@@ -161,25 +152,6 @@ def parse_response(response: service_pb2.ModelInferResponse, top: int | None = N
     )
 
 
-def parse_engine_load(response: service_pb2.ModelInferResponse) -> dict[str, float] | None:
-    """The engine's gauges if this response carries them (``engine_load``), else None."""
-    for output, raw in zip(response.outputs, response.raw_output_contents, strict=False):
-        if output.name != LOAD_OUTPUT:
-            continue
-        try:
-            values = json.loads(first_bytes_element(raw))
-        except ValueError:
-            return None
-        if not isinstance(values, dict):
-            return None
-        return {
-            str(k): float(v)
-            for k, v in values.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-    return None
-
-
 def _uint32(raw: bytes) -> int:
     return _LENGTH.unpack_from(raw)[0] if len(raw) >= _LENGTH.size else 0
 
@@ -207,14 +179,6 @@ def _position(position: dict[str, Any], top: int) -> TokenLogprob:
     )
 
 
-@dataclass(frozen=True)
-class _Features:
-    """A model's inputs and outputs beyond the vLLM backend's contract."""
-
-    cached_tokens: bool = False  # it reports the prefix cache's share of the prompt
-    engine_load: bool = False  # it carries the engine's gauges on some responses
-
-
 class TritonBackend:
     """A long-lived channel to one Triton server; one gRPC stream per generation at a time,
     so that cancelling a generation cancels exactly its request inside Triton. Streams
@@ -235,10 +199,7 @@ class TritonBackend:
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
-        self._features: dict[str, _Features] = {}  # per model: what it declares
-        # Given a model's engine gauges when a response carries them; they are asked of
-        # the models that declare them only while this is set (the load monitor sets it).
-        self.on_engine_load: Callable[[str, Mapping[str, float]], None] | None = None
+        self._reports_cached: dict[str, bool] = {}  # per model: it declares the flag
 
     @property
     def idle_streams(self) -> int:
@@ -260,10 +221,8 @@ class TritonBackend:
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
-        features = await self._declared(call.model)
-        on_load = self.on_engine_load if features.engine_load else None
-        load = on_load is not None
-        stream = await self._start(build_request(call, features.cached_tokens, self.gap, load))
+        cached = await self._declares_cached_tokens(call.model)
+        stream = await self._start(build_request(call, cached, self.gap))
         deadline = _Deadline(stream, self._timeout)
         ended = False  # Triton sent the generation's last response
         try:
@@ -276,10 +235,6 @@ class TritonBackend:
                 if reply.infer_response.id != call.request_id:
                     continue  # an earlier generation's stray on a reused stream
                 chunk = parse_response(reply.infer_response, call.sampling.logprobs)
-                if on_load is not None:
-                    gauges = parse_engine_load(reply.infer_response)
-                    if gauges is not None:
-                        on_load(call.model, gauges)
                 if chunk.finish_reason is not None:
                     # Back before the last yield: a caller may stop at the last chunk.
                     ended = True
@@ -310,22 +265,18 @@ class TritonBackend:
             raise _write_error(exc, self.url) from None
         return stream
 
-    async def _declared(self, model: str) -> _Features:
-        """What the model declares beyond the vLLM backend's contract (its metadata, asked
-        once)."""
-        known = self._features.get(model)
+    async def _declares_cached_tokens(self, model: str) -> bool:
+        """Whether the model takes the cached-tokens flag (its metadata, asked once)."""
+        known = self._reports_cached.get(model)
         if known is not None:
             return known
         request = service_pb2.ModelMetadataRequest(name=model)
         try:
             meta = await self._stub.ModelMetadata(request, timeout=5)
         except grpc.aio.AioRpcError:
-            return _Features()  # the generation will say what is wrong; ask again next time
-        known = _Features(
-            cached_tokens=any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs),
-            engine_load=any(o.name == LOAD_OUTPUT for o in meta.outputs),
-        )
-        self._features[model] = known
+            return False  # the generation will say what is wrong; ask again next time
+        known = any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs)
+        self._reports_cached[model] = known
         return known
 
     async def describe(self, model: str, timeout_s: float = 30.0) -> ModelCard:

@@ -16,7 +16,6 @@ from llmmesh.launcher import Stack
 
 BASIC_OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
 EXTRA_OUTPUTS = ("logprobs", "cumulative_logprob", "num_input_tokens", "num_cached_tokens")
-LOAD_OUTPUT = "engine_load"  # the reference engine's own: its gauges, now and then
 
 
 def _tensor(name: str, value: Any, dtype: str) -> triton_grpc.InferInput:
@@ -145,24 +144,7 @@ def test_model_metadata_declares_the_contract(stack: Stack, model: str) -> None:
         "sampling_parameters",
         "exclude_input_in_output",
     }
-    assert {o["name"] for o in meta["outputs"]} == {*BASIC_OUTPUTS, *EXTRA_OUTPUTS, LOAD_OUTPUT}
-
-
-def test_a_stream_that_asks_for_the_engine_load_gets_its_gauges_now_and_then(
-    stack: Stack,
-) -> None:
-    sampling = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
-    items = _stream(stack, "Hello", sampling, outputs=(*BASIC_OUTPUTS, LOAD_OUTPUT))
-    assert all(not isinstance(i, Exception) for i in items)
-    carried = [i.as_numpy(LOAD_OUTPUT) for i in items]
-    loads = [json.loads(c[0]) for c in carried if c is not None]
-    # At least the gauges published before it came, or while it ran (every 50 ms), and
-    # not on every response: a small output, seldom.
-    assert 1 <= len(loads) < len(items)
-    assert {"running_sequences", "waiting_sequences", "kv_blocks_used"} <= set(loads[0])
-    assert all(load["kv_blocks_total"] > 0 for load in loads)
-    plain = _stream(stack, "Hello", sampling)
-    assert all(i.as_numpy(LOAD_OUTPUT) is None for i in plain)  # not asked: never sent
+    assert {o["name"] for o in meta["outputs"]} == {*BASIC_OUTPUTS, *EXTRA_OUTPUTS}
 
 
 def test_logprobs_and_the_optional_outputs_as_the_vllm_backend_sends_them(stack: Stack) -> None:

@@ -3,9 +3,7 @@
 Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
          exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
 Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
-         num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports),
-         engine_load (BYTES, JSON: the engine's gauges; asked for by the inference
-         service, on the first response sent after each publication of them).
+         num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports).
 Request parameters: scheduling_priority, cache_salt, stream_gap_ms and stream_gap_after
          (refengine/contract.py), model_card (the model's card instead of a generation).
 """
@@ -50,29 +48,22 @@ class TritonIO:
     response instead of queueing another one: when many streams share the engine, fewer
     and larger responses keep sending from becoming the bottleneck, and an idle engine
     still sends every token at once.
-
-    Requests that ask for ``engine_load`` take turns carrying the engine's gauges: the
-    first response sent after each publication carries them, so a client streaming from
-    the engine learns its load without reading Triton's metrics page (which costs both
-    Triton and the reader far more than a small output does).
     """
 
     def __init__(self, exporter: StatsExporter, poll_interval_s: float = 0.1) -> None:
         self._exporter = exporter
         self._poll_interval = poll_interval_s
-        self._pending: OrderedDict[int, tuple[Any, bool, list[tuple[Payload, int]]]] = OrderedDict()
+        self._pending: OrderedDict[int, tuple[Any, list[tuple[Payload, int]]]] = OrderedDict()
         self._sinks: set[TritonSink] = set()
         self._stats: EngineStats | None = None
-        self._load: bytes | None = None  # the gauges last published, not carried yet
         self._ready = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="triton-io", daemon=True)
         self._thread.start()
 
-    def put(self, sender: Any, payload: Payload, flags: int = 0, load: bool = False) -> None:
-        """``load``: the request asked for the engine's gauges (``engine_load``)."""
+    def put(self, sender: Any, payload: Payload, flags: int = 0) -> None:
         with self._ready:
-            _, _, items = self._pending.setdefault(id(sender), (sender, load, []))
+            _, items = self._pending.setdefault(id(sender), (sender, []))
             last = items[-1][0] if items else None
             if isinstance(last, tuple) and not last[1] and isinstance(payload, tuple):
                 # Unsent text that is not the last response takes the new text along.
@@ -121,38 +112,32 @@ class TritonIO:
                 stats, self._stats = self._stats, None
                 poll_due = time.monotonic() >= next_poll
                 sinks = list(self._sinks) if poll_due else []
+            if item is not None:
+                _send(*item)
             if stats is not None:
                 self._exporter.publish(stats)
-                self._load = gauges_json(stats)
-            if item is not None:
-                sender, wants_load, payload, flags = item
-                load = None
-                if wants_load and not isinstance(payload, str):
-                    load, self._load = self._load, None
-                _send(sender, payload, flags, load)
             if poll_due:
                 for sink in sinks:
                     sink.poll_cancelled()
                 next_poll = time.monotonic() + self._poll_interval
 
-    def _take(self) -> tuple[Any, bool, Payload, int] | None:
+    def _take(self) -> tuple[Any, Payload, int] | None:
         if not self._pending:
             return None
-        key, (sender, load, items) = self._pending.popitem(last=False)
+        key, (sender, items) = self._pending.popitem(last=False)
         payload, flags = items.pop(0)
         if items:  # the request's later responses wait behind the other requests'
-            self._pending[key] = (sender, load, items)
-        return sender, load, payload, flags
+            self._pending[key] = (sender, items)
+        return sender, payload, flags
 
 
-def _send(sender: Any, payload: Payload, flags: int, load: bytes | None) -> None:
+def _send(sender: Any, payload: Payload, flags: int) -> None:
     try:
         if isinstance(payload, str):
             error = pb_utils.TritonError(payload)
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
         else:
-            response = _response(*payload, load)
-            sender.send(response, flags=flags)
+            sender.send(_response(*payload), flags=flags)
     except Exception as exc:  # e.g. the client went away; other requests go on
         pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
 
@@ -164,7 +149,6 @@ class TritonSink:
         self._request = request
         self._sender = request.get_response_sender()
         self._io = io
-        self._load = LOAD_OUTPUT in request.requested_output_names()
         self._cancelled = False
         # Triton frees the request once its final response is sent: from the moment that
         # response is queued, nothing may touch the request (the lock orders the two).
@@ -185,13 +169,13 @@ class TritonSink:
         return self._cancelled
 
     def emit(self, text: str, num_tokens: int, details: Details | None = None) -> None:
-        self._io.put(self._sender, (text, "", num_tokens, details), load=self._load)
+        self._io.put(self._sender, (text, "", num_tokens, details))
 
     def finish(
         self, text: str, num_tokens: int, reason: str, details: Details | None = None
     ) -> None:
         self._close()
-        self._io.put(self._sender, (text, reason, num_tokens, details), FINAL, self._load)
+        self._io.put(self._sender, (text, reason, num_tokens, details), FINAL)
 
     def fail(self, message: str) -> None:
         self._close()
@@ -255,15 +239,6 @@ GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     ),
 }
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
-LOAD_OUTPUT = "engine_load"
-GAUGE_PREFIX = "llm_engine_"
-
-
-def gauges_json(stats: EngineStats) -> bytes:
-    """The engine's gauges as ``engine_load`` carries them: named as on Triton's metrics
-    page, without the prefix."""
-    gauges = {name.removeprefix(GAUGE_PREFIX): value(stats) for name, (_, value) in GAUGES.items()}
-    return json.dumps(gauges).encode()
 
 
 class StatsExporter:
@@ -430,9 +405,7 @@ def _scalar(request: Any, name: str) -> Any:
     return values[0]
 
 
-def _response(
-    text: str, finish_reason: str, num_tokens: int, details: Details | None, load: bytes | None
-) -> Any:
+def _response(text: str, finish_reason: str, num_tokens: int, details: Details | None) -> Any:
     tensors = [
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)),
@@ -440,8 +413,6 @@ def _response(
     ]
     if details is not None:
         tensors += _detail_tensors(details)
-    if load is not None:
-        tensors.append(pb_utils.Tensor("engine_load", np.array([load], dtype=np.object_)))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

@@ -12,7 +12,6 @@ from services.inference.load import (
     LoadMonitor,
     ModelLoad,
     RecentLatency,
-    in_band_load,
     parse_engine_metrics,
 )
 
@@ -171,66 +170,6 @@ def test_a_busy_engine_or_generations_here_are_read_every_poll_interval() -> Non
     for metrics, in_flight in ((TRITON_METRICS, 0), (IDLE_METRICS, 1)):
         at = watched(CountedReads(metrics), in_flight, idle_s=60.0, then=lambda _: None)
         assert at[2] - at[1] < 10
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-GAUGES = {"running_sequences": 7.0, "waiting_sequences": 1.0, "kv_blocks_used": 100.0}
-GAUGES |= {"kv_blocks_total": 400.0, "max_running_sequences": 32.0}
-
-
-def test_gauges_carried_by_responses_stand_in_for_the_metrics_page_while_they_come() -> None:
-    reads, clock = CountedReads(TRITON_METRICS), Clock()
-
-    async def scenario() -> list[tuple[int, dict[str, int]]]:
-        monitor = LoadMonitor(reads, lambda: 1, RecentLatency(), poll_interval_s=0.05, clock=clock)
-        seen = []
-
-        async def refresh(after_s: float) -> None:
-            clock.now += after_s
-            await monitor.refresh()
-            running = {m.model: m.running for m in monitor.snapshot.models}
-            seen.append((len(reads.at), running))
-
-        def report(after_s: float, **gauges: float) -> None:
-            clock.now += after_s
-            monitor.engine_reported("llm", GAUGES | gauges)
-
-        await refresh(0)  # the page: llm runs 3
-        report(0.01)
-        await refresh(0.02)  # no read: llm runs 7, the canary as the page said
-        report(0.03, running_sequences=8.0)
-        await refresh(0.02)
-        await refresh(0.1)  # llm's gauges stopped coming 0.12 s ago: the page again
-        for _ in range(24):  # they come again, and keep coming: the page once a second
-            report(0.03)
-            await refresh(0.02)
-        return seen
-
-    seen = asyncio.run(scenario())
-    assert seen[:4] == [
-        (1, {"llm": 3, "llm_canary": 0}),
-        (1, {"llm": 7, "llm_canary": 0}),
-        (1, {"llm": 8, "llm_canary": 0}),
-        (2, {"llm": 3, "llm_canary": 0}),
-    ]
-    # The page, when read, is newer than the gauges that came before it.
-    assert [running["llm"] for _, running in seen[4:]] == [7] * 20 + [3] + [7] * 3
-    assert [reads for reads, _ in seen[4:]] == [2] * 20 + [3] * 4  # one read in 1.2 s
-
-
-def test_gauges_from_a_response_make_the_load_the_page_would() -> None:
-    carried = in_band_load("llm", GAUGES)
-    assert (carried.running, carried.waiting, carried.kv_utilization) == (7, 1, 0.25)
-    assert carried.metrics == GAUGES
-    (paged,) = [m for m in parse_engine_metrics(TRITON_METRICS) if m.model == "llm"]
-    assert paged.metrics["kv_blocks_total"] == 2048  # the same names either way
 
 
 def test_load_reports_use_the_mesh_model_names_of_aliased_models() -> None:

@@ -22,7 +22,6 @@ from services.inference.triton import (
     build_request,
     bytes_tensor,
     first_bytes_element,
-    parse_engine_load,
     parse_logprobs,
     parse_response,
 )
@@ -101,27 +100,6 @@ def test_logprobs_are_asked_for_only_when_the_call_wants_them() -> None:
     assert "logprobs" in {o.name for o in scored.outputs}
     params = json.loads(first_bytes_element(scored.raw_input_contents[2]))
     assert params["logprobs"] == 2
-
-
-def _response_with(*outputs: tuple[str, bytes]) -> service_pb2.ModelInferResponse:
-    response = service_pb2.ModelInferResponse()
-    for name, raw in outputs:
-        response.outputs.add(name=name)
-        response.raw_output_contents.append(raw)
-    return response
-
-
-def test_the_engine_load_is_asked_for_when_wanted_and_read_when_carried() -> None:
-    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2))
-    assert "engine_load" not in {o.name for o in build_request(call).outputs}
-    assert "engine_load" in {o.name for o in build_request(call, engine_load=True).outputs}
-    text = ("text_output", bytes_tensor(b"a"))
-    assert parse_engine_load(_response_with(text)) is None  # most responses carry none
-    load = json.dumps({"running_sequences": 3, "kv_utilization": 0.5, "flag": True}).encode()
-    carried = _response_with(text, ("engine_load", bytes_tensor(load)))
-    assert parse_engine_load(carried) == {"running_sequences": 3.0, "kv_utilization": 0.5}
-    assert parse_engine_load(_response_with(("engine_load", bytes_tensor(b"[1]")))) is None
-    assert parse_engine_load(_response_with(("engine_load", bytes_tensor(b"{")))) is None
 
 
 def test_cached_tokens_are_asked_for_only_of_a_model_that_declares_them() -> None:
