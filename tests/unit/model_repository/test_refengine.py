@@ -646,20 +646,6 @@ class TestEngine:
             engine.stop()
         assert (first.tokens, second.tokens) == (5, 3)
 
-    def test_an_idle_engine_sleeps_until_a_request_comes(self) -> None:
-        engine = make_engine()
-        waits: list[float | None] = []
-
-        class OneWait(threading.Event):
-            def wait(self, timeout: float | None = None) -> bool:
-                waits.append(timeout)
-                engine._stopping = True  # one idle wait is what is looked at
-                return True
-
-        engine._wake = OneWait()
-        engine._loop()
-        assert waits == [None]  # no timer: an idle engine takes no CPU
-
 
 def auto_responses(tokens: int, running: int, word_ends: int) -> list[int]:
     """Tokens per streamed response before the last token (whose response depends on how
