@@ -294,7 +294,10 @@ def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
     """The local stack's canary (smollm2's int8 weights) rolled out under load with every
     request mirrored: the drift is measured, small, and passes the default drift gates.
     The latency gates are given room: on this CPU the int8 weights are expanded to float32
-    for every product, a slower step (docs/benchmarks.md), where a GPU's int8 is faster."""
+    for every product, a slower step (docs/benchmarks.md), where a GPU's int8 is faster.
+    Measured: the canary's TPOT p99 3.6-3.8x stable's with this test alone, 6.0-6.8x late
+    in the whole suite (a p99 of a few samples is their slowest); the test is about drift,
+    so the latency gates only catch a canary an order of magnitude slower."""
     tmp = tmp_path_factory.mktemp("rollout-int8")
     (tmp / "routing.yaml").write_text(ROLLOUT_ROUTING)
     ports = StackPorts.free()
@@ -310,8 +313,8 @@ def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
         interval_s=0.5,
         max_wait=120,
         drift=DriftGates(min_pairs=samples),  # the default thresholds
-        ttft=LatencyGate("ttft", tolerance=5.0, min_samples=samples),
-        tpot=LatencyGate("tpot", tolerance=5.0, min_samples=samples),
+        ttft=LatencyGate("ttft", tolerance=LATENCY_ROOM, min_samples=samples),
+        tpot=LatencyGate("tpot", tolerance=LATENCY_ROOM, min_samples=samples),
         errors=ErrorGate(0.2, min_samples=samples),
     )
     url = f"http://127.0.0.1:{ports.router_http}/internal/canary"
@@ -336,6 +339,8 @@ def test_a_rollout_of_the_int8_weights_is_promoted_on_its_drift(
     measured = passed[0]["measured"]
     assert 0 < measured["kl"] < 0.1 and measured["agreement"] >= 0.8, measured
 
+
+LATENCY_ROOM = 15.0  # the canary's p99 may be up to 16x stable's
 
 ROLLOUT_ROUTING = """\
 split: {stable: 100, canary: 0}
