@@ -17,8 +17,11 @@ class InferenceConfig(ServiceConfig):
     stream_timeout_s: float = 600.0
     # Triton's Prometheus endpoint, where the engine publishes its statistics.
     triton_metrics_url: str = "http://127.0.0.1:8002/metrics"
-    # How often engine statistics are read while a router watches the load.
+    # How often engine statistics are read while a router watches the load and the
+    # engine has work; with none (nothing here, nothing running or queued there), this
+    # often, and one polling period after a generation starts.
     load_poll_interval_s: float = 0.05
+    load_idle_poll_interval_s: float = 1.0
     # Upper bound on max_tokens this replica accepts.
     max_tokens_limit: int = 4096
     # Mesh model name -> the Triton model that serves it here, e.g. {"llm": "llm_canary"}

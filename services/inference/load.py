@@ -4,6 +4,11 @@ The engine publishes its statistics as Triton custom metrics; the monitor reads 
 (only while someone watches), adds this service's in-flight count and recent latencies,
 and wakes every watcher when the load changes. Watchers also get a report at least every
 interval, so a silent replica is distinguishable from an idle one.
+
+While neither this service nor the engine has work, the monitor reads the engine's metrics
+far less often, and again one polling period after a generation starts: an idle stack
+otherwise spends its CPU serving and parsing metrics pages that say nothing new (on a
+host the engine shares, CPU the engine could use).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import re
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,14 @@ class LoadSnapshot:
         """Equal but for the time it was taken."""
         return replace(self, timestamp_ms=0) == replace(other, timestamp_ms=0)
 
+    def busy(self) -> bool:
+        """Work here or in the engine (an unreachable engine may come back with some)."""
+        return (
+            self.in_flight > 0
+            or not self.engine_reachable
+            or any(m.running or m.waiting for m in self.models)
+        )
+
 
 # One sample line of an engine family, e.g. `llm_engine_running_sequences{model="llm"} 3`.
 _SAMPLE = re.compile(r'^(llm_engine_\w+)\{(?:[^}]*,)?model="([^"]+)"[^}]*\} (\S+)', re.M)
@@ -89,13 +102,23 @@ def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
     )
 
 
+# The recent latencies' medians are taken at every load reading (20 a second): of the
+# newest this many at most, so that their cost does not grow with the request rate.
+RECENT_SAMPLES = 256
+
+
+def _samples() -> deque[tuple[float, float]]:
+    return deque(maxlen=RECENT_SAMPLES)
+
+
 @dataclass
 class RecentLatency:
-    """Latencies of the requests finished in the last ``window_s`` seconds."""
+    """Latencies of the requests finished in the last ``window_s`` seconds (the newest
+    RECENT_SAMPLES of them)."""
 
     window_s: float = 30.0
-    _ttft: deque[tuple[float, float]] = field(default_factory=deque)
-    _tpot: deque[tuple[float, float]] = field(default_factory=deque)
+    _ttft: deque[tuple[float, float]] = field(default_factory=_samples)
+    _tpot: deque[tuple[float, float]] = field(default_factory=_samples)
 
     def add(self, ttft_s: float | None, tpot_s: float | None) -> None:
         now = time.monotonic()
@@ -123,11 +146,14 @@ class LoadMonitor:
         in_flight: Callable[[], int],
         latency: RecentLatency,
         poll_interval_s: float = 0.05,
+        idle_poll_interval_s: float = 1.0,
     ) -> None:
         self._read = read_engine_metrics
         self._in_flight = in_flight
         self._latency = latency
         self._interval = poll_interval_s
+        self._idle_interval = max(idle_poll_interval_s, poll_interval_s)
+        self._started = asyncio.Event()  # a generation started since the last idle read
         self._snapshot = LoadSnapshot()
         self._changed = asyncio.Condition()
         self._watchers = 0
@@ -135,7 +161,7 @@ class LoadMonitor:
         self._ending = False
         self._wake_task: asyncio.Task[None] | None = None  # held: asyncio keeps weak refs
 
-    async def watch(self, max_interval_s: float) -> AsyncIterator[LoadSnapshot]:
+    async def watch(self, max_interval_s: float) -> AsyncGenerator[LoadSnapshot, None]:
         """The current load now, then on every change and at least every ``max_interval_s``,
         until ``end_watches``."""
         self._watchers += 1
@@ -169,17 +195,32 @@ class LoadMonitor:
         async with self._changed:
             self._changed.notify_all()
 
+    def generation_started(self) -> None:
+        """A generation starts here: an idle poller reads the engine's load again."""
+        self._started.set()
+
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
 
     async def _poll(self) -> None:
         while self._watchers > 0:
+            self._started.clear()  # a start from now on, even during the read, is seen
             try:
                 await self._refresh()
             except Exception:  # a poller that died would leave watchers its last snapshot
                 log.exception("reading the engine's load failed")
+            await self._until_next_read()
+
+    async def _until_next_read(self) -> None:
+        if self._snapshot.busy():
             await asyncio.sleep(self._interval)  # the polling period, not synchronisation
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), self._idle_interval)
+            # Read one polling period after the start, as when busy: a read at once would
+            # compete with the generation's prefill for the CPU.
+            await asyncio.sleep(self._interval)
 
     async def _refresh(self) -> None:
         try:

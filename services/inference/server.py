@@ -119,6 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             cache_salt=request.cache_salt,
         )
         total = 0
+        self._monitor.generation_started()
         try:
             async with contextlib.aclosing(self._core.generate(call)) as chunks:
                 async for chunk in chunks:
@@ -194,6 +195,7 @@ def build_service(config: InferenceConfig) -> GrpcService:
         lambda: core.in_flight,
         core.latency,
         config.load_poll_interval_s,
+        config.load_idle_poll_interval_s,
     )
     servicer = configured_servicer(config, core, monitor)
 

@@ -77,6 +77,7 @@ class TritonIO:
     def watch(self, sink: TritonSink) -> None:
         with self._ready:
             self._sinks.add(sink)
+            self._ready.notify()
 
     def forget(self, sink: TritonSink) -> None:
         with self._ready:
@@ -100,7 +101,10 @@ class TritonIO:
         while True:
             with self._ready:
                 while not (self._pending or self._stats or self._closed):
-                    if not self._ready.wait(max(0.0, next_poll - time.monotonic())):
+                    # Cancellation polls are due only while requests run; with none,
+                    # asleep until there is work (``watch`` wakes it).
+                    due = max(0.0, next_poll - time.monotonic()) if self._sinks else None
+                    if not self._ready.wait(due):
                         break
                 if self._closed and not self._pending:
                     return

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 
 from services.inference.core import InferenceCore
-from services.inference.load import LoadMonitor, ModelLoad, RecentLatency, parse_engine_metrics
+from services.inference.load import (
+    RECENT_SAMPLES,
+    LoadMonitor,
+    ModelLoad,
+    RecentLatency,
+    parse_engine_metrics,
+)
 
 TRITON_METRICS = """\
 # HELP nv_inference_count Number of inferences performed
@@ -58,6 +66,15 @@ def test_recent_latency_medians() -> None:
     assert RecentLatency().medians() == (0.0, 0.0)
 
 
+def test_recent_latency_keeps_the_newest_samples_only() -> None:
+    latency = RecentLatency()
+    for _ in range(RECENT_SAMPLES):
+        latency.add(0.5, 0.5)
+    for _ in range(RECENT_SAMPLES // 2 + 1):
+        latency.add(0.01, None)  # newer, and faster: now the median
+    assert latency.medians() == (0.01, 0.5)
+
+
 def test_monitor_pushes_changes_and_reports_an_unreachable_engine() -> None:
     texts: list[str | OSError] = [
         TRITON_METRICS,
@@ -86,6 +103,73 @@ def test_monitor_pushes_changes_and_reports_an_unreachable_engine() -> None:
     assert seen[0] == (3, True)
     assert (4, True) in seen
     assert seen[-1] == (-1, False)
+
+
+RUNNING, WAITING = "llm_engine_running_sequences", "llm_engine_waiting_sequences"
+IDLE_METRICS = TRITON_METRICS.replace(f'{RUNNING}{{model="llm"}} 3', f'{RUNNING}{{model="llm"}} 0')
+IDLE_METRICS = IDLE_METRICS.replace(f'{WAITING}{{model="llm"}} 5', f'{WAITING}{{model="llm"}} 0')
+
+
+class CountedReads:
+    """An engine's metrics page that notes when it is read; ``reached(n)`` resolves once
+    it has been read n times."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.at: list[float] = []
+        self._waits: dict[int, asyncio.Future[None]] = {}
+
+    async def __call__(self) -> str:
+        self.at.append(time.monotonic())
+        waiting = self._waits.get(len(self.at))
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+        return self.text
+
+    def reached(self, reads: int) -> Awaitable[None]:
+        if len(self.at) >= reads:
+            return asyncio.sleep(0)
+        return self._waits.setdefault(reads, asyncio.get_running_loop().create_future())
+
+
+def watched(
+    reads: CountedReads, in_flight: int, idle_s: float, then: Callable[[LoadMonitor], None]
+) -> list[float]:
+    """Watches a monitor over ``reads`` until it has read the engine twice, calls ``then``,
+    and waits (10 s at most) for a third read: when each read was made."""
+
+    async def scenario() -> list[float]:
+        monitor = LoadMonitor(
+            reads, lambda: in_flight, RecentLatency(), poll_interval_s=0.001,
+            idle_poll_interval_s=idle_s,
+        )  # fmt: skip
+        watch = monitor.watch(max_interval_s=60.0)
+        await anext(watch)  # the watch's own read; the poller's follows
+        await asyncio.wait_for(reads.reached(2), 10)
+        then(monitor)
+        await asyncio.wait_for(reads.reached(3), 10)
+        await watch.aclose()
+        await monitor.close()
+        return reads.at
+
+    return asyncio.run(scenario())
+
+
+def test_an_idle_engine_is_read_once_per_idle_interval() -> None:
+    at = watched(CountedReads(IDLE_METRICS), in_flight=0, idle_s=0.2, then=lambda _: None)
+    assert at[2] - at[1] >= 0.19  # read every 1 ms, as when busy, it would be far sooner
+
+
+def test_a_generation_starting_has_an_idle_engine_read_within_a_polling_period() -> None:
+    start = LoadMonitor.generation_started
+    at = watched(CountedReads(IDLE_METRICS), in_flight=0, idle_s=60.0, then=start)
+    assert at[2] - at[1] < 10  # not the idle interval's 60 s
+
+
+def test_a_busy_engine_or_generations_here_are_read_every_poll_interval() -> None:
+    for metrics, in_flight in ((TRITON_METRICS, 0), (IDLE_METRICS, 1)):
+        at = watched(CountedReads(metrics), in_flight, idle_s=60.0, then=lambda _: None)
+        assert at[2] - at[1] < 10
 
 
 def test_load_reports_use_the_mesh_model_names_of_aliased_models() -> None:

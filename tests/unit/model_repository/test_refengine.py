@@ -637,11 +637,28 @@ class TestEngine:
         engine = make_engine()
         engine.start()
         try:
-            sink = submit(engine, "threaded", max_tokens=5, ignore_eos=True)
-            assert sink.done.wait(30)
+            first = submit(engine, "threaded", max_tokens=5, ignore_eos=True)
+            assert first.done.wait(30)
+            # The loop is idle (or about to be) with nothing to run: a request wakes it.
+            second = submit(engine, "again", max_tokens=3, ignore_eos=True)
+            assert second.done.wait(30)
         finally:
             engine.stop()
-        assert sink.tokens == 5
+        assert (first.tokens, second.tokens) == (5, 3)
+
+    def test_an_idle_engine_sleeps_until_a_request_comes(self) -> None:
+        engine = make_engine()
+        waits: list[float | None] = []
+
+        class OneWait(threading.Event):
+            def wait(self, timeout: float | None = None) -> bool:
+                waits.append(timeout)
+                engine._stopping = True  # one idle wait is what is looked at
+                return True
+
+        engine._wake = OneWait()
+        engine._loop()
+        assert waits == [None]  # no timer: an idle engine takes no CPU
 
 
 def auto_responses(tokens: int, running: int, word_ends: int) -> list[int]:

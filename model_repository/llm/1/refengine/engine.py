@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 CANCEL_CHECK_INTERVAL_S = 0.025
 # Statistics are published at least this often while busy (load reports read them).
 STATS_INTERVAL_S = 0.05
+IDLE_RECHECK_S = 0.05
 AUTO_STREAM_DIVISOR = 4
 
 
@@ -250,7 +251,9 @@ class Engine:
                 log.exception("engine step failed")
                 busy = False
             if not busy:
-                self._wake.wait(0.05)
+                # Idle: asleep until a request (or stop) comes. Sequences that cannot run
+                # yet are looked at again soon (a cancellation, room that frees up).
+                self._wake.wait(IDLE_RECHECK_S if self._running or self._waiting else None)
                 self._wake.clear()
 
     def _take_incoming(self) -> None:
