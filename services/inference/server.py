@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
-import aiohttp
 import grpc
 
 from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
@@ -22,6 +21,7 @@ from services.inference.core import GenerationBackend, InferenceCore
 from services.inference.faults import FaultyBackend
 from services.inference.health import HealthKeeper, ModelHealth
 from services.inference.load import LoadMonitor, LoadSnapshot
+from services.inference.metrics_page import MetricsPage
 from services.inference.multiplex import MultiplexSession
 from services.inference.triton import StreamGap, TritonBackend
 
@@ -217,27 +217,3 @@ def build_service(config: InferenceConfig) -> GrpcService:
     service.on_start(start)
     service.on_drain(servicer.drain)
     return service
-
-
-class MetricsPage:
-    """Triton's metrics page, fetched over one kept-alive connection (read at 20 Hz)."""
-
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
-        self._url = url
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    async def read(self) -> str:
-        """The page's text; OSError when Triton cannot be reached."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        try:
-            async with self._session.get(self._url) as reply:
-                reply.raise_for_status()
-                return await reply.text()
-        except aiohttp.ClientError as err:
-            raise OSError(f"{self._url}: {err}") from err
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
