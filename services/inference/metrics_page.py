@@ -4,6 +4,8 @@ The load monitor reads it 20 times a second while there is work, and on a host w
 the engine shares every read counts: httptools (llhttp's C parser, as uvicorn uses it)
 over asyncio streams takes about half the CPU per read of aiohttp's client, whose cookie
 jar, tracing hooks and connector run for every request (docs/benchmarks.md, "Baseline").
+A reply must say its length (Triton's does, or is chunked): one that ends only with the
+connection's close is taken as a broken reply.
 """
 
 from __future__ import annotations
