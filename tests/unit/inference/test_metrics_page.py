@@ -33,6 +33,18 @@ async def serving(
         await runner.cleanup()
 
 
+async def reads(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], times: int
+) -> list[str]:
+    """The page read ``times`` times from a server answering with ``handler``."""
+    async with serving(handler) as url:
+        page = MetricsPage(url)
+        try:
+            return [await page.read() for _ in range(times)]
+        finally:
+            await page.close()
+
+
 def test_reads_the_page_again_and_again_over_one_connection() -> None:
     connections: set[int] = set()
 
@@ -40,15 +52,7 @@ def test_reads_the_page_again_and_again_over_one_connection() -> None:
         connections.add(id(request.transport))
         return web.Response(text=PAGE)
 
-    async def run() -> list[str]:
-        async with serving(handler) as url:
-            page = MetricsPage(url)
-            try:
-                return [await page.read() for _ in range(3)]
-            finally:
-                await page.close()
-
-    assert asyncio.run(run()) == [PAGE] * 3
+    assert asyncio.run(reads(handler, 3)) == [PAGE] * 3
     assert len(connections) == 1
 
 
@@ -59,15 +63,7 @@ def test_a_server_that_closes_after_each_reply_is_connected_to_again() -> None:
         connections.add(id(request.transport))
         return web.Response(text="page", headers={"Connection": "close"})
 
-    async def run() -> list[str]:
-        async with serving(handler) as url:
-            page = MetricsPage(url)
-            try:
-                return [await page.read() for _ in range(2)]
-            finally:
-                await page.close()
-
-    assert asyncio.run(run()) == ["page", "page"]
+    assert asyncio.run(reads(handler, 2)) == ["page", "page"]
     assert len(connections) == 2
 
 
