@@ -127,9 +127,12 @@ class CountedReads:
         return self.text
 
     def reached(self, reads: int) -> Awaitable[None]:
-        if len(self.at) >= reads:
-            return asyncio.sleep(0)
-        return self._waits.setdefault(reads, asyncio.get_running_loop().create_future())
+        waiting = self._waits.get(reads)
+        if waiting is None:
+            waiting = self._waits[reads] = asyncio.get_running_loop().create_future()
+            if len(self.at) >= reads:  # already read that often: resolved at once
+                waiting.set_result(None)
+        return waiting
 
 
 def watched(
