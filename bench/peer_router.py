@@ -90,7 +90,9 @@ def peer_routing_fleet(
 
         def router(name: str, over: list[str]) -> str:
             grpc_port, http_port = free_ports(2)
-            settings = router_settings(workdir, name, over, "llm_aware", tenants)
+            settings = router_settings(
+                workdir, name, over, "llm_aware", tenants, engine_cpu=engine_cpu
+            )
             children.append(
                 stack.start_service(
                     "router", grpc_port, workdir, http_port=str(http_port), **settings

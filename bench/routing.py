@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import re
 import time
@@ -159,13 +160,24 @@ def start_replicas(stack: Stack, workdir: Path, children: list[Child]) -> list[s
 
 
 def router_settings(
-    workdir: Path, name: str, replicas: list[str], algorithm: str, tenants: Path
+    workdir: Path,
+    name: str,
+    replicas: list[str],
+    algorithm: str,
+    tenants: Path,
+    *,
+    engine_cpu: float | None = None,
 ) -> dict[str, str]:
-    """A router's settings: its own endpoints file over ``replicas``, its picker."""
+    """A router's settings: its own endpoints file over ``replicas``, its picker. Without
+    ``engine_cpu`` (``replica_fleet``'s) the engines share this host's CPUs, and the
+    endpoints say so: one device, which runs as many engines at once as it has CPUs (each
+    engine computes on one thread)."""
+    shared = {"device": "bench-host"} if engine_cpu is None else {}
     endpoints = workdir / f"endpoints-{name}.json"
-    endpoints.write_text(json.dumps({"endpoints": [{"address": a} for a in replicas]}))
+    endpoints.write_text(json.dumps({"endpoints": [{"address": a, **shared} for a in replicas]}))
     routing = workdir / f"routing-{name}.json"
-    routing.write_text(json.dumps({"algorithm": algorithm}))
+    packing = {"packing": {"engines_at_once": len(os.sched_getaffinity(0))}} if shared else {}
+    routing.write_text(json.dumps({"algorithm": algorithm, **packing}))
     return {
         "endpoints_file": str(endpoints),
         "routing_file": str(routing),
@@ -224,7 +236,9 @@ def routing_fleet(
             redis_url = f"redis://127.0.0.1:{port}/0"
         fronts = {}
         for algorithm in ALGORITHMS:
-            settings = router_settings(workdir, algorithm, replicas, algorithm, tenants)
+            settings = router_settings(
+                workdir, algorithm, replicas, algorithm, tenants, engine_cpu=engine_cpu
+            )
             if routers > 1:
                 settings |= {
                     "state": "redis",

@@ -20,7 +20,8 @@ class ConsulDiscovery:
     """Passing instances of an inference service from ``/v1/health/service/<name>``.
 
     ``Service.Meta`` carries ``version`` (subset), ``region`` (default: the node's
-    datacenter) and ``model`` (comma-separated; empty means every model).
+    datacenter), ``model`` (comma-separated; empty means every model) and ``device`` (the
+    device its engine shares with other instances naming it).
     """
 
     def __init__(self, client: consul.aio.Consul, service: str, wait: str = "30s") -> None:
@@ -49,6 +50,7 @@ def _endpoint(entry: dict[str, Any]) -> Endpoint | None:
             version=meta.get("version") or "stable",
             region=meta.get("region") or node.get("Datacenter") or "",
             models=tuple(m.strip() for m in (meta.get("model") or "").split(",") if m.strip()),
+            device=meta.get("device") or "",
         )
     except (ValidationError, TypeError, ValueError):
         log.warning("skipping a malformed service entry from consul: %r", service.get("ID"))

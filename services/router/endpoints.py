@@ -33,6 +33,9 @@ class Endpoint(BaseModel):
     version: str = Field(default=DEFAULT_SUBSET, min_length=1)  # the subset: stable, canary, ...
     region: str = ""  # empty: the router's own region
     models: tuple[str, ...] = ()  # models served; empty: every model
+    # The device its engine runs on, as the deployment names it (a GPU's UUID, a host's
+    # CPU set): replicas naming the same one share it. Empty: a device of its own.
+    device: str = ""
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -63,7 +66,7 @@ class FixedDiscovery:
 
 class FileDiscovery:
     """Endpoints listed in a YAML/JSON file (``endpoints: [{address, version, region,
-    models}]``), re-read when it changes. An invalid file is logged and skipped: the
+    models, device}]``), re-read when it changes. An invalid file is logged and skipped: the
     previous list stays."""
 
     def __init__(self, path: Path, interval_s: float) -> None:

@@ -24,6 +24,7 @@ from pydantic import (
 
 from llmmesh.runtime.documents import offer
 from services.router.scheduling.profile import SchedulingSpec, build_profile
+from services.router.scheduling.scorers import DevicePackingParams
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,10 @@ class RoutingPolicy(_Document):
     regions: list[str] = Field(default_factory=list)
     weights: ScorerWeights = ScorerWeights()
     saturation: Saturation = Saturation()
+    # How replicas that share a device fill it (the ``device_packing`` scorer).
+    packing: DevicePackingParams = DevicePackingParams()
     # The scheduling plugins by name (services/router/scheduling/); empty: the profile
-    # ``algorithm``, ``weights`` and ``saturation`` describe.
+    # ``algorithm``, ``weights``, ``saturation`` and ``packing`` describe.
     scheduling: SchedulingSpec | None = None
     mirror: MirrorSpec | None = None
 

@@ -10,8 +10,8 @@ The routing document names them under ``scheduling``::
       picker: {type: best_score}
 
 A document without ``scheduling`` gets the profile its older fields describe
-(``algorithm``, ``weights``, ``saturation``): session and prefix affinity, then the load
-scorers with those weights.
+(``algorithm``, ``weights``, ``saturation``, ``packing``): session and prefix affinity,
+device packing, then the load scorers with those weights.
 """
 
 from __future__ import annotations
@@ -109,17 +109,24 @@ def legacy_spec(policy: RoutingPolicy) -> SchedulingSpec:
     for scorer, (field, scale) in _LEGACY_SCALES.items():
         per_unit = weights[field] / (_PREFILL_PER if scorer == "prefill" else 1.0)
         load.append(ScorerSpec(type=scorer, weight=per_unit * scale, params={"scale": scale}))
-    # Affinity outweighs every load score together: a conversation stays until its
-    # replica is saturated; its session, where it has one, outweighs its prefix.
+    # Each scorer outweighs all those after it together: a conversation stays until its
+    # replica is saturated, its session (where it has one) outweighing its prefix; then
+    # replicas sharing a device fill their busiest engines; then load decides.
     excess = {"excess_load": policy.saturation.excess_load}
+    packing = ScorerSpec(
+        type="device_packing", weight=1.0 + sum(s.weight for s in load),
+        params=policy.packing.model_dump(),
+    )  # fmt: skip
     by_prefix = ScorerSpec(
-        type="prefix_affinity", weight=1.0 + sum(s.weight for s in load), params=excess
-    )
-    sticky = ScorerSpec(
-        type="session_affinity", weight=by_prefix.weight + sum(s.weight for s in load) + 1.0,
+        type="prefix_affinity", weight=1.0 + packing.weight + sum(s.weight for s in load),
         params=excess,
     )  # fmt: skip
+    sticky = ScorerSpec(
+        type="session_affinity",
+        weight=1.0 + by_prefix.weight + packing.weight + sum(s.weight for s in load),
+        params=excess,
+    )
     prefill = next(s for s in load if s.type == "prefill")
     return SchedulingSpec(
-        scorers=(sticky, by_prefix, prefill, *(s for s in load if s is not prefill))
+        scorers=(sticky, by_prefix, packing, prefill, *(s for s in load if s is not prefill))
     )

@@ -187,3 +187,37 @@ class PrefixAffinity(Affinity):
         if not blocks or longest < self.params.min_share * blocks:
             return ()
         return {address for address, n in ctx.matched.items() if n == longest}
+
+
+class DevicePackingParams(Params):
+    # Engines one device runs at once without slowing each other: one for a GPU; for
+    # CPUs, the CPUs over each engine's threads.
+    engines_at_once: int = Field(default=1, ge=1)
+    # Streams an engine takes before another engine of its device is worth starting.
+    fill: float = Field(default=8.0, gt=0)
+
+
+@register("device_packing")
+class DevicePacking(Scorer):
+    """Replicas that share a device (``Endpoint.device``) fill a few engines' batches
+    before more of them start: engines time-sliced on one device each run slower, and a
+    batched step costs far less per token than a step of one sequence. Of a device's
+    candidates, its ``engines_at_once`` busiest score 1 and the rest 0 while one of those
+    has room under ``fill``; once all are full, every one scores 1 and the load scorers
+    spread. A replica with a device of its own (or none named) always scores 1."""
+
+    Settings = DevicePackingParams
+
+    def score(self, ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
+        assert isinstance(self.params, DevicePackingParams)
+        by_device: dict[str, list[Candidate]] = {}
+        for c in candidates:
+            if c.endpoint.device:
+                by_device.setdefault(c.endpoint.device, []).append(c)
+        held_back: set[str] = set()
+        for peers in by_device.values():
+            ranked = sorted(peers, key=lambda c: (-_busy(c), c.address))
+            active = ranked[: self.params.engines_at_once]
+            if any(_busy(c) < self.params.fill for c in active):
+                held_back.update(c.address for c in ranked[len(active) :])
+        return [0.0 if c.address in held_back else 1.0 for c in candidates]

@@ -128,10 +128,17 @@ def test_discovery_lists_passing_instances_with_their_metadata() -> None:
                 SERVICE, service_id=sid, address="127.0.0.1", port=port, meta=meta
             )
 
-        await register("a", 7001, {"version": "stable", "region": "eu", "model": "llm"})
+        meta = {"version": "stable", "region": "eu", "model": "llm", "device": "gpu-0"}
+        await register("a", 7001, meta)
         endpoints = ConsulDiscovery(client, SERVICE, wait="5s").watch()
         assert await next_within(endpoints) == [
-            Endpoint(address="127.0.0.1:7001", version="stable", region="eu", models=("llm",))
+            Endpoint(
+                address="127.0.0.1:7001",
+                version="stable",
+                region="eu",
+                models=("llm",),
+                device="gpu-0",
+            )
         ]
         await register("b", 7002, {"version": "canary"})
         listed = await next_within(endpoints)

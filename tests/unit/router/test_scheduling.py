@@ -55,8 +55,11 @@ def cand(
     healthy: bool = True,
     in_flight: int = 0,
     models: tuple[str, ...] = (),
+    device: str = "",
 ) -> Candidate:
-    endpoint = Endpoint(address=address, version=version, region=region, models=models)
+    endpoint = Endpoint(
+        address=address, version=version, region=region, models=models, device=device
+    )
     return Candidate(
         endpoint, region, in_flight=in_flight, load=load or ReportedLoad(), healthy=healthy
     )
@@ -359,6 +362,63 @@ def test_scorer_weights_come_from_the_document() -> None:
     assert picker().pick(PickRequest("llm"), pool, cache_averse).candidate.address == "queue:1"
 
 
+def test_replicas_sharing_a_device_fill_its_busiest_engines_first() -> None:
+    # Four engines on one device that runs two at once: the two busiest take the work
+    # while one of them has room, though idle engines cost less by load.
+    policy = RoutingPolicy(packing={"engines_at_once": 2, "fill": 4})
+    pool = [
+        cand("a:1", device="host", load=ReportedLoad(running=3)),
+        cand("b:1", device="host", load=ReportedLoad(running=1)),
+        cand("c:1", device="host"),
+        cand("d:1", device="host"),
+    ]
+    picks = {picker(i).pick(PickRequest("llm"), pool, policy).candidate.address for i in range(20)}
+    assert picks == {"b:1"}  # the less loaded of the two busiest
+    # Both full: every engine of the device is open again, and load spreads to the idle.
+    full = [
+        cand("a:1", device="host", load=ReportedLoad(running=4)),
+        cand("b:1", device="host", load=ReportedLoad(running=5)),
+        cand("c:1", device="host"),
+        cand("d:1", device="host", load=ReportedLoad(running=1)),
+    ]
+    assert picker().pick(PickRequest("llm"), full, policy).candidate.address == "c:1"
+
+
+def test_an_idle_device_starts_the_same_engines_and_counts_streams_not_yet_reported() -> None:
+    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    pool = [cand(f"{n}:1", device="gpu-0") for n in "dcba"]
+    assert {
+        picker(i).pick(PickRequest("llm"), pool, policy).candidate.address for i in range(20)
+    } == {"a:1"}
+    # A stream the router just sent to c makes c the busiest before any report shows it.
+    pool[1] = cand("c:1", device="gpu-0", in_flight=1)
+    assert picker().pick(PickRequest("llm"), pool, policy).candidate.address == "c:1"
+
+
+def test_packing_is_per_device_and_leaves_replicas_of_their_own_to_load() -> None:
+    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    pool = [
+        cand("a:1", device="gpu-0", load=ReportedLoad(running=2)),
+        cand("b:1", device="gpu-0"),
+        cand("c:1", device="gpu-1", load=ReportedLoad(running=1)),
+        cand("d:1", device="gpu-1"),
+        cand("e:1", load=ReportedLoad(running=1)),
+    ]
+    # b and d wait behind their devices' busiest; of a, c and e, the least loaded wins.
+    assert {
+        picker(i).pick(PickRequest("llm"), pool, policy).candidate.address for i in range(20)
+    } == {"c:1", "e:1"}
+
+
+def test_a_conversation_outweighs_packing() -> None:
+    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    p = picker()
+    pool = [cand("a:1", device="host"), cand("b:1", device="host")]
+    p.sessions.set("s", "b:1", "stable")
+    request = PickRequest("llm", session_key="s")
+    assert p.pick(request, pool, policy).candidate.address == "b:1"
+
+
 def test_prefix_index_matches_leading_blocks_only_and_stays_bounded() -> None:
     index = PrefixIndex(capacity=100)
     a = prefix_hashes("x" * 64 * 4)
@@ -422,6 +482,8 @@ def test_a_scorer_registered_by_name_changes_the_pick() -> None:
         ("scheduling: {scorers: [{type: queue, params: {scale: -1}}]}", "scale"),
         ("scheduling: {scorers: [{type: queue, params: {depth: 3}}]}", "depth"),
         ("scheduling: {scorers: [{type: queue, weight: -2}]}", "weight"),
+        ("packing: {engines_at_once: 0}", "engines_at_once"),
+        ("scheduling: {scorers: [{type: device_packing, params: {fill: 0}}]}", "fill"),
     ],
 )
 def test_an_invalid_profile_is_rejected_whole(document: str, problem: str) -> None:
