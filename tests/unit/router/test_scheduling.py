@@ -24,6 +24,7 @@ from services.router.scheduling import (
     register,
 )
 from services.router.scheduling.filters import region_order, split_point, subset_order
+from services.router.scheduling.scorers import DevicePackingParams
 
 LOCAL = "eu"
 
@@ -365,7 +366,7 @@ def test_scorer_weights_come_from_the_document() -> None:
 def test_replicas_sharing_a_device_fill_its_busiest_engines_first() -> None:
     # Four engines on one device that runs two at once: the two busiest take the work
     # while one of them has room, though idle engines cost less by load.
-    policy = RoutingPolicy(packing={"engines_at_once": 2, "fill": 4})
+    policy = RoutingPolicy(packing=DevicePackingParams(engines_at_once=2, fill=4))
     pool = [
         cand("a:1", device="host", load=ReportedLoad(running=3)),
         cand("b:1", device="host", load=ReportedLoad(running=1)),
@@ -385,7 +386,7 @@ def test_replicas_sharing_a_device_fill_its_busiest_engines_first() -> None:
 
 
 def test_an_idle_device_starts_the_same_engines_and_counts_streams_not_yet_reported() -> None:
-    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    policy = RoutingPolicy(packing=DevicePackingParams(engines_at_once=1, fill=8))
     pool = [cand(f"{n}:1", device="gpu-0") for n in "dcba"]
     assert {
         picker(i).pick(PickRequest("llm"), pool, policy).candidate.address for i in range(20)
@@ -396,7 +397,7 @@ def test_an_idle_device_starts_the_same_engines_and_counts_streams_not_yet_repor
 
 
 def test_packing_is_per_device_and_leaves_replicas_of_their_own_to_load() -> None:
-    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    policy = RoutingPolicy(packing=DevicePackingParams(engines_at_once=1, fill=8))
     pool = [
         cand("a:1", device="gpu-0", load=ReportedLoad(running=2)),
         cand("b:1", device="gpu-0"),
@@ -411,7 +412,7 @@ def test_packing_is_per_device_and_leaves_replicas_of_their_own_to_load() -> Non
 
 
 def test_a_conversation_outweighs_packing() -> None:
-    policy = RoutingPolicy(packing={"engines_at_once": 1, "fill": 8})
+    policy = RoutingPolicy(packing=DevicePackingParams(engines_at_once=1, fill=8))
     p = picker()
     pool = [cand("a:1", device="host"), cand("b:1", device="host")]
     p.sessions.set("s", "b:1", "stable")
