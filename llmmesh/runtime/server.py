@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from llmmesh.runtime import tracing
+from llmmesh.runtime.collector_pauses import freeze_startup_heap, watch_pauses
 from llmmesh.runtime.config import C, ConfigError, ServiceConfig, load_config
 from llmmesh.runtime.internal_auth import RequireToken, read_token
 from llmmesh.runtime.logs import configure_logging
@@ -123,6 +124,8 @@ async def run_service(service: GrpcService) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    frozen = freeze_startup_heap()
+    log.info("start-up heap frozen", extra={"fields": {"objects": frozen}})
     await stop.wait()
     log.info("draining", extra={"fields": {"grace_s": service.config.shutdown_grace_s}})
     await service.stop()
@@ -144,6 +147,7 @@ def service_main(
     except ConfigError as exc:
         raise SystemExit(f"{name}: {exc}") from None
     configure_logging(name, config.log_level)
+    watch_pauses()
     tracing.configure(name, config.otlp_endpoint)
     log.info("config", extra={"fields": {"config": config.model_dump()}})
 

@@ -82,3 +82,19 @@ def test_router_logs_each_generation_with_its_request_id(
     ended = [e for e in entries if e.get("request_id") == request_id]
     assert [e["msg"] for e in ended] == ["generation ended"]
     assert ended[0]["outcome"] == "length" and ended[0]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_start_up_heap_frozen_and_collector_pauses_exported(stack: Stack, name: str) -> None:
+    entries = [
+        json.loads(line)
+        for line in stack.log_path(name).read_text().splitlines()
+        if line.startswith("{")
+    ]
+    frozen = [e for e in entries if e["msg"] == "start-up heap frozen"]
+    assert frozen and frozen[-1]["objects"] > 10_000  # imports alone are tens of thousands
+    url = f"http://{stack.address(name + '_metrics')}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        page = reply.read().decode()
+    for generation in range(3):
+        assert f'llm_gc_pause_seconds_total{{generation="{generation}"}}' in page
