@@ -55,6 +55,8 @@ from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget, name
 from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
 
+ROUTER_TO_TRITON = "router-triton"  # a router whose endpoint is Triton itself
+
 
 def add_bench_parser(commands: Any) -> None:
     bench = commands.add_parser(
@@ -62,10 +64,12 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--target",
-        choices=["router", "openai", "triton", "triton-new-streams"],
+        choices=["router", "openai", "triton", "triton-new-streams", ROUTER_TO_TRITON],
         action="append",
-        help="what to load (repeatable; default: router); triton-new-streams: Triton "
-        "with a new stream per request instead of one kept open between requests",
+        help="what to load (repeatable; default: router; with --compare, added to triton "
+        "and router); triton-new-streams: Triton with a new stream per request instead of "
+        f"one kept open between requests; {ROUTER_TO_TRITON} (with --start-stack): a second "
+        "router whose endpoint is the stack's Triton itself, no inference service between",
     )
     bench.add_argument(
         "--scenario",
@@ -286,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
             args.api_key = stack.api_key
             meter = _stack_meter(stack)
             meters = dict.fromkeys(("router", "openai", "triton"), meter)
+            if ROUTER_TO_TRITON in (args.target or ()):
+                args.router_to_triton, direct = stacks.enter_context(_router_to_triton(stack))
+                meters[ROUTER_TO_TRITON] = _stack_meter(stack, router=direct)
             if args.against:
                 other = stacks.enter_context(_bench_stack(args, args.against))
                 args.against_router = other.address("router")
@@ -325,12 +332,37 @@ def _against_name(args: argparse.Namespace) -> str:
     return f"router ({Path(args.against).name})"
 
 
-def _stack_meter(stack: Any) -> CpuMeter:
-    """The stack's processes in CPU groups (each inference replica in one), and this one."""
+def _stack_meter(stack: Any, router: Any = None) -> CpuMeter:
+    """The stack's processes in CPU groups (each inference replica in one), and this one;
+    ``router``: another router process in the router's place."""
     groups: dict[str, list[int]] = {LOADGEN: [os.getpid()]}
     for name, pid in stack.pids().items():
         groups.setdefault("inference" if name.startswith("inference") else name, []).append(pid)
+    if router is not None:
+        groups["router"] = [router.process.pid]
     return CpuMeter(groups, alone=[LOADGEN])  # the stack's processes are its children
+
+
+@contextlib.contextmanager
+def _router_to_triton(stack: Any) -> Iterator[tuple[str, Any]]:
+    """A second router beside the stack's, its one endpoint the stack's Triton itself
+    (services/router/triton_link.py), and its address; the stack's inference service
+    idles meanwhile."""
+    from llmmesh.launcher import StackPorts
+
+    endpoint = {
+        "address": stack.address("triton_grpc"),
+        "triton_metrics_url": f"http://{stack.address('triton_metrics')}/metrics",
+        "region": "local",
+    }
+    endpoints = stack.workdir / "endpoints-triton.json"
+    endpoints.write_text(json.dumps({"endpoints": [endpoint]}))
+    port = StackPorts.free().router
+    router = stack.start_service("router", port, stack.workdir, endpoints_file=str(endpoints))
+    try:
+        yield f"{stack.host}:{port}", router
+    finally:
+        router.terminate(5)
 
 
 def _place(placement: str, meters: Iterable[CpuMeter]) -> str:
@@ -362,9 +394,12 @@ def _measure_and_report(
     if idle:
         heading = "Idle: each process's CPU with no request in flight, in shares of one CPU"
         comparison += f"\n\n{heading}:\n\n{idle}"
+    ratios = [("router", ROUTER_TO_TRITON)]
     if getattr(args, "against", None):
-        ratios = cpu_ratio_table(runs, _against_name(args), "router")
-        comparison += f"\n\n{ratios}" if ratios else ""
+        ratios += [(_against_name(args), "router"), (_against_name(args), ROUTER_TO_TRITON)]
+    for baseline, candidate in ratios:
+        table = cpu_ratio_table(runs, baseline, candidate)
+        comparison += f"\n\n{table}" if table else ""
     if comparison:
         print("\n" + comparison)
     figures = ""
@@ -395,7 +430,12 @@ def _measure_and_report(
 def _comparisons(args: argparse.Namespace, runs: list[Run]) -> str:
     """The mesh against Triton, and HTTP against gRPC, for the targets that ran."""
     names = {run.target for run in runs}
-    pairs = [("triton", "router"), ("router", "openai")]
+    pairs = [
+        ("triton", "router"),
+        ("router", "openai"),
+        ("triton", ROUTER_TO_TRITON),
+        ("router", ROUTER_TO_TRITON),
+    ]
     if getattr(args, "against", None):
         pairs += [("triton", _against_name(args)), (_against_name(args), "router")]
     tables = [
@@ -934,7 +974,12 @@ def _record(args: argparse.Namespace, section: str, run_details: str, content: s
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:
-    names = ["triton", "router"] if args.compare else (args.target or ["router"])
+    asked = args.target or []
+    names = (
+        ["triton", "router", *(t for t in asked if t not in ("triton", "router"))]
+        if args.compare
+        else (asked or ["router"])
+    )
     state = json.loads(args.state_file.read_text()) if args.state_file.exists() else {}
     targets: list[Target] = []
     for name in names:
@@ -942,6 +987,11 @@ def _targets(args: argparse.Namespace) -> list[Target]:
         if name == "router":
             address = router_address(args.router, args.state_file)
             targets.append(RouterTarget(address, args.model or "llm", key))
+        elif name == ROUTER_TO_TRITON:
+            if not getattr(args, "router_to_triton", None):
+                raise SystemExit(f"--target {ROUTER_TO_TRITON} needs --start-stack")
+            direct = RouterTarget(args.router_to_triton, args.model or "llm", key)
+            targets.append(named(direct, ROUTER_TO_TRITON))
         elif name == "openai":
             base = (
                 getattr(args, "openai_url", None)

@@ -17,13 +17,10 @@ from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
-from services.inference.core import GenerationBackend, InferenceCore
-from services.inference.faults import FaultyBackend
-from services.inference.health import HealthKeeper, ModelHealth
+from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor, LoadSnapshot
-from services.inference.metrics_page import MetricsPage
 from services.inference.multiplex import MultiplexSession
-from services.inference.triton import StreamGap, TritonBackend
+from services.inference.replica import build_replica
 
 log = logging.getLogger(__name__)
 
@@ -170,49 +167,19 @@ def configured_servicer(
     )
 
 
-def triton_backend(config: InferenceConfig) -> TritonBackend:
-    """This replica's Triton client, asking the engine for the configured stream gap."""
-    gap = StreamGap(config.engine_stream_gap_ms / 1000, config.engine_stream_gap_after)
-    return TritonBackend(config.triton_url, config.stream_timeout_s, gap=gap)
-
-
 def build_service(config: InferenceConfig) -> GrpcService:
-    backend = triton_backend(config)
-    health = ModelHealth(config.stall_timeout_s)
-    served_models = set(config.model_aliases.values()) or set(config.models)
-    keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)
-    generating: GenerationBackend = backend
-    if config.faults.active:
-        log.warning("this replica injects faults", extra={"fields": config.faults.model_dump()})
-        generating = FaultyBackend(backend, config.faults)
-    core = InferenceCore(
-        generating, config.max_tokens_limit, config.model_aliases, health, keeper.failed
-    )
-
-    metrics_page = MetricsPage(config.triton_metrics_url)
-    monitor = LoadMonitor(
-        metrics_page.read,
-        lambda: core.in_flight,
-        core.latency,
-        config.load_poll_interval_s,
-        config.load_idle_poll_interval_s,
-    )
+    replica = build_replica(config)
+    core, monitor = replica.core, replica.monitor
     servicer = configured_servicer(config, core, monitor)
 
     async def start() -> None:
-        keeper.start()
-
-    async def cleanup() -> None:
-        await keeper.close()
-        await monitor.close()
-        await metrics_page.close()
-        await backend.close()
+        replica.start()
 
     service = GrpcService(
         config,
         [SERVICE.full_name],
         lambda server: add_servicer(server, servicer, SERVICE),
-        cleanup=cleanup,
+        cleanup=replica.close,
     )
     service.on_start(start)
     service.on_drain(servicer.drain)

@@ -60,7 +60,22 @@ class Connector(Protocol):
     def connect(self, endpoint: Endpoint) -> ReplicaLink: ...
 
 
-def load_metrics(model: inference_pb2.ModelLoad) -> dict[str, float]:
+class ModelLoadFields(Protocol):
+    """A model's load in a report: the message's, or the inference core's own."""
+
+    @property
+    def metrics(self) -> Mapping[str, float]: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def kv_utilization(self) -> float: ...
+    @property
+    def prefix_cache_hit_rate(self) -> float: ...
+
+
+def load_metrics(model: ModelLoadFields) -> dict[str, float]:
     """A model's load as scheduling reads it: every metric the engine reports, and the
     report's named fields."""
     return {
@@ -130,11 +145,17 @@ class GrpcLink:
 class GrpcConnector:
     """Replicas dialed directly, or through ``via``: the local sidecar's listener; every
     call presents ``auth``, the mesh's credential. ``multiplex``: generations share one
-    long-lived stream per replica (Inference.Multiplex) instead of a call each."""
+    long-lived stream per replica (Inference.Multiplex) instead of a call each. An
+    endpoint that is a Triton server itself (``triton_metrics_url``) is served in this
+    process instead (services/router/triton_link.py)."""
 
     via: str = ""
     auth: Metadata = ()
     multiplex: bool = True
 
-    def connect(self, endpoint: Endpoint) -> GrpcLink:
+    def connect(self, endpoint: Endpoint) -> ReplicaLink:
+        if endpoint.triton_metrics_url:
+            from services.router.triton_link import TritonLink  # it builds on this module
+
+            return TritonLink(endpoint)
         return GrpcLink(endpoint, self.via, self.auth, self.multiplex)

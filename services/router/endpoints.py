@@ -36,6 +36,10 @@ class Endpoint(BaseModel):
     # The device its engine runs on, as the deployment names it (a GPU's UUID, a host's
     # CPU set): replicas naming the same one share it. Empty: a device of its own.
     device: str = ""
+    # Set: ``address`` is a Triton server itself, which the router serves in process with
+    # the inference service's core (one Python hop less), reading its load from this
+    # metrics URL. Empty: ``address`` is an inference service.
+    triton_metrics_url: str = Field(default="", pattern=r"^(https?://\S+)?$")
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models
@@ -66,8 +70,8 @@ class FixedDiscovery:
 
 class FileDiscovery:
     """Endpoints listed in a YAML/JSON file (``endpoints: [{address, version, region,
-    models, device}]``), re-read when it changes. An invalid file is logged and skipped: the
-    previous list stays."""
+    models, device, triton_metrics_url}]``), re-read when it changes. An invalid file is
+    logged and skipped: the previous list stays."""
 
     def __init__(self, path: Path, interval_s: float) -> None:
         self._path = path

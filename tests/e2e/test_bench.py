@@ -118,3 +118,28 @@ def test_paired_triton_with_a_new_stream_per_request_against_streams_kept(
     assert code == 0
     table = capsys.readouterr().out
     assert "| triton-new-streams | 6 |" in table and "| triton | 6 |" in table
+
+
+def test_the_router_to_triton_target_needs_a_stack_of_its_own(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_MESH_API_KEY", stack.api_key)
+    with pytest.raises(SystemExit, match="router-triton needs --start-stack"):
+        main(["bench", "--target", "router-triton", "--num-prompts", "1", "--no-progress"])
+
+
+def test_a_router_to_triton_beside_the_stack_serves_and_is_metered_as_the_router(
+    stack: Stack,
+) -> None:
+    from bench.cli import _router_to_triton, _stack_meter
+    from llmmesh.client import authorized_channel
+    from tests.conftest import collect
+
+    with _router_to_triton(stack) as (address, router):
+        with authorized_channel(address, stack.api_key) as channel:
+            responses = collect(channel, "hello", max_tokens=4, ignore_eos=True)
+        assert responses[-1].served.endpoint == stack.address("triton_grpc")
+        meter = _stack_meter(stack, router=router)
+        assert meter.roots["router"] == (router.process.pid,)
+        assert meter.roots["triton"] == _stack_meter(stack).roots["triton"]
+    assert not router.alive

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.config import InferenceConfig
-from services.inference.server import triton_backend
+from services.inference.replica import triton_backend
 from services.inference.triton import (
     StreamGap,
     TritonBackend,

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from llmmesh.runtime.watch import watch_file
 from services.router.breaker import BreakerState, CircuitBreaker
@@ -93,6 +94,14 @@ def test_endpoints_file_lists_metadata_and_a_bad_edit_is_skipped(tmp_path: Path)
         await lists.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_endpoint_may_be_a_triton_server_named_by_its_metrics_url() -> None:
+    triton = Endpoint(address="h:8001", triton_metrics_url="http://h:8002/metrics")
+    assert triton.triton_metrics_url == "http://h:8002/metrics"
+    assert Endpoint(address="h:1").triton_metrics_url == ""  # an inference service
+    with pytest.raises(ValidationError, match="triton_metrics_url"):
+        Endpoint(address="h:8001", triton_metrics_url="h:8002/metrics")  # not a URL
 
 
 def test_breaker_opens_after_consecutive_failures_and_probes_once() -> None:
