@@ -20,8 +20,9 @@ class ConsulDiscovery:
     """Passing instances of an inference service from ``/v1/health/service/<name>``.
 
     ``Service.Meta`` carries ``version`` (subset), ``region`` (default: the node's
-    datacenter), ``model`` (comma-separated; empty means every model) and ``device`` (the
-    device its engine shares with other instances naming it).
+    datacenter), ``model`` (comma-separated; empty means every model), ``device`` (the
+    device its engine shares with other instances naming it) and ``triton_metrics_url``
+    (the instance is a Triton server itself, served in the router's process).
     """
 
     def __init__(self, client: consul.aio.Consul, service: str, wait: str = "30s") -> None:
@@ -51,6 +52,7 @@ def _endpoint(entry: dict[str, Any]) -> Endpoint | None:
             region=meta.get("region") or node.get("Datacenter") or "",
             models=tuple(m.strip() for m in (meta.get("model") or "").split(",") if m.strip()),
             device=meta.get("device") or "",
+            triton_metrics_url=meta.get("triton_metrics_url") or "",
         )
     except (ValidationError, TypeError, ValueError):
         log.warning("skipping a malformed service entry from consul: %r", service.get("ID"))

@@ -142,12 +142,17 @@ def test_discovery_lists_passing_instances_with_their_metadata() -> None:
         ]
         await register("b", 7002, {"version": "canary"})
         listed = await next_within(endpoints)
+        assert all(e.triton_metrics_url == "" for e in listed)  # inference services
         assert sorted((e.address, e.version, e.region) for e in listed) == [
             ("127.0.0.1:7001", "stable", "eu"),
             ("127.0.0.1:7002", "canary", "dc1"),  # no region: the datacenter
         ]
         await client.agent.service.deregister("a")
         assert [e.address for e in await next_within(endpoints)] == ["127.0.0.1:7002"]
+        metrics = "http://127.0.0.1:8002/metrics"
+        await register("t", 8001, {"triton_metrics_url": metrics})
+        listed = await next_within(endpoints)
+        assert [e.triton_metrics_url for e in listed if e.address.endswith(":8001")] == [metrics]
         await client.agent.service.deregister("b")
         await endpoints.aclose()
 
