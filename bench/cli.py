@@ -334,12 +334,15 @@ def _against_name(args: argparse.Namespace) -> str:
 
 def _stack_meter(stack: Any, router: Any = None) -> CpuMeter:
     """The stack's processes in CPU groups (each inference replica in one), and this one;
-    ``router``: another router process in the router's place."""
+    ``router``: a router whose endpoint is Triton itself, in the router's place, with no
+    inference group (the stack's inference service is not on its path; it only reads
+    Triton's metrics page more often while that router keeps the engine busy)."""
     groups: dict[str, list[int]] = {LOADGEN: [os.getpid()]}
     for name, pid in stack.pids().items():
         groups.setdefault("inference" if name.startswith("inference") else name, []).append(pid)
     if router is not None:
         groups["router"] = [router.process.pid]
+        del groups["inference"]
     return CpuMeter(groups, alone=[LOADGEN])  # the stack's processes are its children
 
 

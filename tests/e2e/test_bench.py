@@ -142,4 +142,5 @@ def test_a_router_to_triton_beside_the_stack_serves_and_is_metered_as_the_router
         meter = _stack_meter(stack, router=router)
         assert meter.roots["router"] == (router.process.pid,)
         assert meter.roots["triton"] == _stack_meter(stack).roots["triton"]
+        assert "inference" not in meter.roots  # not on that router's path
     assert not router.alive
