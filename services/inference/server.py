@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
@@ -21,8 +20,6 @@ from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor, LoadSnapshot
 from services.inference.multiplex import MultiplexSession
 from services.inference.replica import build_replica
-
-log = logging.getLogger(__name__)
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 

@@ -8,6 +8,7 @@ endpoint named in ``x-gateway-destination-endpoint``); tests use an in-memory on
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,8 @@ from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.router.endpoints import Endpoint
 from services.router.multiplex import GenerationMux
 from services.router.upstreams import CHANNEL_OPTIONS, Metadata, ReplicaClient
+
+log = logging.getLogger(__name__)
 
 DESCRIBE_TIMEOUT_S = 30.0  # a card is a few MB (the tokenizer), asked once per model
 
@@ -157,5 +160,10 @@ class GrpcConnector:
         if endpoint.triton_metrics_url:
             from services.router.triton_link import TritonLink  # it builds on this module
 
+            if self.via:  # Triton speaks no mTLS: said once per endpoint, not hidden
+                log.warning(
+                    "a Triton endpoint is dialed directly, not through the sidecar",
+                    extra={"fields": {"endpoint": endpoint.address, "via": self.via}},
+                )
             return TritonLink(endpoint)
         return GrpcLink(endpoint, self.via, self.auth, self.multiplex)
