@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench.paced_replica import PacedBackend, paced_backend, spawn_paced
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.launcher import StackPorts
@@ -45,6 +47,12 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
                 yield generation_pb2.GenerateResponse(
                     text=chunk.text, finish_reason=reason, usage=usage
                 )
+
+    async def GenerateStream(  # noqa: N802 (gRPC's method name)
+        self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest], context: Any
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the bare streamer serves Generate")
+        yield generation_pb2.GenerateStreamResponse()  # never reached: makes this a stream
 
 
 def start_bare_streamer(

@@ -51,11 +51,22 @@ from bench.routing import (
     routing_fleet,
 )
 from bench.scenarios import Comparison, Paired, head_of_line, paired_ttft, prefix_cache
-from bench.targets import OpenAiTarget, RouterTarget, Target, TritonTarget, named
+from bench.targets import (
+    OpenAiTarget,
+    RouterStreamTarget,
+    RouterTarget,
+    Target,
+    TritonTarget,
+    named,
+)
 from bench.workload import WorkloadSpec, make_requests, new_salt
 from llmmesh.client import DEFAULT_STATE_FILE, api_key, router_address
 
 ROUTER_TO_TRITON = "router-triton"  # a router whose endpoint is Triton itself
+# A router target's requests as generations on one GenerateStream call kept open.
+ON_A_STREAM = "-stream"
+ROUTER_STREAM = "router" + ON_A_STREAM
+ROUTER_TO_TRITON_STREAM = ROUTER_TO_TRITON + ON_A_STREAM
 
 
 def add_bench_parser(commands: Any) -> None:
@@ -64,12 +75,22 @@ def add_bench_parser(commands: Any) -> None:
     )
     bench.add_argument(
         "--target",
-        choices=["router", "openai", "triton", "triton-new-streams", ROUTER_TO_TRITON],
+        choices=[
+            "router",
+            "openai",
+            "triton",
+            "triton-new-streams",
+            ROUTER_TO_TRITON,
+            ROUTER_STREAM,
+            ROUTER_TO_TRITON_STREAM,
+        ],
         action="append",
         help="what to load (repeatable; default: router; with --compare, added to triton "
         "and router); triton-new-streams: Triton with a new stream per request instead of "
         f"one kept open between requests; {ROUTER_TO_TRITON} (with --start-stack): a second "
-        "router whose endpoint is the stack's Triton itself, no inference service between",
+        "router whose endpoint is the stack's Triton itself, no inference service between; "
+        f"a router target with '{ON_A_STREAM}': its requests as generations on one "
+        "GenerateStream call kept open, as the triton target keeps its stream",
     )
     bench.add_argument(
         "--scenario",
@@ -289,10 +310,11 @@ def run(args: argparse.Namespace) -> int:
             args.openai_url = stack.openai_base_url
             args.api_key = stack.api_key
             meter = _stack_meter(stack)
-            meters = dict.fromkeys(("router", "openai", "triton"), meter)
-            if ROUTER_TO_TRITON in (args.target or ()):
+            meters = dict.fromkeys(("router", ROUTER_STREAM, "openai", "triton"), meter)
+            if {ROUTER_TO_TRITON, ROUTER_TO_TRITON_STREAM} & set(args.target or ()):
                 args.router_to_triton, direct = stacks.enter_context(_router_to_triton(stack))
-                meters[ROUTER_TO_TRITON] = _stack_meter(stack, router=direct)
+                direct_meter = _stack_meter(stack, router=direct)
+                meters |= dict.fromkeys((ROUTER_TO_TRITON, ROUTER_TO_TRITON_STREAM), direct_meter)
             if args.against:
                 other = stacks.enter_context(_bench_stack(args, args.against))
                 args.against_router = other.address("router")
@@ -397,9 +419,10 @@ def _measure_and_report(
     if idle:
         heading = "Idle: each process's CPU with no request in flight, in shares of one CPU"
         comparison += f"\n\n{heading}:\n\n{idle}"
-    ratios = [("router", ROUTER_TO_TRITON)]
+    ratios = [("router", ROUTER_TO_TRITON), ("router", ROUTER_TO_TRITON_STREAM)]
     if getattr(args, "against", None):
-        ratios += [(_against_name(args), "router"), (_against_name(args), ROUTER_TO_TRITON)]
+        against = _against_name(args)
+        ratios += [(against, t) for t in ("router", ROUTER_TO_TRITON, ROUTER_TO_TRITON_STREAM)]
     for baseline, candidate in ratios:
         table = cpu_ratio_table(runs, baseline, candidate)
         comparison += f"\n\n{table}" if table else ""
@@ -438,6 +461,9 @@ def _comparisons(args: argparse.Namespace, runs: list[Run]) -> str:
         ("router", "openai"),
         ("triton", ROUTER_TO_TRITON),
         ("router", ROUTER_TO_TRITON),
+        ("triton", ROUTER_STREAM),
+        ("triton", ROUTER_TO_TRITON_STREAM),
+        (ROUTER_TO_TRITON, ROUTER_TO_TRITON_STREAM),
     ]
     if getattr(args, "against", None):
         pairs += [("triton", _against_name(args)), (_against_name(args), "router")]
@@ -987,14 +1013,13 @@ def _targets(args: argparse.Namespace) -> list[Target]:
     targets: list[Target] = []
     for name in names:
         key = getattr(args, "api_key", None) or api_key(args.state_file)
-        if name == "router":
+        if name in ("router", ROUTER_STREAM):
             address = router_address(args.router, args.state_file)
-            targets.append(RouterTarget(address, args.model or "llm", key))
-        elif name == ROUTER_TO_TRITON:
+            targets.append(_router_target(name, address, args.model or "llm", key))
+        elif name in (ROUTER_TO_TRITON, ROUTER_TO_TRITON_STREAM):
             if not getattr(args, "router_to_triton", None):
-                raise SystemExit(f"--target {ROUTER_TO_TRITON} needs --start-stack")
-            direct = RouterTarget(args.router_to_triton, args.model or "llm", key)
-            targets.append(named(direct, ROUTER_TO_TRITON))
+                raise SystemExit(f"--target {name} needs --start-stack")
+            targets.append(_router_target(name, args.router_to_triton, args.model or "llm", key))
         elif name == "openai":
             base = (
                 getattr(args, "openai_url", None)
@@ -1011,6 +1036,13 @@ def _targets(args: argparse.Namespace) -> list[Target]:
         against = RouterTarget(args.against_router, args.model or "llm", args.against_key)
         targets.append(named(against, _against_name(args)))
     return targets
+
+
+def _router_target(name: str, address: str, model: str, key: str) -> Target:
+    """A router's public API, called per request or, for a '-stream' name, on a stream."""
+    if name.endswith(ON_A_STREAM):
+        return named(RouterStreamTarget(address, model, key), name)
+    return named(RouterTarget(address, model, key), name)
 
 
 def _workload(args: argparse.Namespace) -> WorkloadSpec:

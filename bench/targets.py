@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, Iterable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -16,8 +16,9 @@ import grpc
 from bench.metrics import RequestRecord
 from bench.workload import BenchRequest
 from llmmesh.client import auth_metadata, build_request
+from llmmesh.stream_client import GenerationStream
 from llmmesh.types import InferenceCall, Sampling
-from llmmesh.v1 import generation_pb2_grpc
+from llmmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.inference.triton import TritonBackend
 from services.inference.warm_streams import MAX_IDLE_STREAMS
 from services.router.tenants import hash_key
@@ -50,7 +51,7 @@ class Target(Protocol):
     async def close(self) -> None: ...
 
 
-T = TypeVar("T", "RouterTarget", "OpenAiTarget", "TritonTarget")
+T = TypeVar("T", "RouterTarget", "RouterStreamTarget", "OpenAiTarget", "TritonTarget")
 
 
 def named(target: T, name: str) -> T:
@@ -80,16 +81,49 @@ class RouterTarget:
             session_id=request.session_id,
         )
         call = self._stub.Generate(message, metadata=self._metadata, timeout=self._timeout)
-        async for reply in call:
-            now = time.perf_counter()
-            if reply.text:
-                record.first_token_at = record.first_token_at or now
-                record.chunk_times.append(now)
-            if reply.finish_reason:
-                record.output_tokens = reply.usage.completion_tokens
-        record.finished_at = time.perf_counter()
+        await _record_replies(call, record)
 
     async def close(self) -> None:
+        await self._channel.close()
+
+
+async def _record_replies(
+    replies: AsyncIterable[generation_pb2.GenerateResponse], record: RequestRecord
+) -> None:
+    """One generation's public responses, as the client sees them arrive."""
+    async for reply in replies:
+        now = time.perf_counter()
+        if reply.text:
+            record.first_token_at = record.first_token_at or now
+            record.chunk_times.append(now)
+        if reply.finish_reason:
+            record.output_tokens = reply.usage.completion_tokens
+    record.finished_at = time.perf_counter()
+
+
+class RouterStreamTarget:
+    """The router's public API as a client with many requests sends them: every request a
+    generation on one GenerateStream call kept open (as Triton's clients keep a stream)."""
+
+    name = "router-stream"
+
+    def __init__(self, address: str, model: str, api_key: str = "") -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stream = GenerationStream(self._channel, auth_metadata(api_key))
+        self._model = model
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        message = build_request(
+            request.prompt,
+            model=self._model,
+            max_tokens=request.max_tokens,
+            ignore_eos=True,
+            session_id=request.session_id,
+        )
+        await _record_replies(self._stream.generate(message), record)
+
+    async def close(self) -> None:
+        await self._stream.close()
         await self._channel.close()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor, message, message_factory
@@ -24,10 +24,34 @@ from llmmesh.runtime.errors import InvalidArgument, MeshError
 from llmmesh.runtime.grpc_status import abort
 from llmmesh.runtime.metadata import REQUEST_ID, bind_request_id, metadata_value
 
+F = TypeVar("F", bound=Callable[..., Any])
+TAKES_MALFORMED = "_takes_malformed_requests"
+
 
 @dataclass(frozen=True)
 class MalformedRequest:
     error: InvalidArgument
+    data: bytes  # the message as it came
+
+
+def takes_malformed(behaviour: F) -> F:
+    """Marks a bidi method that handles a message that does not parse itself (it gets a
+    ``MalformedRequest`` in its place) rather than having the stream end with the error:
+    a stream of many generations refuses the one the message would have started."""
+    setattr(behaviour, TAKES_MALFORMED, True)
+    return behaviour
+
+
+def generation_ids(data: bytes) -> list[int]:
+    """The ``generation_id`` of each control a multiplexed stream's message (its field 1,
+    ``controls``; a control's field 1, ``generation_id``) names, read from the wire
+    format of a message that does not parse."""
+    return [
+        number
+        for control in _length_delimited_fields(data)
+        if control[0] == 1
+        for number in _varint_fields(control[1], 1)
+    ]
 
 
 def add_servicer(
@@ -48,10 +72,11 @@ def _handler(
     response_cls = message_factory.GetMessageClass(method.output_type)
     deserialize = _lenient(request_cls)
     serialize = response_cls.SerializeToString
+    takes_malformed = getattr(behaviour, TAKES_MALFORMED, False)
     behaviour = _traced(behaviour, method)
     if method.client_streaming and method.server_streaming:
         return grpc.stream_stream_rpc_method_handler(
-            _checked_bidi(behaviour),
+            _checked_bidi(behaviour, takes_malformed),
             request_deserializer=deserialize,
             response_serializer=serialize,
         )
@@ -118,7 +143,7 @@ def _lenient(cls: type[message.Message]) -> Callable[[bytes], object]:
         try:
             return cls.FromString(data)
         except message.DecodeError:
-            return MalformedRequest(_diagnose(cls.DESCRIPTOR, data))
+            return MalformedRequest(_diagnose(cls.DESCRIPTOR, data), data)
 
     return deserialize
 
@@ -153,7 +178,7 @@ def _checked_stream(
 
 
 def _checked_bidi(
-    behaviour: Callable[..., AsyncIterator[Any]],
+    behaviour: Callable[..., AsyncIterator[Any]], takes_malformed: bool
 ) -> Callable[..., AsyncIterator[Any]]:
     async def handle(
         requests: AsyncIterator[object], context: grpc.aio.ServicerContext[Any, Any]
@@ -165,7 +190,7 @@ def _checked_bidi(
                 yield request
 
         try:
-            async for response in behaviour(checked(), context):
+            async for response in behaviour(requests if takes_malformed else checked(), context):
                 yield response
         except MeshError as err:
             await abort(context, err)
@@ -201,13 +226,26 @@ def _invalid_utf8_field(desc: Any, data: bytes, prefix: str) -> str | None:
 
 def _length_delimited_fields(data: bytes) -> list[tuple[int, bytes]]:
     """(field number, payload) of every length-delimited field; stops at malformed input."""
-    out, pos = [], 0
+    return [(number, value) for number, value in _fields(data) if isinstance(value, bytes)]
+
+
+def _varint_fields(data: bytes, wanted: int) -> list[int]:
+    """The values of field ``wanted`` where it is a varint; stops at malformed input."""
+    return [value for number, value in _fields(data) if number == wanted and isinstance(value, int)]
+
+
+def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
+    """(field number, value) of every varint field (its number) and length-delimited field
+    (its payload); skips fixed-width ones; stops at malformed input."""
+    out: list[tuple[int, int | bytes]] = []
+    pos = 0
     try:
         while pos < len(data):
             key, pos = _varint(data, pos)
             number, wire_type = key >> 3, key & 7
             if wire_type == 0:
-                _, pos = _varint(data, pos)
+                value, pos = _varint(data, pos)
+                out.append((number, value))
             elif wire_type == 1:
                 pos += 8
             elif wire_type == 5:

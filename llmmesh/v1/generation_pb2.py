@@ -25,21 +25,35 @@ _sym_db = _symbol_database.Default()
 from llmmesh.v1 import common_pb2 as llmmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmmesh/v1/generation.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"\x9a\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\ntruncation\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x93\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\r\n\x05model\x18\x05 \x01(\t\x12\"\n\x06served\x18\x06 \x01(\x0b\x32\x12.llmmesh.v1.Served\x12+\n\x07\x63ontext\x18\x07 \x01(\x0b\x32\x1a.llmmesh.v1.SessionContext\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob\"\x8b\x01\n\x0eSessionContext\x12\x15\n\rhistory_turns\x18\x01 \x01(\r\x12\x15\n\rdropped_turns\x18\x02 \x01(\r\x12\x18\n\x10summarized_turns\x18\x03 \x01(\r\x12\x12\n\ntruncation\x18\x04 \x01(\t\x12\x1d\n\x15system_prompt_dropped\x18\x05 \x01(\x08\"]\n\x06Served\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06subset\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\r\x12\x10\n\x08\x66\x61llback\x18\x05 \x01(\x08\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.llmmesh.v1.GenerateRequest\x1a\x1c.llmmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmmesh/v1/generation.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"F\n\x15GenerateStreamRequest\x12-\n\x08\x63ontrols\x18\x01 \x03(\x0b\x32\x1b.llmmesh.v1.GenerateControl\"\x82\x01\n\x0fGenerateControl\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12*\n\x05start\x18\x02 \x01(\x0b\x32\x19.llmmesh.v1.GenerateStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x10\n\x06\x63redit\x18\x04 \x01(\rH\x00\x42\x08\n\x06\x61\x63tion\"\xfd\x01\n\rGenerateStart\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.llmmesh.v1.GenerateRequest\x12\x0e\n\x06window\x18\x02 \x01(\r\x12\x42\n\rtrace_context\x18\x03 \x03(\x0b\x32+.llmmesh.v1.GenerateStart.TraceContextEntry\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\r\n\x05\x63olor\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x16GenerateStreamResponse\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.llmmesh.v1.GenerateFrame\"r\n\rGenerateFrame\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.llmmesh.v1.GenerateResponseH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05\x65vent\"\x9a\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\ntruncation\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x93\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\r\n\x05model\x18\x05 \x01(\t\x12\"\n\x06served\x18\x06 \x01(\x0b\x32\x12.llmmesh.v1.Served\x12+\n\x07\x63ontext\x18\x07 \x01(\x0b\x32\x1a.llmmesh.v1.SessionContext\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob\"\x8b\x01\n\x0eSessionContext\x12\x15\n\rhistory_turns\x18\x01 \x01(\r\x12\x15\n\rdropped_turns\x18\x02 \x01(\r\x12\x18\n\x10summarized_turns\x18\x03 \x01(\r\x12\x12\n\ntruncation\x18\x04 \x01(\t\x12\x1d\n\x15system_prompt_dropped\x18\x05 \x01(\x08\"]\n\x06Served\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06subset\x18\x02 \x01(\t\x12\x0e\n\x06region\x18\x03 \x01(\t\x12\x0f\n\x07resumed\x18\x04 \x01(\r\x12\x10\n\x08\x66\x61llback\x18\x05 \x01(\x08\x32\xb2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.llmmesh.v1.GenerateRequest\x1a\x1c.llmmesh.v1.GenerateResponse0\x01\x12[\n\x0eGenerateStream\x12!.llmmesh.v1.GenerateStreamRequest\x1a\".llmmesh.v1.GenerateStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=69
-  _globals['_GENERATEREQUEST']._serialized_end=223
-  _globals['_GENERATERESPONSE']._serialized_start=226
-  _globals['_GENERATERESPONSE']._serialized_end=501
-  _globals['_SESSIONCONTEXT']._serialized_start=504
-  _globals['_SESSIONCONTEXT']._serialized_end=643
-  _globals['_SERVED']._serialized_start=645
-  _globals['_SERVED']._serialized_end=738
-  _globals['_GENERATION']._serialized_start=740
-  _globals['_GENERATION']._serialized_end=825
+  _globals['_GENERATESTART_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATESTART_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=68
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=138
+  _globals['_GENERATECONTROL']._serialized_start=141
+  _globals['_GENERATECONTROL']._serialized_end=271
+  _globals['_GENERATESTART']._serialized_start=274
+  _globals['_GENERATESTART']._serialized_end=527
+  _globals['_GENERATESTART_TRACECONTEXTENTRY']._serialized_start=476
+  _globals['_GENERATESTART_TRACECONTEXTENTRY']._serialized_end=527
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=529
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=596
+  _globals['_GENERATEFRAME']._serialized_start=598
+  _globals['_GENERATEFRAME']._serialized_end=712
+  _globals['_GENERATEREQUEST']._serialized_start=715
+  _globals['_GENERATEREQUEST']._serialized_end=869
+  _globals['_GENERATERESPONSE']._serialized_start=872
+  _globals['_GENERATERESPONSE']._serialized_end=1147
+  _globals['_SESSIONCONTEXT']._serialized_start=1150
+  _globals['_SESSIONCONTEXT']._serialized_end=1289
+  _globals['_SERVED']._serialized_start=1291
+  _globals['_SERVED']._serialized_end=1384
+  _globals['_GENERATION']._serialized_start=1387
+  _globals['_GENERATION']._serialized_end=1565
 # @@protoc_insertion_point(module_scope)

@@ -20,6 +20,193 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GenerateStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTROLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def controls(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateControl]:
+        """What the client asks of its generations, in order (several when they come together)."""
+
+    def __init__(
+        self,
+        *,
+        controls: _abc.Iterable[Global___GenerateControl] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controls", b"controls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
+
+@_typing.final
+class GenerateControl(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_ID_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    CREDIT_FIELD_NUMBER: _builtins.int
+    generation_id: _builtins.int
+    """The client's number for one generation on this stream, unique while it runs (> 0)."""
+    cancel: _builtins.bool
+    """Ends a generation early, as cancelling a Generate call does: nothing more is sent
+    for it.
+    """
+    credit: _builtins.int
+    """The client took this many more of the generation's responses (flow control)."""
+    @_builtins.property
+    def start(self) -> Global___GenerateStart:
+        """Starts a generation."""
+
+    def __init__(
+        self,
+        *,
+        generation_id: _builtins.int = ...,
+        start: Global___GenerateStart | None = ...,
+        cancel: _builtins.bool = ...,
+        credit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "credit", b"credit", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "credit", b"credit", "generation_id", b"generation_id", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "credit"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___GenerateControl: _TypeAlias = GenerateControl  # noqa: Y015
+
+@_typing.final
+class GenerateStart(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    COLOR_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    window: _builtins.int
+    """Responses the router may send before the client's credit says it took them (each
+    generation's own flow control, so that one slow reader holds back no other
+    generation); 0: no limit.
+    """
+    request_id: _builtins.str
+    """Correlation id, as x-request-id; generated when empty."""
+    color: _builtins.str
+    """Pins a traffic color / subset, as x-llm-color."""
+    timeout_ms: _builtins.int
+    """The generation's deadline, counted from its start, as a Generate call's deadline
+    (DEADLINE_EXCEEDED once passed); 0: none.
+    """
+    @_builtins.property
+    def request(self) -> Global___GenerateRequest: ...
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The client's trace context (W3C traceparent and tracestate), as Generate takes it in
+        metadata.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___GenerateRequest | None = ...,
+        window: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        request_id: _builtins.str = ...,
+        color: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["color", b"color", "request", b"request", "request_id", b"request_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStart: _TypeAlias = GenerateStart  # noqa: Y015
+
+@_typing.final
+class GenerateStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateFrame]:
+        """Responses of any of the stream's generations, each generation's in order."""
+
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___GenerateFrame] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamResponse: _TypeAlias = GenerateStreamResponse  # noqa: Y015
+
+@_typing.final
+class GenerateFrame(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATION_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    generation_id: _builtins.int
+    error: _builtins.bytes
+    """The generation ended with this status: a serialized google.rpc.Status, as a
+    Generate call's grpc-status-details-bin trailer carries it (its code, message and
+    details: BadRequest naming the field, RetryInfo). It is the generation's last frame.
+    """
+    @_builtins.property
+    def response(self) -> Global___GenerateResponse:
+        """The generation's next response, as Generate streams it; the one with a finish
+        reason is its last.
+        """
+
+    def __init__(
+        self,
+        *,
+        generation_id: _builtins.int = ...,
+        response: Global___GenerateResponse | None = ...,
+        error: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "generation_id", b"generation_id", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___GenerateFrame: _TypeAlias = GenerateFrame  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

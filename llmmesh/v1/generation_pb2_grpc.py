@@ -46,6 +46,11 @@ class GenerationStub:
                 request_serializer=llmmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/llmmesh.v1.Generation/GenerateStream',
+                request_serializer=llmmesh_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -68,6 +73,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Many generations over one long-lived stream, as Triton's ModelStreamInfer takes a
+        client's requests: a generation costs a message on a stream that exists rather than a
+        call of its own (no call set-up per request). The stream's metadata authenticates
+        every generation on it (authorization, as for Generate); what Generate reads from a
+        call's metadata (request id, color, deadline) each start carries. Each generation
+        behaves as a Generate call would: the same checks, in the same order, and the same
+        responses, ended by its finish reason or by an error frame carrying the status
+        Generate would have ended with; an error ends that generation only. The stream ends
+        when the client has closed its side and its last generation has ended, or, once the
+        router drains for shutdown, with its last running generation (new starts are then
+        refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +97,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmmesh_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=llmmesh_dot_v1_dot_generation__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -111,6 +138,33 @@ class Generation:
             '/llmmesh.v1.Generation/Generate',
             llmmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             llmmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmmesh.v1.Generation/GenerateStream',
+            llmmesh_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
+            llmmesh_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,19 @@ class GenerationStub:
     finish_reason and usage. Errors are gRPC statuses with google.rpc details
     (BadRequest names the invalid field).
     """
+    GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]
+    """Many generations over one long-lived stream, as Triton's ModelStreamInfer takes a
+    client's requests: a generation costs a message on a stream that exists rather than a
+    call of its own (no call set-up per request). The stream's metadata authenticates
+    every generation on it (authorization, as for Generate); what Generate reads from a
+    call's metadata (request id, color, deadline) each start carries. Each generation
+    behaves as a Generate call would: the same checks, in the same order, and the same
+    responses, ended by its finish reason or by an error frame carrying the status
+    Generate would have ended with; an error ends that generation only. The stream ends
+    when the client has closed its side and its last generation has ended, or, once the
+    router drains for shutdown, with its last running generation (new starts are then
+    refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
+    """
 
 @_typing.type_check_only
 class GenerationAsyncStub(GenerationStub):
@@ -64,6 +77,19 @@ class GenerationAsyncStub(GenerationStub):
     The first response also carries the request id and model; the last one carries
     finish_reason and usage. Errors are gRPC statuses with google.rpc details
     (BadRequest names the invalid field).
+    """
+    GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]  # type: ignore[assignment]
+    """Many generations over one long-lived stream, as Triton's ModelStreamInfer takes a
+    client's requests: a generation costs a message on a stream that exists rather than a
+    call of its own (no call set-up per request). The stream's metadata authenticates
+    every generation on it (authorization, as for Generate); what Generate reads from a
+    call's metadata (request id, color, deadline) each start carries. Each generation
+    behaves as a Generate call would: the same checks, in the same order, and the same
+    responses, ended by its finish reason or by an error frame carrying the status
+    Generate would have ended with; an error ends that generation only. The stream ends
+    when the client has closed its side and its last generation has ended, or, once the
+    router drains for shutdown, with its last running generation (new starts are then
+    refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
     """
 
 class GenerationServicer(metaclass=_abc_1.ABCMeta):
@@ -86,6 +112,25 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         The first response also carries the request id and model; the last one carries
         finish_reason and usage. Errors are gRPC statuses with google.rpc details
         (BadRequest names the invalid field).
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_generation_pb2.GenerateStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateStreamResponse], _abc.AsyncIterator[_generation_pb2.GenerateStreamResponse]]:
+        """Many generations over one long-lived stream, as Triton's ModelStreamInfer takes a
+        client's requests: a generation costs a message on a stream that exists rather than a
+        call of its own (no call set-up per request). The stream's metadata authenticates
+        every generation on it (authorization, as for Generate); what Generate reads from a
+        call's metadata (request id, color, deadline) each start carries. Each generation
+        behaves as a Generate call would: the same checks, in the same order, and the same
+        responses, ended by its finish reason or by an error frame carrying the status
+        Generate would have ended with; an error ends that generation only. The stream ends
+        when the client has closed its side and its last generation has ended, or, once the
+        router drains for shutdown, with its last running generation (new starts are then
+        refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
         """
 
 def add_GenerationServicer_to_server(servicer: GenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,13 +12,13 @@ import grpc
 from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
-from llmmesh.runtime.registration import add_servicer
+from llmmesh.runtime.multiplex import MultiplexSession, Wire
+from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor, LoadSnapshot
-from services.inference.multiplex import MultiplexSession
 from services.inference.replica import build_replica
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
@@ -28,6 +28,12 @@ AnyContext = grpc.aio.ServicerContext[Any, Any]
 
 
 DEFAULT_REPORT_INTERVAL_S = 0.05
+MULTIPLEX_WIRE = Wire(
+    frame=inference_pb2.GenerationFrame,
+    message=inference_pb2.MultiplexResponse,
+    span_name="/llmmesh.v1.Inference/Generate",
+    given_request_id=lambda start: start.request.request_id,
+)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -72,10 +78,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         async for response in self._responses(request, request_id):
             yield response
 
+    @takes_malformed
     async def Multiplex(  # noqa: N802 (gRPC method name)
         self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: AnyContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-        session = MultiplexSession(self._responses, self._hold_s, self._first_unheld)
+        session = MultiplexSession(
+            MULTIPLEX_WIRE,
+            lambda start, request_id: self._responses(start.request, request_id),
+            self._hold_s,
+            self._first_unheld,
+        )
         self._sessions.add(session)
         if self._draining:
             session.drain()

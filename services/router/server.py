@@ -26,7 +26,8 @@ from llmmesh.runtime.metadata import (
     bind_request_id,
     metadata_value,
 )
-from llmmesh.runtime.registration import add_servicer
+from llmmesh.runtime.multiplex import MultiplexSession, Wire
+from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.runtime.watch import watch_file
 from llmmesh.types import History
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -55,12 +56,21 @@ from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPo
 log = logging.getLogger(__name__)
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+STREAM_WIRE = Wire(
+    frame=generation_pb2.GenerateFrame,
+    message=generation_pb2.GenerateStreamResponse,
+    span_name="/llmmesh.v1.Generation/Generate",
+    given_request_id=lambda start: start.request_id,
+    timeout_s=lambda start: start.timeout_ms / 1000 or None,
+)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: RouterCore, tenants: Tenants) -> None:
         self._core = core
         self._tenants = tenants
+        self._sessions: set[MultiplexSession] = set()
+        self._draining = False
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -70,35 +80,86 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
         tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
-        decoded = self._decode(request, request_id, tenant, context)
+        decoded = _decoded(
+            request,
+            request_id,
+            tenant,
+            session_id=metadata_value(context, SESSION_ID) or "",
+            color=metadata_value(context, COLOR) or "",
+            remaining_s=context.time_remaining(),
+        )
         async with self._core.generation(decoded) as generation:
             async for response in _responses(generation):
                 yield response
 
-    def _decode(
+    @takes_malformed
+    async def GenerateStream(  # noqa: N802 (gRPC method name)
         self,
-        request: generation_pb2.GenerateRequest,
-        request_id: str,
-        tenant: str,
+        requests: AsyncIterator[generation_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> GenerateInput:
-        return GenerateInput(
-            request_id=request_id,
-            tenant=tenant,
-            model=request.model,
-            prompt=request.prompt,
-            sampling=sampling_from_pb(request.sampling),
-            session_id=request.session_id or metadata_value(context, SESSION_ID) or "",
-            color=metadata_value(context, COLOR) or "",
-            deadline=_deadline(context),
-            truncation=request.truncation,
-            cache_salt=request.cache_salt,
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        authorization = metadata_value(context, AUTHORIZATION)
+        self._tenants.authenticate(authorization)  # refused credentials end the stream now
+        session = MultiplexSession(
+            STREAM_WIRE,
+            lambda start, request_id: self._streamed(start, request_id, authorization),
         )
+        self._sessions.add(session)
+        if self._draining:
+            session.drain()
+        try:
+            async for message in session.serve(requests):
+                yield message
+        finally:
+            self._sessions.discard(session)
+
+    def drain(self) -> None:
+        """Shutdown begins: streams take no new generation and end with their last one."""
+        self._draining = True
+        for session in self._sessions:
+            session.drain()
+
+    async def _streamed(
+        self, start: generation_pb2.GenerateStart, request_id: str, authorization: str | None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """One generation of a stream, as Generate serves a call; its tenant is
+        authenticated again, as a key may have been revoked since the stream opened."""
+        tenant = self._tenants.authenticate(authorization)
+        decoded = _decoded(
+            start.request,
+            request_id,
+            tenant,
+            color=start.color,
+            remaining_s=start.timeout_ms / 1000 or None,
+        )
+        async with self._core.generation(decoded) as generation:
+            async for response in _responses(generation):
+                yield response
 
 
-def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+def _decoded(
+    request: generation_pb2.GenerateRequest,
+    request_id: str,
+    tenant: str,
+    *,
+    session_id: str = "",
+    color: str,
+    remaining_s: float | None,
+) -> GenerateInput:
+    """A public request as the core takes it; ``session_id``: the metadata's, which the
+    request's own field overrides."""
+    return GenerateInput(
+        request_id=request_id,
+        tenant=tenant,
+        model=request.model,
+        prompt=request.prompt,
+        sampling=sampling_from_pb(request.sampling),
+        session_id=request.session_id or session_id,
+        color=color,
+        deadline=None if remaining_s is None else time.monotonic() + remaining_s,
+        truncation=request.truncation,
+        cache_salt=request.cache_salt,
+    )
 
 
 async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -325,6 +386,7 @@ def build_service(config: RouterConfig) -> GrpcService:
     )
     service.on_start(upstreams.start)
     service.on_start(http.start)
+    service.on_drain(servicer.drain)
     return service
 
 

@@ -120,6 +120,33 @@ def test_paired_triton_with_a_new_stream_per_request_against_streams_kept(
     assert "| triton-new-streams | 6 |" in table and "| triton | 6 |" in table
 
 
+def test_paired_router_calls_against_generations_on_one_stream(
+    stack: Stack, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_MESH_API_KEY", stack.api_key)
+    code = main(
+        [
+            "bench",
+            "--scenario",
+            "paired",
+            "--target",
+            "router",
+            "--target",
+            "router-stream",
+            "--router",
+            stack.address("router"),
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "4",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| router | 6 |" in table and "| router-stream | 6 |" in table
+
+
 def test_the_router_to_triton_target_needs_a_stack_of_its_own(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

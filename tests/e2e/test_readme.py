@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -14,10 +15,11 @@ from llmmesh.launcher import Stack
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def test_readme_streaming_example(stack: Stack) -> None:
+def run_example(stack: Stack, number: int) -> str:
+    """What the README's Python example ``number`` prints, run against ``stack``."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert blocks, "README has no Python example"
-    code = blocks[0].replace("127.0.0.1:50051", stack.address("router"))
+    assert len(blocks) > number, "README lacks the Python example"
+    code = blocks[number].replace("127.0.0.1:50051", stack.address("router"))
     output = io.StringIO()
     with (
         contextlib.redirect_stdout(output),
@@ -25,6 +27,15 @@ def test_readme_streaming_example(stack: Stack) -> None:
     ):
         env.setenv("LLM_MESH_API_KEY", stack.api_key)
         exec(compile(code, "README.md", "exec"), {})
-    text = output.getvalue()
+    return output.getvalue()
+
+
+def test_readme_streaming_example(stack: Stack) -> None:
+    text = run_example(stack, 0)
     assert "finish: FINISH_REASON_" in text
     assert "completion_tokens" in text
+
+
+def test_readme_generate_stream_example(stack: Stack) -> None:
+    answers = ast.literal_eval(run_example(stack, 1))
+    assert len(answers) == 2 and all(answers), "two generations, each with text"

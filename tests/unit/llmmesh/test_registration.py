@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmmesh.runtime.registration import MalformedRequest, _lenient
+from llmmesh.runtime.registration import MalformedRequest, _lenient, generation_ids
 from llmmesh.v1 import generation_pb2
 
 
@@ -30,6 +30,26 @@ def test_valid_request_parses_normally() -> None:
     message = generation_pb2.GenerateRequest(prompt="ok ✓")
     parsed = _lenient(generation_pb2.GenerateRequest)(message.SerializeToString())
     assert parsed == message
+
+
+def test_the_generations_a_malformed_stream_message_names_are_read_from_its_bytes() -> None:
+    controls = [
+        generation_pb2.GenerateControl(
+            generation_id=n, start=generation_pb2.GenerateStart(request=_request("QQ"))
+        )
+        for n in (3, 300)
+    ]
+    data = generation_pb2.GenerateStreamRequest(controls=controls).SerializeToString()
+    data = data.replace(b"QQ", b"\xff\xfe")
+    parsed = _lenient(generation_pb2.GenerateStreamRequest)(data)
+    assert isinstance(parsed, MalformedRequest)
+    assert parsed.error.field == "controls.start.request.prompt"
+    assert generation_ids(parsed.data) == [3, 300]
+    assert generation_ids(b"\xff\xff\xff") == []  # nothing to tell: the stream ends
+
+
+def _request(prompt: str) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt=prompt)
 
 
 def test_garbage_is_reported_as_unparseable() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from llmmesh import multiplex_client
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
@@ -19,7 +20,6 @@ from llmmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.core import InferenceCore
 from services.inference.load import LoadMonitor
 from services.inference.server import SERVICE, InferenceServicer
-from services.router import multiplex
 from services.router.multiplex import GenerationMux
 from services.router.upstreams import ChunkReader, ReplicaClient
 
@@ -399,7 +399,7 @@ def test_a_message_that_cannot_be_written_fails_the_stream_rather_than_hang(
         with pytest.raises(Unavailable):
             await collect(replica.mux.generate(call("never sent")))
 
-    monkeypatch.setattr(multiplex._Stream, "_next_message", unwritable)
+    monkeypatch.setattr(multiplex_client.MultiplexCall, "_next_message", unwritable)
     run(scenario)
 
 
@@ -426,15 +426,7 @@ class _ScriptedCall:
         return True
 
 
-class _ScriptedStub:
-    def __init__(self, call: _ScriptedCall) -> None:
-        self._call = call
-
-    def Multiplex(self, metadata: Any = ()) -> _ScriptedCall:  # noqa: N802 (gRPC method name)
-        return self._call
-
-
-class _RecordingInbox(multiplex._Inbox):
+class _RecordingInbox(multiplex_client.Inbox):
     """Notes each frame's text as it is handed over, in a list shared by a test's inboxes."""
 
     __slots__ = ("handed",)
@@ -444,7 +436,7 @@ class _RecordingInbox(multiplex._Inbox):
         self.handed = handed
         self.started = started
 
-    def put(self, frame: multiplex.Frame) -> None:
+    def put(self, frame: multiplex_client.Frame) -> None:
         if not isinstance(frame, Unavailable):  # the stream's end, after the script
             assert not isinstance(frame, BaseException)
             self.handed.append(frame.response.text)
@@ -458,11 +450,13 @@ def _frame(generation: int, text: str) -> inference_pb2.GenerationFrame:
 
 def _read_through(
     messages: list[inference_pb2.MultiplexResponse],
-    inboxes: dict[int, multiplex._Inbox],
+    inboxes: dict[int, multiplex_client.Inbox],
 ) -> None:
     async def scenario() -> None:
-        stub: Any = _ScriptedStub(_ScriptedCall(messages))
-        stream = multiplex._Stream(stub, (), "replica")
+        call = _ScriptedCall(messages)
+        stream = multiplex_client.MultiplexCall(
+            call, inference_pb2.MultiplexRequest, "inference replica", "replica"
+        )
         stream.inboxes.update(inboxes)  # before the reader's first turn
         await stream.done
 
@@ -484,8 +478,8 @@ def test_a_first_token_is_handed_over_before_other_generations_later_ones() -> N
 
 def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
     handed: list[str] = []
-    count = 2 * multiplex.RELAY_SLICE + 1
-    inboxes: dict[int, multiplex._Inbox] = {
+    count = 2 * multiplex_client.RELAY_SLICE + 1
+    inboxes: dict[int, multiplex_client.Inbox] = {
         n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)
     }
     message = inference_pb2.MultiplexResponse(
@@ -493,7 +487,7 @@ def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
     )
 
     class _Meanwhile(_RecordingInbox):
-        def put(self, frame: multiplex.Frame) -> None:
+        def put(self, frame: multiplex_client.Frame) -> None:
             if not isinstance(frame, Unavailable):  # its token, not the stream's end
                 loop = asyncio.get_running_loop()
                 loop.call_soon(handed.append, "work that came meanwhile")
@@ -502,7 +496,7 @@ def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
     inboxes[1] = _Meanwhile(handed, started=True)
     _read_through([message], inboxes)
     # what the first frame's hand-over scheduled ran after one slice, not after them all
-    assert handed.index("work that came meanwhile") == multiplex.RELAY_SLICE
+    assert handed.index("work that came meanwhile") == multiplex_client.RELAY_SLICE
     assert handed.count("work that came meanwhile") == 1
     assert [text for text in handed if text.startswith("token")] == [
         f"token {n}" for n in range(1, count + 1)

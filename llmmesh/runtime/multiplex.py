@@ -1,12 +1,13 @@
-"""Inference.Multiplex, served: many generations over one caller's stream.
+"""Many generations over one caller's stream, served: Inference.Multiplex (a router's
+stream to a replica) and Generation.GenerateStream (a client's to the router).
 
-A router keeps one such stream open per replica, so a request costs two small messages
-on a stream that exists (its start, then its responses) rather than a call of its own:
-no headers, no new HTTP/2 stream, no handler set up and torn down per generation. Each
-generation runs as Generate would run it (the same responses from the same core), in a
-task of its own; responses that are ready together (one engine step produces a token
-for every running sequence) go out as one message. Each generation has its own window
-of responses the caller has not taken yet, so a slow reader holds back only its own.
+A request costs two small messages on a stream that exists (its start, then its
+responses) rather than a call of its own: no headers, no new HTTP/2 stream, no handler
+set up and torn down per generation. Each generation runs as the service's
+unary-request call would run it (the same responses from the same core), in a task of
+its own; responses that are ready together (one engine step produces a token for every
+running sequence) go out as one message. Each generation has its own window of
+responses the caller has not taken yet, so a slow reader holds back only its own.
 
 Every message costs both ends a wakeup across gRPC's threads, which on a small machine
 costs far more than the bytes. So a generation's later responses may wait ``hold_s`` for
@@ -24,32 +25,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import MeshError, Unavailable
+from llmmesh.runtime.errors import DeadlineExceeded, MeshError, Unavailable
 from llmmesh.runtime.grpc_status import to_status
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
-from llmmesh.v1 import inference_pb2
+from llmmesh.runtime.registration import MalformedRequest, generation_ids
 
 log = logging.getLogger(__name__)
 
-# A generation's responses, for its request and its request id (bound for log lines).
-Responses = Callable[
-    [inference_pb2.InferenceRequest, str], AsyncIterator[inference_pb2.InferenceResponse]
-]
+# A generation's responses, for its start control and its request id (bound for log lines).
+Responses = Callable[[Any, str], AsyncIterator[Any]]
 
 # A message carries at most this many frames (each a token or a few), well under gRPC's
 # message limit even with log probabilities in every frame.
 MAX_FRAMES_PER_MESSAGE = 256
 # Weight of the newest gap between frames in their moving average (about the last five).
 GAP_WEIGHT = 0.2
-SPAN_NAME = "/llmmesh.v1.Inference/Generate"
-DRAINING = "this replica is shutting down"
+DRAINING = "shutting down"
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The service's own messages. Both services' controls have the same shape
+    (``generation_id``, the ``action`` oneof of ``start``, ``cancel`` and ``credit``; a
+    start's ``window`` and ``trace_context``), and so do their frames (``generation_id``
+    with ``response`` or ``error``) and messages (``frames``)."""
+
+    frame: Callable[..., Any]
+    message: Callable[..., Any]
+    span_name: str  # the generation's server span, named as the unary call's
+    given_request_id: Callable[[Any], str]  # the id a start names ("" for none)
+    # The seconds a start gives its generation, as a call's deadline would (None: no limit).
+    timeout_s: Callable[[Any], float | None] = lambda start: None
 
 
 @dataclass
@@ -93,22 +107,24 @@ class Arrivals:
 class MultiplexSession:
     """One caller's stream: its running generations and the frames waiting to go out."""
 
-    def __init__(self, responses: Responses, hold_s: float = 0.0, first_unheld: int = 1) -> None:
+    def __init__(
+        self, wire: Wire, responses: Responses, hold_s: float = 0.0, first_unheld: int = 1
+    ) -> None:
+        self._wire = wire
         self._responses = responses
         self._hold_s = hold_s
         self._first_unheld = first_unheld
         self._running: dict[int, _Generation] = {}
-        self._outbox: list[inference_pb2.GenerationFrame] = []
+        self._outbox: list[Any] = []
         self._held_since = 0.0  # loop time the oldest frame waiting was posted
         self._arrivals = Arrivals()
         self._urgent_at = 0  # frames up to the last urgent one waiting must go now
         self._wake = asyncio.Event()
         self._input_done = False
         self._draining = False
+        self._refused: MeshError | None = None  # a message that ends the stream
 
-    async def serve(
-        self, requests: AsyncIterator[inference_pb2.MultiplexRequest]
-    ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+    async def serve(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The stream's responses until the caller closes its side and every generation
         has ended (or the replica drains); a stream cut short cancels them all."""
         reader = asyncio.ensure_future(self._read(requests))
@@ -127,9 +143,11 @@ class MultiplexSession:
         self._draining = True
         self._wake.set()
 
-    async def _messages(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+    async def _messages(self) -> AsyncIterator[Any]:
         loop = asyncio.get_running_loop()
         while True:
+            if self._refused is not None:
+                raise self._refused
             if not self._outbox:
                 if (self._input_done or self._draining) and not self._running:
                     return
@@ -141,7 +159,7 @@ class MultiplexSession:
             del self._outbox[:MAX_FRAMES_PER_MESSAGE]
             self._urgent_at = max(self._urgent_at - len(frames), 0)
             self._held_since = loop.time()  # what came meanwhile waited for the write
-            yield inference_pb2.MultiplexResponse(frames=frames)
+            yield self._wire.message(frames=frames)
 
     async def _hold(self, loop: asyncio.AbstractEventLoop) -> None:
         """Later responses wait for company, up to hold_s; an urgent one ends the wait."""
@@ -154,16 +172,32 @@ class MultiplexSession:
             self._wake.clear()
             timer.cancel()
 
-    async def _read(self, requests: AsyncIterator[inference_pb2.MultiplexRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[Any]) -> None:
         try:
             async for request in requests:
+                if isinstance(request, MalformedRequest):
+                    self._refuse(request)
+                    continue
                 for control in request.controls:
                     self._apply(control)
         finally:
             self._input_done = True
             self._wake.set()
 
-    def _apply(self, control: inference_pb2.GenerationControl) -> None:
+    def _refuse(self, malformed: MalformedRequest) -> None:
+        """A message that does not parse (a start with a string that is not UTF-8) is
+        refused for each generation it names, with the error naming the field, as a start
+        that cannot be taken is; the stream and its other generations go on. One whose
+        generations cannot be told ends the stream."""
+        numbers = generation_ids(malformed.data)
+        if not numbers:
+            self._refused = malformed.error
+            self._wake.set()
+            return
+        for number in numbers:
+            self._post_error(number, malformed.error)
+
+    def _apply(self, control: Any) -> None:
         number = control.generation_id
         action = control.WhichOneof("action")
         running = self._running.get(number)
@@ -182,35 +216,30 @@ class MultiplexSession:
             running.add(control.credit)
         # A control for a generation that has ended already is moot: it crossed its end.
 
-    def _start(self, number: int, start: inference_pb2.StartGeneration) -> None:
+    def _start(self, number: int, start: Any) -> None:
         generation = _Generation(window=start.window, limited=start.window > 0)
         self._running[number] = generation
-        generation.task = asyncio.ensure_future(
-            self._run(number, start.request, dict(start.trace_context), generation)
-        )
+        generation.task = asyncio.ensure_future(self._run(number, start, generation))
 
-    async def _run(
-        self,
-        number: int,
-        request: inference_pb2.InferenceRequest,
-        trace_context: Mapping[str, str],
-        generation: _Generation,
-    ) -> None:
-        request_id = request.request_id[:MAX_REQUEST_ID_LEN] or uuid.uuid4().hex
+    async def _run(self, number: int, start: Any, generation: _Generation) -> None:
+        wire = self._wire
+        request_id = wire.given_request_id(start)[:MAX_REQUEST_ID_LEN] or uuid.uuid4().hex
         request_id_var.set(request_id)
-        parent = tracing.incoming(trace_context)
-        span = tracing.tracer.start_span(SPAN_NAME, context=parent, kind=trace.SpanKind.SERVER)
+        parent = tracing.incoming(dict(start.trace_context))
+        span = tracing.tracer.start_span(wire.span_name, context=parent, kind=trace.SpanKind.SERVER)
+        deadline = asyncio.timeout(wire.timeout_s(start))
         try:
             with trace.use_span(span, end_on_exit=True):
-                sent = 0
-                async for response in self._responses(request, request_id):
-                    await generation.take()
-                    frame = inference_pb2.GenerationFrame(generation_id=number, response=response)
-                    early = sent < self._first_unheld
-                    self._post(frame, urgent=early or bool(response.finish_reason))
-                    sent += 1
+                async with deadline:
+                    await self._relay(number, start, request_id, generation)
         except asyncio.CancelledError:
             pass  # the caller cancelled it (or left): nothing more goes out for it
+        except TimeoutError:
+            if not deadline.expired():  # not the generation's own limit: a failure
+                log.exception("generation failed", extra={"fields": {"generation": number}})
+                self._post_error(number, Unavailable("the generation failed: TimeoutError"))
+            else:
+                self._post_error(number, DeadlineExceeded("the generation's deadline passed"))
         except MeshError as err:
             self._post_error(number, err)
         except Exception as err:  # a bug here must not take the other generations down
@@ -220,7 +249,18 @@ class MultiplexSession:
             del self._running[number]
             self._wake.set()
 
-    def _post(self, frame: inference_pb2.GenerationFrame, urgent: bool) -> None:
+    async def _relay(
+        self, number: int, start: Any, request_id: str, generation: _Generation
+    ) -> None:
+        sent = 0
+        async for response in self._responses(start, request_id):
+            await generation.take()
+            frame = self._wire.frame(generation_id=number, response=response)
+            early = sent < self._first_unheld
+            self._post(frame, urgent=early or bool(response.finish_reason))
+            sent += 1
+
+    def _post(self, frame: Any, urgent: bool) -> None:
         now = asyncio.get_running_loop().time()
         self._arrivals.note(now)
         if not self._outbox:
@@ -232,4 +272,4 @@ class MultiplexSession:
 
     def _post_error(self, number: int, err: MeshError) -> None:
         status = to_status(err).SerializeToString()
-        self._post(inference_pb2.GenerationFrame(generation_id=number, error=status), True)
+        self._post(self._wire.frame(generation_id=number, error=status), True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.inference.multiplex import Arrivals
+from llmmesh.runtime.multiplex import Arrivals
 
 
 def test_frames_coming_apart_show_in_the_gap_and_close_ones_bring_it_down() -> None:

@@ -1,0 +1,175 @@
+"""The calling side of a multiplexed stream (Inference.Multiplex, Generation.GenerateStream):
+one open call, its one writer and one reader, and an inbox per generation on it.
+
+Controls that come together go in one message; the reader hands each frame to its
+generation's inbox. If the call breaks, every generation on it gets the error, as a
+broken call per generation would have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+
+from llmmesh.runtime.errors import Unavailable
+from llmmesh.runtime.grpc_status import from_rpc_error
+
+log = logging.getLogger(__name__)
+
+# Frames of generations past their first handed over per loop turn: an engine step's
+# responses for many generations come in one message, and each wakes a relay; in slices,
+# what arrives meanwhile (a new request, another first token) waits for a slice, not the
+# whole message.
+RELAY_SLICE = 32
+# A message of controls stays well under gRPC's 4 MB default limit (one start is at most
+# a prompt the router accepted, far less than this).
+MAX_MESSAGE_BYTES = 1024 * 1024
+# A generation's frame (GenerationFrame, GenerateFrame), or the error that broke the call:
+# a MeshError, or the call's own AioRpcError where the caller keeps it.
+Frame = Any
+
+
+class Inbox:
+    """A generation's frames as they arrive, taken all at once by its reader."""
+
+    __slots__ = ("_frames", "_ready", "started")
+
+    def __init__(self) -> None:
+        self._frames: list[Frame] = []
+        self._ready = asyncio.Event()
+        self.started = False  # a frame has come: its first token is on its way
+
+    def put(self, frame: Frame) -> None:
+        self.started = True
+        self._frames.append(frame)
+        self._ready.set()
+
+    async def take(self) -> list[Frame]:
+        if not self._frames:
+            self._ready.clear()
+            await self._ready.wait()
+        frames, self._frames = self._frames, []
+        return frames
+
+
+def until_end(frames: list[Frame]) -> tuple[list[Any], Frame | None]:
+    """The responses among ``frames``, and the frame that ends the generation, if any."""
+    replies: list[Any] = []
+    for frame in frames:
+        if isinstance(frame, BaseException) or frame.HasField("error"):
+            return replies, frame
+        replies.append(frame.response)
+    return replies, None
+
+
+class MultiplexCall:
+    """One open call: its writer, its reader, and the generations on it. ``message``
+    builds the stream's request message from controls; ``upstream`` and ``where`` name
+    the other end in errors (``where``, its address, in the log only). A broken call
+    fails its generations with a MeshError, or with the call's own error if
+    ``keep_call_errors`` (a client of the mesh, which wants the status as sent)."""
+
+    def __init__(
+        self,
+        call: Any,
+        message: Callable[..., Any],
+        upstream: str,
+        where: str,
+        keep_call_errors: bool = False,
+    ):
+        self._call = call
+        self._message = message
+        self._upstream = upstream
+        self._where = where
+        self._keep_call_errors = keep_call_errors
+        self._controls: list[Any] = []
+        self._wake = asyncio.Event()
+        self.inboxes: dict[int, Inbox] = {}
+        self.closing = False  # no new generation here: it is being closed, or it broke
+        self.unsupported = False
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+        self.done: asyncio.Future[None] = self._reader
+
+    def send(self, control: Any) -> None:
+        self._controls.append(control)
+        self._wake.set()
+
+    def close(self) -> None:
+        """Half-closes: the replica ends the stream once nothing runs on it."""
+        self.closing = True
+        self._wake.set()
+
+    async def abort(self) -> None:
+        self.closing = True
+        self._call.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                if self._controls:
+                    await self._call.write(self._next_message())
+                elif self.closing:
+                    await self._call.done_writing()
+                    return
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return  # the call ended: the reader fails what runs on it
+        except Exception:  # a message that cannot be sent: no generation may wait on it
+            log.exception(
+                "multiplexed stream cannot write", extra={"fields": {"upstream": self._where}}
+            )
+            self._call.cancel()
+
+    def _next_message(self) -> Any:
+        """The controls waiting, as many as fit one message: starts carry whole prompts,
+        and a message past the replica's limit would fail every generation on the stream."""
+        size, count = 0, 0
+        for control in self._controls:
+            size += control.ByteSize()
+            if count and size > MAX_MESSAGE_BYTES:
+                break
+            count += 1
+        controls, self._controls = self._controls[:count], self._controls[count:]
+        return self._message(controls=controls)
+
+    async def _read(self) -> None:
+        ended: Exception = Unavailable(f"{self._upstream} ended the stream")
+        try:
+            async for message in self._call:
+                await self._hand_over(message.frames)
+        except grpc.aio.AioRpcError as err:
+            self.unsupported = err.code() == grpc.StatusCode.UNIMPLEMENTED
+            kept = self._keep_call_errors
+            ended = err if kept else from_rpc_error(err, self._upstream, self._where)
+        finally:
+            self.closing = True
+            self._wake.set()  # the writer ends too
+            for inbox in self.inboxes.values():
+                inbox.put(ended)
+
+    async def _hand_over(self, frames: Iterable[Any]) -> None:
+        """Each frame to its generation's inbox (frames that crossed a cancellation, to
+        none): first frames first, since a first token is what a client waits for most, and
+        the rest a slice per loop turn. A generation's own frames keep their order."""
+        later: list[tuple[Inbox, Any]] = []
+        for frame in frames:
+            inbox = self.inboxes.get(frame.generation_id)
+            if inbox is None:
+                continue
+            if inbox.started:
+                later.append((inbox, frame))
+            else:
+                inbox.put(frame)
+        for start in range(0, len(later), RELAY_SLICE):
+            if start:
+                await asyncio.sleep(0)  # one loop turn: what arrived meanwhile runs first
+            for inbox, frame in later[start : start + RELAY_SLICE]:
+                inbox.put(frame)
