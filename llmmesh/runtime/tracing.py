@@ -3,12 +3,15 @@
 OTLP when ``otlp_endpoint`` is set.
 
 Off by default, and then free: the API's no-op tracer makes spans that record nothing,
-and nothing is injected into calls (there is no valid span context to carry).
+nothing is injected into calls (there is no valid span context to carry), and a
+request's steps start no span at all (``step``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -32,6 +35,21 @@ def configure(service: str, otlp_endpoint: str) -> None:
     exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     trace.set_tracer_provider(provider)
+
+
+def recording() -> bool:
+    """Whether this process records spans (a tracer provider of the SDK is set)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def step(name: str) -> AbstractContextManager[trace.Span | None]:
+    """A span around one step of a request, current while it runs; none (``None``) when
+    this process records no spans. A no-op span would only carry its parent's context on,
+    which stays current anyway, and on a path gone cold it costs as much as a small step
+    (docs/benchmarks.md, "The router's own steps")."""
+    if recording():
+        return tracer.start_as_current_span(name)
+    return contextlib.nullcontext()
 
 
 def shutdown() -> None:

@@ -216,7 +216,7 @@ class RouterCore:
         received_at = time.perf_counter()
         request = self.validate(request)
         speech = await self._speech(request.model)
-        with tracing.tracer.start_as_current_span("context.load"):
+        with tracing.step("context.load"):
             history = await self._load_history(request, speech)
         # What the client wrote (a session's stored turns were checked on their way in, or
         # are the model's own words).
@@ -242,7 +242,7 @@ class RouterCore:
             raise
         lease.adjust(prompt_tokens - estimate)
         try:
-            with tracing.tracer.start_as_current_span("admission.wait"):
+            with tracing.step("admission.wait"):
                 slot = await self._admission.acquire(
                     request.tenant,
                     self._tenants.spec(request.tenant).tier,
@@ -364,6 +364,7 @@ class RouterCore:
         held_logprobs: tuple[TokenLogprob, ...] = ()
         asked_logprobs = prepared.request.sampling.logprobs is not None
         tokens = GuardedTokens() if guard is not None and asked_logprobs else None
+        ttft_s: float | None = None  # observed once the first text is on its way
         try:
             async for relayed in prepared.stream.chunks():
                 charged = self._charge(prepared.lease, relayed)
@@ -383,7 +384,7 @@ class RouterCore:
                     held_tokens, held_logprobs, held_cached = 0, (), 0
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
-                    TTFT.labels(model, tier).observe(time.perf_counter() - prepared.received_at)
+                    ttft_s = time.perf_counter() - prepared.received_at
                 parts.append(chunk.text)
                 completion_tokens += chunk.num_tokens
                 if chunk.finish_reason is not None:
@@ -391,6 +392,9 @@ class RouterCore:
                     outcome = chunk.finish_reason.value
                     _observe_tpot(model, tier, first_token_at, completion_tokens)
                 yield chunk
+                if ttft_s is not None:  # after the first text is on its way, not before
+                    TTFT.labels(model, tier).observe(ttft_s)
+                    ttft_s = None
                 if chunk.finish_reason is not None:
                     return
             outcome = "error"
@@ -399,6 +403,8 @@ class RouterCore:
             outcome = "unavailable"
             raise
         finally:
+            if ttft_s is not None:  # the client left as the first text went out
+                TTFT.labels(model, tier).observe(ttft_s)
             await prepared.stream.abandon()
             if guard is not None:
                 await guard.close()
@@ -490,7 +496,7 @@ class RouterCore:
         the prompt through, flagged."""
         parts = _input_parts(request, history)
         try:
-            with tracing.tracer.start_as_current_span("policy.check_input"):
+            with tracing.step("policy.check_input"):
                 verdict = await self._policy.check_input(
                     request.request_id, request.tenant, parts, rule_set
                 )

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 from prometheus_client import Counter, Histogram
 from tenacity import (
@@ -86,17 +87,18 @@ class Dispatcher:
     def saturated(self) -> bool:
         return self._replicas.saturated(self._routing.current.saturation)
 
-    def pick(self, request: PickRequest) -> Decision:
+    def pick(self, request: PickRequest, picks: list[_Pick]) -> Decision:
+        """The scheduler's decision, noted in ``picks`` to be counted (``_count``) once
+        the request's first chunk is on its way: metrics are off a first token's path."""
         started = time.perf_counter()
-        with tracing.tracer.start_as_current_span("endpoint.pick") as span:
+        with tracing.step("endpoint.pick") as span:
             decision = self._scheduler.pick(
                 request, self._replicas.candidates(request.model), self._routing.current
             )
-            span.set_attribute("llm.endpoint", decision.candidate.address)
-            span.set_attribute("llm.subset", decision.subset)
-        PICK_SECONDS.observe(time.perf_counter() - started)
-        for reason in decision.reasons:
-            DECISIONS.labels(reason).inc()
+            if span is not None:
+                span.set_attribute("llm.endpoint", decision.candidate.address)
+                span.set_attribute("llm.subset", decision.subset)
+        picks.append(_Pick(decision, time.perf_counter() - started))
         return decision
 
     async def describe(self, model: str) -> ModelCard:
@@ -128,15 +130,23 @@ class Dispatcher:
             split_point=split_point(hints.session_key, self._rng),
         )
         sent: list[str] = []
+        picks: list[_Pick] = []
         tokens, resumed, attempt_call = 0, 0, call
         while True:
-            replica, fallback, stream, chunk = await self._start(attempt_call, request, hints)
+            try:
+                started = await self._start(attempt_call, request, hints, picks)
+            except BaseException:
+                _count(picks)  # a failed start's picks now; a good one's after its chunk
+                raise
+            replica, fallback, stream, chunk = started
             if resumed:  # the prompt's cache reads were the first replica's, counted then
                 chunk = replace(chunk, cached_tokens=0)
             try:
                 async with self._replicas.watched(replica):
                     while chunk.finish_reason is None:
                         yield chunk
+                        if picks:
+                            _count(picks)
                         sent.append(chunk.text)
                         tokens += chunk.num_tokens
                         chunk = await _next_chunk(stream)
@@ -158,6 +168,7 @@ class Dispatcher:
                     extra={"fields": {"failed": replica.address, "sent_tokens": tokens}},
                 )
             finally:
+                _count(picks)  # if its only chunk was its last
                 try:
                     await stream.aclose()  # a generation cut short is cancelled there now
                 finally:
@@ -173,7 +184,7 @@ class Dispatcher:
         )
 
     async def _start(
-        self, call: InferenceCall, request: PickRequest, hints: RouteHints
+        self, call: InferenceCall, request: PickRequest, hints: RouteHints, picks: list[_Pick]
     ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """Picks a replica and waits for its first chunk, retrying elsewhere on failure;
         the replica, whether its subset is a fallback, its stream and first chunk."""
@@ -181,7 +192,7 @@ class Dispatcher:
         try:
             # Most first attempts succeed, and tenacity's loop costs a request more than
             # its pick when caches are cold (docs/benchmarks.md): it runs the retries.
-            return await self._attempt(call, request, hints.tier, failed)
+            return await self._attempt(call, request, hints.tier, failed, picks)
         except REPLICA_FAILURES:
             if self._settings.attempts == 1 or _past(hints.deadline):
                 raise
@@ -197,18 +208,22 @@ class Dispatcher:
         async for attempt in retrying:
             with attempt:
                 avoiding = replace(request, avoid=frozenset(failed))
-                return await self._attempt(call, avoiding, hints.tier, failed)
+                return await self._attempt(call, avoiding, hints.tier, failed, picks)
         raise AssertionError("tenacity ended without an outcome")  # pragma: no cover
 
     async def _attempt(
-        self, call: InferenceCall, request: PickRequest, tier: str, failed: set[str]
+        self,
+        call: InferenceCall,
+        request: PickRequest,
+        tier: str,
+        failed: set[str],
+        picks: list[_Pick],
     ) -> tuple[Replica, bool, AsyncGenerator[Chunk, None], Chunk]:
         """One try: pick, send, wait for the first chunk. A failed replica joins ``failed``."""
-        decision = self.pick(request)
+        decision = self.pick(request, picks)
         replica = self._replicas[decision.candidate.address]
         model, tokens = call.model, decision.uncached_tokens
         self._replicas.acquire(replica, model, tokens)
-        PICKS.labels(replica.address, replica.endpoint.version).inc()
         stream = replica.link.generate(call)
         try:
             async with self._replicas.watched(replica):
@@ -233,6 +248,21 @@ class Dispatcher:
     def _attempted(self, model: str, replica: Replica, succeeded: bool) -> None:
         if self._watch is not None:
             self._watch.attempt(model, replica.endpoint.version, succeeded)
+
+
+class _Pick(NamedTuple):
+    decision: Decision
+    seconds: float
+
+
+def _count(picks: list[_Pick]) -> None:
+    """The picks' metrics, and none of them twice."""
+    for decision, seconds in picks:
+        PICK_SECONDS.observe(seconds)
+        for reason in decision.reasons:
+            DECISIONS.labels(reason).inc()
+        PICKS.labels(decision.candidate.address, decision.candidate.endpoint.version).inc()
+    picks.clear()
 
 
 async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:

@@ -58,19 +58,24 @@ class StartedStream:
     def __init__(self, chunks: AsyncGenerator[Chunk, None]) -> None:
         self._chunks = chunks
         # The pick and the inference call happen under this span (its context is current
-        # while the first chunk is fetched); it ends with the first chunk.
-        self._span = tracing.tracer.start_span("inference.first_token")
+        # while the first chunk is fetched); it ends with the first chunk. None when this
+        # process records no spans (tracing.step).
+        recording = tracing.recording()
+        self._span = tracing.tracer.start_span("inference.first_token") if recording else None
 
     def _end_span(self) -> None:
-        if self._span.is_recording():
+        if self._span is not None and self._span.is_recording():
             self._span.end()
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        try:
-            with trace.use_span(self._span, end_on_exit=False):
-                first = await anext(self._chunks)
-        finally:
-            self._end_span()
+        if self._span is None:
+            first = await anext(self._chunks)
+        else:
+            try:
+                with trace.use_span(self._span, end_on_exit=False):
+                    first = await anext(self._chunks)
+            finally:
+                self._end_span()
         yield first
         async for chunk in self._chunks:
             yield chunk

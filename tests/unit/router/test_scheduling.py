@@ -162,6 +162,23 @@ def test_unhealthy_and_other_model_replicas_are_never_picked() -> None:
     } == {"ok:1"}
 
 
+def test_the_one_candidate_the_filters_leave_is_picked_without_weighing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(ctx: PickContext, candidates: Sequence[Candidate]) -> list[float]:
+        raise AssertionError("a lone candidate was scored")
+
+    p, policy = picker(), RoutingPolicy()
+    for scorer, _ in p.profile(policy).scorers:
+        monkeypatch.setattr(scorer, "score", refuse)
+    request = PickRequest("llm", prefix=prefix_hashes("x" * 200), prompt_chars=200)
+    decision = p.pick(request, [cand("s:1"), cand("s:2", healthy=False)], policy)
+    assert decision.candidate.address == "s:1" and decision.reasons[-1] == "only_candidate"
+    assert decision.uncached_tokens == 200  # the books still learn what it will prefill
+    with pytest.raises(AssertionError, match="scored"):  # two left: they are weighed
+        p.pick(request, [cand("s:1"), cand("s:2")], policy)
+
+
 def test_region_order_prefers_local_then_the_documented_order() -> None:
     assert region_order("eu", ["us", "ap"], ["ap", "us", "sa", "eu"]) == ["eu", "us", "ap", "sa"]
     policy = RoutingPolicy(regions=["ap", "us"])
