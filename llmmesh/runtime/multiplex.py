@@ -23,6 +23,7 @@ cost a timer's wakeup per response.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -226,16 +227,21 @@ class MultiplexSession:
         request_id = wire.given_request_id(start)[:MAX_REQUEST_ID_LEN] or uuid.uuid4().hex
         request_id_var.set(request_id)
         parent = tracing.incoming(dict(start.trace_context))
-        span = tracing.tracer.start_span(wire.span_name, context=parent, kind=trace.SpanKind.SERVER)
-        deadline = asyncio.timeout(wire.timeout_s(start))
+        span = (
+            tracing.tracer.start_span(wire.span_name, context=parent, kind=trace.SpanKind.SERVER)
+            if tracing.wanted(parent)
+            else None
+        )
+        timeout_s = wire.timeout_s(start)
+        deadline = asyncio.timeout(timeout_s) if timeout_s is not None else None
         try:
-            with trace.use_span(span, end_on_exit=True):
-                async with deadline:
+            with trace.use_span(span, end_on_exit=True) if span else contextlib.nullcontext():
+                async with deadline or contextlib.nullcontext():
                     await self._relay(number, start, request_id, generation)
         except asyncio.CancelledError:
             pass  # the caller cancelled it (or left): nothing more goes out for it
         except TimeoutError:
-            if not deadline.expired():  # not the generation's own limit: a failure
+            if deadline is None or not deadline.expired():  # not its own limit: a failure
                 log.exception("generation failed", extra={"fields": {"generation": number}})
                 self._post_error(number, Unavailable("the generation failed: TimeoutError"))
             else:

@@ -107,6 +107,10 @@ def _traced(
         async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             _bind_callers_request_id(context)
             parent = tracing.incoming(context.invocation_metadata() or ())
+            if not tracing.wanted(parent):
+                async for response in behaviour(request, context):
+                    yield response
+                return
             span = tracing.tracer.start_span(name, context=parent, kind=kind)
             # Current for the rest of the call's own task and never detached: a stream
             # the client cancels is closed from another context, where a detach fails.

@@ -42,6 +42,12 @@ def recording() -> bool:
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
+def wanted(parent: Context) -> bool:
+    """Whether a call's server span is worth starting: this process records spans, or the
+    caller sent a trace (``parent``) that what the call does must carry on."""
+    return bool(parent) or recording()
+
+
 def step(name: str) -> AbstractContextManager[trace.Span | None]:
     """A span around one step of a request, current while it runs; none (``None``) when
     this process records no spans. A no-op span would only carry its parent's context on,

@@ -50,7 +50,7 @@ from services.router.routing import PolicyHolder
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.shared import build_shared_state
 from services.router.speech import CardSpeeches
-from services.router.tenants import Tenants, parse_tenants
+from services.router.tenants import SignedIn, Tenants, parse_tenants
 from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPolicyService
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         requests: AsyncIterator[generation_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        authorization = metadata_value(context, AUTHORIZATION)
-        self._tenants.authenticate(authorization)  # refused credentials end the stream now
+        # Refused credentials end the stream now.
+        signed_in = self._tenants.signed_in(metadata_value(context, AUTHORIZATION))
         session = MultiplexSession(
             STREAM_WIRE,
-            lambda start, request_id: self._streamed(start, request_id, authorization),
+            lambda start, request_id: self._streamed(start, request_id, signed_in),
         )
         self._sessions.add(session)
         if self._draining:
@@ -120,15 +120,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             session.drain()
 
     async def _streamed(
-        self, start: generation_pb2.GenerateStart, request_id: str, authorization: str | None
+        self, start: generation_pb2.GenerateStart, request_id: str, signed_in: SignedIn
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """One generation of a stream, as Generate serves a call; its tenant is
-        authenticated again, as a key may have been revoked since the stream opened."""
-        tenant = self._tenants.authenticate(authorization)
+        """One generation of a stream, as Generate serves a call, for the stream's tenant
+        (checked again if the tenants changed since the stream opened)."""
         decoded = _decoded(
             start.request,
             request_id,
-            tenant,
+            signed_in.tenant(),
             color=start.color,
             remaining_s=start.timeout_ms / 1000 or None,
         )

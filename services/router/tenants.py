@@ -246,18 +246,24 @@ class Tenants:
         self._specs: dict[str, TenantSpec] = {}
         self._by_key_hash: dict[str, str] = {}
         self._budgets = budgets or SharedBudgets.local()
+        self.version = 0  # directories applied: credentials checked before may not hold now
 
     def apply(self, document: TenantsDocument) -> None:
         """Replaces the directory; budgets and open streams stay with their tenant ids."""
         self._specs = {spec.id: spec for spec in document.tenants}
         self._by_key_hash = {h: t.id for t in document.tenants for h in t.api_key_hashes}
         self._enabled = True
+        self.version += 1
         log.info("tenants applied", extra={"fields": {"tenants": sorted(self._specs)}})
 
     def offer(self, text: str | bytes, source: str) -> bool:
         """Applies a document if it is valid; otherwise logs, counts and keeps the current
         one."""
         return offer("tenants", source, lambda: self.apply(parse_tenants(text)))
+
+    def signed_in(self, authorization: str | None) -> SignedIn:
+        """A caller's credentials, checked now (for a stream of many requests)."""
+        return SignedIn(self, authorization)
 
     def authenticate(self, authorization: str | None) -> str:
         """The tenant id behind an ``authorization: Bearer <key>`` value."""
@@ -367,3 +373,22 @@ def _exhausted(spec: TenantSpec, refusal: Refusal) -> ResourceExhausted:
         return ResourceExhausted(f"tenant '{spec.id}' has {refusal.detail}, its limit", wait)
     per_minute = "requests" if refusal.limit == "requests" else "tokens"
     return ResourceExhausted(f"tenant '{spec.id}' is over its {per_minute} per minute", wait)
+
+
+class SignedIn:
+    """A stream's tenant: its credentials checked when the stream opens, and again for a
+    request after the directory changed (a key may have been revoked meanwhile); in
+    between, a request costs no check of its own."""
+
+    def __init__(self, tenants: Tenants, authorization: str | None) -> None:
+        self._tenants = tenants
+        self._authorization = authorization
+        self._tenant = tenants.authenticate(authorization)
+        self._version = tenants.version
+
+    def tenant(self) -> str:
+        """The tenant; Unauthenticated if the current directory no longer knows the key."""
+        if self._tenants.version != self._version:
+            self._tenant = self._tenants.authenticate(self._authorization)
+            self._version = self._tenants.version
+        return self._tenant

@@ -47,6 +47,18 @@ def test_keys_are_checked_and_only_hashes_are_kept() -> None:
     assert KEY not in repr(tenants.spec("t"))
 
 
+def test_a_streams_credentials_are_checked_again_once_the_directory_changes() -> None:
+    tenants = directory()
+    signed_in = tenants.signed_in(f"Bearer {KEY}")
+    assert signed_in.tenant() == "t"
+    other = TenantSpec(id="u", api_key_hashes=(hash_key("another-key"),))
+    tenants.apply(TenantsDocument(tenants=(other,)))  # the stream's key is revoked
+    with pytest.raises(Unauthenticated):
+        signed_in.tenant()
+    with pytest.raises(Unauthenticated):
+        tenants.signed_in("Bearer nope")  # refused when the stream opens
+
+
 def test_enabled_without_a_document_lets_nobody_in() -> None:
     with pytest.raises(Unauthenticated):
         Tenants(enabled=True).authenticate(f"Bearer {KEY}")
