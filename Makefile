@@ -53,6 +53,8 @@ bench: $(STAMP)
 	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 3 --against $(AGAINST) --placement pinned --section baseline-pinned
 	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 5 --rules input --against $(AGAINST) --placement pinned --section baseline-input-pinned
 	$(BENCH) --compare --concurrency 1,16 --num-prompts 48 --rounds 5 --rules input --against $(AGAINST) --section baseline-input
+	$(BENCH) --compare --target router-triton --target router-triton-stream --concurrency 1,16 --num-prompts 48 --rounds 5 --rules input --against $(AGAINST) --placement pinned --section baseline-stream-pinned
+	$(BENCH) --compare --target router-triton --target router-triton-stream --concurrency 1,16 --num-prompts 48 --rounds 5 --rules input --against $(AGAINST) --section baseline-stream
 	$(BENCH) --scenario paired --target triton-new-streams --target triton --num-prompts 300 --output-len 4 --section triton-streams
 	$(BENCH) --target triton --concurrency 1,16 --num-prompts 64 --rounds 5 --section batching
 	$(BENCH) --target triton --scenario hol

@@ -52,7 +52,7 @@ def step(name: str) -> AbstractContextManager[trace.Span | None]:
     """A span around one step of a request, current while it runs; none (``None``) when
     this process records no spans. A no-op span would only carry its parent's context on,
     which stays current anyway, and on a path gone cold it costs as much as a small step
-    (docs/benchmarks.md, "The router's own steps")."""
+    (docs/benchmarks.md, "One call set-up less")."""
     if recording():
         return tracer.start_as_current_span(name)
     return contextlib.nullcontext()
