@@ -1,6 +1,7 @@
-"""A benchmark harness, never part of the product: the public Generate method served by a
-grpc.aio server that does nothing but stream the paced replica's tokens, one
-GenerateResponse each, as the router relays them. No tenant, no check, no pick, no hop:
+"""A benchmark harness, never part of the product: the public Generate method (and
+GenerateStream, its generations on one stream) served by a grpc.aio server that does
+nothing but stream the paced replica's tokens, one GenerateResponse each, as the router
+relays them. No tenant, no check, no pick, no hop:
 what h2load's streams cost through it is what grpc.aio itself costs on a CPU, the ceiling
 under the router's own figure in the capacity scenario (bench/capacity.py).
 
@@ -15,14 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from bench.paced_replica import PacedBackend, paced_backend, spawn_paced
 from llmmesh.convert import finish_reason_to_pb, sampling_from_pb
 from llmmesh.launcher import StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.runtime import GrpcService, service_main
 from llmmesh.runtime.config import ServiceConfig
+from llmmesh.runtime.multiplex import GENERATE_STREAM, MultiplexSession
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -36,6 +36,21 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC's method name)
         self, request: generation_pb2.GenerateRequest, context: Any
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        async for response in self._responses(request):
+            yield response
+
+    async def GenerateStream(  # noqa: N802 (gRPC's method name)
+        self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest], context: Any
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        session = MultiplexSession(
+            GENERATE_STREAM, lambda start, request_id: self._responses(start.request)
+        )
+        async for message in session.serve(requests):
+            yield message
+
+    async def _responses(
+        self, request: generation_pb2.GenerateRequest
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         sampling = sampling_from_pb(request.sampling)
         call = InferenceCall("bare", request.model, request.prompt, sampling)
         async for chunk in self._backend.generate(call):
@@ -47,12 +62,6 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
                 yield generation_pb2.GenerateResponse(
                     text=chunk.text, finish_reason=reason, usage=usage
                 )
-
-    async def GenerateStream(  # noqa: N802 (gRPC's method name)
-        self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest], context: Any
-    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the bare streamer serves Generate")
-        yield generation_pb2.GenerateStreamResponse()  # never reached: makes this a stream
 
 
 def start_bare_streamer(

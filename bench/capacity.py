@@ -48,7 +48,7 @@ from bench.bare_streamer import start_bare_streamer
 from bench.cpu import CpuMeter, busy_seconds, pin, reference_ms, split, stolen_seconds
 from bench.metrics import RequestRecord
 from bench.paced_replica import start_paced_replica
-from bench.targets import RouterTarget
+from bench.targets import RouterStreamTarget, RouterTarget
 from bench.workload import BenchRequest, new_salt
 from llmmesh.client import build_request
 from llmmesh.launcher import Stack, StackPorts
@@ -76,6 +76,9 @@ class CapacityShape:
     stream_gap_ms: float = 0.0
     seconds: float = 8.0
     prompt_chars: int = 128
+    # The streams' generations held on one GenerateStream call (bench/stream_load.py), and
+    # the probe's on one too, instead of a Generate call each (h2load's, the probe's).
+    on_a_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,10 +304,30 @@ def read_h2load_log(log: Path) -> tuple[int, int, list[float]]:
     return served, failed, latencies
 
 
-async def _probe(fleet: CapacityFleet, until: float) -> list[float]:
+def _stream_load(
+    fleet: CapacityFleet, prompt: str, options: list[str], tokens: int, seconds: float
+) -> tuple[int, int, list[float]]:
+    """(served, failed, latencies in s) of generations held on one GenerateStream call by
+    bench/stream_load.py, in a process of its own (as h2load is)."""
+    out = fleet.workdir / "stream_load.json"
+    command = [
+        sys.executable, "-m", "bench.stream_load", "--server", fleet.server,
+        "--key", fleet.api_key, "--tokens", str(tokens), "--seconds", str(seconds),
+        "--prompt", prompt, "--out", str(out), *options,
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=seconds + 120)
+    held = json.loads(out.read_text())
+    return held["served"], held["failed"], held["latencies_s"]
+
+
+async def _probe(fleet: CapacityFleet, until: float, on_a_stream: bool) -> list[float]:
     """One-token requests, PROBES_PER_S of them a second, one at a time, until ``until``:
-    their TTFT."""
-    target = RouterTarget(fleet.server, "llm", fleet.api_key, timeout_s=60)
+    their TTFT (each a Generate call, or a generation on one GenerateStream call)."""
+    target = (
+        RouterStreamTarget(fleet.server, "llm", fleet.api_key)
+        if on_a_stream
+        else RouterTarget(fleet.server, "llm", fleet.api_key, timeout_s=60)
+    )
     ttft = []
     try:
         while (now := time.monotonic()) < until:
@@ -319,9 +342,11 @@ async def _probe(fleet: CapacityFleet, until: float) -> list[float]:
     return ttft
 
 
-def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, seconds: float) -> Step:
+def _step(fleet: CapacityFleet, step: LoadStep, seconds: float) -> Step:
+    label, load, tokens = step.label, step.options, step.tokens
+    prompt = new_salt() + "x" * 120
     message = fleet.workdir / "request.bin"
-    message.write_bytes(grpc_message(new_salt() + "x" * 120, tokens))
+    message.write_bytes(grpc_message(prompt, tokens))
     log = fleet.workdir / "h2load.log"
     log.unlink(missing_ok=True)  # h2load appends to it
     reference = reference_ms(fleet.server_cpu)
@@ -330,15 +355,18 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
     stolen_before = stolen_seconds([fleet.server_cpu])
     started = time.monotonic()
 
-    async def probe_beside_h2load() -> list[float]:
-        loading = asyncio.get_running_loop().run_in_executor(
-            None, _h2load, fleet, message, log, load, seconds
-        )
-        probed = await _probe(fleet, started + seconds)
-        await loading
-        return probed
+    def run_load() -> tuple[int, int, list[float]]:
+        if step.on_a_stream:
+            return _stream_load(fleet, prompt, load, tokens, seconds)
+        _h2load(fleet, message, log, load, seconds)
+        return read_h2load_log(log)
 
-    ttft = asyncio.run(probe_beside_h2load())
+    async def probe_beside_load() -> tuple[list[float], tuple[int, int, list[float]]]:
+        loading = asyncio.get_running_loop().run_in_executor(None, run_load)
+        probed = await _probe(fleet, started + seconds, step.on_a_stream)
+        return probed, await loading
+
+    ttft, (served, failed, latencies) = asyncio.run(probe_beside_load())
     spent = fleet.meter.sample().minus(before)
     others = (busy_seconds(fleet.others) - others_before) / spent.wall_s / len(fleet.others)
     stolen = (stolen_seconds([fleet.server_cpu]) - stolen_before) / spent.wall_s
@@ -348,7 +376,6 @@ def _step(fleet: CapacityFleet, label: str, load: list[str], tokens: int, second
         for outcome, n in outcomes.items()
         if outcome not in ("length", "stop", "cancelled")
     )
-    served, failed, latencies = read_h2load_log(log)
     ttft.sort()
     return Step(
         label,
@@ -380,10 +407,10 @@ def _sweeps(
     speed drifts within minutes, so the pair of figures of a step is of one speed."""
     routed: list[Step] = []
     streamed: list[Step] = []
-    for label, load, tokens in steps:
+    for step in steps:
         for done, fleet in ((routed, router), (streamed, bare)):
             if not _past_the_knee(done):
-                done.append(_step(fleet, label, load, tokens, seconds))
+                done.append(_step(fleet, step, seconds))
                 server = "router" if fleet is router else "bare"
                 print(f"{server:6} {done[-1].row(done[0].ttft_p50_ms)}", file=sys.stderr)
         if _past_the_knee(routed) and _past_the_knee(streamed):
@@ -406,18 +433,32 @@ def bare_beside_router(fleet: CapacityFleet, shape: CapacityShape) -> Iterator[C
         child.terminate(10)
 
 
-Load = list[tuple[str, list[str], int]]  # per step: its label, h2load's options, tokens
+@dataclass(frozen=True)
+class LoadStep:
+    label: str
+    options: list[str]  # h2load's, or bench/stream_load.py's
+    tokens: int  # each request's
+    on_a_stream: bool = False  # generations held on one GenerateStream call, not h2load
+
+
+Load = list[LoadStep]
 
 
 def _arrivals(rates: Iterable[int]) -> Load:
+    h2load_clients = ["-c", str(CLIENTS), "-m", "64"]
     return [
-        (f"{rate} req/s", ["-c", str(CLIENTS), "-m", "64", "--rps", str(rate // CLIENTS)], 1)
+        LoadStep(f"{rate} req/s", [*h2load_clients, "--rps", str(rate // CLIENTS)], 1)
         for rate in rates
     ]
 
 
-def _streams(counts: Iterable[int], tokens: int) -> Load:
-    return [(f"{n} streams", ["-c", str(n), "-m", "1"], tokens) for n in counts]
+def _streams(counts: Iterable[int], tokens: int, on_a_stream: bool) -> Load:
+    if on_a_stream:
+        return [
+            LoadStep(f"{n} on a stream", ["--generations", str(n)], tokens, on_a_stream=True)
+            for n in counts
+        ]
+    return [LoadStep(f"{n} streams", ["-c", str(n), "-m", "1"], tokens) for n in counts]
 
 
 def measure(workdir: Path, shape: CapacityShape) -> Capacity:
@@ -425,6 +466,6 @@ def measure(workdir: Path, shape: CapacityShape) -> Capacity:
         print(router.placement, file=sys.stderr)
         rates = _arrivals(shape.rates)
         by_rate, bare_rates = _sweeps("arrivals", rates, router, bare, shape.seconds)
-        streams = _streams(shape.streams, shape.stream_tokens)
+        streams = _streams(shape.streams, shape.stream_tokens, shape.on_a_stream)
         by_streams, bare_streams = _sweeps("streams", streams, router, bare, shape.seconds)
     return Capacity(shape, router.placement, by_rate, by_streams, bare_rates, bare_streams)

@@ -174,6 +174,13 @@ def add_bench_parser(commands: Any) -> None:
         "the inference service's engine_stream_gap_ms asks of the engine (0: a response per "
         "token)",
     )
+    bench.add_argument(
+        "--relay",
+        choices=["calls", "stream"],
+        default="calls",
+        help="capacity: the long generations (and the probe's requests) as a Generate call "
+        "each (h2load's) or as generations on one GenerateStream call (bench/stream_load.py)",
+    )
     bench.add_argument("--conversations", type=int, default=50, help="truncation: how many")
     bench.add_argument(
         "--budget-tokens", type=int, default=512, help="truncation: the model's context to cut to"
@@ -869,12 +876,17 @@ def _capacity(args: argparse.Namespace) -> int:
     from bench.capacity import CapacityShape, measure
     from services.inference.config import InferenceConfig
 
-    shape = CapacityShape(stream_gap_ms=args.stream_gap_ms)
+    shape = CapacityShape(stream_gap_ms=args.stream_gap_ms, on_a_stream=args.relay == "stream")
     gap = (
         f", responses at least {shape.stream_gap_ms:.0f} ms apart after a stream's first "
         f"{InferenceConfig.model_fields['engine_stream_gap_after'].default}"
         if shape.stream_gap_ms
         else ""
+    )
+    held, probe = (
+        ("generations on one GenerateStream call (bench/stream_load.py)", ", on a stream")
+        if shape.on_a_stream
+        else ("streams", "")
     )
     with tempfile.TemporaryDirectory(prefix="llm-mesh-bench-") as workdir:
         print("starting a stack, paced replicas and a router on a CPU of its own ...",
@@ -889,8 +901,8 @@ def _capacity(args: argparse.Namespace) -> int:
         f"; {capacity.placement}; {shape.replicas} paced replicas ({shape.ttft_ms:.0f} ms to "
         f"the first token, a step every {shape.itl_ms:.0f} ms{gap}); h2load {shape.seconds:.0f} s "
         f"per step: arrivals of one-token requests ({shape.prompt_chars}-character "
-        f"prompts), or streams of {shape.stream_tokens} tokens held open; a probe times "
-        "one-token requests one at a time; the local stack's tenant (the default rule set, "
+        f"prompts), or {held} of {shape.stream_tokens} tokens held open; a probe times "
+        f"one-token requests one at a time{probe}; the local stack's tenant (the default rule set, "
         "prompt and output checked); each step again at once against a bare grpc.aio "
         "streamer on the router's CPU.",
         capacity.report(),

@@ -38,6 +38,7 @@ from llmmesh.runtime.grpc_status import to_status
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
 from llmmesh.runtime.registration import MalformedRequest, generation_ids
+from llmmesh.v1 import generation_pb2, inference_pb2
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,23 @@ class Wire:
     given_request_id: Callable[[Any], str]  # the id a start names ("" for none)
     # The seconds a start gives its generation, as a call's deadline would (None: no limit).
     timeout_s: Callable[[Any], float | None] = lambda start: None
+
+
+# The two services that multiplex. The public stream names its request id beside the
+# request, as Generate's metadata would, and may give a generation a deadline.
+INFERENCE_MULTIPLEX = Wire(
+    frame=inference_pb2.GenerationFrame,
+    message=inference_pb2.MultiplexResponse,
+    span_name="/llmmesh.v1.Inference/Generate",
+    given_request_id=lambda start: start.request.request_id,
+)
+GENERATE_STREAM = Wire(
+    frame=generation_pb2.GenerateFrame,
+    message=generation_pb2.GenerateStreamResponse,
+    span_name="/llmmesh.v1.Generation/Generate",
+    given_request_id=lambda start: start.request_id,
+    timeout_s=lambda start: start.timeout_ms / 1000 or None,
+)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import grpc
 from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
-from llmmesh.runtime.multiplex import MultiplexSession, Wire
+from llmmesh.runtime.multiplex import INFERENCE_MULTIPLEX, MultiplexSession
 from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -28,12 +28,6 @@ AnyContext = grpc.aio.ServicerContext[Any, Any]
 
 
 DEFAULT_REPORT_INTERVAL_S = 0.05
-MULTIPLEX_WIRE = Wire(
-    frame=inference_pb2.GenerationFrame,
-    message=inference_pb2.MultiplexResponse,
-    span_name="/llmmesh.v1.Inference/Generate",
-    given_request_id=lambda start: start.request.request_id,
-)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -83,7 +77,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, requests: AsyncIterator[inference_pb2.MultiplexRequest], context: AnyContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
         session = MultiplexSession(
-            MULTIPLEX_WIRE,
+            INFERENCE_MULTIPLEX,
             lambda start, request_id: self._responses(start.request, request_id),
             self._hold_s,
             self._first_unheld,

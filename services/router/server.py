@@ -26,7 +26,7 @@ from llmmesh.runtime.metadata import (
     bind_request_id,
     metadata_value,
 )
-from llmmesh.runtime.multiplex import MultiplexSession, Wire
+from llmmesh.runtime.multiplex import GENERATE_STREAM, MultiplexSession
 from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.runtime.watch import watch_file
 from llmmesh.types import History
@@ -56,13 +56,6 @@ from services.router.upstreams import CHANNEL_OPTIONS, GrpcContextClient, GrpcPo
 log = logging.getLogger(__name__)
 
 SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
-STREAM_WIRE = Wire(
-    frame=generation_pb2.GenerateFrame,
-    message=generation_pb2.GenerateStreamResponse,
-    span_name="/llmmesh.v1.Generation/Generate",
-    given_request_id=lambda start: start.request_id,
-    timeout_s=lambda start: start.timeout_ms / 1000 or None,
-)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -101,7 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Refused credentials end the stream now.
         signed_in = self._tenants.signed_in(metadata_value(context, AUTHORIZATION))
         session = MultiplexSession(
-            STREAM_WIRE,
+            GENERATE_STREAM,
             lambda start, request_id: self._streamed(start, request_id, signed_in),
         )
         self._sessions.add(session)

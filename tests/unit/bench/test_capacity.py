@@ -1,5 +1,6 @@
 """The capacity scenario's load: a Generate request as h2load sends it, and what h2load's
-log says was served (bench/capacity.py)."""
+log says was served (bench/capacity.py); generations held on a stream instead
+(bench/stream_load.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from bench.capacity import (
     CapacityShape,
     Step,
     Sweep,
+    _streams,
     grpc_message,
     read_h2load_log,
 )
-from llmmesh.v1 import generation_pb2
+from bench.stream_load import Held, _ended, _Starts
+from llmmesh.v1 import common_pb2, generation_pb2
 
 
 def test_a_request_is_one_grpc_message_of_the_public_api() -> None:
@@ -60,3 +63,32 @@ def test_the_report_sets_the_bare_servers_ceiling_beside_the_routers_figure() ->
     assert "**500 requests/s** admitted and picked" in report
     assert "the bare server: **1200 requests/s** answered" in report
     assert "| server CPU |" in report and "took 18.0 to 18.0 ms" in report
+
+
+def test_generations_on_a_stream_are_counted_as_they_end_and_replaced() -> None:
+    starts = _Starts(generation_pb2.GenerateRequest(prompt="x"))
+    first = starts.message(3)
+    assert [c.generation_id for c in first.controls] == [1, 2, 3]
+    held = Held()
+    done = generation_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    message = generation_pb2.GenerateStreamResponse(
+        frames=[
+            generation_pb2.GenerateFrame(generation_id=1, response=done),
+            generation_pb2.GenerateFrame(generation_id=2, error=b""),
+            generation_pb2.GenerateFrame(
+                generation_id=3, response=generation_pb2.GenerateResponse(text="a")
+            ),
+        ]
+    )
+    assert _ended(message, starts, held) == 2  # two to start again
+    assert (held.served, held.failed, len(held.latencies_s)) == (1, 1, 1)
+    assert list(starts.started_at) == [3]
+    assert [c.generation_id for c in starts.message(2).controls] == [4, 5]
+
+
+def test_the_streams_sweep_holds_generations_on_a_stream_when_asked() -> None:
+    (step,) = _streams([64], 200, on_a_stream=True)
+    assert (step.label, step.on_a_stream) == ("64 on a stream", True)
+    assert step.options == ["--generations", "64"]
+    (call,) = _streams([64], 200, on_a_stream=False)
+    assert not call.on_a_stream and call.options == ["-c", "64", "-m", "1"]
