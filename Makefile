@@ -76,6 +76,7 @@ bench: $(STAMP)
 	$(BENCH) --scenario shared-state --num-prompts 600 --duration 30
 	$(BENCH) --scenario truncation
 	$(BENCH) --scenario capacity
+	$(BENCH) --scenario capacity --relay stream --stream-gap-ms 40 --section capacity-stream
 	$(BENCH) --scenario peer-hop --num-prompts 300 --output-len 4
 	$(BENCH) --scenario cold
 
