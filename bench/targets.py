@@ -73,18 +73,22 @@ class RouterTarget:
         self._timeout = timeout_s
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        message = build_request(
-            request.prompt,
-            model=self._model,
-            max_tokens=request.max_tokens,
-            ignore_eos=True,
-            session_id=request.session_id,
-        )
+        message = _public_request(request, self._model)
         call = self._stub.Generate(message, metadata=self._metadata, timeout=self._timeout)
         await _record_replies(call, record)
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+def _public_request(request: BenchRequest, model: str) -> generation_pb2.GenerateRequest:
+    return build_request(
+        request.prompt,
+        model=model,
+        max_tokens=request.max_tokens,
+        ignore_eos=True,
+        session_id=request.session_id,
+    )
 
 
 async def _record_replies(
@@ -113,14 +117,7 @@ class RouterStreamTarget:
         self._model = model
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        message = build_request(
-            request.prompt,
-            model=self._model,
-            max_tokens=request.max_tokens,
-            ignore_eos=True,
-            session_id=request.session_id,
-        )
-        await _record_replies(self._stream.generate(message), record)
+        await _record_replies(self._stream.generate(_public_request(request, self._model)), record)
 
     async def close(self) -> None:
         await self._stream.close()

@@ -297,3 +297,29 @@ class MultiplexSession:
     def _post_error(self, number: int, err: MeshError) -> None:
         status = to_status(err).SerializeToString()
         self._post(self._wire.frame(generation_id=number, error=status), True)
+
+
+class OpenSessions:
+    """A service's multiplexed streams while they are open, so that shutdown drains them
+    all: no new generation on any, each ending with its last running one."""
+
+    def __init__(self) -> None:
+        self._open: set[MultiplexSession] = set()
+        self.draining = False
+
+    async def serve(
+        self, session: MultiplexSession, requests: AsyncIterator[Any]
+    ) -> AsyncIterator[Any]:
+        self._open.add(session)
+        if self.draining:
+            session.drain()
+        try:
+            async for message in session.serve(requests):
+                yield message
+        finally:
+            self._open.discard(session)
+
+    def drain(self) -> None:
+        self.draining = True
+        for session in self._open:
+            session.drain()

@@ -12,7 +12,7 @@ import grpc
 from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
-from llmmesh.runtime.multiplex import INFERENCE_MULTIPLEX, MultiplexSession
+from llmmesh.runtime.multiplex import INFERENCE_MULTIPLEX, MultiplexSession, OpenSessions
 from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.types import InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
@@ -44,8 +44,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._first_unheld = first_unheld  # ... and how many come first, never waiting
         self._monitor = monitor
         self._replica = replica
-        self._sessions: set[MultiplexSession] = set()
-        self._draining = False
+        self._streams = OpenSessions()
 
     async def WatchLoad(  # noqa: N802 (gRPC method name)
         self, request: inference_pb2.WatchLoadRequest, context: AnyContext
@@ -82,29 +81,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self._hold_s,
             self._first_unheld,
         )
-        self._sessions.add(session)
-        if self._draining:
-            session.drain()
-        try:
-            async for message in session.serve(requests):
-                yield message
-        finally:
-            self._sessions.discard(session)
+        async for message in self._streams.serve(session, requests):
+            yield message
 
     def drain(self) -> None:
         """Shutdown begins: multiplexed streams take no new generation and end with their
         last running one (each caller then opens a stream to another replica); load
         report streams end with the last generation (``_drained_when_idle``)."""
-        self._draining = True
-        for session in self._sessions:
-            session.drain()
+        self._streams.drain()
         self._drained_when_idle()
 
     def _drained_when_idle(self) -> None:
         """Draining, with no generation left: the load report streams end, which routers
         take as this replica gone, and the server's grace period need not wait for them.
         Not sooner: a router ends the streams it has on a replica whose reports stopped."""
-        if self._draining and self._core.in_flight == 0:
+        if self._streams.draining and self._core.in_flight == 0:
             self._monitor.end_watches()
 
     async def _responses(

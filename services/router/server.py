@@ -26,7 +26,7 @@ from llmmesh.runtime.metadata import (
     bind_request_id,
     metadata_value,
 )
-from llmmesh.runtime.multiplex import GENERATE_STREAM, MultiplexSession
+from llmmesh.runtime.multiplex import GENERATE_STREAM, MultiplexSession, OpenSessions
 from llmmesh.runtime.registration import add_servicer, takes_malformed
 from llmmesh.runtime.watch import watch_file
 from llmmesh.types import History
@@ -62,8 +62,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core: RouterCore, tenants: Tenants) -> None:
         self._core = core
         self._tenants = tenants
-        self._sessions: set[MultiplexSession] = set()
-        self._draining = False
+        self._streams = OpenSessions()
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -97,20 +96,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             GENERATE_STREAM,
             lambda start, request_id: self._streamed(start, request_id, signed_in),
         )
-        self._sessions.add(session)
-        if self._draining:
-            session.drain()
-        try:
-            async for message in session.serve(requests):
-                yield message
-        finally:
-            self._sessions.discard(session)
+        async for message in self._streams.serve(session, requests):
+            yield message
 
     def drain(self) -> None:
         """Shutdown begins: streams take no new generation and end with their last one."""
-        self._draining = True
-        for session in self._sessions:
-            session.drain()
+        self._streams.drain()
 
     async def _streamed(
         self, start: generation_pb2.GenerateStart, request_id: str, signed_in: SignedIn

@@ -4,23 +4,28 @@ a Generate call would, through the same checks, and an error ends only its own."
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import pytest
 from google.rpc import status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmmesh.client import auth_metadata, build_request
-from llmmesh.launcher import Stack
+from llmmesh.launcher import Stack, StackPorts
 from llmmesh.stream_client import GenerationStream
 from llmmesh.v1 import common_pb2, generation_pb2
+from llmmesh.waiting import poll_until_async
 from tests.conftest import (
     assert_engines_saw_only,
     bad_request_fields,
     collect,
     metric_value,
     prompt_tokens_seen,
+    start_service,
     text_of,
     wait_for,
 )
@@ -202,3 +207,42 @@ def test_a_generation_past_its_deadline_ends_deadline_exceeded(stack: Stack) -> 
     late, text = on_stream(stack, scenario)
     assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(text) < 1000
+
+
+def test_a_draining_router_finishes_a_streams_generation_and_refuses_new_ones(
+    stack: Stack, tmp_path: Path
+) -> None:
+    port = StackPorts.free().router
+    address = f"127.0.0.1:{port}"
+    router = start_service(stack, "router", port, tmp_path)
+
+    async def scenario() -> tuple[Responses, grpc.aio.AioRpcError]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = GenerationStream(channel, auth_metadata(stack.api_key))
+            running = stream.generate(build_request("drain", max_tokens=300, ignore_eos=True))
+            replies = [await anext(running)]  # in flight
+            router.process.send_signal(signal.SIGTERM)
+            health: Any = health_pb2_grpc.HealthStub(channel)  # its stubs are untyped
+
+            async def draining() -> bool:
+                """Health says NOT_SERVING, or (its server stopping) takes no new call."""
+                try:
+                    reply = await health.Check(health_pb2.HealthCheckRequest())
+                except grpc.aio.AioRpcError:
+                    return True
+                return bool(reply.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+            assert await poll_until_async(draining, 30), "the router did not begin to drain"
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await gather(stream.generate(build_request("too late", max_tokens=2)))
+            replies += await gather(running)
+            await stream.close()
+            return replies, refused.value
+
+    try:
+        replies, refused = asyncio.run(scenario())
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert replies[-1].usage.completion_tokens == 300, "the running generation ended whole"
+        assert router.process.wait(30) == 0
+    finally:
+        router.terminate(5)
