@@ -26,14 +26,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import DeadlineExceeded, MeshError, Unavailable
+from llmmesh.runtime.errors import DeadlineExceeded, MeshError, ResourceExhausted, Unavailable
 from llmmesh.runtime.grpc_status import to_status
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
@@ -48,6 +48,10 @@ Responses = Callable[[Any, str], AsyncIterator[Any]]
 # A message carries at most this many frames (each a token or a few), well under gRPC's
 # message limit even with log probabilities in every frame.
 MAX_FRAMES_PER_MESSAGE = 256
+# Frames waiting for a caller that does not read: past this, generations wait to post more
+# and no new control is read (as a Generate call's writes wait for its reader), so a slow
+# or hostile caller holds no more of the service's memory than this.
+MAX_WAITING_FRAMES = 4 * MAX_FRAMES_PER_MESSAGE
 # Weight of the newest gap between frames in their moving average (about the last five).
 GAP_WEIGHT = 0.2
 DRAINING = "shutting down"
@@ -66,6 +70,8 @@ class Wire:
     given_request_id: Callable[[Any], str]  # the id a start names ("" for none)
     # The seconds a start gives its generation, as a call's deadline would (None: no limit).
     timeout_s: Callable[[Any], float | None] = lambda start: None
+    # Generations that may run at once on one stream (None: no limit, for the mesh's own).
+    max_running: int | None = None
 
 
 # The two services that multiplex. The public stream names its request id beside the
@@ -82,6 +88,7 @@ GENERATE_STREAM = Wire(
     span_name="/llmmesh.v1.Generation/Generate",
     given_request_id=lambda start: start.request_id,
     timeout_s=lambda start: start.timeout_ms / 1000 or None,
+    max_running=1024,
 )
 
 
@@ -135,6 +142,8 @@ class MultiplexSession:
         self._first_unheld = first_unheld
         self._running: dict[int, _Generation] = {}
         self._outbox: list[Any] = []
+        self._room = asyncio.Event()  # set while the outbox is under MAX_WAITING_FRAMES
+        self._room.set()
         self._held_since = 0.0  # loop time the oldest frame waiting was posted
         self._arrivals = Arrivals()
         self._urgent_at = 0  # frames up to the last urgent one waiting must go now
@@ -143,7 +152,7 @@ class MultiplexSession:
         self._draining = False
         self._refused: MeshError | None = None  # a message that ends the stream
 
-    async def serve(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def serve(self, requests: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
         """The stream's responses until the caller closes its side and every generation
         has ended (or the replica drains); a stream cut short cancels them all."""
         reader = asyncio.ensure_future(self._read(requests))
@@ -176,6 +185,8 @@ class MultiplexSession:
             await self._hold(loop)
             frames = self._outbox[:MAX_FRAMES_PER_MESSAGE]
             del self._outbox[:MAX_FRAMES_PER_MESSAGE]
+            if len(self._outbox) < MAX_WAITING_FRAMES:
+                self._room.set()
             self._urgent_at = max(self._urgent_at - len(frames), 0)
             self._held_since = loop.time()  # what came meanwhile waited for the write
             yield self._wire.message(frames=frames)
@@ -194,6 +205,7 @@ class MultiplexSession:
     async def _read(self, requests: AsyncIterator[Any]) -> None:
         try:
             async for request in requests:
+                await self._room.wait()
                 if isinstance(request, MalformedRequest):
                     self._refuse(request)
                     continue
@@ -226,6 +238,9 @@ class MultiplexSession:
                 self._post_error(number, Unavailable(why))
             elif self._draining:
                 self._post_error(number, Unavailable(DRAINING))
+            elif self._full():
+                why = f"at most {self._wire.max_running} generations at once on one stream"
+                self._post_error(number, ResourceExhausted(why, retry_after_s=1.0))
             else:
                 self._start(number, control.start)
         elif running is not None and action == "cancel":
@@ -234,6 +249,10 @@ class MultiplexSession:
         elif running is not None and action == "credit":
             running.add(control.credit)
         # A control for a generation that has ended already is moot: it crossed its end.
+
+    def _full(self) -> bool:
+        limit = self._wire.max_running
+        return limit is not None and len(self._running) >= limit
 
     def _start(self, number: int, start: Any) -> None:
         generation = _Generation(window=start.window, limited=start.window > 0)
@@ -279,6 +298,7 @@ class MultiplexSession:
         sent = 0
         async for response in self._responses(start, request_id):
             await generation.take()
+            await self._room.wait()
             frame = self._wire.frame(generation_id=number, response=response)
             early = sent < self._first_unheld
             self._post(frame, urgent=early or bool(response.finish_reason))
@@ -290,6 +310,8 @@ class MultiplexSession:
         if not self._outbox:
             self._held_since = now
         self._outbox.append(frame)
+        if len(self._outbox) >= MAX_WAITING_FRAMES:
+            self._room.clear()
         if urgent or self._arrivals.gap_s >= self._hold_s:  # no hold, or no company in sight
             self._urgent_at = len(self._outbox)
         self._wake.set()

@@ -1,8 +1,23 @@
-"""How a multiplexed stream judges whether responses are worth holding for company."""
+"""How a multiplexed stream judges whether responses are worth holding for company, and
+what it holds for a caller at most."""
 
 from __future__ import annotations
 
-from llmmesh.runtime.multiplex import Arrivals
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+from google.rpc import status_pb2
+
+from llmmesh.runtime.multiplex import (
+    GENERATE_STREAM,
+    MAX_WAITING_FRAMES,
+    Arrivals,
+    MultiplexSession,
+)
+from llmmesh.v1 import generation_pb2
+from llmmesh.waiting import poll_until_async
 
 
 def test_frames_coming_apart_show_in_the_gap_and_close_ones_bring_it_down() -> None:
@@ -14,3 +29,66 @@ def test_frames_coming_apart_show_in_the_gap_and_close_ones_bring_it_down() -> N
     for n in range(30):  # sixteen streams: a step's frames 0.1 ms apart
         arrivals.note(100.2 + 0.0001 * n)
     assert arrivals.gap_s < 0.0005  # well under the hold: later frames wait for company
+
+
+def _start(number: int) -> generation_pb2.GenerateControl:
+    start = generation_pb2.GenerateStart(request=generation_pb2.GenerateRequest(prompt="x"))
+    return generation_pb2.GenerateControl(generation_id=number, start=start)
+
+
+def test_a_stream_takes_so_many_generations_at_once_and_refuses_the_next() -> None:
+    async def endless(start: object, request_id: str) -> AsyncIterator[object]:
+        await asyncio.Event().wait()  # runs until the stream ends
+        yield generation_pb2.GenerateResponse()
+
+    async def scenario() -> list[generation_pb2.GenerateFrame]:
+        session = MultiplexSession(replace(GENERATE_STREAM, max_running=2), endless)
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            yield generation_pb2.GenerateStreamRequest(controls=[_start(n) for n in (1, 2, 3)])
+            await asyncio.Event().wait()  # the caller stays, sending nothing more
+
+        messages = session.serve(requests())
+        try:
+            return list((await anext(messages)).frames)
+        finally:
+            await messages.aclose()
+
+    (refused,) = asyncio.run(scenario())
+    assert refused.generation_id == 3
+    status = status_pb2.Status.FromString(refused.error)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "at most 2 generations" in status.message
+
+
+def test_a_caller_that_does_not_read_holds_back_its_generations() -> None:
+    produced = 0
+
+    async def endless(start: object, request_id: str) -> AsyncIterator[object]:
+        nonlocal produced
+        while True:
+            produced += 1
+            yield generation_pb2.GenerateResponse(text="x")
+
+    async def scenario() -> int:
+        session = MultiplexSession(GENERATE_STREAM, endless)
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            yield generation_pb2.GenerateStreamRequest(controls=[_start(1)])
+            await asyncio.Event().wait()
+
+        messages = session.serve(requests())
+        try:
+            taken = len((await anext(messages)).frames)  # then the caller reads no more
+
+            async def full() -> bool:
+                return not session._room.is_set()
+
+            assert await poll_until_async(full, 10), "the waiting frames were never bounded"
+            return taken
+        finally:
+            await messages.aclose()
+
+    taken = asyncio.run(scenario())
+    # What was taken, the frames waiting, and the one response held at the door: no more.
+    assert produced <= taken + MAX_WAITING_FRAMES + 1
