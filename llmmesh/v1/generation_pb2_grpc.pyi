@@ -58,6 +58,8 @@ class GenerationStub:
     when the client has closed its side and its last generation has ended, or, once the
     router drains for shutdown, with its last running generation (new starts are then
     refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
+    At most 1,024 generations run at once on one stream (a start past them is refused
+    RESOURCE_EXHAUSTED), and a client that stops reading holds its generations back.
     """
 
 @_typing.type_check_only
@@ -90,6 +92,8 @@ class GenerationAsyncStub(GenerationStub):
     when the client has closed its side and its last generation has ended, or, once the
     router drains for shutdown, with its last running generation (new starts are then
     refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
+    At most 1,024 generations run at once on one stream (a start past them is refused
+    RESOURCE_EXHAUSTED), and a client that stops reading holds its generations back.
     """
 
 class GenerationServicer(metaclass=_abc_1.ABCMeta):
@@ -131,6 +135,8 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
         when the client has closed its side and its last generation has ended, or, once the
         router drains for shutdown, with its last running generation (new starts are then
         refused UNAVAILABLE). A stream whose credentials are refused ends UNAUTHENTICATED.
+        At most 1,024 generations run at once on one stream (a start past them is refused
+        RESOURCE_EXHAUSTED), and a client that stops reading holds its generations back.
         """
 
 def add_GenerationServicer_to_server(servicer: GenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
