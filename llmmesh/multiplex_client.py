@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,8 +23,8 @@ log = logging.getLogger(__name__)
 
 # Frames of generations past their first handed over per loop turn: an engine step's
 # responses for many generations come in one message, and each wakes a relay; in slices,
-# what arrives meanwhile (a new request, another first token) waits for a slice, not the
-# whole message.
+# what arrives meanwhile (a new request, another message's first token) waits for a
+# slice, not the whole message.
 RELAY_SLICE = 32
 # A message of controls stays well under gRPC's 4 MB default limit (one start is at most
 # a prompt the router accepted, far less than this).
@@ -89,6 +90,10 @@ class MultiplexCall:
         self._controls: list[Any] = []
         self._wake = asyncio.Event()
         self.inboxes: dict[int, Inbox] = {}
+        # Frames of started generations, in order, waiting for their slice of a loop turn.
+        self._later: deque[tuple[Inbox, Frame]] = deque()
+        self._all_handed = asyncio.Event()
+        self._all_handed.set()
         self.closing = False  # no new generation here: it is being closed, or it broke
         self.unsupported = False
         self._writer = asyncio.ensure_future(self._write())
@@ -144,7 +149,7 @@ class MultiplexCall:
         ended: Exception = Unavailable(f"{self._upstream} ended the stream")
         try:
             async for message in self._call:
-                await self._hand_over(message.frames)
+                self._hand_over(message.frames)
         except grpc.aio.AioRpcError as err:
             self.unsupported = err.code() == grpc.StatusCode.UNIMPLEMENTED
             kept = self._keep_call_errors
@@ -152,14 +157,18 @@ class MultiplexCall:
         finally:
             self.closing = True
             self._wake.set()  # the writer ends too
-            for inbox in self.inboxes.values():
-                inbox.put(ended)
+            # After the frames still to be handed over: each generation's end comes last.
+            self._later.extend((inbox, ended) for inbox in self.inboxes.values())
+            await self._handed_over()
 
-    async def _hand_over(self, frames: Iterable[Any]) -> None:
+    def _hand_over(self, frames: Iterable[Any]) -> None:
         """Each frame to its generation's inbox (frames that crossed a cancellation, to
-        none): first frames first, since a first token is what a client waits for most, and
-        the rest a slice per loop turn. A generation's own frames keep their order."""
-        later: list[tuple[Inbox, Any]] = []
+        none): a generation's first frame at once, since a first token is what a client
+        waits for most; the rest queued, handed over a slice per loop turn. The reader
+        goes on reading meanwhile, so a first token in the next message does not wait for
+        this one's. A generation's own frames keep their order."""
+        later = self._later
+        queued = bool(later)
         for frame in frames:
             inbox = self.inboxes.get(frame.generation_id)
             if inbox is None:
@@ -168,8 +177,25 @@ class MultiplexCall:
                 later.append((inbox, frame))
             else:
                 inbox.put(frame)
-        for start in range(0, len(later), RELAY_SLICE):
-            if start:
-                await asyncio.sleep(0)  # one loop turn: what arrived meanwhile runs first
-            for inbox, frame in later[start : start + RELAY_SLICE]:
+        if later and not queued:
+            self._all_handed.clear()
+            self._hand_over_slice()
+
+    def _hand_over_slice(self) -> None:
+        later = self._later
+        for _ in range(min(RELAY_SLICE, len(later))):
+            inbox, frame = later.popleft()
+            inbox.put(frame)
+        if later:  # the rest after one loop turn: what arrived meanwhile runs first
+            asyncio.get_running_loop().call_soon(self._hand_over_slice)
+        else:
+            self._all_handed.set()
+
+    async def _handed_over(self) -> None:
+        """Waits until every queued frame is in its inbox; cut short, hands them all over."""
+        try:
+            await self._all_handed.wait()
+        finally:
+            while self._later:
+                inbox, frame = self._later.popleft()
                 inbox.put(frame)

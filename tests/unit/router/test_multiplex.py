@@ -501,3 +501,36 @@ def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
     assert [text for text in handed if text.startswith("token")] == [
         f"token {n}" for n in range(1, count + 1)
     ]
+
+
+def test_a_first_token_in_the_next_message_waits_for_no_more_than_a_slice() -> None:
+    handed: list[str] = []
+    count = 2 * multiplex_client.RELAY_SLICE + 1
+    inboxes: dict[int, multiplex_client.Inbox] = {
+        n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)
+    }
+    inboxes[count + 1] = _RecordingInbox(handed)  # not started yet
+    burst = inference_pb2.MultiplexResponse(
+        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
+    )
+    then = inference_pb2.MultiplexResponse(frames=[_frame(count + 1, "first")])
+    _read_through([burst, then], inboxes)
+    # the reader read on while the burst went over a slice a turn
+    assert handed.index("first") == multiplex_client.RELAY_SLICE
+    assert [text for text in handed if text.startswith("token")] == [
+        f"token {n}" for n in range(1, count + 1)
+    ]
+
+
+def test_each_generation_gets_the_end_of_a_stream_after_its_queued_frames() -> None:
+    handed: list[str] = []
+    count = 2 * multiplex_client.RELAY_SLICE + 1
+    inboxes = {n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)}
+    burst = inference_pb2.MultiplexResponse(
+        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
+    )
+    _read_through([burst], dict(inboxes))
+    for number, inbox in inboxes.items():
+        frames = asyncio.run(inbox.take())
+        assert frames[0].response.text == f"token {number}"
+        assert isinstance(frames[-1], Unavailable)  # the end, after its frame
