@@ -112,10 +112,10 @@ class TritonIO:
                 stats, self._stats = self._stats, None
                 poll_due = time.monotonic() >= next_poll
                 sinks = list(self._sinks) if poll_due else []
+            if stats is not None:  # first: what a response reports has been counted
+                self._exporter.publish(stats)
             if item is not None:
                 _send(*item)
-            if stats is not None:
-                self._exporter.publish(stats)
             if poll_due:
                 for sink in sinks:
                     sink.poll_cancelled()

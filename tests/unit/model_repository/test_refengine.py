@@ -425,6 +425,27 @@ def run(engine: Engine, prompt: str, **kw: Any) -> RecordingSink:
 
 
 class TestEngine:
+    def test_a_requests_statistics_are_published_before_its_last_response(self) -> None:
+        published: list[int] = []  # prompt tokens, as each publication reported them
+        engine = Engine(
+            Transformer(SMALL, seed=0), on_stats=lambda stats: published.append(stats.prompt_tokens)
+        )
+        run(engine, "warm", max_tokens=2, ignore_eos=True)  # a publication just now
+
+        class Noting(RecordingSink):
+            counted_at_finish = -1
+
+            def finish(self, *args: Any, **kw: Any) -> None:
+                self.counted_at_finish = published[-1]
+                super().finish(*args, **kw)
+
+        sink = Noting()
+        submit(engine, "counted", sink, max_tokens=2, ignore_eos=True)
+        drain(engine)
+        # within the publications' interval, yet counted before its last response went
+        assert sink.counted_at_finish == engine.stats.prompt_tokens
+        assert engine.stats.prompt_tokens > len("warm")
+
     def test_streams_exactly_max_tokens_then_length(self) -> None:
         sink = run(make_engine(), "hello", max_tokens=20, ignore_eos=True, seed=1)
         assert sink.final is not None and sink.final[2] == "length"

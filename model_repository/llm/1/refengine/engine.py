@@ -559,6 +559,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         tail = "" if seq.stops.stopped else seq.stops.push(seq.decoder.flush()) + seq.stops.flush()
         details = seq.details()
+        # Before its last response: a client that has it finds the request counted.
+        self._publish(force=True)
         if seq.request.stream:
             seq.sink.finish("".join(seq.unsent_text) + tail, seq.unsent_tokens, reason, details)
         else:
