@@ -42,6 +42,7 @@ class BareGeneration(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(  # noqa: N802 (gRPC's method name)
         self, requests: AsyncIterator[generation_pb2.GenerateStreamRequest], context: Any
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        await context.send_initial_metadata(())  # taken, as the router says (stream_client)
         session = MultiplexSession(
             GENERATE_STREAM, lambda start, request_id: self._responses(start.request)
         )

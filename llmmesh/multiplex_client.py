@@ -72,7 +72,9 @@ class MultiplexCall:
     builds the stream's request message from controls; ``upstream`` and ``where`` name
     the other end in errors (``where``, its address, in the log only). A broken call
     fails its generations with a MeshError, or with the call's own error if
-    ``keep_call_errors`` (a client of the mesh, which wants the status as sent)."""
+    ``keep_call_errors`` (a client of the mesh, which wants the status as sent). With
+    ``headers_first`` nothing is written before the other end's headers have come (a
+    server that sends them once it has accepted the stream)."""
 
     def __init__(
         self,
@@ -80,13 +82,16 @@ class MultiplexCall:
         message: Callable[..., Any],
         upstream: str,
         where: str,
+        *,
         keep_call_errors: bool = False,
+        headers_first: bool = False,
     ):
         self._call = call
         self._message = message
         self._upstream = upstream
         self._where = where
         self._keep_call_errors = keep_call_errors
+        self._headers_first = headers_first
         self._controls: list[Any] = []
         self._wake = asyncio.Event()
         self.inboxes: dict[int, Inbox] = {}
@@ -116,6 +121,11 @@ class MultiplexCall:
 
     async def _write(self) -> None:
         try:
+            if self._headers_first:
+                # The other end's headers say it took the stream. A write that crosses a
+                # refusal fails in gRPC's core, which then reports the call as INTERNAL
+                # in place of the refusal's own status; one made after it is not sent.
+                await self._call.initial_metadata()
             while True:
                 if self._controls:
                     await self._call.write(self._next_message())

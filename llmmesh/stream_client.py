@@ -87,7 +87,9 @@ class GenerationStream:
         if self._call is None or self._call.closing:
             call = self._stub.GenerateStream(metadata=self._metadata)
             message = generation_pb2.GenerateStreamRequest
-            self._call = MultiplexCall(call, message, UPSTREAM, UPSTREAM, keep_call_errors=True)
+            self._call = MultiplexCall(
+                call, message, UPSTREAM, UPSTREAM, keep_call_errors=True, headers_first=True
+            )
         return self._call
 
 

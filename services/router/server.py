@@ -90,8 +90,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         requests: AsyncIterator[generation_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        # Refused credentials end the stream now.
+        # Refused credentials end the stream now; accepted, the headers say so at once
+        # (GenerationStream writes its first start once they have come).
         signed_in = self._tenants.signed_in(metadata_value(context, AUTHORIZATION))
+        await context.send_initial_metadata(())
         session = MultiplexSession(
             GENERATE_STREAM,
             lambda start, request_id: self._streamed(start, request_id, signed_in),

@@ -534,3 +534,38 @@ def test_each_generation_gets_the_end_of_a_stream_after_its_queued_frames() -> N
         frames = asyncio.run(inbox.take())
         assert frames[0].response.text == f"token {number}"
         assert isinstance(frames[-1], Unavailable)  # the end, after its frame
+
+
+def test_with_headers_first_nothing_is_written_before_the_other_end_took_the_stream() -> None:
+    async def scenario() -> list[inference_pb2.MultiplexRequest]:
+        headers: asyncio.Future[tuple[()]] = asyncio.get_running_loop().create_future()
+        written: list[inference_pb2.MultiplexRequest] = []
+        wrote = asyncio.Event()
+
+        class AcceptingCall(_ScriptedCall):
+            async def initial_metadata(self) -> tuple[()]:
+                return await headers
+
+            async def write(self, message: inference_pb2.MultiplexRequest) -> None:
+                written.append(message)
+                wrote.set()
+
+            async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+                await wrote.wait()
+                for message in ():
+                    yield message
+
+        stream = multiplex_client.MultiplexCall(
+            AcceptingCall([]), inference_pb2.MultiplexRequest, "router", "router",
+            headers_first=True,
+        )  # fmt: skip
+        stream.send(inference_pb2.GenerationControl(generation_id=1, cancel=True))
+        for _ in range(3):  # loop turns in which the writer could have written
+            await asyncio.sleep(0)
+        assert written == []
+        headers.set_result(())
+        await stream.done
+        return written
+
+    written = asyncio.run(scenario())
+    assert [len(message.controls) for message in written] == [1]
