@@ -300,10 +300,17 @@ class StatsExporter:
                     labels = {**self._labels, "priority": str(priority)}
                     metric = self._by_priority[priority] = self._displaced.Metric(labels=labels)
                 self._add(f"priority {priority}", metric, count)
-            for metric, value in self._gauges.values():
-                metric.set(value(stats))
+            for name, (metric, value) in self._gauges.items():
+                self._set(name, metric, value(stats))
         except Exception as exc:
             pb_utils.Logger.log_warn(f"publishing engine metrics failed: {exc}")
+
+    def _set(self, key: str, metric: Any, value: float) -> None:
+        """Only a changed value: each update is a round trip to Triton's process, and a
+        request's end publishes."""
+        if self._published.get(key) != value:
+            metric.set(value)
+            self._published[key] = value
 
     def _add(self, key: str, metric: Any, total: float) -> None:
         delta = total - self._published.get(key, 0)
