@@ -95,6 +95,14 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of this chunk, when asked
     cached_tokens: int = 0  # on the first chunk: prompt tokens read from the prefix cache
 
+    def with_text(self, text: str) -> Chunk:
+        """This chunk with other text (what the output check let out of it): as
+        ``dataclasses.replace`` would make it, at a tenth of its cost, on every relayed
+        chunk of which the check holds part back."""
+        copy = object.__new__(Chunk)
+        copy.__dict__.update(self.__dict__, text=text)
+        return copy
+
 
 @dataclass(frozen=True)
 class InferenceCall:

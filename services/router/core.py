@@ -446,7 +446,7 @@ class RouterCore:
         if tokens is None:
             if guarded.text == chunk.text:  # most chunks: let out whole, as they came
                 return chunk, guard
-            return replace(chunk, text=guarded.text), guard
+            return chunk.with_text(guarded.text), guard
         tokens.add(chunk.text, chunk.logprobs)
         released = tokens.release(guarded.text, guarded.held)
         return replace(chunk, text=guarded.text, logprobs=released), guard
