@@ -551,8 +551,8 @@ def test_with_headers_first_nothing_is_written_before_the_other_end_took_the_str
                 wrote.set()
 
             async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-                await wrote.wait()
-                for message in ():
+                await wrote.wait()  # then ends the stream: the scripted messages (none)
+                for message in self._messages:
                     yield message
 
         stream = multiplex_client.MultiplexCall(
