@@ -9,6 +9,7 @@ broken call per generation would have ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 # what arrives meanwhile (a new request, another message's first token) waits for a
 # slice, not the whole message.
 RELAY_SLICE = 32
+# With headers_first, how long the writer waits for a server's headers at most.
+HEADERS_WAIT_S = 1.0
 # A message of controls stays well under gRPC's 4 MB default limit (one start is at most
 # a prompt the router accepted, far less than this).
 MAX_MESSAGE_BYTES = 1024 * 1024
@@ -125,7 +128,10 @@ class MultiplexCall:
                 # The other end's headers say it took the stream. A write that crosses a
                 # refusal fails in gRPC's core, which then reports the call as INTERNAL
                 # in place of the refusal's own status; one made after it is not sent.
-                await self._call.initial_metadata()
+                # A server that sends no headers before its first response (a router
+                # older than this client) gets the first message after a while.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._call.initial_metadata(), HEADERS_WAIT_S)
             while True:
                 if self._controls:
                     await self._call.write(self._next_message())

@@ -569,3 +569,37 @@ def test_with_headers_first_nothing_is_written_before_the_other_end_took_the_str
 
     written = asyncio.run(scenario())
     assert [len(message.controls) for message in written] == [1]
+
+
+def test_with_headers_first_a_server_that_sends_none_still_gets_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(multiplex_client, "HEADERS_WAIT_S", 0.0)  # a router that sends none
+
+    async def scenario() -> list[inference_pb2.MultiplexRequest]:
+        written: list[inference_pb2.MultiplexRequest] = []
+        wrote = asyncio.Event()
+
+        class SilentCall(_ScriptedCall):
+            async def initial_metadata(self) -> tuple[()]:
+                await asyncio.Event().wait()  # never: its headers come with a response
+                return ()
+
+            async def write(self, message: inference_pb2.MultiplexRequest) -> None:
+                written.append(message)
+                wrote.set()
+
+            async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+                await wrote.wait()
+                for message in self._messages:
+                    yield message
+
+        stream = multiplex_client.MultiplexCall(
+            SilentCall([]), inference_pb2.MultiplexRequest, "router", "router",
+            headers_first=True,
+        )  # fmt: skip
+        stream.send(inference_pb2.GenerationControl(generation_id=1, cancel=True))
+        await stream.done
+        return written
+
+    assert [len(message.controls) for message in asyncio.run(scenario())] == [1]
