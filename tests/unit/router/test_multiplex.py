@@ -536,36 +536,49 @@ def test_each_generation_gets_the_end_of_a_stream_after_its_queued_frames() -> N
         assert isinstance(frames[-1], Unavailable)  # the end, after its frame
 
 
+class _CallWithHeaders(_ScriptedCall):
+    """A call whose headers come when ``headers`` resolves (never, if it does not), which
+    notes what is written and ends the stream once something is."""
+
+    def __init__(self, headers: asyncio.Future[tuple[()]]) -> None:
+        super().__init__([])
+        self.headers = headers
+        self.asked = asyncio.Event()  # the writer waits for the headers
+        self.written: list[inference_pb2.MultiplexRequest] = []
+        self._wrote = asyncio.Event()
+
+    async def initial_metadata(self) -> tuple[()]:
+        self.asked.set()
+        return await self.headers
+
+    async def write(self, message: inference_pb2.MultiplexRequest) -> None:
+        self.written.append(message)
+        self._wrote.set()
+
+    async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        await self._wrote.wait()  # then ends the stream: the scripted messages (none)
+        for message in self._messages:
+            yield message
+
+
+def _headers_first(call: _CallWithHeaders) -> multiplex_client.MultiplexCall:
+    stream = multiplex_client.MultiplexCall(
+        call, inference_pb2.MultiplexRequest, "router", "router", headers_first=True
+    )
+    stream.send(inference_pb2.GenerationControl(generation_id=1, cancel=True))
+    return stream
+
+
 def test_with_headers_first_nothing_is_written_before_the_other_end_took_the_stream() -> None:
     async def scenario() -> list[inference_pb2.MultiplexRequest]:
-        headers: asyncio.Future[tuple[()]] = asyncio.get_running_loop().create_future()
-        written: list[inference_pb2.MultiplexRequest] = []
-        wrote = asyncio.Event()
-
-        class AcceptingCall(_ScriptedCall):
-            async def initial_metadata(self) -> tuple[()]:
-                return await headers
-
-            async def write(self, message: inference_pb2.MultiplexRequest) -> None:
-                written.append(message)
-                wrote.set()
-
-            async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-                await wrote.wait()  # then ends the stream: the scripted messages (none)
-                for message in self._messages:
-                    yield message
-
-        stream = multiplex_client.MultiplexCall(
-            AcceptingCall([]), inference_pb2.MultiplexRequest, "router", "router",
-            headers_first=True,
-        )  # fmt: skip
-        stream.send(inference_pb2.GenerationControl(generation_id=1, cancel=True))
-        for _ in range(3):  # loop turns in which the writer could have written
-            await asyncio.sleep(0)
-        assert written == []
-        headers.set_result(())
+        call = _CallWithHeaders(asyncio.get_running_loop().create_future())
+        stream = _headers_first(call)
+        async with asyncio.timeout(5):  # the writer, with a control to send, asks for them
+            await call.asked.wait()
+        assert call.written == []
+        call.headers.set_result(())
         await stream.done
-        return written
+        return call.written
 
     written = asyncio.run(scenario())
     assert [len(message.controls) for message in written] == [1]
@@ -577,29 +590,9 @@ def test_with_headers_first_a_server_that_sends_none_still_gets_the_start(
     monkeypatch.setattr(multiplex_client, "HEADERS_WAIT_S", 0.0)  # a router that sends none
 
     async def scenario() -> list[inference_pb2.MultiplexRequest]:
-        written: list[inference_pb2.MultiplexRequest] = []
-        wrote = asyncio.Event()
-
-        class SilentCall(_ScriptedCall):
-            async def initial_metadata(self) -> tuple[()]:
-                await asyncio.Event().wait()  # never: its headers come with a response
-                return ()
-
-            async def write(self, message: inference_pb2.MultiplexRequest) -> None:
-                written.append(message)
-                wrote.set()
-
-            async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-                await wrote.wait()
-                for message in self._messages:
-                    yield message
-
-        stream = multiplex_client.MultiplexCall(
-            SilentCall([]), inference_pb2.MultiplexRequest, "router", "router",
-            headers_first=True,
-        )  # fmt: skip
-        stream.send(inference_pb2.GenerationControl(generation_id=1, cancel=True))
-        await stream.done
-        return written
+        # its headers would come with a response: never, here
+        call = _CallWithHeaders(asyncio.get_running_loop().create_future())
+        await _headers_first(call).done
+        return call.written
 
     assert [len(message.controls) for message in asyncio.run(scenario())] == [1]
