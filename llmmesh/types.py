@@ -97,7 +97,7 @@ class Chunk:
 
     def with_text(self, text: str) -> Chunk:
         """This chunk with other text (what the output check let out of it): as
-        ``dataclasses.replace`` would make it, at a tenth of its cost, on every relayed
+        ``dataclasses.replace`` would make it, at a fifth of its cost, on every relayed
         chunk of which the check holds part back."""
         copy = object.__new__(Chunk)
         copy.__dict__.update(self.__dict__, text=text)
