@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from llmmesh import first_tokens
 from llmmesh.runtime.errors import Unavailable
 from llmmesh.runtime.grpc_status import from_rpc_error
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 # Frames of generations past their first handed over per loop turn: an engine step's
 # responses for many generations come in one message, and each wakes a relay; in slices,
 # what arrives meanwhile (a new request, another message's first token) waits for a
-# slice, not the whole message.
+# slice, not the whole message. While first tokens' work is pending, no slice goes
+# (llmmesh/first_tokens.py), for at most first_tokens.LATER_TOKENS_WAIT_S.
 RELAY_SLICE = 32
 # With headers_first, how long the writer waits for a server's headers at most.
 HEADERS_WAIT_S = 1.0
@@ -98,10 +100,14 @@ class MultiplexCall:
         self._controls: list[Any] = []
         self._wake = asyncio.Event()
         self.inboxes: dict[int, Inbox] = {}
-        # Frames of started generations, in order, waiting for their slice of a loop turn.
-        self._later: deque[tuple[Inbox, Frame]] = deque()
+        # Frames of started generations, in order, with the loop time they came at,
+        # waiting for their slice of a loop turn.
+        self._later: deque[tuple[Inbox, Frame, float]] = deque()
         self._all_handed = asyncio.Event()
         self._all_handed.set()
+        self._first_tokens = first_tokens.work()
+        self._holding: asyncio.TimerHandle | None = None  # the hold's end, while held
+        self._asked_when_none = False
         self.closing = False  # no new generation here: it is being closed, or it broke
         self.unsupported = False
         self._writer = asyncio.ensure_future(self._write())
@@ -174,44 +180,85 @@ class MultiplexCall:
             self.closing = True
             self._wake.set()  # the writer ends too
             # After the frames still to be handed over: each generation's end comes last.
-            self._later.extend((inbox, ended) for inbox in self.inboxes.values())
+            now = asyncio.get_running_loop().time()
+            self._later.extend((inbox, ended, now) for inbox in self.inboxes.values())
             await self._handed_over()
 
     def _hand_over(self, frames: Iterable[Any]) -> None:
         """Each frame to its generation's inbox (frames that crossed a cancellation, to
         none): a generation's first frame at once, since a first token is what a client
-        waits for most; the rest queued, handed over a slice per loop turn. The reader
-        goes on reading meanwhile, so a first token in the next message does not wait for
-        this one's. A generation's own frames keep their order."""
+        waits for most, and its generation's next step counts as first tokens' work; the
+        rest queued, handed over a slice per loop turn. The reader goes on reading
+        meanwhile, so a first token in the next message does not wait for this one's. A
+        generation's own frames keep their order."""
         later = self._later
         queued = bool(later)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        firsts = False
         for frame in frames:
             inbox = self.inboxes.get(frame.generation_id)
             if inbox is None:
                 continue
             if inbox.started:
-                later.append((inbox, frame))
+                later.append((inbox, frame, now))
             else:
                 inbox.put(frame)
+                firsts = True
+        if firsts:
+            # Pending until the loop turn in which the generations take their frames
+            # (their wakeups were scheduled before this).
+            loop.call_soon(self._first_tokens.begin())
         if later and not queued:
             self._all_handed.clear()
             self._hand_over_slice()
 
     def _hand_over_slice(self) -> None:
         later = self._later
+        if not later:  # handed over meanwhile (the call ended)
+            self._all_handed.set()
+            return
+        loop = asyncio.get_running_loop()
+        if self._first_tokens.pending:
+            wait = later[0][2] + first_tokens.LATER_TOKENS_WAIT_S - loop.time()
+            if wait > 0:
+                self._hold(loop, wait)
+                return
         for _ in range(min(RELAY_SLICE, len(later))):
-            inbox, frame = later.popleft()
+            inbox, frame, _ = later.popleft()
             inbox.put(frame)
         if later:  # the rest after one loop turn: what arrived meanwhile runs first
-            asyncio.get_running_loop().call_soon(self._hand_over_slice)
+            loop.call_soon(self._hand_over_slice)
         else:
             self._all_handed.set()
+
+    def _hold(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """No slice until first tokens' work is done, or the oldest frame held has waited
+        its longest."""
+        self._holding = loop.call_later(seconds, self._end_hold)
+        if not self._asked_when_none:
+            self._asked_when_none = True
+            self._first_tokens.when_none(self._none_pending)
+
+    def _none_pending(self) -> None:
+        self._asked_when_none = False
+        self._end_hold()
+
+    def _end_hold(self) -> None:
+        if self._holding is None:
+            return
+        self._holding.cancel()
+        self._holding = None
+        self._hand_over_slice()
 
     async def _handed_over(self) -> None:
         """Waits until every queued frame is in its inbox; cut short, hands them all over."""
         try:
             await self._all_handed.wait()
         finally:
+            if self._holding is not None:
+                self._holding.cancel()
+                self._holding = None
             while self._later:
-                inbox, frame = self._later.popleft()
+                inbox, frame, _ = self._later.popleft()
                 inbox.put(frame)

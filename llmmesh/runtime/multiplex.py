@@ -32,6 +32,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from llmmesh import first_tokens
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import DeadlineExceeded, MeshError, ResourceExhausted, Unavailable
 from llmmesh.runtime.grpc_status import to_status
@@ -257,7 +258,7 @@ class MultiplexSession:
     def _start(self, number: int, start: Any) -> None:
         generation = _Generation(window=start.window, limited=start.window > 0)
         self._running[number] = generation
-        generation.task = asyncio.ensure_future(self._run(number, start, generation))
+        generation.task = first_tokens.pending_task(self._run(number, start, generation))
 
     async def _run(self, number: int, start: Any, generation: _Generation) -> None:
         wire = self._wire

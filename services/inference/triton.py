@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from llmmesh import first_tokens
 from llmmesh.runtime.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.inference.health import EngineUnreachable
@@ -223,6 +224,7 @@ class TritonBackend:
         await self._connected()
         cached = await self._declares_cached_tokens(call.model)
         stream = await self._start(build_request(call, cached, self.gap))
+        first_tokens.start_sent()  # in a router whose endpoint is Triton itself
         deadline = _Deadline(stream, self._timeout)
         ended = False  # Triton sent the generation's last response
         try:

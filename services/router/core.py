@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from prometheus_client import Counter, Histogram
 
+from llmmesh import first_tokens
 from llmmesh.policy import Part
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
@@ -151,15 +152,16 @@ class RouterCore:
     async def generation(self, request: GenerateInput) -> AsyncIterator[Generation]:
         """The request admitted and its generation started; raises before anything is
         streamed (bad input, policy, budget, admission)."""
-        prepared = await self.prepare(request)
-        chunks = self.stream(prepared)
-        try:
-            yield Generation(prepared, chunks)
-        finally:
-            await chunks.aclose()
-            # Also covers a client gone between the start and the first read.
-            await prepared.stream.abandon()
-            prepared.release()
+        with first_tokens.request_pending():
+            prepared = await self.prepare(request)
+            chunks = self.stream(prepared)
+            try:
+                yield Generation(prepared, chunks)
+            finally:
+                await chunks.aclose()
+                # Also covers a client gone between the start and the first read.
+                await prepared.stream.abandon()
+                prepared.release()
 
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""
@@ -242,7 +244,7 @@ class RouterCore:
             raise
         lease.adjust(prompt_tokens - estimate)
         try:
-            with tracing.step("admission.wait"):
+            with tracing.step("admission.wait"), first_tokens.waiting():
                 slot = await self._admission.acquire(
                     request.tenant,
                     self._tenants.spec(request.tenant).tier,

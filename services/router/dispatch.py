@@ -28,6 +28,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from llmmesh import first_tokens
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import NotFound, ResourceExhausted, Unavailable
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Route
@@ -228,6 +229,7 @@ class Dispatcher:
         try:
             async with self._replicas.watched(replica):
                 first = await _next_chunk(stream)
+            first_tokens.start_sent()  # by now, whatever the link did
         except BaseException as err:
             # The books first: closing the stream may be interrupted (a second
             # cancellation), and a breaker's probe left without a verdict blocks it.

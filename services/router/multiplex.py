@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from llmmesh import first_tokens
 from llmmesh.multiplex_client import Inbox, MultiplexCall, until_end
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import MeshError
@@ -75,6 +76,7 @@ class GenerationMux:
             trace_context=dict(tracing.outgoing()),
         )
         stream.send(inference_pb2.GenerationControl(generation_id=number, start=start))
+        first_tokens.start_sent()  # its writer's turn comes before what this held back
         reader, unread, finished = ChunkReader(), 0, False
         try:
             while not finished:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from llmmesh import first_tokens
 from llmmesh.convert import (
     ACTION_FROM_PB,
     ACTION_TO_PB,
@@ -465,6 +466,7 @@ class ReplicaClient:
         """Yields chunks with per-chunk token counts; closing it cancels the upstream call."""
         metadata = _metadata(call.request_id) + self._extra
         rpc = self._stub.Generate(inference_request(call), metadata=metadata)
+        first_tokens.start_sent()
         reader, finished = ChunkReader(), False
         try:
             async for reply in rpc:

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from llmmesh import multiplex_client
+from llmmesh import first_tokens, multiplex_client
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.runtime.registration import add_servicer
 from llmmesh.types import Chunk, FinishReason, InferenceCall, ModelCard, Sampling
@@ -534,6 +534,86 @@ def test_each_generation_gets_the_end_of_a_stream_after_its_queued_frames() -> N
         frames = asyncio.run(inbox.take())
         assert frames[0].response.text == f"token {number}"
         assert isinstance(frames[-1], Unavailable)  # the end, after its frame
+
+
+def _later_frames(count: int) -> inference_pb2.MultiplexResponse:
+    return inference_pb2.MultiplexResponse(
+        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
+    )
+
+
+def test_later_frames_wait_while_first_tokens_work_is_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(first_tokens, "LATER_TOKENS_WAIT_S", 30.0)  # only the release
+    handed: list[str] = []
+    inboxes = {n: _RecordingInbox(handed, started=True) for n in (1, 2)}
+
+    class _ReleasingCall(_ScriptedCall):
+        """Sends its messages, then ends the work of a request on its way elsewhere."""
+
+        def __init__(self, release: first_tokens.Release) -> None:
+            super().__init__([_later_frames(2)])
+            self._release = release
+
+        async def _replies(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+            async for message in super()._replies():
+                yield message
+            handed.append("released")
+            self._release()
+
+    async def scenario() -> None:
+        release = first_tokens.work().begin()
+        stream = multiplex_client.MultiplexCall(
+            _ReleasingCall(release), inference_pb2.MultiplexRequest, "r", "r"
+        )
+        stream.inboxes.update(inboxes)
+        await asyncio.wait_for(stream.done, 5)  # fails, not hangs, if never handed over
+
+    asyncio.run(scenario())
+    assert handed == ["released", "token 1", "token 2"]
+
+
+def test_a_first_tokens_next_step_goes_before_the_later_frames_that_came_with_it() -> None:
+    handed: list[str] = []
+
+    class _Starting(_RecordingInbox):
+        def put(self, frame: multiplex_client.Frame) -> None:
+            if not isinstance(frame, Unavailable):  # its generation wakes, as a task would
+                asyncio.get_running_loop().call_soon(handed.append, "its next step")
+            super().put(frame)
+
+    inboxes: dict[int, multiplex_client.Inbox] = {
+        n: _RecordingInbox(handed, started=True) for n in range(1, 4)
+    }
+    inboxes[9] = _Starting(handed)
+    message = _later_frames(3)
+    message.frames.append(_frame(9, "first"))
+    _read_through([message], inboxes)
+    assert handed == ["first", "its next step", "token 1", "token 2", "token 3"]
+
+
+def test_later_frames_wait_no_longer_than_the_bound_for_work_that_does_not_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(first_tokens, "LATER_TOKENS_WAIT_S", 0.05)
+    handed: list[str] = []
+    inboxes = {n: _RecordingInbox(handed, started=True) for n in range(1, 4)}
+
+    async def scenario() -> float:
+        first_tokens.work().begin()  # never released
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        stream = multiplex_client.MultiplexCall(
+            _ScriptedCall([_later_frames(3)]), inference_pb2.MultiplexRequest, "r", "r"
+        )
+        stream.inboxes.update(inboxes)
+        await asyncio.wait_for(stream.done, 5)
+        return loop.time() - began
+
+    took = asyncio.run(scenario())
+    assert handed == ["token 1", "token 2", "token 3"]
+    assert took >= 0.05
 
 
 class _CallWithHeaders(_ScriptedCall):
