@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+from prometheus_client import Counter
 
 from llmmesh import first_tokens
 from llmmesh.runtime.errors import Unavailable
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 # slice, not the whole message. While first tokens' work is pending, no slice goes
 # (llmmesh/first_tokens.py), for at most first_tokens.LATER_TOKENS_WAIT_S.
 RELAY_SLICE = 32
+HOLDS = Counter(
+    "llm_relay_holds_total",
+    "Times a relay held later tokens back for first tokens' work, by what ended the hold: "
+    "the work (done), or the bound on a later token's wait (bound)",
+    ["ended"],
+)
+_HOLD_DONE, _HOLD_BOUND = HOLDS.labels("done"), HOLDS.labels("bound")
 # With headers_first, how long the writer waits for a server's headers at most.
 HEADERS_WAIT_S = 1.0
 # A message of controls stays well under gRPC's 4 MB default limit (one start is at most
@@ -235,18 +243,19 @@ class MultiplexCall:
     def _hold(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
         """No slice until first tokens' work is done, or the oldest frame held has waited
         its longest."""
-        self._holding = loop.call_later(seconds, self._end_hold)
+        self._holding = loop.call_later(seconds, self._end_hold, _HOLD_BOUND)
         if not self._asked_when_none:
             self._asked_when_none = True
             self._first_tokens.when_none(self._none_pending)
 
     def _none_pending(self) -> None:
         self._asked_when_none = False
-        self._end_hold()
+        self._end_hold(_HOLD_DONE)
 
-    def _end_hold(self) -> None:
+    def _end_hold(self, ended: Counter) -> None:
         if self._holding is None:
             return
+        ended.inc()
         self._holding.cancel()
         self._holding = None
         self._hand_over_slice()

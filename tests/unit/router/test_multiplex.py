@@ -570,8 +570,10 @@ def test_later_frames_wait_while_first_tokens_work_is_pending(
         stream.inboxes.update(inboxes)
         await asyncio.wait_for(stream.done, 5)  # fails, not hangs, if never handed over
 
+    done_before = multiplex_client.HOLDS.labels("done")._value.get()
     asyncio.run(scenario())
     assert handed == ["released", "token 1", "token 2"]
+    assert multiplex_client.HOLDS.labels("done")._value.get() == done_before + 1
 
 
 def test_a_first_tokens_next_step_goes_before_the_later_frames_that_came_with_it() -> None:
@@ -611,9 +613,11 @@ def test_later_frames_wait_no_longer_than_the_bound_for_work_that_does_not_end(
         await asyncio.wait_for(stream.done, 5)
         return loop.time() - began
 
+    bound_before = multiplex_client.HOLDS.labels("bound")._value.get()
     took = asyncio.run(scenario())
     assert handed == ["token 1", "token 2", "token 3"]
     assert took >= 0.05
+    assert multiplex_client.HOLDS.labels("bound")._value.get() == bound_before + 1
 
 
 class _CallWithHeaders(_ScriptedCall):
