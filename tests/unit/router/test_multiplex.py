@@ -448,6 +448,13 @@ def _frame(generation: int, text: str) -> inference_pb2.GenerationFrame:
     return inference_pb2.GenerationFrame(generation_id=generation, response=response)
 
 
+def _later_frames(count: int) -> inference_pb2.MultiplexResponse:
+    """One message of a token for each of generations 1 to ``count``."""
+    return inference_pb2.MultiplexResponse(
+        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
+    )
+
+
 def _read_through(
     messages: list[inference_pb2.MultiplexResponse],
     inboxes: dict[int, multiplex_client.Inbox],
@@ -482,9 +489,7 @@ def test_a_long_message_is_handed_over_a_slice_per_loop_turn() -> None:
     inboxes: dict[int, multiplex_client.Inbox] = {
         n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)
     }
-    message = inference_pb2.MultiplexResponse(
-        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
-    )
+    message = _later_frames(count)
 
     class _Meanwhile(_RecordingInbox):
         def put(self, frame: multiplex_client.Frame) -> None:
@@ -510,9 +515,7 @@ def test_a_first_token_in_the_next_message_waits_for_no_more_than_a_slice() -> N
         n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)
     }
     inboxes[count + 1] = _RecordingInbox(handed)  # not started yet
-    burst = inference_pb2.MultiplexResponse(
-        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
-    )
+    burst = _later_frames(count)
     then = inference_pb2.MultiplexResponse(frames=[_frame(count + 1, "first")])
     _read_through([burst, then], inboxes)
     # the reader read on while the burst went over a slice a turn
@@ -526,20 +529,12 @@ def test_each_generation_gets_the_end_of_a_stream_after_its_queued_frames() -> N
     handed: list[str] = []
     count = 2 * multiplex_client.RELAY_SLICE + 1
     inboxes = {n: _RecordingInbox(handed, started=True) for n in range(1, count + 1)}
-    burst = inference_pb2.MultiplexResponse(
-        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
-    )
+    burst = _later_frames(count)
     _read_through([burst], dict(inboxes))
     for number, inbox in inboxes.items():
         frames = asyncio.run(inbox.take())
         assert frames[0].response.text == f"token {number}"
         assert isinstance(frames[-1], Unavailable)  # the end, after its frame
-
-
-def _later_frames(count: int) -> inference_pb2.MultiplexResponse:
-    return inference_pb2.MultiplexResponse(
-        frames=[_frame(n, f"token {n}") for n in range(1, count + 1)]
-    )
 
 
 def test_later_frames_wait_while_first_tokens_work_is_pending(
