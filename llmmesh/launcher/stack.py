@@ -22,7 +22,11 @@ from llmmesh.runtime.internal_auth import new_token_file, read_token
 
 __all__ = ["Stack", "StackError", "StackPorts"]
 
-REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
+# The checkout this launcher runs from: its services and models run from it too, whatever
+# the directory they start in (an editable install would otherwise resolve `services` to
+# the checkout it was installed from, and a second checkout's stack would run the first's).
+CODE_ROOT = Path(__file__).resolve().parents[2]
+REPO_MODELS = CODE_ROOT / "model_repository"
 # Process -> the service it runs. The canary replica serves each model with its canary
 # build (CANARY_ALIASES), so the local stack has a canary subset to split traffic to.
 PROCESSES = {
@@ -414,6 +418,7 @@ class Stack:
         prefix = f"LLM_MESH_{PROCESSES.get(name, name).upper()}_"
         env = {
             **os.environ,
+            "PYTHONPATH": _with_code_root(os.environ.get("PYTHONPATH", "")),
             **self._extra_env,
             f"{prefix}HOST": self.host,
             f"{prefix}GRPC_PORT": str(getattr(self.ports, name)),
@@ -481,3 +486,8 @@ def _in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def _with_code_root(path: str) -> str:
+    """``PYTHONPATH`` with this checkout first."""
+    return os.pathsep.join([str(CODE_ROOT), *(p for p in path.split(os.pathsep) if p)])
