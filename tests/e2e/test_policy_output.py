@@ -29,6 +29,7 @@ pytestmark = pytest.mark.sidecars
 
 PROMPT = "Tell me a story about the sea."
 TOKENS = 48
+LONG_ANSWER = 192
 
 
 def strict_rules(version: str, phrase: str) -> str:
@@ -118,18 +119,22 @@ def mesh(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pol
 
 
 def test_an_output_rule_stops_the_generation_mid_stream(mesh: PolicyMesh) -> None:
-    full = text_of(mesh.generate("plain"))
-    phrase = full[len(full) // 2 : len(full) // 2 + 4].strip() or full.strip()[:4]
+    # Long, with the phrase a quarter in: past a stream's first responses the engine sends
+    # several tokens a response, and the cancel takes a response or two to reach it, so a
+    # short answer can end before its stop does.
+    full = text_of(mesh.generate("plain", max_tokens=LONG_ANSWER))
+    quarter = len(full) // 4
+    phrase = full[quarter : quarter + 4].strip() or full.strip()[:4]
     mesh.rules.joinpath("strict.yaml").write_text(strict_rules("s1", phrase))
     wait_for(lambda: mesh.version("strict").startswith("s1+"), 10, "the strict set")
 
-    responses = mesh.generate("strict")
+    responses = mesh.generate("strict", max_tokens=LONG_ANSWER)
     stopped = text_of(responses)
     last = responses[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_POLICY
     assert phrase.lower() not in stopped.lower()
     assert full.startswith(stopped)  # nothing but the held-back tail was lost
-    assert last.usage.completion_tokens < TOKENS
+    assert last.usage.completion_tokens < LONG_ANSWER
     # The router reports the decision to policy once the stream has ended.
     labels = {"stage": "output", "action": "deny"}
     wait_for(
@@ -138,7 +143,7 @@ def test_an_output_rule_stops_the_generation_mid_stream(mesh: PolicyMesh) -> Non
         "policy to record the output decision",
     )
     # The plain tenant's default set has no such rule: its stream is whole.
-    assert text_of(mesh.generate("plain")) == full
+    assert text_of(mesh.generate("plain", max_tokens=LONG_ANSWER)) == full
 
 
 def test_rules_reload_while_streams_run(mesh: PolicyMesh) -> None:
