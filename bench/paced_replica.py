@@ -4,7 +4,9 @@ that streams one byte-level token per step after ``ttft_ms``, with made-up top-k
 probabilities when asked, so that what is measured through it is the mesh's own cost:
 the upstream is never the bottleneck, and it takes no CPU from the engine of a replica it
 stands beside (a canary on hardware of its own, say). As in an engine's decode loop, one
-step every ``itl_ms`` gives every running sequence its next token at once.
+step every ``itl_ms`` gives every running sequence its next token at once; under a stream
+gap, as in the reference engine, the tokens between two responses stay with the engine,
+and the service is woken once per response, not once per step.
 
 Run as ``python -m bench.paced_replica`` with the inference service's settings
 (``LLM_MESH_INFERENCE_GRPC_PORT``, ...) and ``LLM_MESH_PACED_TTFT_MS``,
@@ -42,27 +44,27 @@ class StepClock:
 
     def __init__(self, itl_s: float) -> None:
         self._itl = itl_s
-        self._tick = asyncio.Event()
-        self._waiting = 0
+        self._due: dict[int, asyncio.Event] = {}  # the ticks awaited, by number
         self._ticking: asyncio.Task[None] | None = None
         self.steps = 0
 
-    async def step(self) -> None:
-        """Returns at the next tick."""
-        self._waiting += 1
+    async def step(self, count: int = 1) -> None:
+        """Returns at the ``count``-th tick from now, without waking at those before it."""
+        number = self.steps + count
+        tick = self._due.get(number)
+        if tick is None:
+            tick = self._due[number] = asyncio.Event()
         if self._ticking is None or self._ticking.done():
             self._ticking = asyncio.ensure_future(self._run())
-        try:
-            await self._tick.wait()
-        finally:
-            self._waiting -= 1
+        await tick.wait()
 
     async def _run(self) -> None:
-        while self._waiting:
+        while self._due:
             await asyncio.sleep(self._itl)  # the simulated decode step
-            tick, self._tick = self._tick, asyncio.Event()
             self.steps += 1
-            tick.set()
+            tick = self._due.pop(self.steps, None)
+            if tick is not None:
+                tick.set()
 
 
 class PacedBackend:
@@ -78,6 +80,9 @@ class PacedBackend:
         self.clock = StepClock(itl_s)
         self._max_context = max_context
         self._gap = gap or StreamGap()
+        # The gap in steps (with no step time, every step is within it: all the rest at once)
+        seconds = self._gap.seconds
+        self._gap_steps = math.ceil(seconds / itl_s) if itl_s else sys.maxsize
         self.running = 0
 
     async def describe(self, model: str) -> ModelCard:
@@ -85,35 +90,43 @@ class PacedBackend:
 
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         rng = random.Random(call.sampling.seed)
+        total = call.sampling.max_tokens
         self.running += 1
-        held: list[Chunk] = []
-        responses, sent_at = 0, 0.0
         try:
-            await asyncio.sleep(self._ttft)  # the simulated prefill
-            total = call.sampling.max_tokens
-            for n in range(1, total + 1):
-                text = rng.choice(ALPHABET)
-                scored = _scored(text, rng, call.sampling.logprobs)
-                last = FinishReason.LENGTH if n == total else None
-                held.append(Chunk(text, 1, last, logprobs=scored))
-                now = time.monotonic()
-                if last or responses < self._gap.after or now - sent_at >= self._gap.seconds:
-                    yield _together(held)
-                    held, responses, sent_at = [], responses + 1, now
-                if last is None:
-                    await self.clock.step()
+            await asyncio.sleep(self._ttft)  # the simulated prefill: the first token with it
+            made, responses = 0, 0
+            while made < total:
+                count = self._next_count(responses, total - made)
+                if made:
+                    await self.clock.step(count)  # a token a step, these together
+                made += count
+                last = FinishReason.LENGTH if made == total else None
+                yield _together(
+                    [self._token(rng, call.sampling.logprobs) for _ in range(count)], last
+                )
+                responses += 1
         finally:
             self.running -= 1
 
+    def _next_count(self, responses: int, left: int) -> int:
+        """Tokens in the next response: the first alone; one a step until the gap begins;
+        then the steps of a gap's worth (an engine that holds a stream's tokens for the gap
+        sends them once it has passed; the relay is not woken at the steps between)."""
+        if not responses or not self._gap.seconds or responses < self._gap.after:
+            return 1
+        return min(self._gap_steps, left)
 
-def _together(chunks: list[Chunk]) -> Chunk:
-    """Chunks of consecutive steps as one response."""
-    if len(chunks) == 1:
-        return chunks[0]
+    def _token(self, rng: random.Random, top: int | None) -> Chunk:
+        text = rng.choice(ALPHABET)
+        return Chunk(text, 1, None, logprobs=_scored(text, rng, top))
+
+
+def _together(chunks: list[Chunk], finish: FinishReason | None) -> Chunk:
+    """Tokens of consecutive steps as one response."""
     return Chunk(
         "".join(c.text for c in chunks),
         len(chunks),
-        chunks[-1].finish_reason,
+        finish,
         logprobs=tuple(lp for c in chunks for lp in c.logprobs),
     )
 

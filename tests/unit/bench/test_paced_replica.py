@@ -68,3 +68,20 @@ def test_with_a_stream_gap_later_tokens_go_together_and_the_text_is_the_same() -
     assert gapped[-1].finish_reason == FinishReason.LENGTH
     assert "".join(c.text for c in gapped) == "".join(c.text for c in alone)
     assert [lp for c in gapped for lp in c.logprobs] == [lp for c in alone for lp in c.logprobs]
+
+
+def test_with_a_stream_gap_in_steps_a_response_carries_a_gap_of_steps() -> None:
+    """A 4 ms gap over 1 ms steps: after the first two responses, four tokens a response,
+    each one step; the last with what is left, and the clock ticked once per token."""
+    backend = PacedBackend(0.0, 0.001, 2048, StreamGap(seconds=0.004, after=2))
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=11, seed=4))
+
+    async def collect() -> list[Chunk]:
+        return [chunk async for chunk in backend.generate(call)]
+
+    chunks = asyncio.run(collect())
+    alone = generate(PacedBackend(0.0, 0.0, 2048), seed=4)  # the same seed, 5 tokens
+    assert [c.num_tokens for c in chunks] == [1, 1, 4, 4, 1]
+    assert [c.finish_reason for c in chunks] == [None] * 4 + [FinishReason.LENGTH]
+    assert "".join(c.text for c in chunks).startswith("".join(c.text for c in alone))
+    assert backend.clock.steps == 10
