@@ -302,7 +302,13 @@ class MultiplexSession:
             await self._room.wait()
             frame = self._wire.frame(generation_id=number, response=response)
             early = sent < self._first_unheld
-            self._post(frame, urgent=early or bool(response.finish_reason))
+            last = bool(response.finish_reason)
+            self._post(frame, urgent=early or last)
+            if not sent or last:
+                # The writer, woken by the post, goes before what this generation does
+                # next (its bookkeeping after a first response, its teardown after the
+                # last): a loop turn later for that, the response out sooner.
+                await asyncio.sleep(0)
             sent += 1
 
     def _post(self, frame: Any, urgent: bool) -> None:
