@@ -92,3 +92,29 @@ def test_a_caller_that_does_not_read_holds_back_its_generations() -> None:
     taken = asyncio.run(scenario())
     # What was taken, the frames waiting, and the one response held at the door: no more.
     assert produced <= taken + MAX_WAITING_FRAMES + 1
+
+
+def test_a_generations_last_response_goes_out_before_its_teardown() -> None:
+    """The writer, woken by the post, runs before the generation's own next steps: here the
+    end of its responses, which sees the message already taken by the caller."""
+    taken: list[generation_pb2.GenerateStreamResponse] = []
+    seen_at_teardown: list[int] = []
+
+    async def one(start: object, request_id: str) -> AsyncIterator[object]:
+        try:
+            yield generation_pb2.GenerateResponse(text="x", finish_reason=1)
+        finally:
+            seen_at_teardown.append(len(taken))
+
+    async def scenario() -> None:
+        session = MultiplexSession(GENERATE_STREAM, one)
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            yield generation_pb2.GenerateStreamRequest(controls=[_start(1)])
+
+        async for message in session.serve(requests()):
+            taken.append(message)
+
+    asyncio.run(scenario())
+    assert [f.generation_id for m in taken for f in m.frames] == [1]
+    assert seen_at_teardown == [1]
