@@ -16,7 +16,7 @@ from llmmesh.runtime.multiplex import (
     Arrivals,
     MultiplexSession,
 )
-from llmmesh.v1 import generation_pb2
+from llmmesh.v1 import common_pb2, generation_pb2
 from llmmesh.waiting import poll_until_async
 
 
@@ -102,7 +102,9 @@ def test_a_generations_last_response_goes_out_before_its_teardown() -> None:
 
     async def one(start: object, request_id: str) -> AsyncIterator[object]:
         try:
-            yield generation_pb2.GenerateResponse(text="x", finish_reason=1)
+            yield generation_pb2.GenerateResponse(
+                text="x", finish_reason=common_pb2.FINISH_REASON_LENGTH
+            )
         finally:
             seen_at_teardown.append(len(taken))
 
