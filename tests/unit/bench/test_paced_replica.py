@@ -72,9 +72,18 @@ def test_with_a_stream_gap_later_tokens_go_together_and_the_text_is_the_same() -
 
 def test_with_a_stream_gap_in_steps_a_response_carries_a_gap_of_steps() -> None:
     """A 4 ms gap over 1 ms steps: after the first two responses, four tokens a response,
-    each one step; the last with what is left, and the clock ticked once per token."""
+    each one step; the last with what is left; the clock ticked once per token, and the
+    sequence waited on it once per response."""
     backend = PacedBackend(0.0, 0.001, 2048, StreamGap(seconds=0.004, after=2))
     call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=11, seed=4))
+    waits: list[int] = []  # the steps of each wait on the clock: one wait per response
+    step = backend.clock.step
+
+    async def counted(count: int = 1) -> None:
+        waits.append(count)
+        await step(count)
+
+    backend.clock.step = counted  # type: ignore[method-assign]
 
     async def collect() -> list[Chunk]:
         return [chunk async for chunk in backend.generate(call)]
@@ -85,3 +94,4 @@ def test_with_a_stream_gap_in_steps_a_response_carries_a_gap_of_steps() -> None:
     assert [c.finish_reason for c in chunks] == [None] * 4 + [FinishReason.LENGTH]
     assert "".join(c.text for c in chunks).startswith("".join(c.text for c in alone))
     assert backend.clock.steps == 10
+    assert waits == [1, 4, 4, 1]  # not woken at the steps between a gap's tokens
