@@ -162,6 +162,9 @@ class KeywordIndex:
             self._prefixes.update(key[:n] for n in range(1, len(key) + 1))
         self._automaton.make_automaton()
 
+    def __bool__(self) -> bool:
+        return self._automaton is not None
+
     def hits(self, views: Views, pos: int) -> list[Hit]:
         text = views.text
         if self._automaton is None or pos >= len(text):
@@ -247,6 +250,9 @@ class PatternIndex:
         self._partial = re2.compile("|".join(f"(?:{p})\\z" for p in unique)) if unique else None
         self._any = _pattern_set([p.compiled.pattern for p in self._patterns])
 
+    def __bool__(self) -> bool:
+        return bool(self._patterns)
+
     def hits(self, views: Views, pos: int) -> list[Hit]:
         if not self._patterns:
             return []
@@ -256,7 +262,10 @@ class PatternIndex:
         if self._any is None:
             found: Sequence[int] = range(len(self._patterns))
         else:
-            found = sorted(self._any.Match(view.text) or ())  # None when none does
+            matching = self._any.Match(view.text)  # None when none does
+            if matching is None:
+                return []
+            found = sorted(matching)
         return [
             Hit(
                 p.rule,
@@ -279,10 +288,18 @@ class PatternIndex:
         if self.regex_holdback:
             starts.append(view.start(max(size - self.regex_holdback, at)))
         if self._partial is not None:
-            tail = self._partial.search(view.text, at)
+            tail = _search(self._partial, view.text, at)
             if tail is not None:
-                starts.append(view.start(tail.start()))
+                starts.append(view.start(tail))
         return min(starts) if starts else None
+
+
+def _search(compiled: Any, text: str, pos: int) -> int | None:
+    """Where ``compiled`` first matches ``text`` from ``pos``. ASCII text goes to RE2 as
+    bytes, where positions are the same: the wrapper's mapping of positions in str takes
+    twice as long as the search itself on a streamed chunk's few characters."""
+    found = compiled.search(text.encode("ascii") if text.isascii() else text, pos)
+    return None if found is None else int(found.start())
 
 
 def _pattern_set(patterns: Sequence[str]) -> Any:
@@ -324,8 +341,10 @@ class Matcher:
         self._indexes: list[KeywordIndex | PatternIndex] = []
         for normalize, owned in by_view.items():
             if owned:
-                self._indexes.append(KeywordIndex(owned, normalize))
-                self._indexes.append(PatternIndex(owned, holdback_cap, normalize))
+                keywords = KeywordIndex(owned, normalize)
+                patterns = PatternIndex(owned, holdback_cap, normalize)
+                # Only indexes with something to match: each costs a call per chunk.
+                self._indexes += [i for i in (keywords, patterns) if i]
         self.holdback_cap = holdback_cap
 
     def hits(self, text: str | Views, pos: int = 0) -> list[Hit]:

@@ -60,6 +60,9 @@ class OutputScanner:
         """The check of ``text`` (``tokens`` generated tokens) after what came before; with
         the rules' holdback_tokens, text that has waited that many tokens goes out as it
         is."""
+        limit = self._rules.holdback_tokens
+        if limit is None:  # no bound in tokens: nothing to count
+            return self._step(self._pending + text, final=False)
         self._fed += len(text)
         self._tokens += tokens
         self._chunks.append((self._fed, self._tokens))
@@ -67,8 +70,7 @@ class OutputScanner:
         held_from = self._fed - len(self._pending)
         while self._chunks and self._chunks[0][0] <= held_from:  # released whole
             self._chunks.popleft()
-        limit = self._rules.holdback_tokens
-        if limit is None or not self._pending or step.denied_by is not None:
+        if not self._pending or step.denied_by is not None:
             return step
         # The oldest held character came with the first chunk left: tokens since then.
         if self._tokens - self._chunks[0][1] < limit:
@@ -93,6 +95,8 @@ class OutputScanner:
         matcher, views = self._rules.matcher, Views(scan)
         hits = matcher.hits(views, pos)
         settled = len(scan) if final else matcher.settled_until(views, pos, hits)
+        if not hits:  # most chunks: the settled text goes out as it came
+            return OutputStep(scan[pos:settled], held=self._settle(scan, pos, settled))
         # A deny match that is certain stops the stream at once, even while held back.
         decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
         decision = self._rules.decide(scan[pos:settled], decided, pos)
@@ -101,10 +105,16 @@ class OutputScanner:
         if decision.denied_by is not None:
             self.denied_by, self._pending = decision.denied_by, ""
             return OutputStep("", new, decision.denied_by)
+        held = self._settle(scan, pos, settled)
+        return OutputStep(decision.text, new, None, held, decision.redacted)
+
+    def _settle(self, scan: str, pos: int, settled: int) -> int:
+        """Keeps the text after ``settled`` back and the context before it; how much is
+        held."""
         if settled > pos:
             self._context = scan[max(settled - MAX_IGNORED_RUN - 1, 0) : settled]
         self._pending = scan[settled:]
-        return OutputStep(decision.text, new, None, len(self._pending), decision.redacted)
+        return len(self._pending)
 
 
 @dataclass(frozen=True)
