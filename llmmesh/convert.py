@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
@@ -69,7 +69,9 @@ def logprobs_to_pb(tokens: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLog
     ]
 
 
-def logprobs_from_pb(messages: Iterable[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+def logprobs_from_pb(messages: Sequence[common_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    if not messages:  # most responses: none asked (a generator costs more than the check)
+        return ()
     return tuple(
         TokenLogprob(
             m.token, m.text, m.logprob, m.rank, tuple((t.token, t.text, t.logprob) for t in m.top)

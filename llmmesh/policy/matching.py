@@ -283,15 +283,13 @@ class PatternIndex:
         if not self._patterns:
             return None
         view = views.get(self._kind)
-        at, size = view.position(pos), len(view.text)
-        starts = []
-        if self.regex_holdback:
-            starts.append(view.start(max(size - self.regex_holdback, at)))
+        at = view.position(pos)
+        start = max(len(view.text) - self.regex_holdback, at) if self.regex_holdback else None
         if self._partial is not None:
             tail = _search(self._partial, view.text, at)
-            if tail is not None:
-                starts.append(view.start(tail))
-        return min(starts) if starts else None
+            if tail is not None and (start is None or tail < start):
+                start = tail
+        return None if start is None else view.start(start)  # start() keeps the order
 
 
 def _search(compiled: Any, text: str, pos: int) -> int | None:
@@ -356,11 +354,13 @@ class Matcher:
         before the returned position and reach beyond it, whatever text follows. Never
         holds back more than the cap, unless a complete match spans the cap's edge."""
         views = text if isinstance(text, Views) else Views(text)
-        pending = [
-            s for s in (index.pending_start(views, pos) for index in self._indexes) if s is not None
-        ]
         size = len(views.text)
-        settled = max(min(pending, default=size), size - self.holdback_cap, pos)
+        settled = size
+        for index in self._indexes:
+            start = index.pending_start(views, pos)
+            if start is not None and start < settled:
+                settled = start
+        settled = max(settled, size - self.holdback_cap, pos)
         # A match straddling the edge is held whole: cutting there would change what the
         # next scan finds.
         moved = True

@@ -153,9 +153,9 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
     async for chunk in generation.chunks:
         completion_tokens += chunk.num_tokens
         cached_tokens += chunk.cached_tokens
-        response = generation_pb2.GenerateResponse(
-            text=chunk.text, logprobs=logprobs_to_pb(chunk.logprobs)
-        )
+        response = generation_pb2.GenerateResponse(text=chunk.text)
+        if chunk.logprobs:  # an empty list costs the constructor as much as the text
+            response.logprobs.extend(logprobs_to_pb(chunk.logprobs))
         if first:
             response.request_id = generation.request.request_id
             response.model = generation.request.model
