@@ -110,6 +110,22 @@ def test_only_a_possible_match_is_held_back() -> None:
     assert scanner.finish().text == "thanks"
 
 
+def test_text_past_ascii_is_held_and_cut_at_its_own_characters() -> None:
+    # Rules that opt out of normalization match the text itself: with characters of two
+    # and three bytes before and inside a held tail, positions must stay in characters.
+    doc = yaml.safe_load(DEFAULT_RULES.read_text())
+    for rule in doc["rules"]:
+        rule["normalize"] = False
+    raw = RuleSet.from_spec(RuleSetSpec.model_validate(doc))
+    text = "\u00e9t\u00e9 \u2014 \u0430da@example.com, caf\u00e9 ada@ex\u00e4mple.com"
+    whole = raw.check_output(text).text
+    assert whole == "\u00e9t\u00e9 \u2014 \u0430[EMAIL], caf\u00e9 ada@ex\u00e4mple.com"
+    for cut in range(len(text) + 1):
+        scanner = OutputScanner(raw.output)
+        released = scanner.feed(text[:cut]).text + scanner.feed(text[cut:]).text
+        assert released + scanner.finish().text == whole, cut
+
+
 def test_a_deny_rule_stops_the_stream_and_nothing_more_is_released() -> None:
     scanner = OutputScanner(RULES.output)
     released = scanner.feed("this is forbid").text + scanner.feed("den, truly").text
