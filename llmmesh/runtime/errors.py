@@ -5,6 +5,7 @@ services/router/http_errors.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 
@@ -29,6 +30,12 @@ class FieldError(MeshError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+    def named(self, names: Mapping[str, str]) -> FieldError:
+        """The same error with its field under the name a request format gives it (the
+        core's ``sampling.max_tokens`` is OpenAI's ``max_tokens``), if ``names`` has one."""
+        name = names.get(self.field)
+        return self if name is None else type(self)(name, self.reason)
 
 
 class InvalidArgument(FieldError):

@@ -14,6 +14,7 @@ import collections
 import json
 import logging
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -49,7 +50,11 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(err: MeshError) -> web.Response:
+def error_response(err: MeshError, names: Mapping[str, str] | None = None) -> web.Response:
+    """``err`` as OpenAI's error JSON; ``names``: the request body's own names for the
+    core's fields (its ``param`` and message name the field as the client sent it)."""
+    if names and isinstance(err, FieldError):
+        err = err.named(names)
     status, kind = status_of(err)
     param = err.field if isinstance(err, FieldError | PolicyDenied) else None
     headers = {}

@@ -246,10 +246,12 @@ class OpenAiApi:
 
     async def _serve_traced(self, request: web.Request, chat: bool) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        names: dict[str, str] = {}
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             model = ChatBody if chat else CompletionBody
             body = await parse_body(request, model, self._settings.body_timeout_s)
+            names = body.field_names()
             prompts = self._decode(request, request_id, tenant, body, chat)
             async with contextlib.AsyncExitStack() as generations:
                 started = await self._start(generations, prompts, body.n)
@@ -266,7 +268,7 @@ class OpenAiApi:
                     return await self._stream(request, started, reply, headers)
                 return await self._whole(started, reply, headers)
         except MeshError as err:  # before any choice's first chunk (later ones are replies)
-            response = error_response(err)
+            response = error_response(err, names)
             response.headers[REQUEST_ID] = request_id
             return response
 

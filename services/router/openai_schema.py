@@ -29,6 +29,11 @@ _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
+# The sampling fields the core checks, by the names these bodies give them where the
+# name is the same (max_tokens and logprobs differ between the APIs).
+_SAMPLING_NAMES = {f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed")}
+
+
 class UnsupportedMediaType(FieldError):
     code, http_status, http_type = "INVALID_ARGUMENT", 415, "invalid_request_error"
 
@@ -61,8 +66,8 @@ class Body(_Strict):
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -115,6 +120,11 @@ class Body(_Strict):
     def _forwarded_defaults(self) -> dict[str, bool]:
         return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
 
+    def field_names(self) -> dict[str, str]:
+        """The core's names of the fields this body sets, and the body's own."""
+        max_tokens = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        return {**_SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -152,6 +162,9 @@ class ChatBody(Body):
             "include_reasoning": True,
         }
 
+    def field_names(self) -> dict[str, str]:
+        return {**super().field_names(), "sampling.logprobs": "top_logprobs"}
+
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidArgument("top_logprobs", "needs logprobs: true")
@@ -172,6 +185,9 @@ class CompletionBody(Body):
         default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
     )
     echo: bool = _no_op(False, "the prompt is never returned")
+
+    def field_names(self) -> dict[str, str]:
+        return {**super().field_names(), "sampling.logprobs": "logprobs"}
 
     def logprobs_wanted(self) -> int | None:
         if self.echo:
@@ -253,6 +269,10 @@ class ResponseBody(_Strict):
             if not 1 <= len(key) <= 64 or len(text) > 512:
                 raise ValueError("keys of 1-64 characters, values of at most 512")
         return value
+
+    def field_names(self) -> dict[str, str]:
+        """The core's names of the fields this body sets, and the body's own."""
+        return {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
 
     def check_no_ops(self) -> None:
         if self.tools:

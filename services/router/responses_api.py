@@ -167,7 +167,7 @@ class ResponsesApi:
             if created:
                 with contextlib.suppress(MeshError):
                     await self._records.delete(tenant, response_id)
-            response = error_response(err)
+            response = error_response(err, body.field_names())
             response.headers[REQUEST_ID] = request_id
             return response
 
