@@ -101,7 +101,11 @@ class Body(_Strict):
     )
 
     def check_no_ops(self) -> None:
-        """Refuses, by name, a parameter set to anything but its no-op value."""
+        """Refuses, by name, a parameter set to anything but its no-op value, and stream
+        options without a stream (as OpenAI and vLLM do: there is no stream to end with
+        the usage)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options", "only with stream: true")
         for name, nothing in (
             ("presence_penalty", 0.0),
             ("frequency_penalty", 0.0),

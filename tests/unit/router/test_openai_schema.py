@@ -201,6 +201,7 @@ def test_field_paths_leave_union_tags_out() -> None:
             "stream_options.continuous_usage_stats",
         ),
         ({"logprobs": 21}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"no_stop_trim": True}, "no_stop_trim"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"return_hidden_states": True}, "return_hidden_states"),
