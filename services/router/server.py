@@ -13,7 +13,12 @@ import consul.aio
 import grpc
 from aiohttp import web
 
-from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
+from llmmesh.convert import (
+    finish_reason_to_pb,
+    logprobs_to_pb,
+    refuse_unknown_fields,
+    sampling_from_pb,
+)
 from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulKeyWatch, connect
@@ -133,6 +138,7 @@ def _decoded(
 ) -> GenerateInput:
     """A public request as the core takes it; ``session_id``: the metadata's, which the
     request's own field overrides."""
+    refuse_unknown_fields(request)
     return GenerateInput(
         request_id=request_id,
         tenant=tenant,

@@ -9,7 +9,9 @@ import pytest
 
 from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack
+from llmmesh.v1 import common_pb2, generation_pb2
 from tests.conftest import bad_request_fields, collect
+from tests.unit.llmmesh.test_convert import unknown_varint
 
 CASES: list[tuple[str, dict[str, Any], str]] = [
     ("", {}, "prompt"),
@@ -63,6 +65,24 @@ def test_invalid_utf8_prompt_is_invalid_argument(stack: Stack) -> None:
             list(raw(_raw_field(2, b"caf\xe9 au lait"), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_request_fields(info.value) == ["prompt"]
+
+
+def test_a_field_this_router_does_not_know_is_refused_not_ignored(stack: Stack) -> None:
+    """A client on a newer schema (here, a sampling field number 40) must not have what
+    it asked for silently dropped."""
+    with authorized_channel(stack.address("router"), stack.api_key) as channel:
+        raw = channel.unary_stream(
+            "/llmmesh.v1.Generation/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        sampling = common_pb2.SamplingParams(max_tokens=3).SerializeToString() + unknown_varint(40)
+        request = generation_pb2.GenerateRequest(model="llm", prompt="hi").SerializeToString()
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(request + _raw_field(3, sampling), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(info.value) == ["sampling"]
+    assert "field number 40" in (info.value.details() or "")
 
 
 def test_service_keeps_serving_after_bad_input(router_channel: grpc.Channel) -> None:
