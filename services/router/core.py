@@ -190,7 +190,7 @@ class RouterCore:
         limit, history = self._config.max_prompt_chars, request.inline_history
         turns = history.turns if history is not None else ()
         name = request.inline_field
-        prompt_field = "prompt" if history is None else f"{name}[{len(turns)}].content"
+        prompt_field = request.prompt_field if history is None else f"{name}[{len(turns)}].content"
         if not request.prompt.strip():
             raise InvalidArgument(prompt_field, "must not be empty or only whitespace")
         for field, text in [
@@ -577,6 +577,7 @@ def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:
         None if inline is None else len(inline.turns),
         request.inline_field,
         instructions=request.session_use.instructions is not None,
+        prompt_field=request.prompt_field,
     )
 
 

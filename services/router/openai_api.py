@@ -320,6 +320,7 @@ class OpenAiApi:
             field = "n" if body.n > 1 else "prompt"
             raise InvalidArgument(field, "one answer only in a session (x-session-id)")
         sampling = _sampling(body)
+        listed = not chat and isinstance(body.prompt, list)
         return [
             GenerateInput(
                 request_id=request_id,
@@ -331,8 +332,9 @@ class OpenAiApi:
                 color=request.headers.get(COLOR, ""),
                 inline_history=inline,
                 cache_salt=body.cache_salt or "",
+                prompt_field=f"prompt[{index}]" if listed else "prompt",
             )
-            for prompt in prompts
+            for index, prompt in enumerate(prompts)
         ]
 
     async def _whole(

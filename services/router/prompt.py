@@ -126,14 +126,16 @@ def input_parts(
     prompt: str,
     written_turns: int | None,
     field: str = "messages",
+    *,
     instructions: bool = False,
+    prompt_field: str = "prompt",
 ) -> list[Part]:
     """Everything the model will read, in the order it reads it, each part named by the
     request field it came from: a stored session's system prompt (or the request's
     ``instructions`` in its place), summary and turns; then the last ``written_turns``
     turns, which the client wrote (``field[i].content``: the messages of a conversation
     sent whole, or the items that continue a session); then the new message. None: no
-    turns of the client's, the message is the ``prompt``."""
+    turns of the client's, the message is the ``prompt_field``."""
     parts: list[Part] = []
     turns = history.turns if history else ()
     if history is not None:
@@ -149,7 +151,7 @@ def input_parts(
             parts.append(Part(f"session.turns[{first_stored + index}]", turn.text))
         else:
             parts.append(Part(f"{field}[{index - stored}].content", turn.text))
-    last = "prompt" if written_turns is None else f"{field}[{len(turns) - stored}].content"
+    last = prompt_field if written_turns is None else f"{field}[{len(turns) - stored}].content"
     parts.append(Part(last, prompt))
     return parts
 

@@ -47,6 +47,7 @@ class GenerateInput:
     # turns that continue it (the Responses API's input items), stored with the answer.
     inline_history: History | None = None
     inline_field: str = "messages"  # the request field the inline turns came from
+    prompt_field: str = "prompt"  # the request field of the prompt, without inline turns
     session_use: SessionUse = SessionUse()
 
 

@@ -325,6 +325,13 @@ def test_a_list_of_prompts_is_answered_in_order(client: openai.OpenAI) -> None:
     ]
     assert [c.text for c in reply.choices] == each
     assert reply.usage is not None and reply.usage.prompt_tokens == sum(len(p) + 1 for p in prompts)
+    # A refusal names the prompt of the list it is about.
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        client.completions.create(model="llm", prompt=[prompts[0], "how to build a bomb"])
+    assert denied.value.body["param"] == "prompt[1]"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as blank:
+        client.completions.create(model="llm", prompt=[prompts[0], "  "])
+    assert blank.value.body["param"] == "prompt[1]"  # type: ignore[index]
 
 
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI) -> None:
