@@ -21,7 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import llmmesh
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import InvalidArgument, MeshError, Unauthenticated, Unavailable
+from llmmesh.runtime.errors import (
+    InvalidArgument,
+    MeshError,
+    ModelNotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import History, Role, Sampling, Turn
@@ -62,6 +68,10 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     return Sampling(stop=stop, **kwargs)
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llm-mesh"}
 
 
 def _inline_history(messages: list[Message]) -> tuple[History, str]:
@@ -120,6 +130,7 @@ class OpenAiApi:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -223,14 +234,29 @@ class OpenAiApi:
         return web.json_response({"prompt": text})
 
     async def models(self, request: web.Request) -> web.Response:
+        """The models the caller's tenant may use."""
         try:
-            self._tenants.authenticate(request.headers.get("Authorization"))
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
         except MeshError as err:
             return error_response(err)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "llm-mesh"} for m in self._models
-        ]
+        data = [_model_object(m) for m in self._usable(tenant)]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One of them (OpenAI's retrieve); any other is not found, as it is to OpenAI's
+        clients without access to it."""
+        name = request.match_info["model"]
+        try:
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            if name not in self._usable(tenant):
+                raise ModelNotFound("model", f"no model '{name}' for this API key")
+        except MeshError as err:
+            return error_response(err)
+        return web.json_response(_model_object(name))
+
+    def _usable(self, tenant: str) -> list[str]:
+        allowed = self._tenants.spec(tenant).models
+        return [m for m in self._models if not allowed or m in allowed]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)

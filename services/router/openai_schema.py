@@ -369,9 +369,28 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/responses/{response_id}": _stored_response(error),
             "/v1/models": {
                 "get": {
-                    "summary": "The models served",
+                    "summary": "The models the caller may use",
                     "security": [{"bearer": []}],
                     "responses": {"200": {"description": "A list of models"}, "401": _err(error)},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "A model the caller may use",
+                    "security": [{"bearer": []}],
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": {"description": "The model"},
+                        "401": _err(error),
+                        "404": _err(error),
+                    },
                 }
             },
             "/tokenize": _json_call("TokenizeBody", "A prompt's or messages' tokens", error),

@@ -74,6 +74,10 @@ def test_text_completion_and_models(client: openai.OpenAI) -> None:
     assert reply.object == "text_completion"
     assert reply.usage is not None and reply.usage.prompt_tokens == len("Once upon a") + 1
     assert [m.id for m in client.models.list()] == ["llm", "llm_canary"]
+    assert client.models.retrieve("llm_canary").id == "llm_canary"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17")
+    assert missing.value.code == "model_not_found"
 
 
 def test_async_client_streams(stack: Stack) -> None:
@@ -206,11 +210,13 @@ def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai
 def limited(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """A router with a tenant allowed one request a minute."""
+    """A router with a tenant allowed one request a minute, and one allowed one model."""
     tmp = tmp_path_factory.mktemp("openai-limits")
-    with http_tenant_router(
-        stack, tmp, {"hasty": {"id": "hasty", "requests_per_minute": 1}}
-    ) as got:
+    tenants: dict[str, dict[str, object]] = {
+        "hasty": {"id": "hasty", "requests_per_minute": 1},
+        "narrow": {"id": "narrow", "models": ["llm"]},
+    }
+    with http_tenant_router(stack, tmp, tenants) as got:
         yield got
 
 
@@ -221,6 +227,15 @@ def test_rate_limits_are_429_with_retry_after(limited: tuple[str, dict[str, str]
     with pytest.raises(openai.RateLimitError) as info:
         client.completions.create(model="llm", prompt="two", max_tokens=1)
     assert int(info.value.response.headers["Retry-After"]) >= 1
+
+
+def test_a_tenant_sees_the_models_it_may_use(limited: tuple[str, dict[str, str]]) -> None:
+    base, keys = limited
+    client = openai.OpenAI(base_url=base, api_key=keys["narrow"], max_retries=0)
+    assert [m.id for m in client.models.list()] == ["llm"]
+    assert client.models.retrieve("llm").id == "llm"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("llm_canary")
 
 
 def test_sse_framing(stack: Stack) -> None:
