@@ -158,16 +158,16 @@ def test_the_router_to_triton_target_needs_a_stack_of_its_own(
 def test_a_router_to_triton_beside_the_stack_serves_and_is_metered_as_the_router(
     stack: Stack,
 ) -> None:
-    from bench.cli import _router_to_triton, _stack_meter
+    from bench.stacks import router_to_triton, stack_meter
     from llmmesh.client import authorized_channel
     from tests.conftest import collect
 
-    with _router_to_triton(stack) as (address, router):
+    with router_to_triton(stack) as (address, router):
         with authorized_channel(address, stack.api_key) as channel:
             responses = collect(channel, "hello", max_tokens=4, ignore_eos=True)
         assert responses[-1].served.endpoint == stack.address("triton_grpc")
-        meter = _stack_meter(stack, router=router)
+        meter = stack_meter(stack, router=router)
         assert meter.roots["router"] == (router.process.pid,)
-        assert meter.roots["triton"] == _stack_meter(stack).roots["triton"]
+        assert meter.roots["triton"] == stack_meter(stack).roots["triton"]
         assert "inference" not in meter.roots  # not on that router's path
     assert not router.alive

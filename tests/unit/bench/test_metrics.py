@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.cli import _admission_plot
+from bench.fleets import _admission_plot
 from bench.metrics import RequestRecord, Slo, percentile, summarize
 from bench.workload import WorkloadSpec, make_requests
 
