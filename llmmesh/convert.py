@@ -30,19 +30,21 @@ def finish_reason_from_pb(value: int) -> FinishReason | None:
     return _FROM_PB.get(common_pb2.FinishReason.ValueType(value))
 
 
-def refuse_unknown_fields(message: Message, path: str = "request") -> None:
+def refuse_unknown_fields(message: Message, path: str = "") -> None:
     """Raises InvalidArgument naming the first field of ``message`` (or of a message in
     it) that this build's schema does not have. Protobuf keeps such fields aside and the
     code never reads them: a client built on a newer schema would have what it asked for
-    silently ignored."""
+    silently ignored. The error names the message that has it, by its path from
+    ``message`` (``message`` itself by its type's name)."""
     unknown = UnknownFieldSet(message)
     if len(unknown):
         number = unknown[0].field_number
-        raise InvalidArgument(path, f"has field number {number}, which this server does not know")
+        where = path or message.DESCRIPTOR.name
+        raise InvalidArgument(where, f"has field number {number}, which this server does not know")
     for field, value in message.ListFields():
         if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type is None:
             continue
-        name = field.name if path == "request" else f"{path}.{field.name}"
+        name = f"{path}.{field.name}" if path else field.name
         if field.message_type.GetOptions().map_entry:
             items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
         elif field.is_repeated:

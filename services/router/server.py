@@ -77,6 +77,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
         tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
+        refuse_unknown_fields(request)
         decoded = _decoded(
             request,
             request_id,
@@ -115,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One generation of a stream, as Generate serves a call, for the stream's tenant
         (checked again if the tenants changed since the stream opened)."""
+        refuse_unknown_fields(start)
         decoded = _decoded(
             start.request,
             request_id,
@@ -138,7 +140,6 @@ def _decoded(
 ) -> GenerateInput:
     """A public request as the core takes it; ``session_id``: the metadata's, which the
     request's own field overrides."""
-    refuse_unknown_fields(request)
     return GenerateInput(
         request_id=request_id,
         tenant=tenant,

@@ -29,6 +29,7 @@ from tests.conftest import (
     text_of,
     wait_for,
 )
+from tests.unit.llmmesh.test_convert import unknown_varint
 
 # What sidecars change (mTLS, RBAC, original-destination routing): run again behind them.
 pytestmark = pytest.mark.sidecars
@@ -101,6 +102,21 @@ def test_a_bad_start_is_refused_by_name_and_the_others_go_on(stack: Stack) -> No
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_request_fields(refused) == ["prompt"]
     assert len(text_of(responses)) == 64, "the running generation lost nothing"
+
+
+def test_a_start_with_a_field_this_router_does_not_know_is_refused(stack: Stack) -> None:
+    newer = build_request("hi", max_tokens=4).SerializeToString() + unknown_varint(40)
+    request = generation_pb2.GenerateRequest.FromString(newer)
+
+    async def scenario(stream: GenerationStream) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await gather(stream.generate(request))
+        return refused.value
+
+    refused = on_stream(stack, scenario)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_fields(refused) == ["request"]
+    assert "field number 40" in (refused.details() or "")
 
 
 def test_a_start_that_does_not_parse_is_refused_and_the_stream_goes_on(stack: Stack) -> None:

@@ -34,7 +34,7 @@ def test_a_request_of_known_fields_passes() -> None:
 @pytest.mark.parametrize(
     ("message", "field", "number"),
     [
-        (request(extra=unknown_varint(99)), "request", 99),
+        (request(extra=unknown_varint(99)), "GenerateRequest", 99),
         (request(sampling_extra=unknown_varint(40)), "sampling", 40),
         (
             context_pb2.Session.FromString(
