@@ -34,7 +34,13 @@ from opentelemetry import trace
 
 from llmmesh import first_tokens
 from llmmesh.runtime import tracing
-from llmmesh.runtime.errors import DeadlineExceeded, MeshError, ResourceExhausted, Unavailable
+from llmmesh.runtime.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    MeshError,
+    ResourceExhausted,
+    Unavailable,
+)
 from llmmesh.runtime.grpc_status import to_status
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
@@ -56,6 +62,7 @@ MAX_WAITING_FRAMES = 4 * MAX_FRAMES_PER_MESSAGE
 # Weight of the newest gap between frames in their moving average (about the last five).
 GAP_WEIGHT = 0.2
 DRAINING = "shutting down"
+UNKNOWN_ACTION = "none this server knows (start, cancel or credit)"
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,12 @@ class MultiplexSession:
                 running.task.cancel()
         elif running is not None and action == "credit":
             running.add(control.credit)
+        elif action is None:
+            # None this schema has (a newer client's) or none at all: refused, never
+            # ignored; a running generation ends with the refusal.
+            if running is not None and running.task is not None:
+                running.task.cancel()
+            self._post_error(number, InvalidArgument("controls.action", UNKNOWN_ACTION))
         # A control for a generation that has ended already is moot: it crossed its end.
 
     def _full(self) -> bool:

@@ -61,6 +61,44 @@ def test_a_stream_takes_so_many_generations_at_once_and_refuses_the_next() -> No
     assert "at most 2 generations" in status.message
 
 
+def test_a_control_with_an_action_this_schema_does_not_have_is_refused() -> None:
+    """A newer client's action (here field 9 of the control) for a running generation
+    ends it with the refusal; for a new one, it is refused as it comes."""
+    newer = generation_pb2.GenerateControl.FromString(
+        generation_pb2.GenerateControl(generation_id=1).SerializeToString() + b"\x48\x01"
+    )
+    unknown_for_new = generation_pb2.GenerateControl.FromString(
+        generation_pb2.GenerateControl(generation_id=2).SerializeToString() + b"\x48\x01"
+    )
+    started = asyncio.Event()
+
+    async def endless(start: object, request_id: str) -> AsyncIterator[object]:
+        started.set()
+        await asyncio.Event().wait()  # runs until cancelled
+        yield generation_pb2.GenerateResponse()
+
+    async def scenario() -> list[generation_pb2.GenerateFrame]:
+        session = MultiplexSession(GENERATE_STREAM, endless)
+
+        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+            yield generation_pb2.GenerateStreamRequest(controls=[_start(1)])
+            await started.wait()
+            yield generation_pb2.GenerateStreamRequest(controls=[newer, unknown_for_new])
+
+        frames: list[generation_pb2.GenerateFrame] = []
+        async with asyncio.timeout(10):  # an ignored action would leave it running for ever
+            async for message in session.serve(requests()):
+                frames.extend(message.frames)
+        return frames
+
+    frames = asyncio.run(scenario())
+    assert [f.generation_id for f in frames] == [1, 2]
+    for frame in frames:
+        status = status_pb2.Status.FromString(frame.error)
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert status.message.startswith("controls.action: ")
+
+
 def test_a_caller_that_does_not_read_holds_back_its_generations() -> None:
     produced = 0
 
