@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
-
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
 from llmmesh.v1 import common_pb2, context_pb2, policy_pb2
@@ -28,32 +24,6 @@ def finish_reason_to_pb(reason: FinishReason | None) -> common_pb2.FinishReason.
 
 def finish_reason_from_pb(value: int) -> FinishReason | None:
     return _FROM_PB.get(common_pb2.FinishReason.ValueType(value))
-
-
-def refuse_unknown_fields(message: Message, path: str = "") -> None:
-    """Raises InvalidArgument naming the first field of ``message`` (or of a message in
-    it) that this build's schema does not have. Protobuf keeps such fields aside and the
-    code never reads them: a client built on a newer schema would have what it asked for
-    silently ignored. The error names the message that has it, by its path from
-    ``message`` (``message`` itself by its type's name)."""
-    unknown = UnknownFieldSet(message)
-    if len(unknown):
-        number = unknown[0].field_number
-        where = path or message.DESCRIPTOR.name
-        raise InvalidArgument(where, f"has field number {number}, which this server does not know")
-    for field, value in message.ListFields():
-        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type is None:
-            continue
-        name = f"{path}.{field.name}" if path else field.name
-        if field.message_type.GetOptions().map_entry:
-            items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
-        elif field.is_repeated:
-            items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-        else:
-            items = [(name, value)]
-        for item_path, item in items:
-            if isinstance(item, Message):
-                refuse_unknown_fields(item, item_path)
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:

@@ -62,7 +62,7 @@ MAX_WAITING_FRAMES = 4 * MAX_FRAMES_PER_MESSAGE
 # Weight of the newest gap between frames in their moving average (about the last five).
 GAP_WEIGHT = 0.2
 DRAINING = "shutting down"
-UNKNOWN_ACTION = "none this server knows (start, cancel or credit)"
+UNKNOWN_ACTION = "one of start, cancel or credit"
 
 
 @dataclass(frozen=True)
@@ -224,9 +224,10 @@ class MultiplexSession:
             self._wake.set()
 
     def _refuse(self, malformed: MalformedRequest) -> None:
-        """A message that does not parse (a start with a string that is not UTF-8) is
-        refused for each generation it names, with the error naming the field, as a start
-        that cannot be taken is; the stream and its other generations go on. One whose
+        """A message that does not parse (a start with a string that is not UTF-8), or
+        that has a field this schema does not have, is refused for each generation it
+        names, with the error naming the field, as a start that cannot be taken is (a
+        running one ends with it); the stream and its other generations go on. One whose
         generations cannot be told ends the stream."""
         numbers = generation_ids(malformed.data)
         if not numbers:
@@ -234,7 +235,7 @@ class MultiplexSession:
             self._wake.set()
             return
         for number in numbers:
-            self._post_error(number, malformed.error)
+            self._end_with(number, malformed.error)
 
     def _apply(self, control: Any) -> None:
         number = control.generation_id
@@ -256,12 +257,8 @@ class MultiplexSession:
                 running.task.cancel()
         elif running is not None and action == "credit":
             running.add(control.credit)
-        elif action is None:
-            # None this schema has (a newer client's) or none at all: refused, never
-            # ignored; a running generation ends with the refusal.
-            if running is not None and running.task is not None:
-                running.task.cancel()
-            self._post_error(number, InvalidArgument("controls.action", UNKNOWN_ACTION))
+        elif action is None:  # none at all: refused, never ignored
+            self._end_with(number, InvalidArgument("controls.action", UNKNOWN_ACTION))
         # A control for a generation that has ended already is moot: it crossed its end.
 
     def _full(self) -> bool:
@@ -335,6 +332,14 @@ class MultiplexSession:
         if urgent or self._arrivals.gap_s >= self._hold_s:  # no hold, or no company in sight
             self._urgent_at = len(self._outbox)
         self._wake.set()
+
+    def _end_with(self, number: int, err: MeshError) -> None:
+        """Refuses a control: its generation, running or not, ends with ``err`` (an
+        error frame is a generation's last; nothing more goes out for it)."""
+        running = self._running.get(number)
+        if running is not None and running.task is not None:
+            running.task.cancel()
+        self._post_error(number, err)
 
     def _post_error(self, number: int, err: MeshError) -> None:
         status = to_status(err).SerializeToString()

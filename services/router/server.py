@@ -13,12 +13,7 @@ import consul.aio
 import grpc
 from aiohttp import web
 
-from llmmesh.convert import (
-    finish_reason_to_pb,
-    logprobs_to_pb,
-    refuse_unknown_fields,
-    sampling_from_pb,
-)
+from llmmesh.convert import finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmmesh.runtime import GrpcService
 from llmmesh.runtime.config import ConfigError
 from llmmesh.runtime.consul import ConsulKeyWatch, connect
@@ -77,7 +72,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # headers sent up front would delay the first token.
         context.set_trailing_metadata(((REQUEST_ID, request_id),))
         tenant = self._tenants.authenticate(metadata_value(context, AUTHORIZATION))
-        refuse_unknown_fields(request)
         decoded = _decoded(
             request,
             request_id,
@@ -116,7 +110,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One generation of a stream, as Generate serves a call, for the stream's tenant
         (checked again if the tenants changed since the stream opened)."""
-        refuse_unknown_fields(start)
         decoded = _decoded(
             start.request,
             request_id,

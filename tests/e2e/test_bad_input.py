@@ -11,7 +11,7 @@ from llmmesh.client import authorized_channel
 from llmmesh.launcher import Stack
 from llmmesh.v1 import common_pb2, generation_pb2
 from tests.conftest import bad_request_fields, collect
-from tests.unit.llmmesh.test_convert import unknown_varint
+from tests.unit.llmmesh.test_unknown_fields import unknown_varint
 
 CASES: list[tuple[str, dict[str, Any], str]] = [
     ("", {}, "prompt"),

@@ -29,7 +29,7 @@ from tests.conftest import (
     text_of,
     wait_for,
 )
-from tests.unit.llmmesh.test_convert import unknown_varint
+from tests.unit.llmmesh.test_unknown_fields import unknown_varint
 
 # What sidecars change (mTLS, RBAC, original-destination routing): run again behind them.
 pytestmark = pytest.mark.sidecars
@@ -108,15 +108,18 @@ def test_a_start_with_a_field_this_router_does_not_know_is_refused(stack: Stack)
     newer = build_request("hi", max_tokens=4).SerializeToString() + unknown_varint(40)
     request = generation_pb2.GenerateRequest.FromString(newer)
 
-    async def scenario(stream: GenerationStream) -> grpc.aio.AioRpcError:
+    async def scenario(stream: GenerationStream) -> tuple[grpc.aio.AioRpcError, Responses]:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await gather(stream.generate(request))
-        return refused.value
+        after = await gather(stream.generate(build_request("hi", max_tokens=4, ignore_eos=True)))
+        return refused.value, after
 
-    refused = on_stream(stack, scenario)
+    refused, after = on_stream(stack, scenario)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert bad_request_fields(refused) == ["request"]
+    # Named from the message the client sent: the stream's, holding the start.
+    assert bad_request_fields(refused) == ["controls[0].start.request"]
     assert "field number 40" in (refused.details() or "")
+    assert after[-1].usage.completion_tokens == 4, "the stream goes on"
 
 
 def test_a_start_that_does_not_parse_is_refused_and_the_stream_goes_on(stack: Stack) -> None:

@@ -16,6 +16,7 @@ from llmmesh.runtime.multiplex import (
     Arrivals,
     MultiplexSession,
 )
+from llmmesh.runtime.registration import MalformedRequest, _lenient
 from llmmesh.v1 import common_pb2, generation_pb2
 from llmmesh.waiting import poll_until_async
 
@@ -61,15 +62,15 @@ def test_a_stream_takes_so_many_generations_at_once_and_refuses_the_next() -> No
     assert "at most 2 generations" in status.message
 
 
-def test_a_control_with_an_action_this_schema_does_not_have_is_refused() -> None:
-    """A newer client's action (here field 9 of the control) for a running generation
-    ends it with the refusal; for a new one, it is refused as it comes."""
-    newer = generation_pb2.GenerateControl.FromString(
-        generation_pb2.GenerateControl(generation_id=1).SerializeToString() + b"\x48\x01"
-    )
-    unknown_for_new = generation_pb2.GenerateControl.FromString(
-        generation_pb2.GenerateControl(generation_id=2).SerializeToString() + b"\x48\x01"
-    )
+def test_a_control_with_a_field_this_schema_does_not_have_or_no_action_is_refused() -> None:
+    """A newer client's control (here one with a field 9) for a running generation ends
+    it with the refusal; a control with no action at all, for a new one, is refused."""
+    newer = generation_pb2.GenerateStreamRequest(
+        controls=[generation_pb2.GenerateControl(generation_id=1)]
+    ).SerializeToString()
+    newer = newer[:1] + bytes([newer[1] + 2]) + newer[2:] + b"\x48\x01"  # field 9 in control 1
+    malformed = _lenient(generation_pb2.GenerateStreamRequest)(newer)
+    assert isinstance(malformed, MalformedRequest)
     started = asyncio.Event()
 
     async def endless(start: object, request_id: str) -> AsyncIterator[object]:
@@ -80,23 +81,27 @@ def test_a_control_with_an_action_this_schema_does_not_have_is_refused() -> None
     async def scenario() -> list[generation_pb2.GenerateFrame]:
         session = MultiplexSession(GENERATE_STREAM, endless)
 
-        async def requests() -> AsyncIterator[generation_pb2.GenerateStreamRequest]:
+        async def requests() -> AsyncIterator[object]:
             yield generation_pb2.GenerateStreamRequest(controls=[_start(1)])
             await started.wait()
-            yield generation_pb2.GenerateStreamRequest(controls=[newer, unknown_for_new])
+            yield malformed
+            empty = generation_pb2.GenerateControl(generation_id=2)
+            yield generation_pb2.GenerateStreamRequest(controls=[empty])
 
         frames: list[generation_pb2.GenerateFrame] = []
-        async with asyncio.timeout(10):  # an ignored action would leave it running for ever
+        async with asyncio.timeout(10):  # an ignored control would leave 1 running for ever
             async for message in session.serve(requests()):
                 frames.extend(message.frames)
         return frames
 
     frames = asyncio.run(scenario())
     assert [f.generation_id for f in frames] == [1, 2]
+    fields = []
     for frame in frames:
         status = status_pb2.Status.FromString(frame.error)
         assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert status.message.startswith("controls.action: ")
+        fields.append(status.message.split(":")[0])
+    assert fields == ["controls[0]", "controls.action"]
 
 
 def test_a_caller_that_does_not_read_holds_back_its_generations() -> None:

@@ -1,12 +1,11 @@
-"""A field this build's schema does not have is refused by name, wherever it is."""
+"""A request field this build's schema does not have is refused, naming where it is."""
 
 from __future__ import annotations
 
 import pytest
 from google.protobuf.message import Message
 
-from llmmesh.convert import refuse_unknown_fields
-from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.runtime.registration import MalformedRequest, _lenient, unknown_field
 from llmmesh.v1 import common_pb2, context_pb2, generation_pb2
 
 
@@ -28,7 +27,7 @@ def request(sampling_extra: bytes = b"", extra: bytes = b"") -> generation_pb2.G
 
 
 def test_a_request_of_known_fields_passes() -> None:
-    refuse_unknown_fields(request())
+    assert unknown_field(request()) is None
 
 
 @pytest.mark.parametrize(
@@ -56,7 +55,20 @@ def test_a_request_of_known_fields_passes() -> None:
 def test_an_unknown_field_is_refused_naming_where_it_is(
     message: Message, field: str, number: int
 ) -> None:
-    with pytest.raises(InvalidArgument) as info:
-        refuse_unknown_fields(message)
-    assert info.value.field == field
-    assert f"field number {number}" in info.value.reason
+    refusal = unknown_field(message)
+    assert refusal is not None and refusal.field == field
+    assert f"field number {number}" in refusal.reason
+
+
+def test_the_deserializer_refuses_unknown_fields_and_takes_any_known_encoding() -> None:
+    deserialize = _lenient(generation_pb2.GenerateRequest)
+    known = request().SerializeToString()
+    assert deserialize(known) == request()
+    refused = deserialize(known + unknown_varint(99))
+    assert isinstance(refused, MalformedRequest) and refused.error.field == "GenerateRequest"
+    # Known fields, not in their shortest encoding (sampling's max_tokens, 3, as a
+    # two-byte varint): no unknown field, so taken, though its size is not the message's.
+    padded = b"\x0a\x03llm" + b"\x1a\x03" + b"\x08\x83\x00"
+    taken = deserialize(padded)
+    assert isinstance(taken, generation_pb2.GenerateRequest)
+    assert (taken.model, taken.sampling.max_tokens) == ("llm", 3)
