@@ -166,7 +166,7 @@ class RouterCore:
     def validate(self, request: GenerateInput) -> GenerateInput:
         """Checks every field; returns the request with defaults filled in."""
         config = self._config
-        model = self._served(request.model)
+        model = self._served(request.model, request.tenant)
         if not REQUEST_ID_FORMAT.match(request.request_id):
             raise InvalidArgument(REQUEST_ID, "1-128 visible ASCII characters")
         self._check_texts(request)
@@ -304,16 +304,18 @@ class RouterCore:
         )
         self._summaries.fold(job)
 
-    async def model_speech(self, model: str) -> tuple[str, ModelSpeech]:
+    async def model_speech(self, model: str, tenant: str) -> tuple[str, ModelSpeech]:
         """The model (empty: the default one) and how it speaks (its tokenizer, template,
         context); ModelNotFound for a model the mesh does not serve."""
-        name = self._served(model)
+        name = self._served(model, tenant)
         return name, await self._speech(name)
 
-    def _served(self, model: str) -> str:
+    def _served(self, model: str, tenant: str) -> str:
+        """The model's name; ModelNotFound, naming the models the tenant may use, for one
+        the mesh does not serve."""
         name = model or self._config.models[0]
         if name not in self._config.models:
-            served = self._config.models
+            served = self._tenants.usable(tenant, self._config.models)
             raise ModelNotFound("model", f"unknown model '{name}'; served: {served}")
         return name
 

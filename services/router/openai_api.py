@@ -198,7 +198,7 @@ class OpenAiApi:
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await parse_body(request, TokenizeBody, self._settings.body_timeout_s)
-            model, speech = await self._core.model_speech(body.model)
+            model, speech = await self._core.model_speech(body.model, tenant)
             self._tenants.may_use(tenant, model)
             source = body.text_or_messages()
             if isinstance(source, str):
@@ -226,7 +226,7 @@ class OpenAiApi:
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await parse_body(request, DetokenizeBody, self._settings.body_timeout_s)
-            model, speech = await self._core.model_speech(body.model)
+            model, speech = await self._core.model_speech(body.model, tenant)
             self._tenants.may_use(tenant, model)
             text = speech.codec.decode(body.tokens)
         except MeshError as err:
@@ -255,8 +255,7 @@ class OpenAiApi:
         return web.json_response(_model_object(name))
 
     def _usable(self, tenant: str) -> list[str]:
-        allowed = self._tenants.spec(tenant).models
-        return [m for m in self._models if not allowed or m in allowed]
+        return self._tenants.usable(tenant, self._models)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)

@@ -15,7 +15,7 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, Literal
 
 import yaml
@@ -346,6 +346,11 @@ class Tenants:
         if outcome.tokens_left is not None:
             BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
         return Lease(spec, store, outcome.tokens_left, self._budgets.charge_interval_s)
+
+    def usable(self, tenant: str, models: Sequence[str]) -> list[str]:
+        """Those of ``models`` the tenant may use, in order."""
+        allowed = self.spec(tenant).models
+        return [m for m in models if not allowed or m in allowed]
 
     def may_use(self, tenant: str, model: str) -> None:
         """PermissionDenied unless the tenant may use the model."""

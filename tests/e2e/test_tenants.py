@@ -122,6 +122,9 @@ def test_a_model_the_tenant_may_not_use_is_permission_denied(
     err = refusal(address, keys["alice"], model="llm_canary", max_tokens=2)
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "llm_canary" in (err.details() or "")
+    unknown = refusal(address, keys["alice"], model="gpt-17", max_tokens=2)
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert (unknown.details() or "").endswith("served: ['llm']"), "only the tenant's models"
     with authorized_channel(address, keys["alice"]) as channel:
         assert (
             collect(channel, "hi", model="llm", max_tokens=2, ignore_eos=True)[
