@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from llmmesh import first_tokens
@@ -44,7 +45,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.runtime.grpc_status import to_status
 from llmmesh.runtime.logs import request_id_var
 from llmmesh.runtime.metadata import MAX_REQUEST_ID_LEN
-from llmmesh.runtime.registration import MalformedRequest, generation_ids
+from llmmesh.runtime.registration import MalformedRequest, generation_ids, unknown_field
 from llmmesh.v1 import generation_pb2, inference_pb2
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,15 @@ class MultiplexSession:
         names, with the error naming the field, as a start that cannot be taken is (a
         running one ends with it); the stream and its other generations go on. One whose
         generations cannot be told ends the stream."""
+        controls = _controls_apart(malformed)
+        if controls is not None:  # those with a field this schema lacks are refused alone
+            for index, control in enumerate(controls):
+                refusal = unknown_field(control, f"controls[{index}]")
+                if refusal is None:
+                    self._apply(control)
+                else:
+                    self._end_with(control.generation_id, refusal)
+            return
         numbers = generation_ids(malformed.data)
         if not numbers:
             self._refused = malformed.error
@@ -370,3 +380,13 @@ class OpenSessions:
         self.draining = True
         for session in self._open:
             session.drain()
+
+
+def _controls_apart(malformed: MalformedRequest) -> Any:
+    """The controls of a message that parsed but has fields this schema does not have,
+    where those are all inside its controls (each control then stands on its own); None
+    otherwise."""
+    parsed = malformed.parsed
+    if parsed is None or len(UnknownFieldSet(parsed)):
+        return None
+    return parsed.controls

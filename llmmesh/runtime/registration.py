@@ -35,6 +35,8 @@ TAKES_MALFORMED = "_takes_malformed_requests"
 class MalformedRequest:
     error: InvalidArgument
     data: bytes  # the message as it came
+    # The message, where it parsed and only has fields this schema does not have.
+    parsed: Any = None
 
 
 def takes_malformed(behaviour: F) -> F:
@@ -157,8 +159,9 @@ def _lenient(cls: type[message.Message]) -> Callable[[bytes], object]:
         request.DiscardUnknownFields()
         if request.ByteSize() == len(data):
             return request
-        unknown = unknown_field(cls.FromString(data))
-        return request if unknown is None else MalformedRequest(unknown, data)
+        whole = cls.FromString(data)
+        unknown = unknown_field(whole)
+        return request if unknown is None else MalformedRequest(unknown, data, whole)
 
     return deserialize
 

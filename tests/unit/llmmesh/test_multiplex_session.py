@@ -62,16 +62,24 @@ def test_a_stream_takes_so_many_generations_at_once_and_refuses_the_next() -> No
     assert "at most 2 generations" in status.message
 
 
+def _controls(*controls: bytes) -> bytes:
+    """A stream message of these serialized controls (each under 128 bytes)."""
+    return b"".join(b"\x0a" + bytes([len(c)]) + c for c in controls)
+
+
 def test_a_control_with_a_field_this_schema_does_not_have_or_no_action_is_refused() -> None:
-    """A newer client's control (here one with a field 9) for a running generation ends
-    it with the refusal; a control with no action at all, for a new one, is refused."""
-    newer = generation_pb2.GenerateStreamRequest(
-        controls=[generation_pb2.GenerateControl(generation_id=1)]
-    ).SerializeToString()
-    newer = newer[:1] + bytes([newer[1] + 2]) + newer[2:] + b"\x48\x01"  # field 9 in control 1
-    malformed = _lenient(generation_pb2.GenerateStreamRequest)(newer)
-    assert isinstance(malformed, MalformedRequest)
+    """A newer client's start (here with a field 9) is refused alone: the control beside
+    it in the message is taken; a running generation a refused control names ends with the
+    refusal; a control with no action at all is refused."""
+    newer_start = _start(3).SerializeToString() + b"\x48\x01"
+    credit = generation_pb2.GenerateControl(generation_id=1, credit=1).SerializeToString()
+    newer_credit = generation_pb2.GenerateControl(generation_id=1, credit=1)
+    decode = _lenient(generation_pb2.GenerateStreamRequest)
+    mixed = decode(_controls(credit, newer_start))
+    ending = decode(_controls(newer_credit.SerializeToString() + b"\x48\x01"))
+    assert isinstance(mixed, MalformedRequest) and isinstance(ending, MalformedRequest)
     started = asyncio.Event()
+    credited = asyncio.Event()
 
     async def endless(start: object, request_id: str) -> AsyncIterator[object]:
         started.set()
@@ -84,9 +92,12 @@ def test_a_control_with_a_field_this_schema_does_not_have_or_no_action_is_refuse
         async def requests() -> AsyncIterator[object]:
             yield generation_pb2.GenerateStreamRequest(controls=[_start(1)])
             await started.wait()
-            yield malformed
-            empty = generation_pb2.GenerateControl(generation_id=2)
-            yield generation_pb2.GenerateStreamRequest(controls=[empty])
+            yield mixed
+            credited.set()
+            yield generation_pb2.GenerateStreamRequest(
+                controls=[generation_pb2.GenerateControl(generation_id=2)]
+            )
+            yield ending
 
         frames: list[generation_pb2.GenerateFrame] = []
         async with asyncio.timeout(10):  # an ignored control would leave 1 running for ever
@@ -95,13 +106,14 @@ def test_a_control_with_a_field_this_schema_does_not_have_or_no_action_is_refuse
         return frames
 
     frames = asyncio.run(scenario())
-    assert [f.generation_id for f in frames] == [1, 2]
+    assert credited.is_set()
+    assert [f.generation_id for f in frames] == [3, 2, 1]
     fields = []
     for frame in frames:
         status = status_pb2.Status.FromString(frame.error)
         assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         fields.append(status.message.split(":")[0])
-    assert fields == ["controls[0]", "controls.action"]
+    assert fields == ["controls[1]", "controls.action", "controls[0]"]
 
 
 def test_a_caller_that_does_not_read_holds_back_its_generations() -> None:
