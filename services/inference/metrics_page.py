@@ -55,12 +55,15 @@ class MetricsPage:
         ).encode("ascii")
         self._timeout_s = timeout_s
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        # One request at a time on the one connection: a watch that starts reads the page
+        # while the poller may be reading it, and two readers of one stream collide.
+        self._turn = asyncio.Lock()
 
     async def read(self) -> str:
         """The page's text; OSError when it cannot be had (unreachable, an error status,
         a broken reply, no reply within the timeout)."""
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with self._turn, asyncio.timeout(self._timeout_s):
                 return await self._get()
         except (OSError, httptools.HttpParserError, TimeoutError) as err:
             await self.close()  # a connection left mid-reply cannot carry the next

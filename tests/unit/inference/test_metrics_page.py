@@ -56,6 +56,24 @@ def test_reads_the_page_again_and_again_over_one_connection() -> None:
     assert len(connections) == 1
 
 
+def test_reads_at_once_take_turns_on_the_one_connection() -> None:
+    """A watch that starts reads the page while the poller may be reading it."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(text=PAGE)
+
+    async def scenario() -> list[str]:
+        async with serving(handler) as url:
+            page = MetricsPage(url)
+            try:
+                first = await page.read()  # the connection, open and kept
+                return [first, *await asyncio.gather(*(page.read() for _ in range(4)))]
+            finally:
+                await page.close()
+
+    assert asyncio.run(scenario()) == [PAGE] * 5
+
+
 def test_a_server_that_closes_after_each_reply_is_connected_to_again() -> None:
     connections: set[int] = set()
 
