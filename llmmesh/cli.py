@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append")
+    gen.add_argument("--presence-penalty", type=float, help="in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, help="in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, help="> 0; 1: none")
     gen.add_argument("--session", default="", help="session id: keeps the conversation")
     gen.add_argument("--color", default="", help="x-llm-color: pins a subset, e.g. canary")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds")
@@ -158,6 +161,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         session_id=args.session,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     metadata = auth_metadata(api_key(args.state_file))
     if args.color:

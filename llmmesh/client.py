@@ -147,9 +147,17 @@ def build_request(
     session_id: str = "",
     ignore_eos: bool = False,
     truncation: str = "",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
-        max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos
+        max_tokens=max_tokens,
+        stop=stop or [],
+        ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
     )
     if temperature is not None:
         sampling.temperature = temperature

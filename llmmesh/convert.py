@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
+from llmmesh.types import PENALTIES, FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
 from llmmesh.v1 import common_pb2, context_pb2, policy_pb2
 
 _TO_PB = {
@@ -39,6 +40,9 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
+    for name, none in PENALTIES.items():
+        if getattr(sampling, name) != none:
+            setattr(message, name, getattr(sampling, name))
     return message
 
 
@@ -53,7 +57,18 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        presence_penalty=_or(message, "presence_penalty"),
+        frequency_penalty=_or(message, "frequency_penalty"),
+        repetition_penalty=_or(message, "repetition_penalty"),
     )
+
+
+def _or(
+    message: common_pb2.SamplingParams,
+    name: Literal["presence_penalty", "frequency_penalty", "repetition_penalty"],
+) -> float:
+    """A penalty as sent, or the value that asks for none."""
+    return getattr(message, name) if message.HasField(name) else PENALTIES[name]
 
 
 def logprobs_to_pb(tokens: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprob]:

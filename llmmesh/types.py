@@ -23,6 +23,10 @@ class FinishReason(enum.Enum):
     BUDGET = "budget"
 
 
+# The penalties' names (as vLLM and OpenAI spell them) and the value that asks for none.
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Validated sampling controls (see SamplingParams in protos/llmmesh/v1/common.proto)."""
@@ -35,6 +39,13 @@ class Sampling:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log probabilities per generated token; None: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return any(getattr(self, name) != none for name, none in PENALTIES.items())
 
     def to_vllm_json(self) -> str:
         """The ``sampling_parameters`` JSON of Triton's vLLM backend."""
@@ -53,6 +64,9 @@ class Sampling:
             doc["ignore_eos"] = True
         if self.logprobs is not None:
             doc["logprobs"] = self.logprobs
+        for name, none in PENALTIES.items():
+            if getattr(self, name) != none:
+                doc[name] = getattr(self, name)
         return json.dumps(doc, separators=(",", ":"))
 
 
@@ -116,6 +130,9 @@ class InferenceCall:
     priority: int | None = None
     # The engine's prefix-cache partition (empty: shared); the router's per tenant.
     cache_salt: str = ""
+    # The prompt's last this many characters are this generation's own earlier output (a
+    # stream resumed on another replica), which the engine's penalties count as output.
+    resumed_output_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,8 @@ MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM take them
+MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out anyway
 
 
 def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
@@ -182,9 +201,24 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
             "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
         )
     _check_stop(sampling.stop)
+    _check_penalties(sampling)
     if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(
             "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}"
+        )
+
+
+def _check_penalties(sampling: Sampling) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidArgument(
+                f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+            )
+    if not 0.0 < sampling.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(
+            "sampling.repetition_penalty",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {sampling.repetition_penalty}",
         )
 
 

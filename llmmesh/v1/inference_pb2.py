@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmmesh.v1 import common_pb2 as llmmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmmesh/v1/inference.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x95\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x11\n\tbos_token\x18\x05 \x01(\t\x12\x11\n\teos_token\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x07 \x01(\x08\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\x05\"\xe8\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_utilization\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".llmmesh.v1.ModelLoad.MetricsEntry\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\nLoadReport\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x15\n\rrecent_ttft_s\x18\x04 \x01(\x01\x12\x15\n\rrecent_tpot_s\x18\x05 \x01(\x01\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.llmmesh.v1.ModelLoad\x12\x18\n\x10\x65ngine_reachable\x18\x07 \x01(\x08\"\xab\x01\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x0b\n\t_priority\"\xb0\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"C\n\x10MultiplexRequest\x12/\n\x08\x63ontrols\x18\x01 \x03(\x0b\x32\x1d.llmmesh.v1.GenerationControl\"\x86\x01\n\x11GenerationControl\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12,\n\x05start\x18\x02 \x01(\x0b\x32\x1b.llmmesh.v1.StartGenerationH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x10\n\x06\x63redit\x18\x04 \x01(\rH\x00\x42\x08\n\x06\x61\x63tion\"\xcb\x01\n\x0fStartGeneration\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.llmmesh.v1.InferenceRequest\x12\x0e\n\x06window\x18\x02 \x01(\r\x12\x44\n\rtrace_context\x18\x03 \x03(\x0b\x32-.llmmesh.v1.StartGeneration.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x11MultiplexResponse\x12+\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1b.llmmesh.v1.GenerationFrame\"u\n\x0fGenerationFrame\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.llmmesh.v1.InferenceResponseH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05\x65vent2\xb3\x02\n\tInference\x12I\n\x08Generate\x12\x1c.llmmesh.v1.InferenceRequest\x1a\x1d.llmmesh.v1.InferenceResponse0\x01\x12L\n\tMultiplex\x12\x1c.llmmesh.v1.MultiplexRequest\x1a\x1d.llmmesh.v1.MultiplexResponse(\x01\x30\x01\x12\x43\n\tWatchLoad\x12\x1c.llmmesh.v1.WatchLoadRequest\x1a\x16.llmmesh.v1.LoadReport0\x01\x12H\n\rDescribeModel\x12 .llmmesh.v1.DescribeModelRequest\x1a\x15.llmmesh.v1.ModelCardb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmmesh/v1/inference.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"%\n\x14\x44\x65scribeModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x95\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x11\n\tbos_token\x18\x05 \x01(\t\x12\x11\n\teos_token\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64_bos\x18\x07 \x01(\x08\"+\n\x10WatchLoadRequest\x12\x17\n\x0fmax_interval_ms\x18\x01 \x01(\x05\"\xe8\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x16\n\x0ekv_utilization\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x33\n\x07metrics\x18\x06 \x03(\x0b\x32\".llmmesh.v1.ModelLoad.MetricsEntry\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb5\x01\n\nLoadReport\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x14\n\x0ctimestamp_ms\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x15\n\rrecent_ttft_s\x18\x04 \x01(\x01\x12\x15\n\rrecent_tpot_s\x18\x05 \x01(\x01\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.llmmesh.v1.ModelLoad\x12\x18\n\x10\x65ngine_reachable\x18\x07 \x01(\x08\"\xc9\x01\n\x10InferenceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1c\n\x14resumed_output_chars\x18\x07 \x01(\x05\x42\x0b\n\t_priority\"\xb0\x01\n\x11InferenceResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.llmmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"C\n\x10MultiplexRequest\x12/\n\x08\x63ontrols\x18\x01 \x03(\x0b\x32\x1d.llmmesh.v1.GenerationControl\"\x86\x01\n\x11GenerationControl\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12,\n\x05start\x18\x02 \x01(\x0b\x32\x1b.llmmesh.v1.StartGenerationH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x10\n\x06\x63redit\x18\x04 \x01(\rH\x00\x42\x08\n\x06\x61\x63tion\"\xcb\x01\n\x0fStartGeneration\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.llmmesh.v1.InferenceRequest\x12\x0e\n\x06window\x18\x02 \x01(\r\x12\x44\n\rtrace_context\x18\x03 \x03(\x0b\x32-.llmmesh.v1.StartGeneration.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"@\n\x11MultiplexResponse\x12+\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1b.llmmesh.v1.GenerationFrame\"u\n\x0fGenerationFrame\x12\x15\n\rgeneration_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.llmmesh.v1.InferenceResponseH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\x0cH\x00\x42\x07\n\x05\x65vent2\xb3\x02\n\tInference\x12I\n\x08Generate\x12\x1c.llmmesh.v1.InferenceRequest\x1a\x1d.llmmesh.v1.InferenceResponse0\x01\x12L\n\tMultiplex\x12\x1c.llmmesh.v1.MultiplexRequest\x1a\x1d.llmmesh.v1.MultiplexResponse(\x01\x30\x01\x12\x43\n\tWatchLoad\x12\x1c.llmmesh.v1.WatchLoadRequest\x1a\x16.llmmesh.v1.LoadReport0\x01\x12H\n\rDescribeModel\x12 .llmmesh.v1.DescribeModelRequest\x1a\x15.llmmesh.v1.ModelCardb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,21 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREPORT']._serialized_start=539
   _globals['_LOADREPORT']._serialized_end=720
   _globals['_INFERENCEREQUEST']._serialized_start=723
-  _globals['_INFERENCEREQUEST']._serialized_end=894
-  _globals['_INFERENCERESPONSE']._serialized_start=897
-  _globals['_INFERENCERESPONSE']._serialized_end=1073
-  _globals['_MULTIPLEXREQUEST']._serialized_start=1075
-  _globals['_MULTIPLEXREQUEST']._serialized_end=1142
-  _globals['_GENERATIONCONTROL']._serialized_start=1145
-  _globals['_GENERATIONCONTROL']._serialized_end=1279
-  _globals['_STARTGENERATION']._serialized_start=1282
-  _globals['_STARTGENERATION']._serialized_end=1485
-  _globals['_STARTGENERATION_TRACECONTEXTENTRY']._serialized_start=1434
-  _globals['_STARTGENERATION_TRACECONTEXTENTRY']._serialized_end=1485
-  _globals['_MULTIPLEXRESPONSE']._serialized_start=1487
-  _globals['_MULTIPLEXRESPONSE']._serialized_end=1551
-  _globals['_GENERATIONFRAME']._serialized_start=1553
-  _globals['_GENERATIONFRAME']._serialized_end=1670
-  _globals['_INFERENCE']._serialized_start=1673
-  _globals['_INFERENCE']._serialized_end=1980
+  _globals['_INFERENCEREQUEST']._serialized_end=924
+  _globals['_INFERENCERESPONSE']._serialized_start=927
+  _globals['_INFERENCERESPONSE']._serialized_end=1103
+  _globals['_MULTIPLEXREQUEST']._serialized_start=1105
+  _globals['_MULTIPLEXREQUEST']._serialized_end=1172
+  _globals['_GENERATIONCONTROL']._serialized_start=1175
+  _globals['_GENERATIONCONTROL']._serialized_end=1309
+  _globals['_STARTGENERATION']._serialized_start=1312
+  _globals['_STARTGENERATION']._serialized_end=1515
+  _globals['_STARTGENERATION_TRACECONTEXTENTRY']._serialized_start=1464
+  _globals['_STARTGENERATION_TRACECONTEXTENTRY']._serialized_end=1515
+  _globals['_MULTIPLEXRESPONSE']._serialized_start=1517
+  _globals['_MULTIPLEXRESPONSE']._serialized_end=1581
+  _globals['_GENERATIONFRAME']._serialized_start=1583
+  _globals['_GENERATIONFRAME']._serialized_end=1700
+  _globals['_INFERENCE']._serialized_start=1703
+  _globals['_INFERENCE']._serialized_end=2010
 # @@protoc_insertion_point(module_scope)

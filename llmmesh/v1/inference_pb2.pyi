@@ -235,6 +235,7 @@ class InferenceRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    RESUMED_OUTPUT_CHARS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, passed to Triton as the request id."""
     model: _builtins.str
@@ -253,6 +254,12 @@ class InferenceRequest(_message.Message):
     prefixes). Empty: the cache is shared. Sent to Triton as the request parameter
     cache_salt (vLLM's name for it); at most 256 characters.
     """
+    resumed_output_chars: _builtins.int
+    """The prompt's last this many characters are text this generation sent before from
+    another replica (a stream resumed here): the engine's penalties count them as its
+    output. At most the prompt's length. Sent to Triton as the request parameter
+    resumed_output_chars.
+    """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling controls."""
@@ -266,10 +273,11 @@ class InferenceRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _builtins.int | None = ...,
         cache_salt: _builtins.str = ...,
+        resumed_output_chars: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "priority", b"priority", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "resumed_output_chars", b"resumed_output_chars", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015

@@ -54,6 +54,12 @@ class InferenceCore:
             raise InvalidArgument("prompt", "must not be empty")
         if call.priority is not None and call.priority < 0:
             raise InvalidArgument("priority", f"must be >= 0 (lower: sooner), got {call.priority}")
+        if not 0 <= call.resumed_output_chars <= len(call.prompt):
+            raise InvalidArgument(
+                "resumed_output_chars",
+                f"must be in [0, the prompt's length {len(call.prompt)}], "
+                f"got {call.resumed_output_chars}",
+            )
         check_sampling(call.sampling, self._limit)
         alias = self._aliases.get(call.model)
         served = call if alias is None else replace(call, model=alias)

@@ -108,6 +108,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling=sampling_from_pb(request.sampling),
             priority=request.priority if request.HasField("priority") else None,
             cache_salt=request.cache_salt,
+            resumed_output_chars=request.resumed_output_chars,
         )
         total = 0
         self._monitor.generation_started()

@@ -46,6 +46,7 @@ TRITON_CHANNEL_OPTIONS = [
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PRIORITY_PARAMETER = "scheduling_priority"
+RESUMED_OUTPUT_PARAMETER = "resumed_output_chars"
 CACHE_SALT_PARAMETER = "cache_salt"
 GAP_PARAMETER = "stream_gap_ms"
 GAP_AFTER_PARAMETER = "stream_gap_after"
@@ -103,6 +104,8 @@ def build_request(
         request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
     if call.cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = call.cache_salt
+    if call.resumed_output_chars and call.sampling.penalized:  # only penalties read it
+        request.parameters[RESUMED_OUTPUT_PARAMETER].int64_param = call.resumed_output_chars
     if gap.seconds > 0:
         request.parameters[GAP_PARAMETER].double_param = gap.seconds * 1000
         request.parameters[GAP_AFTER_PARAMETER].int64_param = gap.after

@@ -30,7 +30,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
-from llmmesh.types import History, Role, Sampling, Turn
+from llmmesh.types import PENALTIES, History, Role, Sampling, Turn
 from services.router.canary_watch import CanaryWatch
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
@@ -64,7 +64,7 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
     }
-    for name in ("temperature", "top_p", "seed", "top_k"):
+    for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     return Sampling(stop=stop, **kwargs)

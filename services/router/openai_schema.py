@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
+from llmmesh.types import PENALTIES
 from services.router.request import MAX_CACHE_SALT
 
 B = TypeVar("B", bound=BaseModel)
@@ -31,7 +32,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 # The sampling fields the core checks, by the names these bodies give them where the
 # name is the same (max_tokens and logprobs differ between the APIs).
-_SAMPLING_NAMES = {f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed")}
+_SAMPLING_NAMES = {
+    f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed", *PENALTIES)
+}
 
 
 class UnsupportedMediaType(FieldError):
@@ -80,10 +83,18 @@ class Body(_Strict):
     top_k: int | None = Field(
         default=None, ge=0, description="vLLM's extension: sample from the k likeliest; 0: all"
     )
-    presence_penalty: float = _no_op(0.0, "penalties are not implemented")
-    frequency_penalty: float = _no_op(0.0, "penalties are not implemented")
+    presence_penalty: float | None = Field(
+        default=None, description="in [-2, 2]: subtracted once from a token the output has"
+    )
+    frequency_penalty: float | None = Field(
+        default=None, description="in [-2, 2]: subtracted per occurrence in the output"
+    )
     logit_bias: dict[str, float] | None = _no_op(None, "logit biases are not implemented")
-    repetition_penalty: float = _no_op(1.0, "vLLM's extension; penalties are not implemented")
+    repetition_penalty: float | None = Field(
+        default=None,
+        description="vLLM's extension, > 0: divides the logits of the prompt's and the "
+        "output's tokens (multiplies negative ones); 1: none",
+    )
     min_tokens: int = _no_op(0, "vLLM's extension; not implemented")
     # What routers in front of vLLM and SGLang servers (vllm-router, for one) forward at
     # their defaults: each asks for nothing here, and anything else is refused by name.
@@ -106,13 +117,6 @@ class Body(_Strict):
         the usage)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only with stream: true")
-        for name, nothing in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            if getattr(self, name) != nothing:
-                raise InvalidArgument(name, "not supported (penalties are not implemented)")
         if self.logit_bias:
             raise InvalidArgument("logit_bias", "not supported")
         if self.min_tokens:

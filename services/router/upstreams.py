@@ -417,6 +417,7 @@ def inference_request(call: InferenceCall) -> inference_pb2.InferenceRequest:
         sampling=sampling_to_pb(call.sampling),
         priority=call.priority,
         cache_salt=call.cache_salt,
+        resumed_output_chars=call.resumed_output_chars,
     )
 
 

@@ -27,6 +27,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"stop": ["x"] * 17}, "sampling.stop"),
     ("hi", {"seed": -1}, "sampling.seed"),
     ("hi", {"temperature": 1e30}, "sampling.temperature"),
+    ("hi", {"presence_penalty": 2.5}, "sampling.presence_penalty"),
+    ("hi", {"frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
+    ("hi", {"repetition_penalty": -1.0}, "sampling.repetition_penalty"),
 ]
 
 

@@ -69,6 +69,27 @@ def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
     assert whole.choices[0].message.content == text  # same seed, same text
 
 
+def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:
+    """Greedy on the random model repeats itself; a frequency penalty spreads its output
+    out, a repetition penalty changes it too, and each is reproducible."""
+
+    def complete(**penalties: float) -> str:
+        reply = client.completions.create(
+            model="llm",
+            prompt="loop",
+            max_tokens=48,
+            temperature=0,
+            extra_body={"ignore_eos": True, **penalties},
+        )
+        return reply.choices[0].text
+
+    plain = complete()
+    spread = complete(frequency_penalty=2.0)
+    assert len(spread) == len(plain) == 48 and len(set(spread)) > len(set(plain))
+    assert complete(frequency_penalty=2.0) == spread
+    assert complete(presence_penalty=2.0, repetition_penalty=1.5) not in (plain, spread)
+
+
 def test_text_completion_and_models(client: openai.OpenAI) -> None:
     reply = client.completions.create(model="llm", prompt="Once upon a", max_tokens=5, seed=2)
     assert reply.object == "text_completion"

@@ -262,6 +262,33 @@ def test_completion_logprobs_and_exact_usage_in_the_models_tokens(
     assert counted["max_model_len"] == 8192
 
 
+def test_penalties_break_the_models_greedy_loop(sdk: openai.OpenAI) -> None:
+    """Asked for a list, SmolLM2 decoding greedily goes round the same few fruits; a
+    frequency or presence penalty makes it name others (0.32 of its words distinct
+    without, 0.74-0.81 with, on an AMD EPYC)."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a list of twenty fruits, one per line."}
+    ]
+
+    def distinct_share(frequency: float | None = None, presence: float | None = None) -> float:
+        reply = sdk.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=120,
+            temperature=0,
+            frequency_penalty=frequency,
+            presence_penalty=presence,
+        )
+        words = (reply.choices[0].message.content or "").split()
+        assert len(words) > 20, words
+        return len(set(words)) / len(words)
+
+    plain = distinct_share()
+    assert plain < 0.5
+    assert distinct_share(frequency=1.0) > plain + 0.25
+    assert distinct_share(presence=1.5) > plain + 0.25
+
+
 def test_health_says_the_mesh_can_serve(stack: Stack) -> None:
     base = stack.openai_base_url.removesuffix("/v1")
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

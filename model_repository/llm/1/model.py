@@ -4,8 +4,9 @@ Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
          exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
 Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
          num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports).
-Request parameters: scheduling_priority, cache_salt, stream_gap_ms and stream_gap_after
-         (refengine/contract.py), model_card (the model's card instead of a generation).
+Request parameters: scheduling_priority, cache_salt, stream_gap_ms, stream_gap_after and
+         resumed_output_chars (refengine/contract.py), model_card (the model's card instead
+         of a generation).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from refengine.contract import (
     decode_text,
     parse_cache_salt,
     parse_priority,
+    parse_resumed_output,
     parse_sampling_parameters,
     parse_stream_gap,
 )
@@ -366,11 +368,13 @@ def _parse(request: Any) -> GenerationRequest:
     if prompt is None:
         raise RequestError("text_input: required")
     parameters = _parameters(request)
+    text = decode_text(prompt, "text_input")
     return GenerationRequest(
         priority=parse_priority(parameters),
         cache_salt=parse_cache_salt(parameters),
         stream_gap=parse_stream_gap(parameters),
-        prompt=decode_text(prompt, "text_input"),
+        resumed_output_chars=parse_resumed_output(parameters, text),
+        prompt=text,
         stream=_flag(request, "stream"),
         exclude_input_in_output=_flag(request, "exclude_input_in_output"),
         sampling=parse_sampling_parameters(_scalar(request, "sampling_parameters")),

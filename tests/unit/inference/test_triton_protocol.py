@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from dataclasses import replace
 from types import SimpleNamespace
 
 import grpc
@@ -151,6 +152,17 @@ def test_a_cache_salt_travels_as_the_cache_salt_parameter() -> None:
     assert "cache_salt" not in build_request(call).parameters
     salted = build_request(InferenceCall("r", "llm", "hi", Sampling(max_tokens=1), cache_salt="s"))
     assert salted.parameters["cache_salt"].string_param == "s"
+
+
+def test_resumed_output_travels_as_a_parameter_where_penalties_read_it() -> None:
+    plain = InferenceCall("r", "llm", "hi there", Sampling(max_tokens=1), resumed_output_chars=5)
+    assert "resumed_output_chars" not in build_request(plain).parameters
+    penalized = replace(plain, sampling=Sampling(max_tokens=1, frequency_penalty=0.5))
+    assert build_request(penalized).parameters["resumed_output_chars"].int64_param == 5
+    request = build_request(penalized)
+    raw = request.raw_input_contents[[i.name for i in request.inputs].index("sampling_parameters")]
+    sent = json.loads(first_bytes_element(raw))
+    assert sent["frequency_penalty"] == 0.5 and "presence_penalty" not in sent
 
 
 def test_a_stream_gap_travels_as_the_engines_parameters_and_none_is_not_sent() -> None:

@@ -91,6 +91,10 @@ class TestSamplingParameters:
             (b'{"top_p": 1.5}', "top_p"),
             (b'{"stop": [""]}', "stop"),
             (b'{"bogus": 1}', "unknown keys"),
+            (b'{"presence_penalty": 2.5}', r"presence_penalty: must be in \[-2.0, 2.0\]"),
+            (b'{"frequency_penalty": -2.01}', "frequency_penalty: must be in"),
+            (b'{"frequency_penalty": "1"}', "frequency_penalty: must be a finite number"),
+            (b'{"repetition_penalty": 0}', "repetition_penalty: must be > 0"),
             # vLLM keys not implemented: refused unless they ask for nothing.
             (b'{"n": 2}', "n: 2 is not supported"),
             (b'{"min_tokens": 5}', "min_tokens: 5 is not supported"),
@@ -103,6 +107,13 @@ class TestSamplingParameters:
     def test_rejects_bad_values_naming_the_field(self, raw: bytes, field: str) -> None:
         with pytest.raises(RequestError, match=field):
             parse_sampling_parameters(raw)
+
+    def test_parses_the_penalties(self) -> None:
+        raw = b'{"presence_penalty": -1, "frequency_penalty": 0.5, "repetition_penalty": 1.2}'
+        params = parse_sampling_parameters(raw)
+        assert (params.presence_penalty, params.frequency_penalty) == (-1.0, 0.5)
+        assert params.repetition_penalty == 1.2 and params.penalized
+        assert not parse_sampling_parameters(None).penalized
 
     def test_vllm_keys_that_ask_for_nothing_are_accepted(self) -> None:
         raw = b'{"n": 1, "best_of": null, "min_tokens": 0, "skip_special_tokens": true}'
@@ -146,6 +157,70 @@ class TestSampler:
         logits[EOS] = 50.0
         assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == EOS
         assert Sampler(SamplingParams(temperature=0.0, ignore_eos=True)).sample(logits) != EOS
+
+
+class TestPenalties:
+    def test_frequency_counts_each_occurrence_and_presence_once(self) -> None:
+        logits = np.zeros(258, dtype=np.float32)
+        logits[ord("a")], logits[ord("b")], logits[ord("c")] = 3.0, 2.2, 1.5
+        frequency = Sampler(SamplingParams(temperature=0.0, frequency_penalty=1.0))
+        # a (3 -> 2), b (2.2 -> 1.2), a again (2 -> 1), then c (1.5) beats both
+        assert [frequency.sample(logits) for _ in range(4)] == [ord(x) for x in "abac"]
+        presence = Sampler(SamplingParams(temperature=0.0, presence_penalty=1.0))
+        # presence takes 1 off a token once, however often it comes: a stays at 2
+        assert [presence.sample(logits) for _ in range(4)] == [ord(x) for x in "abaa"]
+
+    def test_repetition_divides_positive_and_multiplies_negative_logits(self) -> None:
+        logits = np.full(258, -5.0, dtype=np.float32)
+        logits[ord("p")], logits[ord("q")] = 4.0, 2.5  # "p" in the prompt: 4 / 2 = 2 < 2.5
+        logits[ord("n")], logits[ord("m")] = -0.2, -0.3  # "n" in the prompt: -0.4 < -0.3
+        params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+        assert Sampler(params, prompt=(ord("p"), ord("n"))).sample(logits) == ord("q")
+        logits[ord("q")] = -9.0
+        logits[ord("p")] = -9.0
+        assert Sampler(params, prompt=(ord("n"),)).sample(logits) == ord("m")
+        assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == ord("n")
+
+    def test_output_before_a_resume_counts_as_output(self) -> None:
+        logits = np.zeros(258, dtype=np.float32)
+        logits[ord("a")], logits[ord("b")] = 3.0, 2.5
+        params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+        resumed = Sampler(params, prompt=(BOS, ord("a")), output=(ord("a"),))
+        assert resumed.sample(logits) == ord("b")
+        assert Sampler(params, prompt=(BOS, ord("a"))).sample(logits) == ord("a")
+
+    def test_penalties_change_a_generation_and_keep_it_reproducible_in_a_batch(self) -> None:
+        kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+        plain = run(make_engine(), "loop", **kw).text
+        penalized = run(make_engine(), "loop", frequency_penalty=2.0, **kw).text
+        assert penalized != plain
+        # the random model repeats itself greedily; the penalty spreads its output out
+        assert len(set(penalized)) > len(set(plain))
+        engine = make_engine()
+        others = [submit(engine, f"other {i}", max_tokens=50, seed=i) for i in range(4)]
+        mine = submit(engine, "loop", frequency_penalty=2.0, **kw)
+        drain(engine)
+        assert mine.text == penalized and all(o.final is not None for o in others)
+
+    def test_a_resumed_generation_counts_what_it_sent_before(self) -> None:
+        kw: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True, "frequency_penalty": 2.0}
+        whole = run(make_engine(), "loop", max_tokens=40, **kw).text
+        head = whole[:20]
+
+        def resume(chars: int) -> str:
+            sink = RecordingSink()
+            request = GenerationRequest(
+                "loop" + head,
+                sampling=SamplingParams(max_tokens=20, **kw),
+                resumed_output_chars=chars,
+            )
+            engine = make_engine()
+            engine.submit(request, sink)
+            drain(engine)
+            return sink.text
+
+        assert head + resume(len(head)) == whole
+        assert head + resume(0) != whole  # without it, the penalty forgets the first part
 
 
 class TestStopMatcher:

@@ -95,6 +95,8 @@ def test_a_stream_broken_mid_way_resumes_elsewhere_with_nothing_lost_or_repeated
         [resumed_call] = f["b:1"].calls
         assert resumed_call.prompt == PROMPT + expected_text(PROMPT, 7)
         assert resumed_call.sampling.max_tokens == 13
+        # what was sent is output still: the engine's penalties count it as such
+        assert resumed_call.resumed_output_chars == len(expected_text(PROMPT, 7))
         assert chunks[-1].resumed == 1 and chunks[-1].route is not None
         assert chunks[-1].route.endpoint == "b:1"
 

@@ -57,6 +57,11 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(top_p=0.0), 400, "top_p"),
         ("/v1/completions", body(seed=-1), 400, "seed"),
         ("/v1/completions", body(stop=[""]), 400, "stop"),
+        ("/v1/completions", body(presence_penalty=2.5), 400, "presence_penalty"),
+        ("/v1/completions", body(frequency_penalty=-3), 400, "frequency_penalty"),
+        ("/v1/completions", body(frequency_penalty="0.5"), 400, "frequency_penalty"),
+        ("/v1/completions", body(repetition_penalty=0.0), 400, "repetition_penalty"),
+        ("/v1/completions", body(repetition_penalty=1e9), 400, "repetition_penalty"),
         (
             "/v1/chat/completions",
             json.dumps(
@@ -96,6 +101,11 @@ def body(**fields: Any) -> bytes:
         "top_p-zero",
         "seed-negative",
         "stop-empty",
+        "presence_penalty-over-2",
+        "frequency_penalty-under-minus-2",
+        "frequency_penalty-a-string",
+        "repetition_penalty-zero",
+        "repetition_penalty-huge",
         "max_completion_tokens-over-limit",
         "not-an-object",
         "not-utf8",
@@ -189,10 +199,7 @@ def test_field_paths_leave_union_tags_out() -> None:
     [
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"min_tokens": 4}, "min_tokens"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": -1.0}, "presence_penalty"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
@@ -220,6 +227,31 @@ def test_a_chat_asks_top_logprobs_only_with_logprobs() -> None:
     chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
     got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(chat).encode()))
     assert (got, reply["error"]["param"]) == (400, "top_logprobs")
+
+
+def test_penalties_reach_the_engine_as_sent() -> None:
+    inference = Inference()
+    served = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+    chat = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": MAX_TOKENS,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 2,
+        "repetition_penalty": 1.3,
+    }
+
+    async def scenario() -> int:
+        async with TestClient(TestServer(served.app())) as client:
+            response = await client.post("/v1/chat/completions", json=chat)
+            return response.status
+
+    assert asyncio.run(scenario()) == 200
+    (call,) = inference.calls
+    sampling = call.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-0.5, 2.0)
+    assert sampling.repetition_penalty == 1.3
+    assert json.loads(sampling.to_vllm_json())["frequency_penalty"] == 2.0
 
 
 def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:

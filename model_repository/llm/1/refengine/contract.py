@@ -30,10 +30,25 @@ class SamplingParams:
     # Log probabilities of this many most likely tokens at each generated position,
     # beside the sampled token's own (0: the sampled token's only; None: none).
     logprobs: int | None = None
+    # vLLM's penalties, applied to the logits before temperature (greedy included):
+    # presence subtracts once per token the output has, frequency once per occurrence;
+    # repetition divides a positive logit (multiplies a negative one) of every token of
+    # the prompt or the output. 0, 0 and 1: none.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 MAX_STREAM_GAP_MS = 1000.0
@@ -73,6 +88,10 @@ class GenerationRequest:
     # The request parameters ``stream_gap_ms`` and ``stream_gap_after`` (None: the model's
     # stream gap applies).
     stream_gap: StreamGap | None = None
+    # The request parameter ``resumed_output_chars``: the prompt's last this many
+    # characters are output this generation made before, elsewhere (a stream resumed on
+    # another replica); its presence and frequency penalties count them as its output.
+    resumed_output_chars: int = 0
 
 
 def parse_priority(parameters: object) -> int:
@@ -83,6 +102,21 @@ def parse_priority(parameters: object) -> int:
     value = parameters["scheduling_priority"]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RequestError(f"scheduling_priority: must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_resumed_output(parameters: object, prompt: str) -> int:
+    """``resumed_output_chars`` of a request's parameters (JSON object): a non-negative
+    integer no greater than the prompt's length, 0 when absent; RequestError naming it
+    otherwise."""
+    if not isinstance(parameters, dict) or "resumed_output_chars" not in parameters:
+        return 0
+    value = parameters["resumed_output_chars"]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= len(prompt):
+        raise RequestError(
+            "resumed_output_chars: must be an integer in [0, the prompt's length "
+            f"{len(prompt)}], got {value!r:.40}"
+        )
     return value
 
 
@@ -134,6 +168,9 @@ _KNOWN_KEYS = {
     "stop",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 }
 # vLLM's keys this engine does not implement: accepted at the value that asks for nothing
 # (what vLLM clients often send), refused by name at any other.
@@ -184,6 +221,9 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         stop=_stop(doc),
         ignore_eos=_bool(doc, "ignore_eos", False),
         logprobs=_logprobs(doc),
+        presence_penalty=_within(doc, "presence_penalty", 0.0, MAX_PENALTY),
+        frequency_penalty=_within(doc, "frequency_penalty", 0.0, MAX_PENALTY),
+        repetition_penalty=_float(doc, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
     )
 
 
@@ -208,6 +248,19 @@ def _float(doc: dict[str, Any], key: str, default: float, lo: float, lo_open: bo
         bound = ">" if lo_open else ">="
         raise RequestError(f"sampling_parameters.{key}: must be {bound} {lo}, got {value}")
     return float(value)
+
+
+# Presence and frequency penalties are in [-2, 2], as vLLM and OpenAI take them.
+MAX_PENALTY = 2.0
+
+
+def _within(doc: dict[str, Any], key: str, default: float, bound: float) -> float:
+    value = _float(doc, key, default, lo=-math.inf, lo_open=False)
+    if not -bound <= value <= bound:
+        raise RequestError(
+            f"sampling_parameters.{key}: must be in [-{bound}, {bound}], got {value}"
+        )
+    return value
 
 
 def _top_p(doc: dict[str, Any]) -> float:

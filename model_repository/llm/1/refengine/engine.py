@@ -203,11 +203,27 @@ class Engine:
                 f"text_input: prompt and max_tokens need {blocks} KV blocks; "
                 f"the cache has {self.pool.num_blocks}"
             )
-        decoder = self.tokenizer.stream_decoder()
-        sequence = Sequence(request, sink, prompt, len(prompt), max_new, decoder, self._masks)
+        sequence = Sequence(
+            request,
+            sink,
+            prompt,
+            len(prompt),
+            max_new,
+            self.tokenizer.stream_decoder(),
+            self._masks,
+            resumed_output_tokens=self._resumed_output_tokens(request, len(prompt)),
+        )
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
+
+    def _resumed_output_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
+        """The tokens of the prompt's last ``resumed_output_chars`` characters (only
+        penalties read them)."""
+        chars = request.resumed_output_chars
+        if not chars or not request.sampling.penalized:
+            return 0
+        return min(self.tokenizer.count(request.prompt[-chars:]), prompt_tokens)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="refengine", daemon=True)

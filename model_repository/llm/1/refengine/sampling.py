@@ -1,6 +1,9 @@
-"""Turns next-token logits into a token: masking, temperature, top-k, top-p, seeded RNG."""
+"""Turns next-token logits into a token: masking, penalties, temperature, top-k, top-p,
+seeded RNG."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -26,13 +29,54 @@ class OutputMasks:
 BYTE_MASKS = OutputMasks(ByteTokenizer())
 
 
-class Sampler:
-    """One per sequence: its RNG depends only on the request's seed, never on the batch."""
+class Penalties:
+    """A sequence's presence, frequency and repetition penalties (vLLM's), with what they
+    read: how often each token is in its output, and which tokens its prompt has."""
 
-    def __init__(self, params: SamplingParams, masks: OutputMasks = BYTE_MASKS) -> None:
+    def __init__(
+        self, params: SamplingParams, vocab: int, prompt: Sequence[int], output: Sequence[int]
+    ) -> None:
+        self._params = params
+        self._counts = np.zeros(vocab, dtype=np.float64)
+        np.add.at(self._counts, np.asarray(output, dtype=np.intp), 1.0)
+        self._seen = np.zeros(vocab, dtype=bool)
+        self._seen[np.asarray(prompt, dtype=np.intp)] = True
+
+    def observe(self, token: int) -> None:
+        self._counts[token] += 1.0
+        self._seen[token] = True
+
+    def apply(self, scores: npt.NDArray[np.float64]) -> None:
+        """Penalises one row of scores in place, as vLLM does: repetition first (on the
+        prompt's and the output's tokens), then frequency and presence (the output's)."""
+        params = self._params
+        if params.repetition_penalty != 1.0:
+            seen = scores[self._seen]
+            factor = np.where(seen > 0, 1.0 / params.repetition_penalty, params.repetition_penalty)
+            scores[self._seen] = seen * factor
+        if params.frequency_penalty or params.presence_penalty:
+            scores -= params.frequency_penalty * self._counts
+            scores -= params.presence_penalty * (self._counts > 0)
+
+
+class Sampler:
+    """One per sequence: its RNG depends only on the request's seed, never on the batch.
+    ``prompt``: its prompt's tokens; ``output``: those of them that are output it made
+    before (a stream resumed elsewhere), which its penalties count as its own."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        masks: OutputMasks = BYTE_MASKS,
+        prompt: Sequence[int] = (),
+        output: Sequence[int] = (),
+    ) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self.mask = masks.of(params)
+        self.penalties = (
+            Penalties(params, len(self.mask), prompt, output) if params.penalized else None
+        )
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return sample_batch([self], logits[None, :])[0]
@@ -49,13 +93,20 @@ def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> li
     """One token per row of ``logits`` [batch, vocab]. Row-wise operations only, so each
     sequence's token depends on its own logits and RNG, not on the rest of the batch."""
     scores = logits.astype(np.float64) + np.stack([s.mask for s in samplers])
+    for row, sampler in enumerate(samplers):
+        if sampler.penalties is not None:
+            sampler.penalties.apply(scores[row])
     temperatures = np.array([s.params.temperature or 1.0 for s in samplers])[:, None]
     scaled = scores / temperatures
     probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    return [
+    tokens = [
         int(np.argmax(scores[row])) if sampler.params.greedy else sampler.draw(probs[row])
         for row, sampler in enumerate(samplers)
     ]
+    for sampler, token in zip(samplers, tokens, strict=True):
+        if sampler.penalties is not None:
+            sampler.penalties.observe(token)
+    return tokens
 
 
 def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:
