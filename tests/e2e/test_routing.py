@@ -350,14 +350,21 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
         ThreadPoolExecutor(len(prompts) + 4) as pool,
     ):
         # What each stream says uninterrupted (the same weights serve both regions; a
-        # sequence's tokens do not depend on what it is batched with).
-        reference = list(pool.map(lambda p: text_of(list(_generate(channel, p))), prompts))
+        # sequence's tokens do not depend on what it is batched with). Every other one
+        # has a frequency penalty: resumed, it must still count what it sent before.
+        penalties = [None, 1.5] * (len(prompts) // 2)
+        reference = list(
+            pool.map(
+                lambda n: text_of(list(_generate(channel, prompts[n], penalties[n]))),
+                range(len(prompts)),
+            )
+        )
         started = [threading.Event() for _ in prompts]
         results: dict[int, list[generation_pb2.GenerateResponse]] = {}
 
         def stream(n: int) -> None:
             stub_responses = []
-            for response in _generate(channel, prompts[n]):
+            for response in _generate(channel, prompts[n], penalties[n]):
                 stub_responses.append(response)
                 if response.text:
                     started[n].set()
@@ -390,8 +397,16 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
     ) >= len(after)
 
 
-def _generate(channel: grpc.Channel, prompt: str) -> Iterator[generation_pb2.GenerateResponse]:
+def _generate(
+    channel: grpc.Channel, prompt: str, frequency_penalty: float | None = None
+) -> Iterator[generation_pb2.GenerateResponse]:
     """A long greedy generation."""
     stub = generation_pb2_grpc.GenerationStub(channel)
-    request = build_request(prompt, max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+    request = build_request(
+        prompt,
+        max_tokens=LONG_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        frequency_penalty=frequency_penalty,
+    )
     yield from stub.Generate(request, timeout=120)
