@@ -150,6 +150,7 @@ def build_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
@@ -158,6 +159,7 @@ def build_request(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
+        logit_bias=logit_bias,
     )
     if temperature is not None:
         sampling.temperature = temperature

@@ -43,6 +43,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
     for name, none in PENALTIES.items():
         if getattr(sampling, name) != none:
             setattr(message, name, getattr(sampling, name))
+    message.logit_bias.update(dict(sampling.logit_bias))
     return message
 
 
@@ -60,6 +61,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         presence_penalty=_or(message, "presence_penalty"),
         frequency_penalty=_or(message, "frequency_penalty"),
         repetition_penalty=_or(message, "repetition_penalty"),
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
 
 

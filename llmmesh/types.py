@@ -42,6 +42,8 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # (token id, bias) pairs, ids ascending: added to those tokens' logits
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -67,6 +69,8 @@ class Sampling:
         for name, none in PENALTIES.items():
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
+        if self.logit_bias:
+            doc["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         return json.dumps(doc, separators=(",", ":"))
 
 
@@ -173,6 +177,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM take them
 MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out anyway
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100], as OpenAI takes it
+MAX_BIASED_TOKENS = 300
+TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the wire
 
 
 def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
@@ -202,6 +209,7 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
         )
     _check_stop(sampling.stop)
     _check_penalties(sampling)
+    _check_logit_bias(sampling.logit_bias)
     if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(
             "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}"
@@ -220,6 +228,20 @@ def _check_penalties(sampling: Sampling) -> None:
             "sampling.repetition_penalty",
             f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {sampling.repetition_penalty}",
         )
+
+
+def _check_logit_bias(biases: tuple[tuple[int, float], ...]) -> None:
+    if len(biases) > MAX_BIASED_TOKENS:
+        raise InvalidArgument("sampling.logit_bias", f"at most {MAX_BIASED_TOKENS} tokens")
+    for token, bias in biases:
+        if not 0 <= token < TOKEN_ID_LIMIT:
+            raise InvalidArgument("sampling.logit_bias", f"{token} is not a token id")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                "sampling.logit_bias",
+                f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {bias}",
+            )
 
 
 def _check_stop(stop: tuple[str, ...]) -> None:

@@ -61,6 +61,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
@@ -72,6 +92,7 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Maximum number of tokens to generate. Must be > 0 and at most the router's limit.
     0 means "use the router's default".
@@ -104,6 +125,12 @@ class SamplingParams(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops before the first occurrence of any of these strings."""
 
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logits of these token ids (the model's own) before sampling, each in
+        [-100, 100] (OpenAI's logit_bias); at most 300 of them. Masked tokens stay masked.
+        """
+
     def __init__(
         self,
         *,
@@ -118,10 +145,11 @@ class SamplingParams(_message.Message):
         presence_penalty: _builtins.float | None = ...,
         frequency_penalty: _builtins.float | None = ...,
         repetition_penalty: _builtins.float | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015

@@ -218,6 +218,7 @@ class RouterCore:
         received_at = time.perf_counter()
         request = self.validate(request)
         speech = await self._speech(request.model)
+        speech.check_biased(request.sampling.logit_bias)
         with tracing.step("context.load"):
             history = await self._load_history(request, speech)
         # What the client wrote (a session's stored turns were checked on their way in, or

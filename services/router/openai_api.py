@@ -63,6 +63,7 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
+        "logit_bias": body.biases(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
         if getattr(body, name) is not None:

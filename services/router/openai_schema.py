@@ -33,7 +33,8 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 # The sampling fields the core checks, by the names these bodies give them where the
 # name is the same (max_tokens and logprobs differ between the APIs).
 _SAMPLING_NAMES = {
-    f"sampling.{name}": name for name in ("temperature", "top_p", "top_k", "seed", *PENALTIES)
+    f"sampling.{name}": name
+    for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", *PENALTIES)
 }
 
 
@@ -89,7 +90,11 @@ class Body(_Strict):
     frequency_penalty: float | None = Field(
         default=None, description="in [-2, 2]: subtracted per occurrence in the output"
     )
-    logit_bias: dict[str, float] | None = _no_op(None, "logit biases are not implemented")
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        description="token id (the model's, as a string) -> bias in [-100, 100], added to "
+        "its logit; at most 300",
+    )
     repetition_penalty: float | None = Field(
         default=None,
         description="vLLM's extension, > 0: divides the logits of the prompt's and the "
@@ -117,8 +122,6 @@ class Body(_Strict):
         the usage)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only with stream: true")
-        if self.logit_bias:
-            raise InvalidArgument("logit_bias", "not supported")
         if self.min_tokens:
             raise InvalidArgument("min_tokens", "not supported")
         for name, default in self._forwarded_defaults().items():
@@ -127,6 +130,16 @@ class Body(_Strict):
 
     def _forwarded_defaults(self) -> dict[str, bool]:
         return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
+
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; InvalidArgument naming it for a key
+        that is not a token id."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 10:
+                raise InvalidArgument("logit_bias", f"keys are token ids, got {key!r:.40}")
+            pairs.append((int(key), bias))
+        return tuple(sorted(pairs))
 
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""

@@ -29,6 +29,9 @@ class Codec(Protocol):
     @property
     def bos_id(self) -> int | None: ...
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def encode(self, text: str) -> list[int]:
         """The text's tokens, as in a prompt (no BOS)."""
 
@@ -46,6 +49,7 @@ class ByteCodec:
     """The byte-level models': a token per UTF-8 byte, and always a BOS."""
 
     bos_id: int | None = BYTE_BOS
+    vocab_size: int = BYTE_VOCABULARY
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -64,17 +68,22 @@ class HuggingFaceCodec:
     tokenizer: Tokenizer
     bos_id: int | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        return size
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        _check_ids(ids, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        _check_ids(ids, self.vocab_size)
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         return text
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        _check_ids(ids, self.tokenizer.get_vocab_size(with_added_tokens=True))
+        _check_ids(ids, self.vocab_size)
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
 
@@ -117,6 +126,15 @@ class ModelSpeech:
         if card.chat_template:
             layout = TemplateLayout(card.chat_template, card.bos_token, card.eos_token)
         return cls(count, layout, card.max_context, controls, codec)
+
+    def check_biased(self, biases: Iterable[tuple[int, float]]) -> None:
+        """INVALID_ARGUMENT naming ``sampling.logit_bias`` for a token this model lacks."""
+        size = self.codec.vocab_size
+        for token, _ in biases:
+            if token >= size:
+                raise InvalidArgument(
+                    "sampling.logit_bias", f"{token} is not a token of this model (0-{size - 1})"
+                )
 
     def check_plain(self, parts: Iterable[Part]) -> None:
         """INVALID_ARGUMENT naming the first part that writes one of the model's control

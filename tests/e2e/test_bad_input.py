@@ -30,6 +30,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"presence_penalty": 2.5}, "sampling.presence_penalty"),
     ("hi", {"frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
     ("hi", {"repetition_penalty": -1.0}, "sampling.repetition_penalty"),
+    ("hi", {"logit_bias": {300: 1.0}}, "sampling.logit_bias"),  # the model has 258
+    ("hi", {"logit_bias": {-2: 1.0}}, "sampling.logit_bias"),
+    ("hi", {"logit_bias": {65: float("inf")}}, "sampling.logit_bias"),
 ]
 
 

@@ -90,6 +90,21 @@ def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:
     assert complete(presence_penalty=2.0, repetition_penalty=1.5) not in (plain, spread)
 
 
+def test_a_logit_bias_reaches_the_engine(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model="llm",
+        prompt="bias",
+        max_tokens=12,
+        seed=5,
+        logit_bias={"65": 100},  # "A"
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].text == "A" * 12
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="llm", prompt="bias", logit_bias={"258": 1})
+    assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
 def test_text_completion_and_models(client: openai.OpenAI) -> None:
     reply = client.completions.create(model="llm", prompt="Once upon a", max_tokens=5, seed=2)
     assert reply.object == "text_completion"

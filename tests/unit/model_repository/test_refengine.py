@@ -95,6 +95,10 @@ class TestSamplingParameters:
             (b'{"frequency_penalty": -2.01}', "frequency_penalty: must be in"),
             (b'{"frequency_penalty": "1"}', "frequency_penalty: must be a finite number"),
             (b'{"repetition_penalty": 0}', "repetition_penalty: must be > 0"),
+            (b'{"logit_bias": [1]}', "logit_bias: must be an object"),
+            (b'{"logit_bias": {"x": 1}}', "logit_bias: 'x' is not a token id"),
+            (b'{"logit_bias": {"5": 100.5}}', r"logit_bias: must be in \[-100.0, 100.0\]"),
+            (b'{"logit_bias": {"5": "1"}}', "logit_bias: must be a finite number"),
             # vLLM keys not implemented: refused unless they ask for nothing.
             (b'{"n": 2}', "n: 2 is not supported"),
             (b'{"min_tokens": 5}', "min_tokens: 5 is not supported"),
@@ -180,6 +184,23 @@ class TestPenalties:
         logits[ord("p")] = -9.0
         assert Sampler(params, prompt=(ord("n"),)).sample(logits) == ord("m")
         assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == ord("n")
+
+    def test_a_logit_bias_moves_a_token_but_never_past_the_output_mask(self) -> None:
+        logits = np.zeros(258, dtype=np.float32)
+        logits[ord("a")] = 3.0
+        params = SamplingParams(temperature=0.0, logit_bias=((ord("z"), 3.5), (7, 100.0)))
+        assert Sampler(params).sample(logits) == ord("z")  # 7 is not printable: masked
+        down = SamplingParams(seed=0, logit_bias=tuple((t, -100.0) for t in range(32, 127)))
+        sampler = Sampler(down)
+        assert {sampler.sample(logits) for _ in range(50)} <= {10, EOS}
+        # the engine's shared masks are left as they were
+        assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == ord("a")
+
+    def test_an_engine_refuses_a_bias_on_a_token_it_lacks(self) -> None:
+        engine = make_engine()
+        request = GenerationRequest("x", sampling=SamplingParams(logit_bias=((258, 1.0),)))
+        with pytest.raises(RequestError, match=r"logit_bias: 258 is not a token \(0-257\)"):
+            engine.submit(request, RecordingSink())
 
     def test_output_before_a_resume_counts_as_output(self) -> None:
         logits = np.zeros(258, dtype=np.float32)

@@ -62,6 +62,17 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(frequency_penalty="0.5"), 400, "frequency_penalty"),
         ("/v1/completions", body(repetition_penalty=0.0), 400, "repetition_penalty"),
         ("/v1/completions", body(repetition_penalty=1e9), 400, "repetition_penalty"),
+        ("/v1/completions", body(logit_bias={"a": 1}), 400, "logit_bias"),
+        ("/v1/completions", body(logit_bias={"-1": 1}), 400, "logit_bias"),
+        ("/v1/completions", body(logit_bias={"65": 101}), 400, "logit_bias"),
+        ("/v1/completions", body(logit_bias={"258": 1}), 400, "logit_bias"),
+        ("/v1/completions", body(logit_bias={"99999999999": 1}), 400, "logit_bias"),
+        (
+            "/v1/completions",
+            body(logit_bias={str(i): 1 for i in range(301)}),
+            400,
+            "logit_bias",
+        ),
         (
             "/v1/chat/completions",
             json.dumps(
@@ -106,6 +117,12 @@ def body(**fields: Any) -> bytes:
         "frequency_penalty-a-string",
         "repetition_penalty-zero",
         "repetition_penalty-huge",
+        "logit_bias-not-a-token-id",
+        "logit_bias-negative-id",
+        "logit_bias-over-100",
+        "logit_bias-past-the-vocabulary",
+        "logit_bias-past-int32",
+        "logit_bias-301-tokens",
         "max_completion_tokens-over-limit",
         "not-an-object",
         "not-utf8",
@@ -200,7 +217,6 @@ def test_field_paths_leave_union_tags_out() -> None:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
         ({"min_tokens": 4}, "min_tokens"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
@@ -239,6 +255,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "presence_penalty": -0.5,
         "frequency_penalty": 2,
         "repetition_penalty": 1.3,
+        "logit_bias": {"66": -100, "65": 2.5},
     }
 
     async def scenario() -> int:
@@ -251,7 +268,9 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     sampling = call.sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (-0.5, 2.0)
     assert sampling.repetition_penalty == 1.3
-    assert json.loads(sampling.to_vllm_json())["frequency_penalty"] == 2.0
+    assert sampling.logit_bias == ((65, 2.5), (66, -100.0))
+    sent = json.loads(sampling.to_vllm_json())
+    assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 
 
 def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:

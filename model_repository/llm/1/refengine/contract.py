@@ -37,6 +37,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # (token id, bias) pairs, added to those tokens' logits before the penalties (vLLM's
+    # order); a token the output may not have stays out whatever its bias.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -171,6 +174,7 @@ _KNOWN_KEYS = {
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "logit_bias",
 }
 # vLLM's keys this engine does not implement: accepted at the value that asks for nothing
 # (what vLLM clients often send), refused by name at any other.
@@ -224,6 +228,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         presence_penalty=_within(doc, "presence_penalty", 0.0, MAX_PENALTY),
         frequency_penalty=_within(doc, "frequency_penalty", 0.0, MAX_PENALTY),
         repetition_penalty=_float(doc, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
+        logit_bias=_logit_bias(doc),
     )
 
 
@@ -254,13 +259,37 @@ def _float(doc: dict[str, Any], key: str, default: float, lo: float, lo_open: bo
 MAX_PENALTY = 2.0
 
 
-def _within(doc: dict[str, Any], key: str, default: float, bound: float) -> float:
-    value = _float(doc, key, default, lo=-math.inf, lo_open=False)
+def _within(doc: dict[str, Any], key: str, default: float, bound: float, name: str = "") -> float:
+    """A number in [-bound, bound]; errors name it ``name`` (default: ``key``)."""
+    try:
+        value = _float(doc, key, default, lo=-math.inf, lo_open=False)
+    except RequestError:
+        raise RequestError(f"sampling_parameters.{name or key}: must be a finite number") from None
     if not -bound <= value <= bound:
         raise RequestError(
-            f"sampling_parameters.{key}: must be in [-{bound}, {bound}], got {value}"
+            f"sampling_parameters.{name or key}: must be in [-{bound}, {bound}], got {value}"
         )
     return value
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(doc: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object of token ids (as strings, JSON's keys) to biases in
+    [-100, 100]."""
+    value = doc.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError("sampling_parameters.logit_bias: must be an object of token ids")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(f"sampling_parameters.logit_bias: {key!r:.40} is not a token id")
+        number = _within({"bias": bias}, "bias", 0.0, MAX_LOGIT_BIAS, "logit_bias")
+        pairs.append((int(key), number))
+    return tuple(sorted(pairs))
 
 
 def _top_p(doc: dict[str, Any]) -> float:

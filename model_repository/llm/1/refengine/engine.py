@@ -190,6 +190,12 @@ class Engine:
             raise RequestError(
                 f"sampling_parameters.logprobs: at most {self.config.max_logprobs}, got {wanted}"
             )
+        vocab = self.tokenizer.vocab_size
+        for token, _ in request.sampling.logit_bias:
+            if token >= vocab:
+                raise RequestError(
+                    f"sampling_parameters.logit_bias: {token} is not a token (0-{vocab - 1})"
+                )
         prompt = self.tokenizer.encode(request.prompt)
         context = self.model.shape.max_context
         if len(prompt) >= context:

@@ -74,6 +74,10 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self.mask = masks.of(params)
+        if params.logit_bias:  # the mask with the biases in (a masked token stays out)
+            self.mask = self.mask.copy()
+            tokens, biases = zip(*params.logit_bias, strict=True)
+            self.mask[list(tokens)] += biases
         self.penalties = (
             Penalties(params, len(self.mask), prompt, output) if params.penalized else None
         )
