@@ -35,6 +35,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         top_k=sampling.top_k,
         stop=list(sampling.stop),
         ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -62,6 +63,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         frequency_penalty=_or(message, "frequency_penalty"),
         repetition_penalty=_or(message, "repetition_penalty"),
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        min_tokens=message.min_tokens,
     )
 
 

@@ -44,6 +44,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs, ids ascending: added to those tokens' logits
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # no end (EOS or stop string) before this many tokens
 
     @property
     def penalized(self) -> bool:
@@ -71,6 +72,8 @@ class Sampling:
                 doc[name] = getattr(self, name)
         if self.logit_bias:
             doc["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        if self.min_tokens:
+            doc["min_tokens"] = self.min_tokens
         return json.dumps(doc, separators=(",", ":"))
 
 
@@ -210,6 +213,11 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
     _check_stop(sampling.stop)
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
+    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
+        raise InvalidArgument(
+            "sampling.min_tokens",
+            f"must be in [0, max_tokens ({sampling.max_tokens})], got {sampling.min_tokens}",
+        )
     if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(
             "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}"

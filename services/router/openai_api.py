@@ -64,6 +64,7 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
         "logit_bias": body.biases(),
+        "min_tokens": body.min_tokens,
     }
     for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
         if getattr(body, name) is not None:

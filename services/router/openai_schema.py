@@ -34,7 +34,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 # name is the same (max_tokens and logprobs differ between the APIs).
 _SAMPLING_NAMES = {
     f"sampling.{name}": name
-    for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", *PENALTIES)
+    for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", "min_tokens", *PENALTIES)
 }
 
 
@@ -100,7 +100,11 @@ class Body(_Strict):
         description="vLLM's extension, > 0: divides the logits of the prompt's and the "
         "output's tokens (multiplies negative ones); 1: none",
     )
-    min_tokens: int = _no_op(0, "vLLM's extension; not implemented")
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM's extension: no end (EOS or stop string) before this many tokens",
+    )
     # What routers in front of vLLM and SGLang servers (vllm-router, for one) forward at
     # their defaults: each asks for nothing here, and anything else is refused by name.
     skip_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
@@ -122,8 +126,6 @@ class Body(_Strict):
         the usage)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only with stream: true")
-        if self.min_tokens:
-            raise InvalidArgument("min_tokens", "not supported")
         for name, default in self._forwarded_defaults().items():
             if getattr(self, name) != default:
                 raise InvalidArgument(name, f"not supported (only {default!r})")

@@ -100,6 +100,16 @@ def test_a_logit_bias_reaches_the_engine(client: openai.OpenAI) -> None:
         extra_body={"ignore_eos": True},
     )
     assert reply.choices[0].text == "A" * 12
+    # the end-of-sequence token (257) made certain, but not before min_tokens
+    ending = client.completions.create(
+        model="llm",
+        prompt="bias",
+        max_tokens=12,
+        logit_bias={"257": 100},
+        extra_body={"min_tokens": 5},
+    )
+    assert ending.usage is not None and ending.usage.completion_tokens == 6  # 5 and the end
+    assert ending.choices[0].finish_reason == "stop" and len(ending.choices[0].text) == 5
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="llm", prompt="bias", logit_bias={"258": 1})
     assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]

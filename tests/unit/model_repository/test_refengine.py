@@ -101,7 +101,11 @@ class TestSamplingParameters:
             (b'{"logit_bias": {"5": "1"}}', "logit_bias: must be a finite number"),
             # vLLM keys not implemented: refused unless they ask for nothing.
             (b'{"n": 2}', "n: 2 is not supported"),
-            (b'{"min_tokens": 5}', "min_tokens: 5 is not supported"),
+            (
+                b'{"min_tokens": 5, "max_tokens": 4}',
+                r"min_tokens: must be at most max_tokens \(4\)",
+            ),
+            (b'{"min_tokens": -1}', "min_tokens: must be >= 0"),
             (b'{"n": true}', "n: True is not supported"),
             (b"[1]", "JSON object"),
             (b"{", "not valid JSON"),
@@ -195,6 +199,23 @@ class TestPenalties:
         assert {sampler.sample(logits) for _ in range(50)} <= {10, EOS}
         # the engine's shared masks are left as they were
         assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == ord("a")
+
+    def test_min_tokens_hold_off_the_end_then_let_it_come(self) -> None:
+        logits = np.full(258, -50.0, dtype=np.float32)
+        logits[EOS], logits[ord("x")] = 50.0, 0.0
+        sampler = Sampler(SamplingParams(temperature=0.0, min_tokens=3))
+        assert [sampler.sample(logits) for _ in range(4)] == [ord("x")] * 3 + [EOS]
+
+    def test_stop_strings_count_only_past_min_tokens(self) -> None:
+        kw: dict[str, Any] = {"max_tokens": 40, "temperature": 0.0}
+        free = run(make_engine(), "stops", ignore_eos=True, **kw).text
+        stop = free[2:4]  # a stop string that ends at the 4th token
+        stopped = run(make_engine(), "stops", stop=[stop], ignore_eos=True, **kw).text
+        assert stopped == free[: free.index(stop)]
+        later = run(make_engine(), "stops", stop=[stop], min_tokens=4, ignore_eos=True, **kw)
+        rest = free[4:]
+        expected = free[: 4 + rest.index(stop)] if stop in rest else free
+        assert later.text == expected and len(later.text) > len(stopped)
 
     def test_an_engine_refuses_a_bias_on_a_token_it_lacks(self) -> None:
         engine = make_engine()

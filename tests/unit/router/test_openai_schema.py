@@ -62,6 +62,8 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(frequency_penalty="0.5"), 400, "frequency_penalty"),
         ("/v1/completions", body(repetition_penalty=0.0), 400, "repetition_penalty"),
         ("/v1/completions", body(repetition_penalty=1e9), 400, "repetition_penalty"),
+        ("/v1/completions", body(min_tokens=3), 400, "min_tokens"),  # max_tokens is 2
+        ("/v1/completions", body(min_tokens=-1), 400, "min_tokens"),
         ("/v1/completions", body(logit_bias={"a": 1}), 400, "logit_bias"),
         ("/v1/completions", body(logit_bias={"-1": 1}), 400, "logit_bias"),
         ("/v1/completions", body(logit_bias={"65": 101}), 400, "logit_bias"),
@@ -117,6 +119,8 @@ def body(**fields: Any) -> bytes:
         "frequency_penalty-a-string",
         "repetition_penalty-zero",
         "repetition_penalty-huge",
+        "min_tokens-over-max_tokens",
+        "min_tokens-negative",
         "logit_bias-not-a-token-id",
         "logit_bias-negative-id",
         "logit_bias-over-100",
@@ -216,7 +220,6 @@ def test_field_paths_leave_union_tags_out() -> None:
     [
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format.type"),
-        ({"min_tokens": 4}, "min_tokens"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
@@ -256,6 +259,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "frequency_penalty": 2,
         "repetition_penalty": 1.3,
         "logit_bias": {"66": -100, "65": 2.5},
+        "min_tokens": 1,
     }
 
     async def scenario() -> int:
@@ -268,7 +272,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     sampling = call.sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (-0.5, 2.0)
     assert sampling.repetition_penalty == 1.3
-    assert sampling.logit_bias == ((65, 2.5), (66, -100.0))
+    assert sampling.logit_bias == ((65, 2.5), (66, -100.0)) and sampling.min_tokens == 1
     sent = json.loads(sampling.to_vllm_json())
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 

@@ -40,6 +40,9 @@ class SamplingParams:
     # (token id, bias) pairs, added to those tokens' logits before the penalties (vLLM's
     # order); a token the output may not have stays out whatever its bias.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: the end-of-sequence token and stop strings count only once the output has
+    # more than this many tokens.
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -175,13 +178,13 @@ _KNOWN_KEYS = {
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "min_tokens",
 }
 # vLLM's keys this engine does not implement: accepted at the value that asks for nothing
 # (what vLLM clients often send), refused by name at any other.
 _NO_OP_VALUES = {
     "n": (1,),
     "best_of": (None, 1),
-    "min_tokens": (0,),
     "skip_special_tokens": (True,),
 }
 _ACCEPTED_KEYS = set(_NO_OP_VALUES)
@@ -229,6 +232,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         frequency_penalty=_within(doc, "frequency_penalty", 0.0, MAX_PENALTY),
         repetition_penalty=_float(doc, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
         logit_bias=_logit_bias(doc),
+        min_tokens=_min_tokens(doc),
     )
 
 
@@ -273,6 +277,16 @@ def _within(doc: dict[str, Any], key: str, default: float, bound: float, name: s
 
 
 MAX_LOGIT_BIAS = 100.0
+
+
+def _min_tokens(doc: dict[str, Any]) -> int:
+    value = _int(doc, "min_tokens", 0, minimum=0)
+    most = _int(doc, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)
+    if value > most:
+        raise RequestError(
+            f"sampling_parameters.min_tokens: must be at most max_tokens ({most}), got {value}"
+        )
+    return value
 
 
 def _logit_bias(doc: dict[str, Any]) -> tuple[tuple[int, float], ...]:

@@ -525,7 +525,9 @@ class Engine:
         if token in self.tokenizer.eos_ids:
             self._finish(seq, STOP)
             return
-        released = seq.stops.push(seq.decoder.push(token))
+        text = seq.decoder.push(token)
+        # Stop strings count once the output has more than min_tokens (vLLM's rule).
+        released = seq.stops.push(text) if seq.generated > seq.min_tokens else text
         if released:
             seq.note_text(released)
             seq.text.append(released)

@@ -25,6 +25,10 @@ class OutputMasks:
     def of(self, params: SamplingParams) -> npt.NDArray[np.float64]:
         return self.without_eos if params.ignore_eos else self.with_eos
 
+    def early(self, params: SamplingParams) -> npt.NDArray[np.float64] | None:
+        """The mask for a sequence's first ``min_tokens`` tokens, if it differs."""
+        return self.without_eos if params.min_tokens and not params.ignore_eos else None
+
 
 BYTE_MASKS = OutputMasks(ByteTokenizer())
 
@@ -73,14 +77,19 @@ class Sampler:
     ) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
-        self.mask = masks.of(params)
-        if params.logit_bias:  # the mask with the biases in (a masked token stays out)
-            self.mask = self.mask.copy()
-            tokens, biases = zip(*params.logit_bias, strict=True)
-            self.mask[list(tokens)] += biases
+        self.mask = _biased(masks.of(params), params)
+        early = masks.early(params)
+        # Until it has min_tokens, a sequence may not end (vLLM's min_tokens).
+        self._early_mask = None if early is None else _biased(early, params)
+        self.drawn = 0  # tokens this sampler has chosen
         self.penalties = (
             Penalties(params, len(self.mask), prompt, output) if params.penalized else None
         )
+
+    def current_mask(self) -> npt.NDArray[np.float64]:
+        if self._early_mask is not None and self.drawn < self.params.min_tokens:
+            return self._early_mask
+        return self.mask
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return sample_batch([self], logits[None, :])[0]
@@ -96,7 +105,7 @@ class Sampler:
 def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> list[int]:
     """One token per row of ``logits`` [batch, vocab]. Row-wise operations only, so each
     sequence's token depends on its own logits and RNG, not on the rest of the batch."""
-    scores = logits.astype(np.float64) + np.stack([s.mask for s in samplers])
+    scores = logits.astype(np.float64) + np.stack([s.current_mask() for s in samplers])
     for row, sampler in enumerate(samplers):
         if sampler.penalties is not None:
             sampler.penalties.apply(scores[row])
@@ -108,9 +117,20 @@ def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> li
         for row, sampler in enumerate(samplers)
     ]
     for sampler, token in zip(samplers, tokens, strict=True):
+        sampler.drawn += 1
         if sampler.penalties is not None:
             sampler.penalties.observe(token)
     return tokens
+
+
+def _biased(mask: npt.NDArray[np.float64], params: SamplingParams) -> npt.NDArray[np.float64]:
+    """``mask`` with the request's logit biases in (a masked token stays out)."""
+    if not params.logit_bias:
+        return mask
+    tokens, biases = zip(*params.logit_bias, strict=True)
+    biased = mask.copy()
+    biased[list(tokens)] += biases
+    return biased
 
 
 def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:

@@ -170,6 +170,10 @@ class Sequence:
         )
 
     @property
+    def min_tokens(self) -> int:
+        return self.request.sampling.min_tokens
+
+    @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
