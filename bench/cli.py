@@ -224,6 +224,12 @@ def add_bench_parser(commands: Any) -> None:
     bench.add_argument("--prefix-groups", type=int, default=1)
     bench.add_argument("--shared-prefix-len", type=int, default=0)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--sampling",
+        type=_json_object,
+        help="engine: more sampling_parameters (JSON) for every request, e.g. "
+        "'{\"frequency_penalty\": 0.5}'",
+    )
     bench.add_argument("--warmup", type=int, default=4)
     bench.add_argument(
         "--rounds",
@@ -478,3 +484,13 @@ def _router_target(name: str, address: str, model: str, key: str) -> Target:
     if name.endswith(ON_A_STREAM):
         return named(RouterStreamTarget(address, model, key), name)
     return named(RouterTarget(address, model, key), name)
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

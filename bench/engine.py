@@ -117,9 +117,15 @@ def run_in_child(module: str, job: dict[str, Any]) -> Any:
     return json.loads(done.stdout)
 
 
-def run_engine_as_served(spec: WorkloadSpec, levels: list[int]) -> list[EngineRun]:
+def run_engine_as_served(
+    spec: WorkloadSpec,
+    levels: list[int],
+    model: str = "llm",
+    sampling: dict[str, Any] | None = None,
+) -> list[EngineRun]:
     """``run_engine`` in a child (``run_in_child``)."""
-    runs = run_in_child("bench.engine", {"spec": asdict(spec), "levels": levels})
+    job = {"spec": asdict(spec), "levels": levels, "model": model, "sampling": sampling or {}}
+    runs = run_in_child("bench.engine", job)
     return [EngineRun(**run) for run in runs]
 
 
@@ -156,19 +162,32 @@ def blas_limit(model: str = "llm") -> Any:
     return threadpool_limits(limits=threads, user_api="blas")
 
 
-def run_engine(spec: WorkloadSpec, levels: list[int], model: str = "llm") -> list[EngineRun]:
+def run_engine(
+    spec: WorkloadSpec,
+    levels: list[int],
+    model: str = "llm",
+    sampling: dict[str, Any] | None = None,
+) -> list[EngineRun]:
     """One closed loop per concurrency level, on one engine built as config.pbtxt says."""
     with blas_limit(model):
         built = build_engine(model)
         return [
-            closed_loop(built, make_requests(replace(spec, salt=new_salt())), level)
+            closed_loop(built, make_requests(replace(spec, salt=new_salt())), level, sampling)
             for level in levels
         ]
 
 
-def closed_loop(built: BuiltEngine, requests: Sequence[BenchRequest], level: int) -> EngineRun:
+def closed_loop(
+    built: BuiltEngine,
+    requests: Sequence[BenchRequest],
+    level: int,
+    sampling: dict[str, Any] | None = None,
+) -> EngineRun:
     """``requests`` through a fresh engine (an empty cache), ``level`` at a time, each
-    generating its ``max_tokens`` (ignore_eos)."""
+    generating its ``max_tokens`` (ignore_eos); ``sampling``: more of the vLLM contract's
+    sampling parameters for every request."""
+    from refengine.contract import parse_sampling_parameters
+
     engine = built.engine
     core = engine.Engine(built.built.model, built.built.tokenizer, config=built.config)
     done: list[_Sink] = []
@@ -179,9 +198,10 @@ def closed_loop(built: BuiltEngine, requests: Sequence[BenchRequest], level: int
         request = next(pending, None)
         if request is None:
             return False
-        sampling = engine.SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        doc = {**(sampling or {}), "max_tokens": request.max_tokens, "ignore_eos": True}
+        params = parse_sampling_parameters(json.dumps(doc))
         sink = _Sink(done, request.max_tokens)
-        core.submit(engine.GenerationRequest(prompt=request.prompt, sampling=sampling), sink)
+        core.submit(engine.GenerationRequest(prompt=request.prompt, sampling=params), sink)
         return True
 
     in_flight = sum(submit() for _ in range(level))
@@ -229,5 +249,5 @@ def engine_table(runs: list[EngineRun]) -> str:
 if __name__ == "__main__":
     # run_engine_as_served's child: a job on stdin, the runs as JSON on stdout.
     job = json.load(sys.stdin)
-    runs = run_engine(WorkloadSpec(**job["spec"]), job["levels"])
+    runs = run_engine(WorkloadSpec(**job["spec"]), job["levels"], job["model"], job["sampling"])
     json.dump([asdict(run) for run in runs], sys.stdout)

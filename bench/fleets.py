@@ -40,13 +40,15 @@ def _engine(args: argparse.Namespace) -> int:
     from bench.engine import engine_table, run_engine_as_served
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    runs = run_engine_as_served(workload_of(args), levels)
+    model, sampling = args.model or "llm", args.sampling or {}
+    runs = run_engine_as_served(workload_of(args), levels, model, sampling)
     print(engine_table(runs))
     record(
         args,
         section(args, "engine"),
         f", {args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} "
-        "output tokens each, per concurrency; the engine as config.pbtxt builds it.",
+        f"output tokens each, per concurrency; {model} as config.pbtxt builds it"
+        + (f", sampling {json.dumps(sampling)}." if sampling else "."),
         engine_table(runs),
     )
     return 0

@@ -35,32 +35,50 @@ BYTE_MASKS = OutputMasks(ByteTokenizer())
 
 class Penalties:
     """A sequence's presence, frequency and repetition penalties (vLLM's), with what they
-    read: how often each token is in its output, and which tokens its prompt has."""
+    read: how often each token is in its output, and which tokens its prompt has. Only
+    the tokens seen are touched (a prompt and an output are a few hundred of a vocabulary
+    of tens of thousands)."""
 
     def __init__(
         self, params: SamplingParams, vocab: int, prompt: Sequence[int], output: Sequence[int]
     ) -> None:
         self._params = params
         self._counts = np.zeros(vocab, dtype=np.float64)
-        np.add.at(self._counts, np.asarray(output, dtype=np.intp), 1.0)
-        self._seen = np.zeros(vocab, dtype=bool)
-        self._seen[np.asarray(prompt, dtype=np.intp)] = True
+        self._output: set[int] = set()
+        self._seen: set[int] = set(prompt)
+        self._arrays: tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]] | None = None
+        for token in output:
+            self.observe(token)
 
     def observe(self, token: int) -> None:
         self._counts[token] += 1.0
-        self._seen[token] = True
+        if token not in self._output:
+            self._output.add(token)
+            self._seen.add(token)
+            self._arrays = None
 
     def apply(self, scores: npt.NDArray[np.float64]) -> None:
         """Penalises one row of scores in place, as vLLM does: repetition first (on the
         prompt's and the output's tokens), then frequency and presence (the output's)."""
         params = self._params
+        seen, output = self._indices()
         if params.repetition_penalty != 1.0:
-            seen = scores[self._seen]
-            factor = np.where(seen > 0, 1.0 / params.repetition_penalty, params.repetition_penalty)
-            scores[self._seen] = seen * factor
+            hit = scores[seen]
+            factor = np.where(hit > 0, 1.0 / params.repetition_penalty, params.repetition_penalty)
+            scores[seen] = hit * factor
         if params.frequency_penalty or params.presence_penalty:
-            scores -= params.frequency_penalty * self._counts
-            scores -= params.presence_penalty * (self._counts > 0)
+            counts = self._counts[output]
+            scores[output] -= params.frequency_penalty * counts + params.presence_penalty
+
+    def _indices(self) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        """The seen and output token ids as index arrays, made again only when a new token
+        joins them."""
+        if self._arrays is None:
+            self._arrays = (
+                np.fromiter(self._seen, dtype=np.intp, count=len(self._seen)),
+                np.fromiter(self._output, dtype=np.intp, count=len(self._output)),
+            )
+        return self._arrays
 
 
 class Sampler:
