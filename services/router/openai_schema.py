@@ -175,6 +175,20 @@ class ChatBody(Body):
     separate_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
     stream_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
     include_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
+    store: bool | None = Field(
+        default=None,
+        description="false only: a chat completion is never stored (the Responses API stores)",
+    )
+    service_tier: Literal["auto", "default"] | None = Field(
+        default=None, description="the tenant's tier decides a request's priority"
+    )
+
+    def check_no_ops(self) -> None:
+        super().check_no_ops()
+        if self.store:
+            raise InvalidArgument(
+                "store", "not supported: chat completions are not stored (/v1/responses are)"
+            )
 
     def _forwarded_defaults(self) -> dict[str, bool]:
         return {

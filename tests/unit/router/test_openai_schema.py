@@ -242,6 +242,24 @@ def test_a_parameter_the_mesh_does_not_implement_is_refused_by_name(
     assert reply["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("fields", "status", "param"),
+    [
+        ({"store": False, "service_tier": "auto"}, 200, None),
+        ({"store": None, "service_tier": "default"}, 200, None),
+        ({"store": True}, 400, "store"),
+        ({"service_tier": "priority"}, 400, "service_tier"),
+    ],
+)
+def test_a_chat_takes_store_and_service_tier_where_they_ask_for_nothing(
+    fields: dict[str, Any], status: int, param: str | None
+) -> None:
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(chat | fields).encode()))
+    assert got == status
+    assert (reply.get("error") or {}).get("param") == param
+
+
 def test_a_chat_asks_top_logprobs_only_with_logprobs() -> None:
     chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
     got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(chat).encode()))
