@@ -128,6 +128,9 @@ def test_generate_errors_exit_nonzero_with_the_status(
     assert bad.returncode == 1
     assert "INVALID_ARGUMENT: sampling.top_p" in bad.stderr
     assert "Traceback" not in bad.stderr
+    penalty = generate("hi", "--frequency-penalty", "3", "--state-file", str(up[1]))
+    assert penalty.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.frequency_penalty" in penalty.stderr
     # The key from the environment wins over the state file's; a wrong one is refused.
     wrong = generate("hi", "--router", state["router"], env={"LLM_MESH_API_KEY": "wrong"})
     assert wrong.returncode == 1
