@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from refengine import (
 from refengine.attention import Segment
 from refengine.contract import (
     StreamGap,
+    StructuredOutput,
     parse_cache_salt,
     parse_priority,
     parse_sampling_parameters,
@@ -263,6 +265,76 @@ class TestPenalties:
 
         assert head + resume(len(head)) == whole
         assert head + resume(0) != whole  # without it, the penalty forgets the first part
+
+
+class TestStructuredOutputs:
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "tag": {"enum": ["x", "y"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    }
+
+    def structured(self, kind: str, spec: str = "", **kw: Any) -> RecordingSink:
+        params = {"max_tokens": 200, "seed": 3, **kw}
+        return run(make_engine(), "answer:", structured=StructuredOutput(kind, spec), **params)
+
+    def test_the_output_is_an_instance_of_the_schema_and_then_ends(self) -> None:
+        for seed in range(3):
+            sink = self.structured("json", json.dumps(self.SCHEMA), seed=seed)
+            value = json.loads(sink.text)
+            assert set(value) == {"n", "tag"} and isinstance(value["n"], int)
+            assert value["tag"] in ("x", "y")
+            assert sink.final is not None and sink.final[2] == "stop"
+
+    def test_a_json_object_a_pattern_and_a_choice(self) -> None:
+        assert isinstance(json.loads(self.structured("json_object", max_tokens=400).text), dict)
+        code = self.structured("regex", "[0-9]{3}-[a-z]{2,4}").text
+        assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", code), code
+        picked = self.structured("choice", json.dumps(["yes", "no", "a.b"]), temperature=0.0)
+        assert picked.text in ("yes", "no", "a.b")
+
+    def test_ignore_eos_still_ends_with_the_grammar(self) -> None:
+        sink = self.structured("regex", "[a-c]{4}", ignore_eos=True)
+        assert re.fullmatch("[a-c]{4}", sink.text) and sink.tokens == 4
+
+    @pytest.mark.parametrize(
+        ("raw", "message"),
+        [
+            (b'{"structured_outputs": {"json": "{"}}', "structured_outputs.json: not valid JSON"),
+            (b'{"structured_outputs": {"json": [1]}}', "must be a JSON schema"),
+            (b'{"structured_outputs": {"regex": "a", "json_object": true}}', "exactly one"),
+            (b'{"structured_outputs": {"choice": []}}', "choice: must be a list"),
+            (b'{"structured_outputs": {"grammar": "x"}}', "exactly one"),
+        ],
+    )
+    def test_a_bad_structure_is_refused_naming_it(self, raw: bytes, message: str) -> None:
+        with pytest.raises(RequestError, match=message):
+            parse_sampling_parameters(raw)
+
+    def test_a_schema_that_does_not_compile_is_refused_at_submit(self) -> None:
+        bad = StructuredOutput("json", json.dumps({"type": "nonsense"}))
+        request = GenerationRequest("x", sampling=SamplingParams(structured=bad))
+        with pytest.raises(RequestError, match=r"structured_outputs: .*nonsense"):
+            make_engine().submit(request, RecordingSink())
+
+    def test_a_resumed_structured_output_continues_its_grammar(self) -> None:
+        whole = self.structured("json", json.dumps(self.SCHEMA), temperature=0.0).text
+        head = whole[:6]
+        sink = RecordingSink()
+        request = GenerationRequest(
+            "answer:" + head,
+            sampling=SamplingParams(
+                max_tokens=200,
+                temperature=0.0,
+                structured=StructuredOutput("json", json.dumps(self.SCHEMA)),
+            ),
+            resumed_output_chars=len(head),
+        )
+        engine = make_engine()
+        engine.submit(request, sink)
+        drain(engine)
+        assert head + sink.text == whole
 
 
 class TestStopMatcher:

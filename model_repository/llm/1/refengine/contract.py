@@ -18,6 +18,21 @@ class RequestError(ValueError):
     """A request is invalid; the message names the field and the reason."""
 
 
+# What a structured output may be, by vLLM's names (its ``structured_outputs`` keys).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+MAX_STRUCTURE_CHARS = 65536
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must be: ``kind`` one of STRUCTURED_KINDS; ``spec`` its JSON
+    schema (JSON text), regular expression, or choices (a JSON list of strings); empty for
+    ``json_object``."""
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -43,6 +58,9 @@ class SamplingParams:
     # vLLM's: the end-of-sequence token and stop strings count only once the output has
     # more than this many tokens.
     min_tokens: int = 0
+    # vLLM's structured_outputs: the output held to a JSON schema, an object, a regular
+    # expression or one of some choices (None: free text).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +197,7 @@ _KNOWN_KEYS = {
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "structured_outputs",
 }
 # vLLM's keys this engine does not implement: accepted at the value that asks for nothing
 # (what vLLM clients often send), refused by name at any other.
@@ -233,6 +252,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         repetition_penalty=_float(doc, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
         logit_bias=_logit_bias(doc),
         min_tokens=_min_tokens(doc),
+        structured=_structured(doc),
     )
 
 
@@ -277,6 +297,50 @@ def _within(doc: dict[str, Any], key: str, default: float, bound: float, name: s
 
 
 MAX_LOGIT_BIAS = 100.0
+
+
+def _structured(doc: dict[str, Any]) -> StructuredOutput | None:
+    """``structured_outputs``: an object with exactly one of vLLM's keys ``json`` (a
+    schema: an object, or its JSON text), ``json_object`` (true), ``regex`` (a string) or
+    ``choice`` (a list of strings)."""
+    value = doc.get("structured_outputs")
+    if value is None:
+        return None
+    field = "sampling_parameters.structured_outputs"
+    asked = [k for k in STRUCTURED_KINDS if isinstance(value, dict) and value.get(k) is not None]
+    if not isinstance(value, dict) or len(asked) != 1 or set(value) - set(STRUCTURED_KINDS):
+        raise RequestError(f"{field}: must have exactly one of {', '.join(STRUCTURED_KINDS)}")
+    kind = asked[0]
+    spec = _structure_spec(kind, value[kind], f"{field}.{kind}")
+    if len(spec) > MAX_STRUCTURE_CHARS:
+        raise RequestError(f"{field}.{kind}: at most {MAX_STRUCTURE_CHARS} characters")
+    return StructuredOutput(kind, spec)
+
+
+def _structure_spec(kind: str, value: Any, field: str) -> str:
+    if kind == "json_object":
+        if value is not True:
+            raise RequestError(f"{field}: must be true")
+        return ""
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise RequestError(f"{field}: must be a non-empty string")
+        return value
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise RequestError(f"{field}: must be a list of non-empty strings")
+        return json.dumps(value)
+    try:
+        schema = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{field}: not valid JSON ({exc.msg})") from None
+    if not isinstance(schema, dict):
+        raise RequestError(f"{field}: must be a JSON schema (an object)")
+    return json.dumps(schema)
 
 
 def _min_tokens(doc: dict[str, Any]) -> int:

@@ -34,6 +34,7 @@ from refengine.contract import GenerationRequest, RequestError
 from refengine.kvcache import BlockPool, block_hash
 from refengine.sampling import OutputMasks, sample_batch, score_token
 from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink, TokenLogprob
+from refengine.structured import Grammars
 from refengine.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class Engine:
         self._clock = clock
         self.tokenizer = tokenizer or ByteTokenizer()
         self._masks = OutputMasks(self.tokenizer)
+        self._grammars = Grammars(self.tokenizer, self.tokenizer.output_mask())
         self.config = config or EngineConfig()
         shape = model.shape
         self.pool = BlockPool(
@@ -203,6 +205,7 @@ class Engine:
                 f"text_input: prompt is {len(prompt)} tokens; the model's context is {context}"
             )
         max_new = min(request.sampling.max_tokens, context - len(prompt))
+        structured = request.sampling.structured
         blocks = -(-(len(prompt) + max_new) // self.pool.block_size)
         if blocks > self.pool.num_blocks:
             raise RequestError(
@@ -218,6 +221,7 @@ class Engine:
             self.tokenizer.stream_decoder(),
             self._masks,
             resumed_output_tokens=self._resumed_output_tokens(request, len(prompt)),
+            constraint=self._grammars.matcher(structured) if structured else None,
         )
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
@@ -225,9 +229,9 @@ class Engine:
 
     def _resumed_output_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
         """The tokens of the prompt's last ``resumed_output_chars`` characters (only
-        penalties read them)."""
-        chars = request.resumed_output_chars
-        if not chars or not request.sampling.penalized:
+        penalties and a structured output's grammar read them)."""
+        chars, sampling = request.resumed_output_chars, request.sampling
+        if not chars or not (sampling.penalized or sampling.structured):
             return 0
         return min(self.tokenizer.count(request.prompt[-chars:]), prompt_tokens)
 
@@ -525,6 +529,12 @@ class Engine:
         if token in self.tokenizer.eos_ids:
             self._finish(seq, STOP)
             return
+        constraint = seq.sampler.constraint
+        if constraint is not None and constraint.failed:
+            # No token could follow the output within the grammar (the model's own output
+            # mask and the grammar left none).
+            self._fail(seq, f"structured output: {constraint.failed}")
+            return
         text = seq.decoder.push(token)
         # Stop strings count once the output has more than min_tokens (vLLM's rule).
         released = seq.stops.push(text) if seq.generated > seq.min_tokens else text
@@ -534,7 +544,7 @@ class Engine:
             seq.unsent_text.append(released)
         if seq.request.stream and seq.unsent_text and self._due(seq):
             self._emit(seq)
-        if seq.stops.stopped:
+        if seq.stops.stopped or (constraint is not None and constraint.complete):
             self._finish(seq, STOP)
         elif seq.generated >= seq.max_new:
             self._finish(seq, LENGTH)

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refengine.contract import SamplingParams
+from refengine.structured import Constraint
 from refengine.tokenizer import ByteTokenizer, Tokenizer
 
 
@@ -92,6 +93,7 @@ class Sampler:
         masks: OutputMasks = BYTE_MASKS,
         prompt: Sequence[int] = (),
         output: Sequence[int] = (),
+        constraint: Constraint | None = None,
     ) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
@@ -100,14 +102,18 @@ class Sampler:
         # Until it has min_tokens, a sequence may not end (vLLM's min_tokens).
         self._early_mask = None if early is None else _biased(early, params)
         self.drawn = 0  # tokens this sampler has chosen
+        self.constraint = constraint  # a structured output's grammar
         self.penalties = (
             Penalties(params, len(self.mask), prompt, output) if params.penalized else None
         )
 
     def current_mask(self) -> npt.NDArray[np.float64]:
+        mask = self.mask
         if self._early_mask is not None and self.drawn < self.params.min_tokens:
-            return self._early_mask
-        return self.mask
+            mask = self._early_mask
+        if self.constraint is not None:
+            return mask + self.constraint.mask()
+        return mask
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return sample_batch([self], logits[None, :])[0]
@@ -138,6 +144,8 @@ def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> li
         sampler.drawn += 1
         if sampler.penalties is not None:
             sampler.penalties.observe(token)
+        if sampler.constraint is not None:
+            sampler.constraint.accept(token)
     return tokens
 
 

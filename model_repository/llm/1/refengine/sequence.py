@@ -10,6 +10,7 @@ from refengine.contract import GenerationRequest
 from refengine.kvcache import BlockPool, block_hash, root_hash
 from refengine.sampling import OutputMasks, Sampler
 from refengine.stops import StopMatcher
+from refengine.structured import Constraint
 from refengine.tokenizer import StreamDecoder
 
 LENGTH, STOP, CANCELLED, ERROR = "length", "stop", "cancelled", "error"
@@ -118,13 +119,16 @@ class Sequence:
     # The prompt's last tokens that are output of its own from before (a stream resumed
     # elsewhere): its penalties count them as output.
     resumed_output_tokens: int = 0
+    constraint: Constraint | None = None  # a structured output's grammar
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
 
     def __post_init__(self) -> None:
         prompt = self.tokens[: self.prompt_len]
         resumed = prompt[len(prompt) - self.resumed_output_tokens :]
-        self.sampler = Sampler(self.request.sampling, self.masks, prompt, resumed)
+        if self.constraint is not None and resumed:
+            self.constraint.accept_all(resumed)
+        self.sampler = Sampler(self.request.sampling, self.masks, prompt, resumed, self.constraint)
         self.stops = StopMatcher(self.request.sampling.stop)
 
     @property

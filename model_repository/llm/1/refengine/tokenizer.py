@@ -34,6 +34,10 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_ids: frozenset[int]
 
+    @property
+    def token_bytes(self) -> Sequence[bytes]:
+        """Each token's bytes (none for control tokens)."""
+
     def encode(self, text: str) -> list[int]:
         """A prompt's tokens, BOS included where the model expects one."""
 
