@@ -151,6 +151,7 @@ def build_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: dict[int, float] | None = None,
+    structured_output: common_pb2.StructuredOutput | None = None,
 ) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
@@ -160,6 +161,7 @@ def build_request(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
         logit_bias=logit_bias,
+        structured_output=structured_output,
     )
     if temperature is not None:
         sampling.temperature = temperature

@@ -45,6 +45,12 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         if getattr(sampling, name) != none:
             setattr(message, name, getattr(sampling, name))
     message.logit_bias.update(dict(sampling.logit_bias))
+    if sampling.structured is not None:
+        kind, spec = sampling.structured
+        if kind == "json_object":
+            message.structured_output.json_object = True
+        else:
+            setattr(message.structured_output, kind, spec)
     return message
 
 
@@ -64,7 +70,18 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         repetition_penalty=_or(message, "repetition_penalty"),
         logit_bias=tuple(sorted(message.logit_bias.items())),
         min_tokens=message.min_tokens,
+        structured=_structure(message),
     )
+
+
+def _structure(message: common_pb2.SamplingParams) -> tuple[str, str] | None:
+    if not message.HasField("structured_output"):
+        return None
+    structure = message.structured_output
+    kind = structure.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not structure.json_object):
+        return ("", "")  # no kind asked for: refused by the core's check
+    return (kind, "" if kind == "json_object" else getattr(structure, kind))
 
 
 def _or(

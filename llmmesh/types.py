@@ -23,6 +23,11 @@ class FinishReason(enum.Enum):
     BUDGET = "budget"
 
 
+# Structured outputs: the kinds the mesh takes, and vLLM's name for each.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex")
+_VLLM_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex"}
+MAX_STRUCTURE_CHARS = 65536
+
 # The penalties' names (as vLLM and OpenAI spell them) and the value that asks for none.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
@@ -45,6 +50,9 @@ class Sampling:
     # (token id, bias) pairs, ids ascending: added to those tokens' logits
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # no end (EOS or stop string) before this many tokens
+    # What the output must be: (kind, spec), kind one of STRUCTURED_KINDS, spec the JSON
+    # schema's text or the regular expression ("" for json_object); None: free text.
+    structured: tuple[str, str] | None = None
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +82,9 @@ class Sampling:
             doc["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.min_tokens:
             doc["min_tokens"] = self.min_tokens
+        if self.structured is not None:
+            kind, spec = self.structured
+            doc["structured_outputs"] = {_VLLM_KINDS[kind]: spec or True}
         return json.dumps(doc, separators=(",", ":"))
 
 
@@ -213,6 +224,8 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
     _check_stop(sampling.stop)
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
+    if sampling.structured is not None:
+        check_structure(*sampling.structured)
     if not 0 <= sampling.min_tokens <= sampling.max_tokens:
         raise InvalidArgument(
             "sampling.min_tokens",
@@ -236,6 +249,30 @@ def _check_penalties(sampling: Sampling) -> None:
             "sampling.repetition_penalty",
             f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {sampling.repetition_penalty}",
         )
+
+
+def check_structure(kind: str, spec: str, field: str = "sampling.structured_output") -> None:
+    """InvalidArgument naming ``field`` unless the structure compiles (llguidance's own
+    check, the one the engine makes)."""
+    from llguidance import LLMatcher
+
+    if kind not in STRUCTURED_KINDS:
+        raise InvalidArgument(field, f"one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.40}")
+    if len(spec) > MAX_STRUCTURE_CHARS:
+        raise InvalidArgument(field, f"at most {MAX_STRUCTURE_CHARS} characters")
+    try:
+        if kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(spec)
+        else:
+            schema = json.loads(spec) if kind == "json_schema" else {"type": "object"}
+            if not isinstance(schema, dict):
+                raise InvalidArgument(field, "a JSON schema is an object")
+            grammar = LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as exc:  # JSONDecodeError included
+        raise InvalidArgument(field, f"not a {kind.replace('_', ' ')}: {exc}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise InvalidArgument(field, f"does not compile: {error[:300]}")
 
 
 def _check_logit_bias(biases: tuple[tuple[int, float], ...]) -> None:

@@ -65,6 +65,7 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         "logprobs": body.logprobs_wanted(),
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
+        "structured": body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
         if getattr(body, name) is not None:

@@ -11,11 +11,20 @@ range are refused as invalid JSON; the body's size is bounded by the HTTP server
 from __future__ import annotations
 
 import asyncio
+import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
 from llmmesh.types import PENALTIES
@@ -35,7 +44,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 _SAMPLING_NAMES = {
     f"sampling.{name}": name
     for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", "min_tokens", *PENALTIES)
-}
+} | {"sampling.structured_output": "response_format"}
 
 
 class UnsupportedMediaType(FieldError):
@@ -60,6 +69,49 @@ def _no_op(default: Any, description: str) -> Any:
 
 class PlainFormat(_Strict):
     type: Literal["text"] = Field(description="plain text: the only format supported")
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"] = Field(description="any JSON object")
+
+
+class JsonSchema(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # "schema" would shadow BaseModel's own attribute: the body's key is its alias.
+    json_schema: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="the JSON schema (none: any JSON)"
+    )
+    strict: bool | None = Field(
+        default=None, description="taken either way: the output is always held to the schema"
+    )
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"] = Field(description="JSON that is an instance of the schema")
+    json_schema: JsonSchema
+
+
+_FORMAT_TAGS = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
+
+
+def _format_tag(value: Any) -> str | None:
+    """The member of ResponseFormat a body's ``type`` picks. The tags are capitalised: in
+    an error's location they are not field names, and field_path leaves them out."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+ResponseFormat = Annotated[
+    Annotated[PlainFormat, Tag("Text")]
+    | Annotated[JsonObjectFormat, Tag("JsonObject")]
+    | Annotated[JsonSchemaFormat, Tag("JsonSchema")],
+    Discriminator(
+        _format_tag,
+        custom_error_type="invalid_format",
+        custom_error_message="type must be text, json_object or json_schema",
+    ),
+]
 
 
 class StreamOptions(_Strict):
@@ -110,8 +162,10 @@ class Body(_Strict):
     skip_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
     no_stop_trim: bool = _no_op(False, "SGLang's; a stop string is always trimmed")
     return_hidden_states: bool = _no_op(False, "SGLang's; hidden states are never returned")
-    response_format: PlainFormat | None = Field(
-        default=None, description="plain text, the only format supported"
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="text; a JSON object; or JSON of a schema (written with ', ' and ': ' "
+        "and no other whitespace)",
     )
     cache_salt: str | None = Field(
         default=None,
@@ -132,6 +186,15 @@ class Body(_Strict):
 
     def _forwarded_defaults(self) -> dict[str, bool]:
         return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
+
+    def structure(self) -> tuple[str, str] | None:
+        """``response_format`` as the core's structured output (None: text)."""
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            return ("json_object", "")
+        if isinstance(fmt, JsonSchemaFormat):
+            return ("json_schema", json.dumps(fmt.json_schema.json_schema or {}))
+        return None
 
     def biases(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; InvalidArgument naming it for a key

@@ -33,6 +33,17 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"logit_bias": {300: 1.0}}, "sampling.logit_bias"),  # the model has 258
     ("hi", {"logit_bias": {-2: 1.0}}, "sampling.logit_bias"),
     ("hi", {"logit_bias": {65: float("inf")}}, "sampling.logit_bias"),
+    ("hi", {"structured_output": common_pb2.StructuredOutput()}, "sampling.structured_output"),
+    (
+        "hi",
+        {"structured_output": common_pb2.StructuredOutput(json_schema='{"type": 7}')},
+        "sampling.structured_output",
+    ),
+    (
+        "hi",
+        {"structured_output": common_pb2.StructuredOutput(regex="(")},
+        "sampling.structured_output",
+    ),
 ]
 
 

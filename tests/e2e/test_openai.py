@@ -115,6 +115,40 @@ def test_a_logit_bias_reaches_the_engine(client: openai.OpenAI) -> None:
     assert refused.value.body["param"] == "logit_bias"  # type: ignore[index]
 
 
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer"}, "label": {"type": "string", "maxLength": 8}},
+    "required": ["x", "label"],
+    "additionalProperties": False,
+}
+
+
+def test_a_response_format_holds_the_output_to_json(client: openai.OpenAI) -> None:
+    """The random model says nothing sensible, but within the format it says it. (Any
+    JSON object, json_object, is the engine's unit tests': this model's keys can run to
+    any length, and past max_tokens the object is cut.)"""
+    whole = client.chat.completions.create(
+        model="llm",
+        messages=HI,
+        max_tokens=300,
+        seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}},
+    )
+    point = json.loads(whole.choices[0].message.content or "")
+    assert set(point) == {"x", "label"} and isinstance(point["x"], int)
+    assert whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model="llm",
+        messages=HI,
+        max_tokens=300,
+        seed=2,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert json.loads(text) == point  # the same seed, streamed
+
+
 def test_text_completion_and_models(client: openai.OpenAI) -> None:
     reply = client.completions.create(model="llm", prompt="Once upon a", max_tokens=5, seed=2)
     assert reply.object == "text_completion"

@@ -289,6 +289,30 @@ def test_penalties_break_the_models_greedy_loop(sdk: openai.OpenAI) -> None:
     assert distinct_share(presence=1.5) > plain + 0.25
 
 
+def test_a_json_schema_gets_the_models_answer_in_its_shape(sdk: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+        },
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    reply = sdk.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert json.loads(reply.choices[0].message.content or "") == {
+        "city": "Paris",
+        "country": "France",
+    }
+    assert reply.choices[0].finish_reason == "stop"
+
+
 def test_health_says_the_mesh_can_serve(stack: Stack) -> None:
     base = stack.openai_base_url.removesuffix("/v1")
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

@@ -63,6 +63,23 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(repetition_penalty=0.0), 400, "repetition_penalty"),
         ("/v1/completions", body(repetition_penalty=1e9), 400, "repetition_penalty"),
         ("/v1/completions", body(min_tokens=3), 400, "min_tokens"),  # max_tokens is 2
+        (
+            "/v1/completions",
+            body(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            ),
+            400,
+            "response_format",
+        ),
+        (
+            "/v1/completions",
+            body(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+            400,
+            "response_format.json_schema.name",
+        ),
         ("/v1/completions", body(min_tokens=-1), 400, "min_tokens"),
         ("/v1/completions", body(logit_bias={"a": 1}), 400, "logit_bias"),
         ("/v1/completions", body(logit_bias={"-1": 1}), 400, "logit_bias"),
@@ -120,6 +137,8 @@ def body(**fields: Any) -> bytes:
         "repetition_penalty-zero",
         "repetition_penalty-huge",
         "min_tokens-over-max_tokens",
+        "json_schema-that-does-not-compile",
+        "json_schema-without-a-name",
         "min_tokens-negative",
         "logit_bias-not-a-token-id",
         "logit_bias-negative-id",
@@ -219,7 +238,7 @@ def test_field_paths_leave_union_tags_out() -> None:
     ("fields", "param"),
     [
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "grammar"}}, "response_format"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
@@ -278,6 +297,10 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "repetition_penalty": 1.3,
         "logit_bias": {"66": -100, "65": 2.5},
         "min_tokens": 1,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "point", "schema": {"type": "object"}, "strict": True},
+        },
     }
 
     async def scenario() -> int:
@@ -291,6 +314,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (-0.5, 2.0)
     assert sampling.repetition_penalty == 1.3
     assert sampling.logit_bias == ((65, 2.5), (66, -100.0)) and sampling.min_tokens == 1
+    assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 
