@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import re
@@ -254,25 +255,33 @@ def _check_penalties(sampling: Sampling) -> None:
 def check_structure(kind: str, spec: str, field: str = "sampling.structured_output") -> None:
     """InvalidArgument naming ``field`` unless the structure compiles (llguidance's own
     check, the one the engine makes)."""
-    from llguidance import LLMatcher
-
     if kind not in STRUCTURED_KINDS:
         raise InvalidArgument(field, f"one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.40}")
     if len(spec) > MAX_STRUCTURE_CHARS:
         raise InvalidArgument(field, f"at most {MAX_STRUCTURE_CHARS} characters")
+    error = _structure_error(kind, spec)
+    if error:
+        raise InvalidArgument(field, error)
+
+
+@functools.lru_cache(maxsize=256)
+def _structure_error(kind: str, spec: str) -> str:
+    """Why the structure does not compile ("" if it does). Kept: a client sends the same
+    schema with every request, and a large one takes milliseconds to check."""
+    from llguidance import LLMatcher
+
     try:
         if kind == "regex":
             grammar = LLMatcher.grammar_from_regex(spec)
         else:
             schema = json.loads(spec) if kind == "json_schema" else {"type": "object"}
             if not isinstance(schema, dict):
-                raise InvalidArgument(field, "a JSON schema is an object")
+                return "a JSON schema is an object"
             grammar = LLMatcher.grammar_from_json_schema(schema)
     except ValueError as exc:  # JSONDecodeError included
-        raise InvalidArgument(field, f"not a {kind.replace('_', ' ')}: {exc}") from None
-    error = LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
-        raise InvalidArgument(field, f"does not compile: {error[:300]}")
+        return f"not a {kind.replace('_', ' ')}: {exc}"
+    error = str(LLMatcher.validate_grammar(grammar))
+    return "" if not error or error.startswith("WARNING") else f"does not compile: {error[:300]}"
 
 
 def _check_logit_bias(biases: tuple[tuple[int, float], ...]) -> None:
