@@ -278,9 +278,13 @@ def _structure_error(kind: str, spec: str) -> str:
             if not isinstance(schema, dict):
                 return "a JSON schema is an object"
             grammar = LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as exc:  # JSONDecodeError included
-        return f"not a {kind.replace('_', ' ')}: {exc}"
-    error = str(LLMatcher.validate_grammar(grammar))
+        error = str(LLMatcher.validate_grammar(grammar))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError included
+        return f"not a {kind.replace('_', ' ')}: {str(exc)[:200]}"
+    except BaseException as exc:  # a panic in the compiler arrives as a BaseException
+        if not type(exc).__name__.startswith("Panic"):
+            raise
+        return "does not compile (the compiler failed on it)"
     return "" if not error or error.startswith("WARNING") else f"does not compile: {error[:300]}"
 
 

@@ -338,6 +338,8 @@ def _structure_spec(kind: str, value: Any, field: str) -> str:
         schema = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as exc:
         raise RequestError(f"{field}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise RequestError(f"{field}: nested too deeply") from None
     if not isinstance(schema, dict):
         raise RequestError(f"{field}: must be a JSON schema (an object)")
     return json.dumps(schema)

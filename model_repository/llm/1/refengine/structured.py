@@ -92,9 +92,13 @@ class Grammars:
             self._compiled = LLTokenizer(wrapped)
         try:
             grammar = grammar_of(structure)
+            matcher = LLMatcher(self._compiled, grammar, log_level=0)
         except (ValueError, TypeError) as exc:
             raise RequestError(f"sampling_parameters.structured_outputs: {exc}") from None
-        matcher = LLMatcher(self._compiled, grammar, log_level=0)
+        except BaseException as exc:  # a panic in the compiler arrives as a BaseException
+            if not type(exc).__name__.startswith("Panic"):
+                raise
+            raise RequestError("sampling_parameters.structured_outputs: does not compile") from None
         if matcher.is_error():
             raise RequestError(f"sampling_parameters.structured_outputs: {matcher.get_error()}")
         return Constraint(matcher, self._tokenizer.vocab_size)
