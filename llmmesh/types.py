@@ -197,10 +197,11 @@ MAX_BIASED_TOKENS = 300
 TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the wire
 
 
-def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
+def check_sampling(sampling: Sampling, max_tokens_limit: int, partition: str = "") -> None:
     """Raises InvalidArgument naming the first bad field of ``sampling``: every field an
     engine validates is validated here first, so that a client's mistake is the client's
-    error and never a replica's failure."""
+    error and never a replica's failure. ``partition`` keeps one tenant's checked
+    structures apart from another's (see ``check_structure``)."""
     if sampling.max_tokens <= 0:
         raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {sampling.max_tokens}")
     if sampling.max_tokens > max_tokens_limit:
@@ -226,7 +227,7 @@ def check_sampling(sampling: Sampling, max_tokens_limit: int) -> None:
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
     if sampling.structured is not None:
-        check_structure(*sampling.structured)
+        check_structure(*sampling.structured, partition=partition)
     if not 0 <= sampling.min_tokens <= sampling.max_tokens:
         raise InvalidArgument(
             "sampling.min_tokens",
@@ -252,22 +253,27 @@ def _check_penalties(sampling: Sampling) -> None:
         )
 
 
-def check_structure(kind: str, spec: str, field: str = "sampling.structured_output") -> None:
+def check_structure(
+    kind: str, spec: str, field: str = "sampling.structured_output", partition: str = ""
+) -> None:
     """InvalidArgument naming ``field`` unless the structure compiles (llguidance's own
-    check, the one the engine makes)."""
+    check, the one the engine makes). Results are kept per ``partition`` (the tenant's
+    prefix-cache partition at the router): a shared cache would answer a second tenant's
+    schema faster if another tenant had sent it, telling it what the other sends."""
     if kind not in STRUCTURED_KINDS:
         raise InvalidArgument(field, f"one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.40}")
     if len(spec) > MAX_STRUCTURE_CHARS:
         raise InvalidArgument(field, f"at most {MAX_STRUCTURE_CHARS} characters")
-    error = _structure_error(kind, spec)
+    error = _structure_error(kind, spec, partition)
     if error:
         raise InvalidArgument(field, error)
 
 
 @functools.lru_cache(maxsize=256)
-def _structure_error(kind: str, spec: str) -> str:
+def _structure_error(kind: str, spec: str, partition: str) -> str:
     """Why the structure does not compile ("" if it does). Kept: a client sends the same
-    schema with every request, and a large one takes milliseconds to check."""
+    schema with every request, and a large one takes milliseconds to check; ``partition``
+    is only part of the key."""
     from llguidance import LLMatcher
 
     try:

@@ -181,7 +181,8 @@ class RouterCore:
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)
-        check_sampling(sampling, config.max_tokens_limit)
+        partition = self._tenants.cache_salt(request.tenant, request.cache_salt)
+        check_sampling(sampling, config.max_tokens_limit, partition)
         return replace(request, model=model, sampling=sampling)
 
     def _check_texts(self, request: GenerateInput) -> None:

@@ -5,7 +5,14 @@ import dataclasses
 import pytest
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Chunk, FinishReason, Route, TokenLogprob, check_structure
+from llmmesh.types import (
+    Chunk,
+    FinishReason,
+    Route,
+    TokenLogprob,
+    _structure_error,
+    check_structure,
+)
 
 
 def test_a_chunk_with_other_text_is_the_chunk_replace_would_make() -> None:
@@ -48,3 +55,14 @@ def test_a_structure_that_compiles_passes() -> None:
     check_structure("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
     check_structure("json_object", "")
     check_structure("regex", "[0-9]{3}")
+
+
+def test_a_structure_checked_for_one_partition_is_checked_anew_for_another() -> None:
+    """A shared cache would answer a tenant faster for a schema another tenant sent."""
+    spec = '{"type": "object", "properties": {"partitioned": {"type": "string"}}}'
+    misses = _structure_error.cache_info().misses
+    check_structure("json_schema", spec, partition="tenant-a")
+    check_structure("json_schema", spec, partition="tenant-a")
+    assert _structure_error.cache_info().misses == misses + 1
+    check_structure("json_schema", spec, partition="tenant-b")
+    assert _structure_error.cache_info().misses == misses + 2

@@ -35,6 +35,7 @@ from llmmesh.types import (
     TokenLogprob,
     Turn,
     Verdict,
+    _structure_error,
     fingerprint,
     request_text,
 )
@@ -463,6 +464,20 @@ def test_validation_fills_defaults_and_names_bad_fields() -> None:
     with pytest.raises(InvalidArgument) as info:
         core.validate(replace(request(), cache_salt="s" * 257))
     assert info.value.field == "cache_salt"
+
+
+def test_a_schema_checked_for_one_tenant_is_checked_anew_for_another() -> None:
+    """The router keeps checked schemas per tenant: one tenant's schema, kept, would
+    otherwise answer another tenant's identical one faster."""
+    tenants = Tenants()
+    tenants.apply(parse_tenants("tenants: [{id: a}, {id: b}]"))
+    core = RouterCore(RouterConfig(), gate(), Context(), Inference(), BYTES, tenants=tenants)
+    schema = '{"type": "object", "properties": {"per_tenant": {"type": "integer"}}}'
+    sampling = Sampling(max_tokens=4, structured=("json_schema", schema))
+    misses = _structure_error.cache_info().misses
+    for tenant in ("a", "a", "b"):
+        core.validate(GenerateInput(f"r-{tenant}", tenant, "", "hi", sampling))
+    assert _structure_error.cache_info().misses == misses + 2
 
 
 def test_every_message_of_a_conversation_has_the_prompts_limit_and_the_whole_a_limit() -> None:
