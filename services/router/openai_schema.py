@@ -77,7 +77,9 @@ class JsonObjectFormat(_Strict):
 
 class JsonSchema(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
+    description: str | None = Field(
+        default=None, description="empty only: the schema is not shown to the model"
+    )
     # "schema" would shadow BaseModel's own attribute: the body's key is its alias.
     json_schema: dict[str, Any] | None = Field(
         default=None, alias="schema", description="the JSON schema (none: any JSON)"
@@ -180,6 +182,12 @@ class Body(_Strict):
         the usage)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only with stream: true")
+        fmt = self.response_format
+        if isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.description:
+            raise InvalidArgument(
+                "response_format.json_schema.description",
+                "not supported: the schema is not shown to the model (say it in a message)",
+            )
         for name, default in self._forwarded_defaults().items():
             if getattr(self, name) != default:
                 raise InvalidArgument(name, f"not supported (only {default!r})")

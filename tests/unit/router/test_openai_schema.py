@@ -239,6 +239,15 @@ def test_field_paths_leave_union_tags_out() -> None:
     [
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "grammar"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "description": "a reply", "schema": {}},
+                }
+            },
+            "response_format.json_schema.description",
+        ),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
