@@ -44,6 +44,7 @@ from llmmesh.types import (
     check_sampling,
     check_session_id,
     check_truncation,
+    compile_structure,
     fingerprint,
 )
 from services.router.admission import TIER_PRIORITY, AdmissionQueue
@@ -181,9 +182,12 @@ class RouterCore:
         sampling = request.sampling
         if sampling.max_tokens == 0:
             sampling = replace(sampling, max_tokens=config.default_max_tokens)
-        partition = self._tenants.cache_salt(request.tenant, request.cache_salt)
-        check_sampling(sampling, config.max_tokens_limit, partition)
+        check_sampling(sampling, config.max_tokens_limit, self._structure_partition(request))
         return replace(request, model=model, sampling=sampling)
+
+    def _structure_partition(self, request: GenerateInput) -> str:
+        """Where checked structures are kept for this request: its prefix-cache partition."""
+        return self._tenants.cache_salt(request.tenant, request.cache_salt)
 
     def _check_texts(self, request: GenerateInput) -> None:
         """The same limits for every message of a conversation as for a prompt, and one
@@ -217,6 +221,9 @@ class RouterCore:
         streamed. Nothing of the request reaches a replica before policy's verdict on
         everything the model will read, and then only as the verdict lets it (redacted)."""
         received_at = time.perf_counter()
+        if request.sampling.structured is not None:
+            partition = self._structure_partition(request)
+            await asyncio.to_thread(compile_structure, request.sampling.structured, partition)
         request = self.validate(request)
         speech = await self._speech(request.model)
         speech.check_biased(request.sampling.logit_bias)

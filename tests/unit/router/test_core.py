@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+import llguidance
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY
@@ -478,6 +481,34 @@ def test_a_schema_checked_for_one_tenant_is_checked_anew_for_another() -> None:
     for tenant in ("a", "a", "b"):
         core.validate(GenerateInput(f"r-{tenant}", tenant, "", "hi", sampling))
     assert _structure_error.cache_info().misses == misses + 2
+
+
+def test_a_schema_is_compiled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large schema compiles for tens of milliseconds: on the loop, every stream the
+    router serves would stall for it."""
+    compiled_on: list[int] = []
+    real = llguidance.LLMatcher
+
+    class RecordingMatcher:
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+        validate_grammar = staticmethod(real.validate_grammar)
+
+        @staticmethod
+        def grammar_from_json_schema(*args: Any, **kwargs: Any) -> Any:
+            compiled_on.append(threading.get_ident())
+            return real.grammar_from_json_schema(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", RecordingMatcher)
+    schema = '{"type": "object", "properties": {"off_the_loop": {"type": "boolean"}}}'
+    structured = replace(request(), sampling=Sampling(4, structured=("json_schema", schema)))
+
+    async def scenario() -> int:
+        core = make_core(gate(), Context(), Inference())
+        assert await run(core, structured)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    assert compiled_on and loop_thread not in compiled_on
 
 
 def test_every_message_of_a_conversation_has_the_prompts_limit_and_the_whole_a_limit() -> None:
