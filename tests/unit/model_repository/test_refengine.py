@@ -218,6 +218,9 @@ class TestPenalties:
         rest = free[4:]
         expected = free[: 4 + rest.index(stop)] if stop in rest else free
         assert later.text == expected and len(later.text) > len(stopped)
+        # One begun in the first min_tokens and ended after them counts (vLLM looks back).
+        across = run(make_engine(), "stops", stop=[free[3:5]], min_tokens=4, ignore_eos=True, **kw)
+        assert across.text == free[:3]
 
     def test_an_engine_refuses_a_bias_on_a_token_it_lacks(self) -> None:
         engine = make_engine()
@@ -348,6 +351,18 @@ class TestStopMatcher:
         stops = StopMatcher(("END",))
         assert stops.push("hello E") == "hello "
         assert stops.push("X") == "EX"
+        assert not stops.stopped
+
+    def test_a_stop_begun_before_matching_and_ended_after_it_is_cut(self) -> None:
+        stops = StopMatcher(("END",))
+        assert stops.push("abc EN", matching=False) == "abc "  # held: it may become END
+        assert stops.push("D more") == ""
+        assert stops.stopped
+
+    def test_a_stop_wholly_before_matching_is_released(self) -> None:
+        stops = StopMatcher(("END", "ab"))
+        assert stops.push("xENDya", matching=False) == "xENDy"
+        assert stops.push("c") == "ac"
         assert not stops.stopped
 
     def test_flush_releases_a_held_partial_match(self) -> None:

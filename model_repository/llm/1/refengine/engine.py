@@ -537,7 +537,7 @@ class Engine:
             return
         text = seq.decoder.push(token)
         # Stop strings count once the output has more than min_tokens (vLLM's rule).
-        released = seq.stops.push(text) if seq.generated > seq.min_tokens else text
+        released = seq.stops.push(text, matching=seq.generated > seq.min_tokens)
         if released:
             seq.note_text(released)
             seq.text.append(released)

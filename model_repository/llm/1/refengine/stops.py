@@ -7,27 +7,40 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = stops
         self._pending = ""
+        # How much of the pending text came before matching began (a sequence's first
+        # min_tokens): a stop string may begin there but must end after it (vLLM's rule).
+        self._inert = 0
         self.stopped = False
 
-    def push(self, text: str) -> str:
-        """Adds generated text; returns what is safe to release (never part of a stop)."""
+    def push(self, text: str, matching: bool = True) -> str:
+        """Adds generated text; returns what is safe to release (never part of a stop).
+        Text pushed with ``matching`` false ends no stop string, yet what could begin one
+        is held back all the same, so that a stop it begins is never shown."""
         if not self._stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if not matching:
+            self._inert = len(self._pending)
+        cut = self._first_stop()
         if cut >= 0:
             self.stopped = True
-            released, self._pending = self._pending[:cut], ""
+            released, self._pending, self._inert = self._pending[:cut], "", 0
             return released
         keep = self._held_suffix()
         released = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep :]
+        self._inert = max(0, self._inert - len(released))
         return released
 
     def flush(self) -> str:
         """At the end of the stream nothing more can match: release the rest."""
-        released, self._pending = self._pending, ""
+        released, self._pending, self._inert = self._pending, "", 0
         return released
+
+    def _first_stop(self) -> int:
+        """Where the first stop string that ends past the inert text begins, or -1."""
+        hits = (self._pending.find(s, max(0, self._inert - len(s) + 1)) for s in self._stops)
+        return min((i for i in hits if i >= 0), default=-1)
 
     def _held_suffix(self) -> int:
         """Length of the longest suffix of pending text that is a prefix of a stop string."""
