@@ -59,6 +59,14 @@ class Sampling:
     def penalized(self) -> bool:
         return any(getattr(self, name) != none for name, none in PENALTIES.items())
 
+    @property
+    def reads_earlier_output(self) -> bool:
+        """Whether the engine must know which of a resumed stream's prompt is its earlier
+        output: penalties count it, a grammar continues from it, a seeded draw goes on from
+        its place in the seed's sequence."""
+        seeded = self.seed is not None and self.temperature > 0.0
+        return self.penalized or self.structured is not None or seeded
+
     def to_vllm_json(self) -> str:
         """The ``sampling_parameters`` JSON of Triton's vLLM backend."""
         doc: dict[str, object] = {

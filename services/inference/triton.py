@@ -104,7 +104,7 @@ def build_request(
         request.parameters[PRIORITY_PARAMETER].int64_param = call.priority
     if call.cache_salt:
         request.parameters[CACHE_SALT_PARAMETER].string_param = call.cache_salt
-    if call.resumed_output_chars and call.sampling.penalized:  # only penalties read it
+    if call.resumed_output_chars and call.sampling.reads_earlier_output:
         request.parameters[RESUMED_OUTPUT_PARAMETER].int64_param = call.resumed_output_chars
     if gap.seconds > 0:
         request.parameters[GAP_PARAMETER].double_param = gap.seconds * 1000

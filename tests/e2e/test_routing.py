@@ -19,6 +19,7 @@ from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import consul
 import grpc
@@ -27,7 +28,7 @@ import pytest
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
-from llmmesh.v1 import generation_pb2, generation_pb2_grpc
+from llmmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.router.scheduling.filters import split_point
 from tests.conftest import metric_value, start_service, text_of, wait_for
 from tests.consul_double import ConsulDoubleThread
@@ -350,12 +351,18 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
         ThreadPoolExecutor(len(prompts) + 4) as pool,
     ):
         # What each stream says uninterrupted (the same weights serve both regions; a
-        # sequence's tokens do not depend on what it is batched with). Every other one
-        # has a frequency penalty: resumed, it must still count what it sent before.
-        penalties = [None, 1.5] * (len(prompts) // 2)
+        # sequence's tokens do not depend on what it is batched with). Resumed, each must
+        # go on from where it was: a penalty still counts what it sent before, a seeded
+        # draw goes on from its place in the seed's sequence, a pattern from its state.
+        options: list[dict[str, Any]] = [
+            {},
+            {"frequency_penalty": 1.5},
+            {"temperature": 1.0, "seed": 7},
+            {"structured_output": common_pb2.StructuredOutput(regex="x[0-9]+")},
+        ]
         reference = list(
             pool.map(
-                lambda n: text_of(list(_generate(channel, prompts[n], penalties[n]))),
+                lambda n: text_of(list(_generate(channel, prompts[n], **options[n]))),
                 range(len(prompts)),
             )
         )
@@ -364,7 +371,7 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
 
         def stream(n: int) -> None:
             stub_responses = []
-            for response in _generate(channel, prompts[n], penalties[n]):
+            for response in _generate(channel, prompts[n], **options[n]):
                 stub_responses.append(response)
                 if response.text:
                     started[n].set()
@@ -398,15 +405,10 @@ def test_losing_a_region_mid_load_fails_over_without_client_errors(fleet: Fleet)
 
 
 def _generate(
-    channel: grpc.Channel, prompt: str, frequency_penalty: float | None = None
+    channel: grpc.Channel, prompt: str, **options: Any
 ) -> Iterator[generation_pb2.GenerateResponse]:
-    """A long greedy generation."""
+    """A long generation, greedy unless ``options`` say otherwise."""
     stub = generation_pb2_grpc.GenerationStub(channel)
-    request = build_request(
-        prompt,
-        max_tokens=LONG_TOKENS,
-        temperature=0.0,
-        ignore_eos=True,
-        frequency_penalty=frequency_penalty,
-    )
+    options = {"temperature": 0.0, **options}
+    request = build_request(prompt, max_tokens=LONG_TOKENS, ignore_eos=True, **options)
     yield from stub.Generate(request, timeout=120)

@@ -154,9 +154,17 @@ def test_a_cache_salt_travels_as_the_cache_salt_parameter() -> None:
     assert salted.parameters["cache_salt"].string_param == "s"
 
 
-def test_resumed_output_travels_as_a_parameter_where_penalties_read_it() -> None:
+def test_resumed_output_travels_as_a_parameter_where_the_engine_reads_it() -> None:
     plain = InferenceCall("r", "llm", "hi there", Sampling(max_tokens=1), resumed_output_chars=5)
     assert "resumed_output_chars" not in build_request(plain).parameters
+    greedy = replace(plain, sampling=Sampling(max_tokens=1, temperature=0.0, seed=3))
+    assert "resumed_output_chars" not in build_request(greedy).parameters
+    for sampling in (
+        Sampling(max_tokens=1, seed=3),  # its draws go on from their place
+        Sampling(max_tokens=1, structured=("regex", "[a-z]+")),  # its grammar goes on
+    ):
+        parameters = build_request(replace(plain, sampling=sampling)).parameters
+        assert parameters["resumed_output_chars"].int64_param == 5
     penalized = replace(plain, sampling=Sampling(max_tokens=1, frequency_penalty=0.5))
     assert build_request(penalized).parameters["resumed_output_chars"].int64_param == 5
     request = build_request(penalized)

@@ -222,6 +222,21 @@ class TestPenalties:
         across = run(make_engine(), "stops", stop=[free[3:5]], min_tokens=4, ignore_eos=True, **kw)
         assert across.text == free[:3]
 
+    def test_a_seeded_stream_resumed_elsewhere_draws_what_it_would_have(self) -> None:
+        kw: dict[str, Any] = {"temperature": 1.0, "seed": 7, "ignore_eos": True}
+        whole = run(make_engine(), "seeded", max_tokens=30, **kw).text
+        head = whole[:12]
+        sink = RecordingSink()
+        request = GenerationRequest(
+            "seeded" + head,
+            sampling=SamplingParams(max_tokens=30 - len(head), **kw),
+            resumed_output_chars=len(head),
+        )
+        engine = make_engine()
+        engine.submit(request, sink)
+        drain(engine)
+        assert len(whole) == 30 and head + sink.text == whole
+
     def test_an_engine_refuses_a_bias_on_a_token_it_lacks(self) -> None:
         engine = make_engine()
         request = GenerationRequest("x", sampling=SamplingParams(logit_bias=((258, 1.0),)))

@@ -74,6 +74,11 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    @property
+    def seeded(self) -> bool:
+        """Its tokens are drawn from its seed's sequence (not greedy, not fresh entropy)."""
+        return self.seed is not None and not self.greedy
+
 
 MAX_STREAM_GAP_MS = 1000.0
 

@@ -229,9 +229,9 @@ class Engine:
 
     def _resumed_output_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
         """The tokens of the prompt's last ``resumed_output_chars`` characters (only
-        penalties and a structured output's grammar read them)."""
+        penalties, a structured output's grammar and a seeded draw read them)."""
         chars, sampling = request.resumed_output_chars, request.sampling
-        if not chars or not (sampling.penalized or sampling.structured):
+        if not chars or not (sampling.penalized or sampling.structured or sampling.seeded):
             return 0
         return min(self.tokenizer.count(request.prompt[-chars:]), prompt_tokens)
 

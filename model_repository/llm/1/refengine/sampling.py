@@ -85,7 +85,8 @@ class Penalties:
 class Sampler:
     """One per sequence: its RNG depends only on the request's seed, never on the batch.
     ``prompt``: its prompt's tokens; ``output``: those of them that are output it made
-    before (a stream resumed elsewhere), which its penalties count as its own."""
+    before (a stream resumed elsewhere), which its penalties count as its own and its
+    seeded draws step over."""
 
     def __init__(
         self,
@@ -96,7 +97,12 @@ class Sampler:
         constraint: Constraint | None = None,
     ) -> None:
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
+        bits = np.random.PCG64(params.seed)  # numpy's default generator
+        if params.seeded:
+            # A stream resumed elsewhere draws what it would have drawn had it not moved:
+            # one draw per token, so the output before took that many from the sequence.
+            bits.advance(len(output))
+        self._rng = np.random.Generator(bits)
         self.mask = _biased(masks.of(params), params)
         early = masks.early(params)
         # Until it has min_tokens, a sequence may not end (vLLM's min_tokens).
