@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import json
 import re
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.sentences import Scored
+from llmmesh.structures import SHARED, CachePartition, check_structure
 
 
 class FinishReason(enum.Enum):
@@ -24,10 +24,8 @@ class FinishReason(enum.Enum):
     BUDGET = "budget"
 
 
-# Structured outputs: the kinds the mesh takes, and vLLM's name for each.
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex")
+# Structured outputs: vLLM's name for each kind the mesh takes (structures.py checks them).
 _VLLM_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex"}
-MAX_STRUCTURE_CHARS = 65536
 
 # The penalties' names (as vLLM and OpenAI spell them) and the value that asks for none.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -205,7 +203,9 @@ MAX_BIASED_TOKENS = 300
 TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the wire
 
 
-def check_sampling(sampling: Sampling, max_tokens_limit: int, partition: str = "") -> None:
+def check_sampling(
+    sampling: Sampling, max_tokens_limit: int, partition: CachePartition = SHARED
+) -> None:
     """Raises InvalidArgument naming the first bad field of ``sampling``: every field an
     engine validates is validated here first, so that a client's mistake is the client's
     error and never a replica's failure. ``partition`` keeps one tenant's checked
@@ -259,57 +259,6 @@ def _check_penalties(sampling: Sampling) -> None:
             "sampling.repetition_penalty",
             f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {sampling.repetition_penalty}",
         )
-
-
-def check_structure(
-    kind: str, spec: str, field: str = "sampling.structured_output", partition: str = ""
-) -> None:
-    """InvalidArgument naming ``field`` unless the structure compiles (llguidance's own
-    check, the one the engine makes). Results are kept per ``partition`` (the tenant's
-    prefix-cache partition at the router): a shared cache would answer a second tenant's
-    schema faster if another tenant had sent it, telling it what the other sends."""
-    if kind not in STRUCTURED_KINDS:
-        raise InvalidArgument(field, f"one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.40}")
-    if len(spec) > MAX_STRUCTURE_CHARS:
-        raise InvalidArgument(field, f"at most {MAX_STRUCTURE_CHARS} characters")
-    error = _structure_error(kind, spec, partition)
-    if error:
-        raise InvalidArgument(field, error)
-
-
-def compile_structure(structure: tuple[str, str], partition: str = "") -> None:
-    """Compiles a structure into ``check_structure``'s cache without raising, for a caller
-    that runs it on a thread of its own: a large schema takes tens of milliseconds, which
-    on an event loop would stall every stream it serves. Skips what check_structure
-    refuses before compiling."""
-    kind, spec = structure
-    if kind in STRUCTURED_KINDS and len(spec) <= MAX_STRUCTURE_CHARS:
-        _structure_error(kind, spec, partition)
-
-
-@functools.lru_cache(maxsize=256)
-def _structure_error(kind: str, spec: str, partition: str) -> str:
-    """Why the structure does not compile ("" if it does). Kept: a client sends the same
-    schema with every request, and a large one takes milliseconds to check; ``partition``
-    is only part of the key."""
-    from llguidance import LLMatcher
-
-    try:
-        if kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(spec)
-        else:
-            schema = json.loads(spec) if kind == "json_schema" else {"type": "object"}
-            if not isinstance(schema, dict):
-                return "a JSON schema is an object"
-            grammar = LLMatcher.grammar_from_json_schema(schema)
-        error = str(LLMatcher.validate_grammar(grammar))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError included
-        return f"not a {kind.replace('_', ' ')}: {str(exc)[:200]}"
-    except BaseException as exc:  # a panic in the compiler arrives as a BaseException
-        if not type(exc).__name__.startswith("Panic"):
-            raise
-        return "does not compile (the compiler failed on it)"
-    return "" if not error or error.startswith("WARNING") else f"does not compile: {error[:300]}"
 
 
 def _check_logit_bias(biases: tuple[tuple[int, float], ...]) -> None:

@@ -11,6 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.runtime.metrics import TPOT, TTFT
+from llmmesh.structures import CachePartition, compile_structure
 from llmmesh.types import Chunk, InferenceCall, ModelCard, check_sampling
 from services.inference.health import ModelHealth
 from services.inference.load import ModelLoad, RecentLatency
@@ -60,7 +61,11 @@ class InferenceCore:
                 f"must be in [0, the prompt's length {len(call.prompt)}], "
                 f"got {call.resumed_output_chars}",
             )
-        check_sampling(call.sampling, self._limit)
+        # Each prefix-cache partition keeps its own checked structures, as at the router.
+        partition = CachePartition(group=call.cache_salt)
+        if call.sampling.structured is not None:
+            await compile_structure(call.sampling.structured, partition)
+        check_sampling(call.sampling, self._limit, partition)
         alias = self._aliases.get(call.model)
         served = call if alias is None else replace(call, model=alias)
         self.health.check(served.model)

@@ -31,6 +31,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.sentences import relevant_to, select
+from llmmesh.structures import CachePartition, compile_structure
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -44,7 +45,6 @@ from llmmesh.types import (
     check_sampling,
     check_session_id,
     check_truncation,
-    compile_structure,
     fingerprint,
 )
 from services.router.admission import TIER_PRIORITY, AdmissionQueue
@@ -185,9 +185,13 @@ class RouterCore:
         check_sampling(sampling, config.max_tokens_limit, self._structure_partition(request))
         return replace(request, model=model, sampling=sampling)
 
-    def _structure_partition(self, request: GenerateInput) -> str:
-        """Where checked structures are kept for this request: its prefix-cache partition."""
-        return self._tenants.cache_salt(request.tenant, request.cache_salt)
+    def _structure_partition(self, request: GenerateInput) -> CachePartition:
+        """Where checked structures are kept for this request: its prefix-cache partition,
+        within its tenant's group."""
+        tenants, tenant = self._tenants, request.tenant
+        return CachePartition(
+            tenants.cache_group(tenant), tenants.cache_salt(tenant, request.cache_salt)
+        )
 
     def _check_texts(self, request: GenerateInput) -> None:
         """The same limits for every message of a conversation as for a prompt, and one
@@ -223,7 +227,7 @@ class RouterCore:
         received_at = time.perf_counter()
         if request.sampling.structured is not None:
             partition = self._structure_partition(request)
-            await asyncio.to_thread(compile_structure, request.sampling.structured, partition)
+            await compile_structure(request.sampling.structured, partition)
         request = self.validate(request)
         speech = await self._speech(request.model)
         speech.check_biased(request.sampling.logit_bias)

@@ -286,12 +286,16 @@ class Tenants:
         group (the tenant itself by default) and of the client's own salt, if it sent one
         (vLLM's cache_salt, a partition within the tenant's), so that the salt names no
         tenant in the engines' logs and no client can reach another tenant's partition."""
-        spec = self.spec(tenant)
-        group = spec.prefix_cache_group or f"tenant:{spec.id}"
         digest = hashlib.blake2b(digest_size=16, person=b"llm-mesh-prefix")
-        for part in (group, requested):
+        for part in (self.cache_group(tenant), requested):
             digest.update(len(part).to_bytes(4, "little") + part.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()
+
+    def cache_group(self, tenant: str) -> str:
+        """The tenants whose requests may share prefix caches: ``tenant`` alone unless its
+        spec names a group."""
+        spec = self.spec(tenant)
+        return spec.prefix_cache_group or f"tenant:{spec.id}"
 
     def spec(self, tenant: str) -> TenantSpec:
         if not self._enabled:

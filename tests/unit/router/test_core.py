@@ -25,6 +25,7 @@ from llmmesh.runtime.errors import (
     Unavailable,
 )
 from llmmesh.sentences import Scored
+from llmmesh.structures import CHECKED
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -38,7 +39,6 @@ from llmmesh.types import (
     TokenLogprob,
     Turn,
     Verdict,
-    _structure_error,
     fingerprint,
     request_text,
 )
@@ -477,10 +477,10 @@ def test_a_schema_checked_for_one_tenant_is_checked_anew_for_another() -> None:
     core = RouterCore(RouterConfig(), gate(), Context(), Inference(), BYTES, tenants=tenants)
     schema = '{"type": "object", "properties": {"per_tenant": {"type": "integer"}}}'
     sampling = Sampling(max_tokens=4, structured=("json_schema", schema))
-    misses = _structure_error.cache_info().misses
+    compiled = CHECKED.compiled
     for tenant in ("a", "a", "b"):
         core.validate(GenerateInput(f"r-{tenant}", tenant, "", "hi", sampling))
-    assert _structure_error.cache_info().misses == misses + 2
+    assert CHECKED.compiled == compiled + 2
 
 
 def test_a_schema_is_compiled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
