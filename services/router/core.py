@@ -208,10 +208,11 @@ class RouterCore:
         ]:
             if len(text) > limit:
                 raise InvalidArgument(field, f"{len(text)} characters; the limit is {limit}")
-        instructions = request.session_use.instructions or ""
+        use = request.session_use
+        instructions = use.instructions or ""
         if len(instructions) > limit:
             raise InvalidArgument(
-                "instructions", f"{len(instructions)} characters; the limit is {limit}"
+                use.instructions_field, f"{len(instructions)} characters; the limit is {limit}"
             )
         total = sum(len(t.text) for t in turns) + len(request.prompt) + len(instructions)
         if total > self._config.max_conversation_chars:
@@ -585,13 +586,13 @@ def _cancel_lease(done: asyncio.Future[Lease], estimate: int) -> None:
 
 
 def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:
-    inline = request.inline_history
+    inline, use = request.inline_history, request.session_use
     return input_parts(
         history,
         request.prompt,
         None if inline is None else len(inline.turns),
         request.inline_field,
-        instructions=request.session_use.instructions is not None,
+        instructions=use.instructions_field if use.instructions is not None else "",
         prompt_field=request.prompt_field,
     )
 

@@ -46,17 +46,15 @@ from services.router.openai_schema import (
     openapi_document,
     parse_body,
 )
-from services.router.request import GenerateInput
+from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
 from services.router.tenants import Tenants
+from services.router.tool_calls import ToolUse, conversation, tool_use
 
 log = logging.getLogger(__name__)
 
 
-_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
-
-
-def _sampling(body: ChatBody | CompletionBody) -> Sampling:
+def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Sampling:
     body.check_no_ops()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     kwargs: dict[str, Any] = {
@@ -65,7 +63,7 @@ def _sampling(body: ChatBody | CompletionBody) -> Sampling:
         "logprobs": body.logprobs_wanted(),
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
-        "structured": body.structure(),
+        "structured": tools.structure() if tools else body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
         if getattr(body, name) is not None:
@@ -79,14 +77,14 @@ def _model_object(name: str) -> dict[str, Any]:
 
 def _inline_history(messages: list[Message]) -> tuple[History, str]:
     """Earlier messages as history, in order (system and developer ones as system turns),
-    and the last one, which must be the user's, as the prompt."""
-    *earlier, last = messages
-    if last.role != "user":
+    and the last one, which must be the user's (or a tool's result), as the prompt."""
+    *earlier, (role, last) = conversation(messages)
+    if role != Role.USER:
         raise InvalidArgument(
-            f"messages[{len(earlier)}].role", "the last message must be the user's"
+            f"messages[{len(earlier)}].role", "the last message must be the user's or a tool's"
         )
-    turns = tuple(Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text()) for m in earlier)
-    return History(turns=turns, total_turns=len(turns)), last.text()
+    turns = tuple(Turn(role, text) for role, text in earlier)
+    return History(turns=turns, total_turns=len(turns)), last
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ class OpenAiApi:
             if isinstance(source, str):
                 text = source
             else:
-                turns = [Turn(_ROLES.get(m.role, Role.ASSISTANT), m.text()) for m in source]
+                turns = [Turn(role, text) for role, text in conversation(source)]
                 text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
             tokens = speech.codec.encode(text)
             bos = speech.codec.bos_id
@@ -277,10 +275,11 @@ class OpenAiApi:
         names: dict[str, str] = {}
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
-            model = ChatBody if chat else CompletionBody
+            model: type[ChatBody | CompletionBody] = ChatBody if chat else CompletionBody
             body = await parse_body(request, model, self._settings.body_timeout_s)
             names = body.field_names()
-            prompts = self._decode(request, request_id, tenant, body, chat)
+            tools = tool_use(body) if isinstance(body, ChatBody) else None
+            prompts = self._decode(request, request_id, tenant, body, tools)
             async with contextlib.AsyncExitStack() as generations:
                 started = await self._start(generations, prompts, body.n)
                 reply = Reply(
@@ -290,6 +289,7 @@ class OpenAiApi:
                     n=len(started.choices),
                     logprobs=prompts[0].sampling.logprobs is not None,
                     usage=bool(body.stream_options and body.stream_options.include_usage),
+                    tools=tools,
                 )
                 headers = {REQUEST_ID: request_id}
                 if body.stream:
@@ -329,12 +329,19 @@ class OpenAiApi:
         return _Started(model, prompt_tokens, choices, cached_tokens)
 
     def _decode(
-        self, request: web.Request, request_id: str, tenant: str, body: Any, chat: bool
+        self,
+        request: web.Request,
+        request_id: str,
+        tenant: str,
+        body: ChatBody | CompletionBody,
+        tools: ToolUse | None,
     ) -> list[GenerateInput]:
         """One request per prompt (a completion may have several)."""
         session_id = request.headers.get(SESSION_ID, "")
+        if tools and session_id:
+            raise InvalidArgument("tools", "not in a session (x-session-id): send the messages")
         inline: History | None = None
-        if chat:
+        if isinstance(body, ChatBody):
             history, prompt = _inline_history(body.messages)
             prompts = [prompt]
             if not session_id:
@@ -347,8 +354,13 @@ class OpenAiApi:
             # A session records one answer per turn: which one would it be?
             field = "n" if body.n > 1 else "prompt"
             raise InvalidArgument(field, "one answer only in a session (x-session-id)")
-        sampling = _sampling(body)
-        listed = not chat and isinstance(body.prompt, list)
+        sampling = _sampling(body, tools)
+        listed = isinstance(body, CompletionBody) and isinstance(body.prompt, list)
+        # The tools are shown in a system message of their own, policy's verdict on it
+        # naming the field.
+        use = SessionUse()
+        if tools:
+            use = SessionUse(instructions=tools.instructions(), instructions_field="tools")
         return [
             GenerateInput(
                 request_id=request_id,
@@ -361,6 +373,7 @@ class OpenAiApi:
                 inline_history=inline,
                 cache_salt=body.cache_salt or "",
                 prompt_field=f"prompt[{index}]" if listed else "prompt",
+                session_use=use,
             )
             for index, prompt in enumerate(prompts)
         ]

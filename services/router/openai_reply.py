@@ -13,6 +13,7 @@ from typing import Any
 
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import Chunk, FinishReason, TokenLogprob
+from services.router.tool_calls import ToolStream, ToolUse, answer_of, finish_of
 
 # The mesh's finish reasons in OpenAI's vocabulary.
 FINISH = {
@@ -47,6 +48,7 @@ class _Sample:
     tokens: list[TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     offset: int = 0  # characters streamed so far
+    tools: ToolStream | None = None  # the answer's decoder, with tools
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -90,7 +92,15 @@ class Reply:
     """One response: ``n`` choices of one prompt."""
 
     def __init__(
-        self, response_id: str, model: str, chat: bool, *, n: int, logprobs: bool, usage: bool
+        self,
+        response_id: str,
+        model: str,
+        chat: bool,
+        *,
+        n: int,
+        logprobs: bool,
+        usage: bool,
+        tools: ToolUse | None = None,
     ) -> None:
         self.id = response_id
         self.model = model
@@ -98,7 +108,8 @@ class Reply:
         self.created = int(time.time())
         self.include_usage = usage
         self._logprobs = logprobs
-        self._samples = [_Sample() for _ in range(n)]
+        self._tools = tools
+        self._samples = [_Sample(tools=ToolStream() if tools else None) for _ in range(n)]
         self.completion_tokens = 0
 
     def add(self, index: int, chunk: Chunk) -> None:
@@ -131,13 +142,42 @@ class Reply:
                 "finish_reason": sample.finish,
                 "logprobs": self._logprobs_of(sample.tokens, 0),
             }
-            if self.chat:
+            if self._tools:
+                content, calls = answer_of(text)
+                choice["finish_reason"] = finish_of(sample.finish, calls, self._tools)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
         whole = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(choices, whole), "usage": usage}
+
+    def _tool_events(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        """A chunk's events with tools: the answer's deltas as the decoder lets them out,
+        the finish reason on the last."""
+        tools, sample = self._tools, self._samples[index]
+        assert tools is not None and sample.tools is not None
+        deltas = sample.tools.feed(chunk.text)
+        finish: str | None = None
+        calls: list[dict[str, Any]] = []
+        if chunk.finish_reason is not None:
+            last, calls = sample.tools.end()
+            deltas += last
+            finish = FINISH[chunk.finish_reason]
+        if first:
+            deltas = [{"role": "assistant", "content": None}, *deltas]
+        if finish is not None and not deltas:
+            deltas = [{}]
+        choices: list[dict[str, Any]] = [
+            {"index": index, "finish_reason": None, "logprobs": None, "delta": d} for d in deltas
+        ]
+        if choices and finish is not None:
+            choices[-1]["finish_reason"] = finish_of(finish, calls, tools)
+        return [self._envelope([choice]) for choice in choices]
 
     def _event(self, index: int, chunk: Chunk, first: bool) -> dict[str, Any]:
         sample = self._samples[index]
@@ -173,7 +213,11 @@ class Reply:
             started = [False] * len(choices)
             async for index, chunk in chunks:
                 self.add(index, chunk)
-                if chunk.text or chunk.finish_reason or chunk.logprobs or not started[index]:
+                if self._tools:
+                    for event in self._tool_events(index, chunk, not started[index]):
+                        yield sse(event)
+                    started[index] = True
+                elif chunk.text or chunk.finish_reason or chunk.logprobs or not started[index]:
                     yield sse(self._event(index, chunk, not started[index]))
                     started[index] = True
         if self.include_usage:

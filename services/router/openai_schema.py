@@ -32,6 +32,7 @@ from services.router.request import MAX_CACHE_SALT
 
 B = TypeVar("B", bound=BaseModel)
 MAX_CHOICES = 8
+MAX_TOOLS = 64
 MAX_INPUT_ITEMS = 62  # with the answer, what one append to a session may hold
 JSON_TYPES = ("application/json",)
 # A path element naming a field or a key (not a union member's type tag, e.g. "str").
@@ -225,14 +226,56 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as the text of a JSON object")
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant message made, sent back with the conversation."""
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = ""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = ""
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="an assistant message's calls of tools"
+    )
+    tool_call_id: str | None = Field(default=None, description="a tool message's call")
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str = Field(default="", description="shown to the model with the tool")
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="the JSON schema of the arguments (none: no arguments)"
+    )
+    strict: bool | None = Field(
+        default=None, description="taken either way: the arguments are held to the schema"
+    )
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(Body):
@@ -253,6 +296,16 @@ class ChatBody(Body):
     service_tier: Literal["auto", "default"] | None = Field(
         default=None, description="the tenant's tier decides a request's priority"
     )
+    tools: list[Tool] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description="functions the model may call: shown to it in a system message, its "
+        "answer held to JSON that calls them or answers in words",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool = Field(default=True, description="false: one call at most")
 
     def check_no_ops(self) -> None:
         super().check_no_ops()
@@ -271,7 +324,10 @@ class ChatBody(Body):
         }
 
     def field_names(self) -> dict[str, str]:
-        return {**super().field_names(), "sampling.logprobs": "top_logprobs"}
+        names = {**super().field_names(), "sampling.logprobs": "top_logprobs"}
+        if self.tools:  # the tools' grammar is the structure
+            names["sampling.structured_output"] = "tools"
+        return names
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

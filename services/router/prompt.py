@@ -127,20 +127,21 @@ def input_parts(
     written_turns: int | None,
     field: str = "messages",
     *,
-    instructions: bool = False,
+    instructions: str = "",
     prompt_field: str = "prompt",
 ) -> list[Part]:
     """Everything the model will read, in the order it reads it, each part named by the
-    request field it came from: a stored session's system prompt (or the request's
-    ``instructions`` in its place), summary and turns; then the last ``written_turns``
-    turns, which the client wrote (``field[i].content``: the messages of a conversation
-    sent whole, or the items that continue a session); then the new message. None: no
+    request field it came from: a stored session's system prompt (or, in its place, the
+    request's, named by ``instructions``: the field it came from), summary and turns;
+    then the last ``written_turns`` turns, which the client wrote (``field[i].content``:
+    the messages of a conversation sent whole, or the items that continue a session); then
+    the new message. None: no
     turns of the client's, the message is the ``prompt_field``."""
     parts: list[Part] = []
     turns = history.turns if history else ()
     if history is not None:
         if history.system_prompt:
-            name = "instructions" if instructions else "session.system_prompt"
+            name = instructions or "session.system_prompt"
             parts.append(Part(name, history.system_prompt))
         if history.summary:
             parts.append(Part("session.summary", history.summary))

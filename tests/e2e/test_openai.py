@@ -274,10 +274,8 @@ def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai
     assert missing.value.body["param"] == "model"  # type: ignore[index]
     assert missing.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(
-            model="llm", messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}]
-        )
-    assert unsupported.value.body["param"] == "tools"  # type: ignore[index]
+        client.chat.completions.create(model="llm", messages=CHAT, functions=[{"name": "f"}])
+    assert unsupported.value.body["param"] == "functions"  # type: ignore[index]
     with pytest.raises(openai.PermissionDeniedError, match="deny-weapons") as denied:
         client.chat.completions.create(model="llm", messages=BOMB)
     assert denied.value.code == "policy_violation"
@@ -432,7 +430,8 @@ def test_a_list_of_prompts_is_answered_in_order(client: openai.OpenAI) -> None:
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: openai.OpenAI) -> None:
     """The engine's count, through Triton, the inference service and the router: none for
     a prompt never seen, whole 16-token blocks of it once seen, streamed or not."""
-    system = f"You are assistant {uuid.uuid4().hex}. " * 4
+    # Unseen from its first 16-token block on: the prompt starts with the system message.
+    system = f"{uuid.uuid4().hex}: you are an assistant. " * 4
     chat: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": system},
         {"role": "user", "content": "hi"},

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from bench.recall import FILLER
 from llmmesh.client import authorized_channel, internal_channel
@@ -94,6 +94,62 @@ def test_a_deny_phrase_anywhere_in_a_chat_is_refused_before_the_engine(
     def allowed() -> int:
         reply = client.chat.completions.create(
             model="llm", messages=[{"role": "user", "content": "Hello"}], max_tokens=2
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    assert_engines_saw_only(stack, before, allowed)
+
+
+def tool(description: str = "Looks a thing up") -> ChatCompletionToolParam:
+    return {"type": "function", "function": {"name": "lookup", "description": description}}
+
+
+def called(arguments: str) -> ChatCompletionMessageParam:
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+        ],
+    }
+
+
+def tool_placements() -> dict[str, tuple[list[ChatCompletionMessageParam], str]]:
+    """A conversation with a tool and, per placement, where the deny phrase is (its field)."""
+    asked: ChatCompletionMessageParam = {"role": "user", "content": "Look it up."}
+    result: ChatCompletionMessageParam = {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    return {
+        "tool's description": ([asked], "tools"),
+        "earlier call's arguments": (
+            [asked, called(f'{{"q": "{DENIED}"}}'), result],
+            "messages[1].content",
+        ),
+        "tool's result": (
+            [asked, called("{}"), {"role": "tool", "tool_call_id": "c1", "content": DENIED}],
+            "messages[2].content",
+        ),
+    }
+
+
+def test_a_deny_phrase_in_tools_or_their_calls_is_refused_before_the_engine(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """The tools are shown to the model, and earlier calls and results are in what it
+    reads: each is checked like a message."""
+    before = prompt_tokens_seen(stack)
+    for name, (messages, field) in tool_placements().items():
+        described = DENIED if field == "tools" else "Looks a thing up"
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            client.chat.completions.create(
+                model="llm", messages=messages, tools=[tool(described)], max_tokens=4
+            )
+        assert "deny-weapons" in str(info.value) and info.value.param == field, name
+
+    def allowed() -> int:
+        messages, _ = tool_placements()["tool's description"]
+        reply = client.chat.completions.create(
+            model="llm", messages=messages, tools=[tool()], max_tokens=2
         )
         assert reply.usage is not None
         return reply.usage.prompt_tokens
@@ -248,6 +304,24 @@ def test_personal_data_in_any_message_never_reaches_a_replica(stack: Stack, reco
     ]
     client.chat.completions.create(model="llm", messages=messages, max_tokens=2)
     [prompt] = replica.prompts
+    for raw in (CARD_NBSP, EMAIL_CYRILLIC, CARD_FULLWIDTH, "1111", "example.com"):
+        assert raw not in prompt
+    assert prompt.count("[CREDIT_CARD]") == 2 and "[EMAIL]" in prompt
+
+
+def test_personal_data_in_tools_and_their_calls_never_reaches_a_replica(
+    stack: Stack, recorded: Any
+) -> None:
+    replica, base_url, _ = recorded
+    client = openai.OpenAI(base_url=base_url, api_key=stack.api_key, max_retries=0)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Charge it."},
+        called(f'{{"card": "{CARD_NBSP}"}}'),
+        {"role": "tool", "tool_call_id": "c1", "content": f"Receipt sent to {EMAIL_CYRILLIC}"},
+    ]
+    shown = tool(f"Charges a card; the default is {CARD_FULLWIDTH}")
+    client.chat.completions.create(model="llm", messages=messages, tools=[shown], max_tokens=2)
+    prompt = replica.prompts[-1]
     for raw in (CARD_NBSP, EMAIL_CYRILLIC, CARD_FULLWIDTH, "1111", "example.com"):
         assert raw not in prompt
     assert prompt.count("[CREDIT_CARD]") == 2 and "[EMAIL]" in prompt

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam, ChatCompletionToolParam
 from tokenizers import Tokenizer
 
 from bench.truncation import WHOLE, Settings, evaluate_on
@@ -311,6 +312,98 @@ def test_a_json_schema_gets_the_models_answer_in_its_shape(sdk: openai.OpenAI) -
         "country": "France",
     }
     assert reply.choices[0].finish_reason == "stop"
+
+
+def function_tool(name: str, description: str, argument: str) -> ChatCompletionToolParam:
+    parameters = {
+        "type": "object",
+        "properties": {argument: {"type": "string", "maxLength": 40}},
+        "required": [argument],
+        "additionalProperties": False,
+    }
+    function = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}  # type: ignore[typeddict-item]
+
+
+TOOLS = [
+    function_tool("get_weather", "The current weather in a city", "city"),
+    function_tool("get_time", "The current time in a time zone", "zone"),
+]
+WEATHER_QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the weather in Paris?"}
+]
+
+
+def called_tools(
+    sdk: openai.OpenAI, messages: list[ChatCompletionMessageParam], choice: Any
+) -> ChatCompletion:
+    return sdk.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=60,
+        temperature=0,
+    )
+
+
+def test_tools_are_called_as_openais_clients_expect(sdk: openai.OpenAI) -> None:
+    """The model is shown the tools and held to calling them: it picks the weather tool
+    for Paris, whole and through the SDK's streaming helper alike."""
+    (choice,) = called_tools(sdk, WEATHER_QUESTION, "required").choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    with sdk.chat.completions.stream(
+        model="smollm2",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=60,
+        temperature=0,
+    ) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    (again,) = streamed.message.tool_calls or []
+    assert (again.function.name, again.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_time"}}
+    reply = called_tools(sdk, WEATHER_QUESTION, named)
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_time"
+    assert set(json.loads(call.function.arguments)) == {"zone"}
+    assert reply.choices[0].finish_reason == "stop"  # a named call, as OpenAI's
+
+
+def test_a_tools_result_goes_back_to_the_model(sdk: openai.OpenAI) -> None:
+    """An earlier call and its result are in what the model reads; without a call to make
+    (tool_choice none), it answers in words, streamed as it writes them."""
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages: list[ChatCompletionMessageParam] = [
+        *WEATHER_QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": function}],  # type: ignore[typeddict-item]
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 degrees Celsius"},
+    ]
+    message = called_tools(sdk, messages, "auto").choices[0].message
+    for call in message.tool_calls or []:  # auto: a call, or an answer in words
+        assert call.type == "function" and call.function.name in {"get_weather", "get_time"}
+        assert isinstance(json.loads(call.function.arguments), dict)
+    assert message.tool_calls or message.content
+    stream = sdk.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        stream=True,
+        max_tokens=40,
+        temperature=0,
+    )
+    words = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(words) > 1 and "{" not in "".join(words)
 
 
 def test_health_says_the_mesh_can_serve(stack: Stack) -> None:

@@ -1,0 +1,302 @@
+"""Tool calling in chat completions (OpenAI's ``tools``, ``tool_choice`` and
+``parallel_tool_calls``) for models whose chat template has no tool format of its own.
+
+The tools are shown to the model in a system message, and its answer is held, by a
+structured output's grammar, to JSON that either calls tools (``{"tool_calls": [{"name":
+..., "arguments": {...}}]}``, each call's arguments an instance of its tool's schema) or,
+with ``auto``, answers in words (``{"response": "..."}``). The reply turns that JSON into
+OpenAI's ``tool_calls`` or ``content``. Earlier calls and their results, sent back with the
+conversation, are written in the same JSON, so that the model reads them as it writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.types import Role
+from services.router.openai_schema import ChatBody, FunctionSpec, Message, NamedToolChoice
+
+CALLS, ANSWER, RESULT = "tool_calls", "response", "tool_response"
+# The model's JSON is written with these separators (the engine's JSON layout).
+_SEPARATORS = (", ", ": ")
+_ANSWER_START = json.dumps({ANSWER: ""}, separators=_SEPARATORS)[:-2]  # {"response": "
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+_HIGH = frozenset("89abAB")  # a high surrogate's second hex digit: D800-DBFF
+_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
+
+
+def _compact(doc: Any) -> str:
+    return json.dumps(doc, ensure_ascii=False, separators=_SEPARATORS)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request's tools ask of the model: ``choice`` is ``auto``, ``required``,
+    ``none`` (the tools are shown, the answer is in words) or ``function``: call the tool
+    ``name``."""
+
+    tools: tuple[FunctionSpec, ...]
+    choice: Literal["auto", "required", "none", "function"]
+    parallel: bool
+    name: str = ""
+
+    @property
+    def named(self) -> bool:
+        return self.choice == "function"
+
+    def _offered(self) -> tuple[FunctionSpec, ...]:
+        return tuple(t for t in self.tools if not self.named or t.name == self.name)
+
+    def structure(self) -> tuple[str, str]:
+        """The grammar of the answer, as the core's structured output."""
+        answering = _object_of(ANSWER, {"type": "string"})
+        if self.choice == "none":
+            return ("json_schema", json.dumps(answering))
+        calls: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": [_call_schema(tool) for tool in self._offered()]},
+            "minItems": 1,
+        }
+        if self.named or not self.parallel:
+            calls["maxItems"] = 1
+        calling = _object_of(CALLS, calls)
+        if self.choice != "auto":
+            return ("json_schema", json.dumps(calling))
+        return ("json_schema", json.dumps({"anyOf": [calling, answering]}))
+
+    def instructions(self) -> str:
+        """The system message that shows the model its tools and how to answer."""
+        listed = "\n".join(_compact(_shown(tool)) for tool in self._offered())
+        call = _compact({CALLS: [{"name": "<tool name>", "arguments": {}}]})
+        lines = [
+            "You have these tools (each with the JSON schema of its arguments):",
+            listed,
+            "Answer with JSON only.",
+        ]
+        answer = _compact({ANSWER: "<your answer>"})
+        if self.choice == "none":
+            lines.append(f"Call no tool now; answer in words: {answer}")
+        elif self.named:
+            lines.append(f"Call the tool {self.name}: {call}")
+        elif self.choice == "required":
+            lines.append(f"Call one or more tools: {call}")
+        else:
+            lines.append(f"To call tools: {call}; to answer in words: {answer}")
+        result = _compact({RESULT: {"name": "<tool name>", "content": "<result>"}})
+        lines.append(f"A tool's result comes back as {result}.")
+        return "\n".join(lines)
+
+
+def _shown(tool: FunctionSpec) -> dict[str, Any]:
+    described = {"description": tool.description} if tool.description else {}
+    return {"name": tool.name, **described, "parameters": _params(tool)}
+
+
+def _params(tool: FunctionSpec) -> dict[str, Any]:
+    return tool.parameters if tool.parameters is not None else _NO_ARGUMENTS
+
+
+def _call_schema(tool: FunctionSpec) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": _params(tool)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _object_of(key: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {key: schema},
+        "required": [key],
+        "additionalProperties": False,
+    }
+
+
+def tool_use(body: ChatBody) -> ToolUse | None:
+    """The request's tools as the model will be asked to use them; None: no tools, the
+    model answers as without them. InvalidArgument naming
+    the field for a choice without tools, an unknown tool, or a parameter that cannot go
+    with them."""
+    tools = body.tools or []
+    choice = body.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidArgument("tool_choice", "needs tools")
+        return None
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if tool.function.name in seen:
+            raise InvalidArgument(f"tools[{index}].function.name", "names must be unique")
+        seen.add(tool.function.name)
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+        raise InvalidArgument(
+            "tool_choice.function.name", f"no tool named {choice.function.name!r:.70}"
+        )
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        raise InvalidArgument("response_format", "not with tools: the answer is the tools' JSON")
+    if body.logprobs:
+        raise InvalidArgument("logprobs", "not with tools")
+    specs = tuple(tool.function for tool in tools)
+    if isinstance(choice, NamedToolChoice):
+        return ToolUse(specs, "function", body.parallel_tool_calls, choice.function.name)
+    return ToolUse(specs, choice or "auto", body.parallel_tool_calls)
+
+
+def conversation(messages: Sequence[Message]) -> list[tuple[Role, str]]:
+    """Each message as the turn the model reads: an assistant's tool calls and a tool's
+    result written as the model's tool JSON, a tool's result as the user's turn.
+    InvalidArgument naming the message for a call or a result that does not fit."""
+    calls: dict[str, str] = {}  # call id -> tool name, of the calls so far
+    turns = []
+    for index, message in enumerate(messages):
+        field = f"messages[{index}]"
+        _check_fields(message, field)
+        if message.role == "tool":
+            name = calls.get(message.tool_call_id or "")
+            if name is None:
+                raise InvalidArgument(f"{field}.tool_call_id", "no earlier tool call has this id")
+            result = {RESULT: {"name": name, "content": message.text()}}
+            turns.append((Role.USER, _compact(result)))
+        elif message.tool_calls:
+            written = []
+            for number, call in enumerate(message.tool_calls):
+                calls[call.id] = call.function.name
+                where = f"{field}.tool_calls[{number}].function.arguments"
+                written.append({"name": call.function.name, "arguments": _arguments(call, where)})
+            turns.append((Role.ASSISTANT, _compact({CALLS: written})))
+        else:
+            turns.append((_ROLES.get(message.role, Role.ASSISTANT), message.text()))
+    return turns
+
+
+def _check_fields(message: Message, field: str) -> None:
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidArgument(f"{field}.tool_calls", "only an assistant's message makes calls")
+    if message.tool_calls and message.text():
+        raise InvalidArgument(
+            f"{field}.content", "empty with tool_calls: the model writes one or the other"
+        )
+    if (message.tool_call_id is None) != (message.role != "tool"):
+        raise InvalidArgument(f"{field}.tool_call_id", "a tool's message has one, no other")
+
+
+def _arguments(call: Any, field: str) -> Any:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidArgument(field, "not JSON") from None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(field, "must be a JSON object")
+    return arguments
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def answer_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The content and the tool calls (OpenAI's shapes) of the model's JSON. Text that is
+    not the tools' JSON (cut by max_tokens or a stop string, or changed by an output rule)
+    is the content as it is."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text, []
+    if not isinstance(doc, dict) or len(doc) != 1:
+        return text, []
+    calls = doc.get(CALLS)
+    if isinstance(calls, list) and calls and all(_is_call(c) for c in calls):
+        return None, [_openai_call(call) for call in calls]
+    answer = doc.get(ANSWER)
+    return (answer if isinstance(answer, str) else text), []
+
+
+def _is_call(call: Any) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call
+
+
+def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    function = {"name": call["name"], "arguments": arguments}
+    return {"id": _call_id(), "type": "function", "function": function}
+
+
+def finish_of(finish: str | None, calls: list[dict[str, Any]], use: ToolUse) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` when the model chose to call (a named
+    choice's call is a plain ``stop``, as OpenAI's)."""
+    return "tool_calls" if calls and finish == "stop" and not use.named else finish
+
+
+class ToolStream:
+    """A streamed answer's deltas: an answer in words streams as the model writes it (the
+    JSON string decoded as it comes); calls go out whole, once the model's JSON ends."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._answering: bool | None = None  # None: not yet known
+        self._at = len(_ANSWER_START)  # the answer's next undecoded character
+        self._closed = False  # the answer's string has ended
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self._text += text
+        if self._answering is None:
+            if self._text.startswith(_ANSWER_START):
+                self._answering = True
+            elif not _ANSWER_START.startswith(self._text):
+                self._answering = False
+        if not self._answering or self._closed:
+            return []
+        decoded = self._decode()
+        return [{"content": decoded}] if decoded else []
+
+    def _decode(self) -> str:
+        """The answer's characters complete so far (an escape is decoded once whole)."""
+        text, start, at = self._text, self._at, self._at
+        while at < len(text):
+            if text[at] == '"':
+                self._closed = True
+                break
+            if text[at] != "\\":
+                at += 1
+                continue
+            width = _escape_width(text, at)
+            if width == 0:
+                break
+            at += width
+        self._at = at
+        try:
+            return str(json.loads(f'"{text[start:at]}"'))
+        except ValueError:  # not the grammar's JSON (an output rule changed it): as it is
+            return text[start:at]
+
+    def end(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The last deltas, and the calls made."""
+        if self._answering:
+            return [], []
+        content, calls = answer_of(self._text)
+        if calls:
+            return [{CALLS: [{"index": i, **call} for i, call in enumerate(calls)]}], calls
+        return ([{"content": content}] if content else []), []
+
+
+def _escape_width(text: str, at: int) -> int:
+    """The characters of the escape at ``at`` (0: not all here yet). A high surrogate's
+    escape is taken with the low one after it: JSON writes a character beyond the BMP as
+    the pair."""
+    if at + 1 >= len(text):
+        return 0
+    if text[at + 1] != "u":
+        return 2
+    if at + 6 > len(text):
+        return 0
+    if text[at + 2] not in "dD" or text[at + 3] not in _HIGH:
+        return 6
+    return 12 if at + 12 <= len(text) else 0

@@ -1,0 +1,283 @@
+"""Tool calling in chat completions: what the model is shown and held to, how earlier calls
+and results are written for it, and how its JSON becomes OpenAI's tool_calls or content,
+whole and streamed (split anywhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.structures import SHARED, check_structure
+from llmmesh.types import Chunk, FinishReason, InferenceCall, Role
+from services.router.openai_api import OpenAiApi
+from services.router.openai_schema import ChatBody, Message
+from services.router.tenants import Tenants
+from services.router.tool_calls import ToolStream, answer_of, conversation, tool_use
+from services.router.upstreams import RouteHints
+from tests.unit.router.test_core import Context, Inference, gate, make_core
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "clock"}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> ChatBody:
+    return ChatBody.model_validate({"messages": HI, "tools": [WEATHER, CLOCK], **fields})
+
+
+def schema_of(body: ChatBody) -> dict[str, Any]:
+    use = tool_use(body)
+    assert use is not None
+    kind, spec = use.structure()
+    check_structure(kind, spec, partition=SHARED)  # the engine's compiler takes it
+    return dict(json.loads(spec))
+
+
+CALL = {"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}
+TWO_CALLS = {"tool_calls": [CALL["tool_calls"][0], {"name": "clock", "arguments": {}}]}
+ANSWER = {"response": "Hello"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "valid", "invalid"),
+    [
+        ({}, [CALL, TWO_CALLS, ANSWER], [{"tool_calls": []}, {"response": 1}]),
+        ({"tool_choice": "required"}, [CALL, TWO_CALLS], [ANSWER]),
+        ({"parallel_tool_calls": False}, [CALL, ANSWER], [TWO_CALLS]),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "clock"}}},
+            [{"tool_calls": [{"name": "clock", "arguments": {}}]}],
+            [CALL, TWO_CALLS, ANSWER, {"tool_calls": [{"name": "clock", "arguments": {"a": 1}}]}],
+        ),
+    ],
+)
+def test_the_answer_is_held_to_the_choice(
+    fields: dict[str, Any], valid: list[Any], invalid: list[Any]
+) -> None:
+    schema = schema_of(chat(**fields))
+    for doc in valid:
+        jsonschema.validate(doc, schema)
+    for doc in invalid:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, schema)
+    wrong_city = {"tool_calls": [{"name": "weather", "arguments": {"city": 1}}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(wrong_city, schema)
+
+
+def test_the_model_is_shown_the_tools_it_may_call() -> None:
+    use = tool_use(chat())
+    assert use is not None
+    shown = use.instructions()
+    assert '{"name": "weather", "description": "The weather in a city", "parameters": ' in shown
+    assert '{"name": "clock", "parameters": ' in shown and '{"response": ' in shown
+    named = tool_use(chat(tool_choice={"type": "function", "function": {"name": "clock"}}))
+    assert named is not None and "weather" not in named.instructions()
+    assert "Call the tool clock" in named.instructions()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+        ({"tools": [CLOCK, CLOCK]}, "tools[1].function.name"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_what_cannot_go_with_tools_is_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        tool_use(chat(**fields))
+    assert refused.value.field.startswith(param)
+
+
+def test_with_none_the_model_is_shown_the_tools_and_answers_in_words() -> None:
+    assert tool_use(ChatBody.model_validate({"messages": HI})) is None
+    assert tool_use(ChatBody.model_validate({"messages": HI, "tool_choice": "none"})) is None
+    schema = schema_of(chat(tool_choice="none"))
+    jsonschema.validate(ANSWER, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(CALL, schema)
+    use = tool_use(chat(tool_choice="none"))
+    assert use is not None and "weather" in use.instructions()
+
+
+def test_a_tool_may_be_named_as_a_choice_is() -> None:
+    auto = {"type": "function", "function": {"name": "auto"}}
+    named = {"type": "function", "function": {"name": "auto"}}
+    schema = schema_of(chat(tools=[WEATHER, auto], tool_choice=named))
+    jsonschema.validate({"tool_calls": [{"name": "auto", "arguments": {}}]}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(CALL, schema)
+
+
+def messages(*docs: dict[str, Any]) -> list[Message]:
+    return [Message.model_validate(doc) for doc in docs]
+
+
+def called(arguments: str) -> dict[str, Any]:
+    function = {"name": "weather", "arguments": arguments}
+    return {"id": "c1", "type": "function", "function": function}
+
+
+ASKED: dict[str, Any] = {"role": "user", "content": "Weather in Paris?"}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [called('{"city": "Paris"}')]}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}
+
+
+def test_earlier_calls_and_results_are_written_as_the_model_writes_them() -> None:
+    turns = conversation(messages(ASKED, CALLED, RESULT))
+    assert turns == [
+        (Role.USER, "Weather in Paris?"),
+        (Role.ASSISTANT, json.dumps(CALL, separators=(", ", ": "))),
+        (Role.USER, '{"tool_response": {"name": "weather", "content": "Sunny"}}'),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("docs", "param"),
+    [
+        ((ASKED, RESULT), "messages[1].tool_call_id"),
+        ((ASKED, CALLED | {"content": "and"}), "messages[1].content"),
+        ((ASKED | {"tool_calls": CALLED["tool_calls"]},), "messages[0].tool_calls"),
+        ((ASKED | {"tool_call_id": "c1"},), "messages[0].tool_call_id"),
+        ((ASKED, {"role": "tool", "content": "Sunny"}), "messages[1].tool_call_id"),
+        (
+            (ASKED, CALLED | {"tool_calls": [called("{")]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            (ASKED, CALLED | {"tool_calls": [called("[1]")]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ],
+)
+def test_a_call_or_result_that_does_not_fit_is_refused_by_name(
+    docs: tuple[dict[str, Any], ...], param: str
+) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        conversation(messages(*docs))
+    assert refused.value.field == param
+
+
+def test_the_models_json_becomes_openais_calls_or_content() -> None:
+    content, calls = answer_of(json.dumps(TWO_CALLS))
+    assert content is None
+    assert [c["function"] for c in calls] == [
+        {"name": "weather", "arguments": '{"city": "Paris"}'},
+        {"name": "clock", "arguments": "{}"},
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert answer_of('{"response": "Hi \\"there\\""}') == ('Hi "there"', [])
+    cut = '{"tool_calls": [{"name": "weather", "argu'  # max_tokens ended it
+    assert answer_of(cut) == (cut, [])
+
+
+def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]]]:
+    stream, deltas = ToolStream(), []
+    for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        deltas += stream.feed(text[start:end])
+    last, calls = stream.end()
+    deltas += last
+    return "".join(d.get("content") or "" for d in deltas), calls
+
+
+ESCAPED = json.dumps({"response": 'a "quote"\n\u00e9 \U0001f600 \\ end'})
+
+
+@pytest.mark.parametrize("text", [ESCAPED, json.dumps({"response": "é😀"}, ensure_ascii=False)])
+def test_an_answer_in_words_streams_the_same_wherever_it_is_split(text: str) -> None:
+    whole = json.loads(text)["response"]
+    for cut in range(len(text) + 1):
+        assert streamed(text, [cut]) == (whole, []), cut
+    assert streamed(text, list(range(1, len(text)))) == (whole, [])
+
+
+def test_an_answer_in_words_streams_as_it_comes() -> None:
+    stream = ToolStream()
+    assert stream.feed('{"resp') == []
+    assert stream.feed('onse": "Hel') == [{"content": "Hel"}]
+    assert stream.feed("lo\\") == [{"content": "lo"}]  # the escape is not whole yet
+    assert stream.feed('n"}') == [{"content": "\n"}]
+    assert stream.end() == ([], [])
+
+
+def test_calls_stream_whole_once_the_json_ends() -> None:
+    stream, text = ToolStream(), json.dumps(TWO_CALLS)
+    assert stream.feed(text[:20]) == [] and stream.feed(text[20:]) == []
+    (delta,), calls = stream.end()
+    assert [c["index"] for c in delta["tool_calls"]] == [0, 1]
+    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+
+
+@dataclass
+class Scripted(Inference):
+    """Answers every call with ``text``, in chunks of 5 characters."""
+
+    text: str = ""
+
+    async def generate(self, call: InferenceCall, hints: RouteHints) -> AsyncGenerator[Chunk, None]:
+        self.calls.append(call)
+        pieces = [self.text[i : i + 5] for i in range(0, len(self.text), 5)]
+        for piece in pieces[:-1]:
+            yield Chunk(piece, 1)
+        yield Chunk(pieces[-1], 1, FinishReason.STOP)
+
+
+async def post(
+    inference: Inference, doc: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, str]:
+    api = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+    async with TestClient(TestServer(api.app())) as client:
+        response = await client.post("/v1/chat/completions", json=doc, headers=headers)
+        return response.status, await response.text()
+
+
+def test_calls_through_the_api_whole_and_streamed() -> None:
+    inference = Scripted(text=json.dumps(CALL, separators=(", ", ": ")))
+    doc = {"model": "llm", "messages": HI, "tools": [WEATHER], "max_tokens": 64}
+    status, text = asyncio.run(post(inference, doc))
+    assert status == 200, text
+    (choice,) = json.loads(text)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    call = inference.calls[0]
+    assert call.sampling.structured is not None and "weather" in call.sampling.structured[1]
+    assert "The weather in a city" in call.prompt  # the model reads the tools
+    status, text = asyncio.run(post(inference, doc | {"stream": True}))
+    events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert deltas[-1]["tool_calls"][0]["function"]["name"] == "weather"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_call_finishes_as_stop_and_a_session_is_refused() -> None:
+    inference = Scripted(text=json.dumps(CALL))
+    named = {"type": "function", "function": {"name": "weather"}}
+    doc = {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": named}
+    status, text = asyncio.run(post(inference, doc))
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "stop"
+    status, text = asyncio.run(post(inference, doc, {"x-session-id": "s1"}))
+    assert (status, json.loads(text)["error"]["param"]) == (400, "tools")
