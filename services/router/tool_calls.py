@@ -19,7 +19,13 @@ from typing import Any, Literal
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Role
-from services.router.openai_schema import ChatBody, FunctionSpec, Message, NamedToolChoice
+from services.router.openai_schema import (
+    ChatBody,
+    FunctionSpec,
+    Message,
+    NamedToolChoice,
+    ToolCall,
+)
 
 CALLS, ANSWER, RESULT = "tool_calls", "response", "tool_response"
 # The model's JSON is written with these separators (the engine's JSON layout).
@@ -121,9 +127,8 @@ def _object_of(key: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 def tool_use(body: ChatBody) -> ToolUse | None:
     """The request's tools as the model will be asked to use them; None: no tools, the
-    model answers as without them. InvalidArgument naming
-    the field for a choice without tools, an unknown tool, or a parameter that cannot go
-    with them."""
+    model answers as without them. InvalidArgument naming the field for a choice without
+    tools, an unknown tool, or a parameter that cannot go with them."""
     tools = body.tools or []
     choice = body.tool_choice
     if not tools:
@@ -185,13 +190,15 @@ def _check_fields(message: Message, field: str) -> None:
             f"{field}.content", "empty with tool_calls: the model writes one or the other"
         )
     if (message.tool_call_id is None) != (message.role != "tool"):
-        raise InvalidArgument(f"{field}.tool_call_id", "a tool's message has one, no other")
+        raise InvalidArgument(
+            f"{field}.tool_call_id", "required in a tool's message, and only there"
+        )
 
 
-def _arguments(call: Any, field: str) -> Any:
+def _arguments(call: ToolCall, field: str) -> Any:
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not taken either
         raise InvalidArgument(field, "not JSON") from None
     if not isinstance(arguments, dict):
         raise InvalidArgument(field, "must be a JSON object")
@@ -208,7 +215,7 @@ def answer_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     is the content as it is."""
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text, []
     if not isinstance(doc, dict) or len(doc) != 1:
         return text, []

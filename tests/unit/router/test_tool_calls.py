@@ -170,6 +170,10 @@ def test_earlier_calls_and_results_are_written_as_the_model_writes_them() -> Non
             (ASKED, CALLED | {"tool_calls": [called("[1]")]}),
             "messages[1].tool_calls[0].function.arguments",
         ),
+        (  # nested deeper than the parser goes
+            (ASKED, CALLED | {"tool_calls": [called("[" * 100_000)]}),
+            "messages[1].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_a_call_or_result_that_does_not_fit_is_refused_by_name(
