@@ -413,7 +413,7 @@ class ResponseBody(_Strict):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     text: TextConfig | None = None
-    tools: list[dict[str, Any]] = _no_op([], "tools are not implemented")
+    tools: list[dict[str, Any]] = _no_op([], "tools are taken by /v1/chat/completions")
     tool_choice: Literal["none", "auto"] | None = Field(
         default=None, description="without tools, nothing to choose"
     )
@@ -440,7 +440,7 @@ class ResponseBody(_Strict):
 
     def check_no_ops(self) -> None:
         if self.tools:
-            raise InvalidArgument("tools", "not supported (tools are not implemented)")
+            raise InvalidArgument("tools", "not supported here (/v1/chat/completions takes tools)")
 
 
 class TokenizeBody(_Strict):
