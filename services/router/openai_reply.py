@@ -13,7 +13,8 @@ from typing import Any
 
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import Chunk, FinishReason, TokenLogprob
-from services.router.tool_calls import ToolStream, ToolUse, answer_of, finish_of
+from services.router.tool_calls import ToolUse, finish_of
+from services.router.tool_stream import ToolStream, whole_answer
 
 # The mesh's finish reasons in OpenAI's vocabulary.
 FINISH = {
@@ -143,7 +144,7 @@ class Reply:
                 "logprobs": self._logprobs_of(sample.tokens, 0),
             }
             if self._tools:
-                content, calls = answer_of(text)
+                content, calls = whole_answer(text)
                 choice["finish_reason"] = finish_of(sample.finish, calls, self._tools)
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:

@@ -30,9 +30,7 @@ from services.router.openai_schema import (
 CALLS, ANSWER, RESULT = "tool_calls", "response", "tool_response"
 # The model's JSON is written with these separators (the engine's JSON layout).
 _SEPARATORS = (", ", ": ")
-_ANSWER_START = json.dumps({ANSWER: ""}, separators=_SEPARATORS)[:-2]  # {"response": "
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-_HIGH = frozenset("89abAB")  # a high surrogate's second hex digit: D800-DBFF
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
 
@@ -205,7 +203,7 @@ def _arguments(call: ToolCall, field: str) -> Any:
     return arguments
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -233,77 +231,10 @@ def _is_call(call: Any) -> bool:
 def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
     function = {"name": call["name"], "arguments": arguments}
-    return {"id": _call_id(), "type": "function", "function": function}
+    return {"id": call_id(), "type": "function", "function": function}
 
 
 def finish_of(finish: str | None, calls: list[dict[str, Any]], use: ToolUse) -> str | None:
     """OpenAI's finish reason: ``tool_calls`` when the model chose to call (a named
     choice's call is a plain ``stop``, as OpenAI's)."""
     return "tool_calls" if calls and finish == "stop" and not use.named else finish
-
-
-class ToolStream:
-    """A streamed answer's deltas: an answer in words streams as the model writes it (the
-    JSON string decoded as it comes); calls go out whole, once the model's JSON ends."""
-
-    def __init__(self) -> None:
-        self._text = ""
-        self._answering: bool | None = None  # None: not yet known
-        self._at = len(_ANSWER_START)  # the answer's next undecoded character
-        self._closed = False  # the answer's string has ended
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self._text += text
-        if self._answering is None:
-            if self._text.startswith(_ANSWER_START):
-                self._answering = True
-            elif not _ANSWER_START.startswith(self._text):
-                self._answering = False
-        if not self._answering or self._closed:
-            return []
-        decoded = self._decode()
-        return [{"content": decoded}] if decoded else []
-
-    def _decode(self) -> str:
-        """The answer's characters complete so far (an escape is decoded once whole)."""
-        text, start, at = self._text, self._at, self._at
-        while at < len(text):
-            if text[at] == '"':
-                self._closed = True
-                break
-            if text[at] != "\\":
-                at += 1
-                continue
-            width = _escape_width(text, at)
-            if width == 0:
-                break
-            at += width
-        self._at = at
-        try:
-            return str(json.loads(f'"{text[start:at]}"'))
-        except ValueError:  # not the grammar's JSON (an output rule changed it): as it is
-            return text[start:at]
-
-    def end(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The last deltas, and the calls made."""
-        if self._answering:
-            return [], []
-        content, calls = answer_of(self._text)
-        if calls:
-            return [{CALLS: [{"index": i, **call} for i, call in enumerate(calls)]}], calls
-        return ([{"content": content}] if content else []), []
-
-
-def _escape_width(text: str, at: int) -> int:
-    """The characters of the escape at ``at`` (0: not all here yet). A high surrogate's
-    escape is taken with the low one after it: JSON writes a character beyond the BMP as
-    the pair."""
-    if at + 1 >= len(text):
-        return 0
-    if text[at + 1] != "u":
-        return 2
-    if at + 6 > len(text):
-        return 0
-    if text[at + 2] not in "dD" or text[at + 3] not in _HIGH:
-        return 6
-    return 12 if at + 12 <= len(text) else 0

@@ -20,7 +20,8 @@ from llmmesh.types import Chunk, FinishReason, InferenceCall, Role
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, Message
 from services.router.tenants import Tenants
-from services.router.tool_calls import ToolStream, answer_of, conversation, tool_use
+from services.router.tool_calls import answer_of, conversation, tool_use
+from services.router.tool_stream import ToolStream, whole_answer
 from services.router.upstreams import RouteHints
 from tests.unit.router.test_core import Context, Inference, gate, make_core
 
@@ -227,12 +228,68 @@ def test_an_answer_in_words_streams_as_it_comes() -> None:
     assert stream.end() == ([], [])
 
 
-def test_calls_stream_whole_once_the_json_ends() -> None:
-    stream, text = ToolStream(), json.dumps(TWO_CALLS)
-    assert stream.feed(text[:20]) == [] and stream.feed(text[20:]) == []
-    (delta,), calls = stream.end()
-    assert [c["index"] for c in delta["tool_calls"]] == [0, 1]
-    assert [c["function"]["name"] for c in calls] == ["weather", "clock"]
+def accumulated(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls from their deltas, as OpenAI's SDK puts them together."""
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for part in delta.get("tool_calls", []):
+            if part["index"] == len(calls):
+                calls.append({"id": part["id"], "name": part["function"]["name"], "arguments": ""})
+            calls[part["index"]]["arguments"] += part["function"]["arguments"]
+    return calls
+
+
+TRICKY = {
+    "tool_calls": [
+        {"name": "weather", "arguments": {"city": 'Pa}r"is', "at": [1, {"x": "]}"}]}},
+        {"name": "clock", "arguments": {}},
+    ]
+}
+
+
+@pytest.mark.parametrize("doc", [CALL, TWO_CALLS, TRICKY])
+def test_calls_stream_as_they_are_written_wherever_split(doc: dict[str, Any]) -> None:
+    text = json.dumps(doc, ensure_ascii=False, separators=(", ", ": "))
+    want = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in doc["tool_calls"]]
+    for cuts in [*([cut] for cut in range(len(text) + 1)), list(range(1, len(text)))]:
+        stream, deltas = ToolStream(), []
+        for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            deltas += stream.feed(text[start:end])
+        last, calls = stream.end()
+        got = accumulated(deltas + last)
+        assert [(c["name"], c["arguments"]) for c in got] == want, cuts
+        assert [c["id"] for c in got] == [c["id"] for c in calls] and len(calls) == len(want)
+        assert not any("content" in d for d in deltas + last)
+
+
+def test_a_call_goes_out_once_its_name_is_whole() -> None:
+    stream = ToolStream()
+    assert stream.feed('{"tool_calls": [{"name": "wea') == []
+    ((header,),) = [d["tool_calls"] for d in stream.feed('ther", "argu')]
+    assert header["function"] == {"name": "weather", "arguments": ""} and header["index"] == 0
+    (piece,) = stream.feed('ments": {"ci')
+    assert piece["tool_calls"][0]["function"] == {"arguments": '{"ci'}
+    stream.feed('ty": "Paris"}}]}')
+    function = {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert stream.end() == ([], [{"id": header["id"], "type": "function", "function": function}])
+
+
+def test_a_whole_answer_is_read_as_a_streamed_one() -> None:
+    """The same arguments' text whole as streamed: as the model wrote it."""
+    escaped = '{"tool_calls": [{"name": "weather", "arguments": {"city": "\\u00e9"}}]}'
+    content, (call,) = whole_answer(escaped)
+    assert content is None and call["function"]["arguments"] == '{"city": "\\u00e9"}'
+    assert whole_answer('{"response": "Hi"}') == ("Hi", [])
+    assert whole_answer('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', [])
+
+
+def test_text_that_leaves_the_layout_goes_out_as_content() -> None:
+    """An output rule may change the model's JSON: what cannot be read as calls is
+    content, whole, at the end; what went out as calls before stays."""
+    assert streamed("[REDACTED] and more", [3]) == ("[REDACTED] and more", [])
+    text = json.dumps(CALL, separators=(", ", ": "))[:-2] + "[REDACTED]"
+    content, calls = streamed(text, [5, 40])
+    assert content == "[REDACTED]" and [c["function"]["name"] for c in calls] == ["weather"]
 
 
 @dataclass
@@ -273,7 +330,8 @@ def test_calls_through_the_api_whole_and_streamed() -> None:
     events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0] == {"role": "assistant", "content": None}
-    assert deltas[-1]["tool_calls"][0]["function"]["name"] == "weather"
+    assert deltas[1]["tool_calls"][0]["function"]["name"] == "weather"
+    assert accumulated(deltas)[0]["arguments"] == '{"city": "Paris"}'
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
