@@ -79,6 +79,13 @@ class PolicyDenied(PermissionDenied):
         super().__init__(message)
         self.field = field
 
+    def named(self, names: Mapping[str, str]) -> PolicyDenied:
+        """As FieldError.named: the field, and where the message names it."""
+        name = names.get(self.field)
+        if name is None or not self.field:
+            return self
+        return PolicyDenied(self.message.replace(self.field, name), name)
+
 
 class NotFound(MeshError):
     """The named thing does not exist (or is not visible to this caller)."""

@@ -31,7 +31,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.sentences import relevant_to, select
-from llmmesh.structures import CachePartition, compile_structure
+from llmmesh.structures import CachePartition, check_structure, compile_structure
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -88,6 +88,7 @@ TOKEN_USAGE = Histogram(
     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384),
 )
 STORED_PARTS = ("session.turns", "session.summary")
+STRUCTURE_PART = "sampling.structured_output"
 
 REUSED_REQUEST_ID = (
     "already used by another request in this session; a retry sends the same request"
@@ -247,7 +248,11 @@ class RouterCore:
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
             verdict = await self._verdict(request, history, rule_set)
-            history, user_text = with_texts(history, verdict.texts)
+            texts = verdict.texts
+            if _structure_part(request):
+                request = await self._with_structure(request, texts[0])
+                texts = texts[1:]
+            history, user_text = with_texts(history, texts)
             _check_not_reused(history, user_text)
             call, prompt_tokens = self._build_call(request, history, user_text, speech)
             user_tokens = speech.count(user_text)
@@ -512,7 +517,7 @@ class RouterCore:
         the rule and where it matched, if a rule denies it); if policy is unreachable,
         the tenant's fail mode decides: ``closed`` refuses (UNAVAILABLE), ``open`` lets
         the prompt through, flagged."""
-        parts = _input_parts(request, history)
+        parts = [*_structure_part(request), *_input_parts(request, history)]
         try:
             with tracing.step("policy.check_input"):
                 verdict = await self._policy.check_input(
@@ -527,6 +532,19 @@ class RouterCore:
         if len(verdict.texts) != len(parts):
             raise Unavailable("policy returned a verdict on a different number of parts")
         return verdict
+
+    async def _with_structure(self, request: GenerateInput, checked: str) -> GenerateInput:
+        """The request with its structure as policy let it through: a redaction rewrites
+        the schema's or the pattern's text (the model can then write only the mark), which
+        must still compile."""
+        assert request.sampling.structured is not None
+        kind, spec = request.sampling.structured
+        if checked == spec:
+            return request
+        partition = self._structure_partition(request)
+        await compile_structure((kind, checked), partition)
+        check_structure(kind, checked, STRUCTURE_PART, partition)
+        return replace(request, sampling=replace(request.sampling, structured=(kind, checked)))
 
     async def _record(self, prepared: Prepared, answer: str, answer_tokens: int) -> None:
         request = prepared.request
@@ -583,6 +601,13 @@ async def _undo_admission(admitting: asyncio.Future[Lease], estimate: int) -> No
 def _cancel_lease(done: asyncio.Future[Lease], estimate: int) -> None:
     if not done.cancelled() and done.exception() is None:
         done.result().cancel(estimate)
+
+
+def _structure_part(request: GenerateInput) -> list[Part]:
+    """What the output is held to, as policy reads it: the model is made to write what a
+    schema or a pattern spells out, so its text is checked as what the model reads is."""
+    structured = request.sampling.structured
+    return [Part(STRUCTURE_PART, structured[1])] if structured and structured[1] else []
 
 
 def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:

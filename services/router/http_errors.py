@@ -53,7 +53,7 @@ def error_body(
 def error_response(err: MeshError, names: Mapping[str, str] | None = None) -> web.Response:
     """``err`` as OpenAI's error JSON; ``names``: the request body's own names for the
     core's fields (its ``param`` and message name the field as the client sent it)."""
-    if names and isinstance(err, FieldError):
+    if names and isinstance(err, FieldError | PolicyDenied):
         err = err.named(names)
     status, kind = status_of(err)
     param = err.field if isinstance(err, FieldError | PolicyDenied) else None

@@ -132,11 +132,12 @@ def tool_placements() -> dict[str, tuple[list[ChatCompletionMessageParam], str]]
     }
 
 
-def test_a_deny_phrase_in_tools_or_their_calls_is_refused_before_the_engine(
+def test_a_deny_phrase_in_tools_their_calls_or_a_format_is_refused_before_the_engine(
     stack: Stack, client: openai.OpenAI
 ) -> None:
-    """The tools are shown to the model, and earlier calls and results are in what it
-    reads: each is checked like a message."""
+    """The tools are shown to the model, earlier calls and results are in what it reads,
+    and a format's schema makes it write what the schema spells out: each is checked like
+    a message."""
     before = prompt_tokens_seen(stack)
     for name, (messages, field) in tool_placements().items():
         described = DENIED if field == "tools" else "Looks a thing up"
@@ -145,6 +146,15 @@ def test_a_deny_phrase_in_tools_or_their_calls_is_refused_before_the_engine(
                 model="llm", messages=messages, tools=[tool(described)], max_tokens=4
             )
         assert "deny-weapons" in str(info.value) and info.value.param == field, name
+    schema: dict[str, object] = {"type": "object", "properties": {"how": {"const": DENIED}}}
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        client.chat.completions.create(
+            model="llm",
+            messages=[{"role": "user", "content": "Go on."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            max_tokens=4,
+        )
+    assert info.value.param == "response_format" and "in response_format" in str(info.value)
 
     def allowed() -> int:
         messages, _ = tool_placements()["tool's description"]

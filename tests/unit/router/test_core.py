@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import json
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from llmmesh.runtime.errors import (
     InvalidArgument,
     ModelNotFound,
     PermissionDenied,
+    PolicyDenied,
     Unavailable,
 )
 from llmmesh.sentences import Scored
@@ -509,6 +511,29 @@ def test_a_schema_is_compiled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
 
     loop_thread = asyncio.run(scenario())
     assert compiled_on and loop_thread not in compiled_on
+
+
+def structured(kind: str, spec: str) -> GenerateInput:
+    return replace(request(), sampling=Sampling(4, structured=(kind, spec)))
+
+
+def test_what_a_structure_makes_the_model_write_is_checked_as_what_it_reads() -> None:
+    """A schema's const or a pattern's literal is written by the model whatever it reads:
+    a deny phrase there is refused before the engine, personal data is redacted in it."""
+
+    async def scenario() -> None:
+        policy, inference = gate(PolicyService(rules(DENY_BOMB, REDACT_EMAIL))), Inference()
+        core = make_core(policy, Context(), inference)
+        bomb = json.dumps({"const": "how to build a bomb"})
+        with pytest.raises(PolicyDenied) as denied:
+            await core.prepare(structured("json_schema", bomb))
+        assert denied.value.field == "sampling.structured_output" and inference.calls == []
+        mail = json.dumps({"enum": ["a@b.io", "none"]})
+        await run(core, structured("json_schema", mail))
+        [call] = inference.calls
+        assert call.sampling.structured == ("json_schema", '{"enum": ["[EMAIL]", "none"]}')
+
+    asyncio.run(scenario())
 
 
 def test_every_message_of_a_conversation_has_the_prompts_limit_and_the_whole_a_limit() -> None:
