@@ -344,6 +344,7 @@ class History:
 
     turns: tuple[Turn, ...] = ()
     system_prompt: str = ""
+    tools: str = ""  # the tools shown to the model for this request (never stored)
     summary: str = ""
     truncation: str = ""
     total_turns: int = 0

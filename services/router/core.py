@@ -211,11 +211,11 @@ class RouterCore:
                 raise InvalidArgument(field, f"{len(text)} characters; the limit is {limit}")
         use = request.session_use
         instructions = use.instructions or ""
-        if len(instructions) > limit:
-            raise InvalidArgument(
-                use.instructions_field, f"{len(instructions)} characters; the limit is {limit}"
-            )
+        for field, text in (("instructions", instructions), ("tools", use.tools)):
+            if len(text) > limit:
+                raise InvalidArgument(field, f"{len(text)} characters; the limit is {limit}")
         total = sum(len(t.text) for t in turns) + len(request.prompt) + len(instructions)
+        total += len(use.tools)
         if total > self._config.max_conversation_chars:
             raise InvalidArgument(
                 name,
@@ -477,12 +477,12 @@ class RouterCore:
     async def _load_history(self, request: GenerateInput, speech: ModelSpeech) -> History | None:
         """The session's history cut to what the prompt can hold; if the session store is
         unreachable, the tenant's fail mode decides: ``open`` answers without history."""
-        instructions = request.session_use.instructions
+        use = request.session_use
         if not request.session_id:
             inline = request.inline_history
-            if inline is None or instructions is None:
+            if inline is None or (use.instructions is None and not use.tools):
                 return inline
-            return continued(inline, (), instructions)
+            return replace(continued(inline, (), use.instructions), tools=use.tools)
         spec = self._tenants.spec(request.tenant)
         count = speech.count
         new_turns = request.inline_history.turns if request.inline_history else ()
@@ -494,6 +494,7 @@ class RouterCore:
             - count(user_tail(request.prompt, speech.layout))
             - summary_overhead(count)
             - sum(count(t.text) + overhead for t in new_turns)
+            - (count(use.tools) + overhead if use.tools else 0)
         )
         wanted = HistoryRequest(
             request.tenant,
@@ -508,7 +509,10 @@ class RouterCore:
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "no history")
             stored = History()
-        return continued(_excerpt_for(stored, request.prompt, count), new_turns, instructions)
+        history = continued(
+            _excerpt_for(stored, request.prompt, count), new_turns, use.instructions
+        )
+        return replace(history, tools=use.tools)
 
     async def _verdict(
         self, request: GenerateInput, history: History | None, rule_set: str
@@ -617,7 +621,7 @@ def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:
         request.prompt,
         None if inline is None else len(inline.turns),
         request.inline_field,
-        instructions=use.instructions_field if use.instructions is not None else "",
+        instructions=use.instructions is not None,
         prompt_field=request.prompt_field,
     )
 

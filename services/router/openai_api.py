@@ -338,8 +338,6 @@ class OpenAiApi:
     ) -> list[GenerateInput]:
         """One request per prompt (a completion may have several)."""
         session_id = request.headers.get(SESSION_ID, "")
-        if tools and session_id:
-            raise InvalidArgument("tools", "not in a session (x-session-id): send the messages")
         inline: History | None = None
         if isinstance(body, ChatBody):
             history, prompt = _inline_history(body.messages)
@@ -356,11 +354,9 @@ class OpenAiApi:
             raise InvalidArgument(field, "one answer only in a session (x-session-id)")
         sampling = _sampling(body, tools)
         listed = isinstance(body, CompletionBody) and isinstance(body.prompt, list)
-        # The tools are shown in a system message of their own, policy's verdict on it
-        # naming the field.
-        use = SessionUse()
-        if tools:
-            use = SessionUse(instructions=tools.instructions(), instructions_field="tools")
+        # The tools are shown in a system message of their own (policy's verdict on it
+        # names the field), after the session's system prompt if there is one.
+        use = SessionUse(tools=tools.instructions() if tools else "")
         return [
             GenerateInput(
                 request_id=request_id,

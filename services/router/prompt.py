@@ -57,6 +57,8 @@ def _preamble(history: History) -> list[Turn]:
     turns = []
     if history.system_prompt:
         turns.append(Turn(Role.SYSTEM, history.system_prompt))
+    if history.tools:
+        turns.append(Turn(Role.SYSTEM, history.tools))
     if history.summary:
         turns.append(Turn(Role.SYSTEM, SUMMARY_LEAD + history.summary))
     return turns
@@ -127,22 +129,24 @@ def input_parts(
     written_turns: int | None,
     field: str = "messages",
     *,
-    instructions: str = "",
+    instructions: bool = False,
     prompt_field: str = "prompt",
 ) -> list[Part]:
     """Everything the model will read, in the order it reads it, each part named by the
-    request field it came from: a stored session's system prompt (or, in its place, the
-    request's, named by ``instructions``: the field it came from), summary and turns;
-    then the last ``written_turns`` turns, which the client wrote (``field[i].content``:
-    the messages of a conversation sent whole, or the items that continue a session); then
+    request field it came from: a stored session's system prompt (or the request's
+    ``instructions`` in its place), the request's tools, the summary and turns; then the
+    last ``written_turns`` turns, which the client wrote (``field[i].content``: the
+    messages of a conversation sent whole, or the items that continue a session); then
     the new message. None: no
     turns of the client's, the message is the ``prompt_field``."""
     parts: list[Part] = []
     turns = history.turns if history else ()
     if history is not None:
         if history.system_prompt:
-            name = instructions or "session.system_prompt"
+            name = "instructions" if instructions else "session.system_prompt"
             parts.append(Part(name, history.system_prompt))
+        if history.tools:
+            parts.append(Part("tools", history.tools))
         if history.summary:
             parts.append(Part("session.summary", history.summary))
     stored = len(turns) - (written_turns or 0)
@@ -176,6 +180,8 @@ def with_texts(history: History | None, texts: tuple[str, ...]) -> tuple[History
         return None, prompt
     pieces = iter(earlier)
     system = next(pieces) if history.system_prompt else ""
+    tools = next(pieces) if history.tools else ""
     summary = next(pieces) if history.summary else ""
     turns = tuple(replace(turn, text=next(pieces)) for turn in history.turns)
-    return replace(history, system_prompt=system, summary=summary, turns=turns), prompt
+    checked = replace(history, system_prompt=system, tools=tools, summary=summary, turns=turns)
+    return checked, prompt

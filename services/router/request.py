@@ -22,7 +22,7 @@ class SessionUse:
 
     record: bool = True  # False: the session is read, never written (store: false)
     instructions: str | None = None  # this request's system prompt instead of the stored one
-    instructions_field: str = "instructions"  # the request field they came from
+    tools: str = ""  # the system message that shows the model its tools (never stored)
     affinity: str = ""  # the conversation's key for replica affinity; empty: the session's
     may_truncate: bool = True  # False: a history that does not fit is refused, never cut
 

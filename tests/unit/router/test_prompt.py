@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from llmmesh.runtime.errors import InvalidArgument
@@ -9,9 +11,11 @@ from services.context.truncation import Budget, truncate
 from services.router.prompt import (
     SUMMARY_LEAD,
     build_prompt,
+    input_parts,
     summary_overhead,
     turn_overhead,
     user_tail,
+    with_texts,
 )
 
 
@@ -38,6 +42,25 @@ def test_a_summary_goes_after_the_system_prompt_and_before_the_turns() -> None:
         history(Turn(Role.USER, "q"), system="S", summary="They met."), "now", 1000, count
     )
     assert prompt.index("S\n") < prompt.index(SUMMARY_LEAD + "They met.") < prompt.index("q\n")
+
+
+def test_the_tools_go_after_the_system_prompt_and_policy_reads_them_as_tools() -> None:
+    """Each part is named for policy and comes back in place, redacted or not."""
+    asked = history(Turn(Role.USER, "q"), system="S", summary="They met.")
+    shown = replace(asked, tools="T", total_turns=1)
+    prompt, _ = build_prompt(shown, "now", 1000, count)
+    assert prompt.index("S\n") < prompt.index("T\n") < prompt.index(SUMMARY_LEAD)
+    parts = input_parts(shown, "now", None)
+    assert [p.field for p in parts] == [
+        "session.system_prompt",
+        "tools",
+        "session.summary",
+        "session.turns[0]",
+        "prompt",
+    ]
+    checked, text = with_texts(shown, ("S", "T'", "They met.", "q", "now"))
+    assert checked is not None and (checked.tools, checked.system_prompt) == ("T'", "S")
+    assert text == "now"
 
 
 def test_what_still_does_not_fit_is_dropped_oldest_first() -> None:

@@ -307,39 +307,45 @@ class Scripted(Inference):
 
 
 async def post(
-    inference: Inference, doc: dict[str, Any], headers: dict[str, str] | None = None
+    inference: Inference,
+    doc: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    context: Context | None = None,
 ) -> tuple[int, str]:
-    api = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+    core = make_core(gate(), context or Context(), inference)
+    api = OpenAiApi(core, Tenants(), ["llm"])
     async with TestClient(TestServer(api.app())) as client:
         response = await client.post("/v1/chat/completions", json=doc, headers=headers)
         return response.status, await response.text()
 
 
-def test_calls_through_the_api_whole_and_streamed() -> None:
-    inference = Scripted(text=json.dumps(CALL, separators=(", ", ": ")))
-    doc = {"model": "llm", "messages": HI, "tools": [WEATHER], "max_tokens": 64}
-    status, text = asyncio.run(post(inference, doc))
-    assert status == 200, text
-    (choice,) = json.loads(text)["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
-    call = inference.calls[0]
-    assert call.sampling.structured is not None and "weather" in call.sampling.structured[1]
-    assert "The weather in a city" in call.prompt  # the model reads the tools
-    status, text = asyncio.run(post(inference, doc | {"stream": True}))
-    events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
-    deltas = [e["choices"][0]["delta"] for e in events]
-    assert deltas[0] == {"role": "assistant", "content": None}
-    assert deltas[1]["tool_calls"][0]["function"]["name"] == "weather"
-    assert accumulated(deltas)[0]["arguments"] == '{"city": "Paris"}'
-    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
-
-
-def test_a_named_call_finishes_as_stop_and_a_session_is_refused() -> None:
+def test_a_named_call_finishes_as_stop() -> None:
     inference = Scripted(text=json.dumps(CALL))
     named = {"type": "function", "function": {"name": "weather"}}
     doc = {"model": "llm", "messages": HI, "tools": [WEATHER], "tool_choice": named}
     status, text = asyncio.run(post(inference, doc))
     assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "stop"
-    status, text = asyncio.run(post(inference, doc, {"x-session-id": "s1"}))
-    assert (status, json.loads(text)["error"]["param"]) == (400, "tools")
+
+
+def test_in_a_session_the_tools_are_shown_and_never_stored() -> None:
+    """A session keeps the conversation, the calls and results in the model's JSON; the
+    tools are the request's, shown before the conversation."""
+    inference, context = Scripted(text=json.dumps(CALL)), Context()
+    doc = {"model": "llm", "messages": [ASKED], "tools": [WEATHER], "max_tokens": 64}
+    session = {"x-session-id": "s1"}
+    status, _ = asyncio.run(post(inference, doc, session, context))
+    assert status == 200
+    result = {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}
+    doc["messages"] = [ASKED, CALLED, result]
+    status, _ = asyncio.run(post(inference, doc, session, context))
+    assert status == 200
+    ((_, turns),) = context.sessions.items()
+    stored = [t.text for t in turns]
+    assert stored == [
+        ASKED["content"],
+        json.dumps(CALL),
+        '{"tool_response": {"name": "weather", "content": "Sunny"}}',
+        json.dumps(CALL),
+    ]
+    second = inference.calls[1].prompt
+    assert second.index("The weather in a city") < second.index("Weather in Paris?")
