@@ -246,6 +246,12 @@ class Message(_Strict):
         default=None, description="an assistant message's calls of tools"
     )
     tool_call_id: str | None = Field(default=None, description="a tool message's call")
+    # What an earlier reply's message has when a client sends it back as it came: taken
+    # where it says nothing (null, or no annotations).
+    refusal: None = Field(default=None, description="null only: the served models never refuse")
+    annotations: list[Any] | None = Field(default=None, max_length=0, description="none")
+    audio: None = Field(default=None, description="null only: no audio")
+    function_call: None = Field(default=None, description="null only: tool_calls instead")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

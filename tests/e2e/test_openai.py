@@ -8,11 +8,12 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack, StackPorts
@@ -230,6 +231,54 @@ def test_a_reused_request_id_is_409_and_the_first_turn_stays(
             context_pb2.LoadSessionRequest(tenant="demo", session_id=session), timeout=5
         )
     assert [t.text for t in stored.turns][::2] == ["hi"]
+
+
+def test_a_session_with_tools_stores_the_calls_and_results_never_the_tools(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """The random model calls what it must (required, one call); the call and its result
+    go into the session as the JSON the model reads, and the tools, the request's own, do
+    not."""
+    session = {"x-session-id": f"tools-{uuid.uuid4().hex[:8]}"}
+    lookup: ChatCompletionToolParam = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "Finds it"},
+    }
+    asked: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Find it."}]
+    reply = client.chat.completions.create(
+        model="llm",
+        messages=asked,
+        tools=[lookup],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=64,
+        extra_headers=session,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "lookup"
+    assert json.loads(call.function.arguments) == {}
+    # Sent back as the SDK's users do: the reply's message as it came, every field set.
+    answered = cast(ChatCompletionMessageParam, reply.choices[0].message.model_dump())
+    result: ChatCompletionMessageParam = {"role": "tool", "tool_call_id": call.id, "content": "42"}
+    client.chat.completions.create(
+        model="llm",
+        messages=[*asked, answered, result],
+        tools=[lookup],
+        max_tokens=4,
+        extra_headers=session,
+    )
+    with internal_channel(stack.address("context"), stack.internal_token) as channel:
+        stored = context_pb2_grpc.ContextStub(channel).LoadSession(
+            context_pb2.LoadSessionRequest(tenant="demo", session_id=session["x-session-id"]),
+            timeout=5,
+        )
+    texts = [t.text for t in stored.turns]
+    assert texts[:3] == [
+        "Find it.",
+        '{"tool_calls": [{"name": "lookup", "arguments": {}}]}',
+        '{"tool_response": {"name": "lookup", "content": "42"}}',
+    ]
+    assert not any("Finds it" in text for text in [stored.system_prompt, *texts])
 
 
 def test_n_samples_with_a_seed_are_distinct_and_the_same_every_time(

@@ -349,3 +349,25 @@ def test_in_a_session_the_tools_are_shown_and_never_stored() -> None:
     ]
     second = inference.calls[1].prompt
     assert second.index("The weather in a city") < second.index("Weather in Paris?")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "status"),
+    [
+        ("refusal", None, 200),
+        ("annotations", [], 200),
+        ("function_call", None, 200),
+        ("refusal", "I will not.", 400),
+        ("annotations", [{"type": "url_citation"}], 400),
+        ("audio", {"id": "a1"}, 400),
+    ],
+)
+def test_a_reply_sent_back_as_it_came_is_taken_where_it_says_nothing(
+    field: str, value: Any, status: int
+) -> None:
+    sent_back = {"role": "assistant", "content": "Hi.", field: value}
+    doc = {"model": "llm", "messages": [ASKED, sent_back, ASKED], "max_tokens": 2}
+    got, text = asyncio.run(post(Inference(), doc))
+    assert got == status, text
+    if status == 400:
+        assert json.loads(text)["error"]["param"] == f"messages[1].{field}"
