@@ -49,7 +49,7 @@ from services.router.openai_schema import (
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
 from services.router.tenants import Tenants
-from services.router.tool_calls import ToolUse, conversation, tool_use
+from services.router.tool_calls import ToolUse, conversation, tool_use, tools_asked
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,9 @@ class OpenAiApi:
                 text = source
             else:
                 turns = [Turn(role, text) for role, text in conversation(source)]
+                tools = tools_asked(body.tools, body.tool_choice, body.parallel_tool_calls)
+                if tools is not None:  # where a chat completion shows them
+                    turns.insert(0, Turn(Role.SYSTEM, tools.instructions()))
                 text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
             tokens = speech.codec.encode(text)
             bos = speech.codec.bos_id

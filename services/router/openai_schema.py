@@ -284,6 +284,9 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = Field(default=False, description="each output token's log probability")
@@ -308,7 +311,7 @@ class ChatBody(Body):
         description="functions the model may call: shown to it in a system message, its "
         "answer held to JSON that calls them or answers in words",
     )
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    tool_choice: ToolChoice | None = Field(
         default=None, description="default: auto with tools, none without"
     )
     parallel_tool_calls: bool = Field(default=True, description="false: one call at most")
@@ -463,10 +466,19 @@ class TokenizeBody(_Strict):
         "true for a prompt, false for messages (their template writes its own), as vLLM",
     )
     return_token_strs: bool = False
+    tools: list[Tool] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description="with messages: the tools' system message, as a chat completion has it",
+    )
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def text_or_messages(self) -> str | list[Message]:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidArgument("prompt", "give either prompt or messages")
+        if self.tools and self.prompt is not None:
+            raise InvalidArgument("tools", "only with messages")
         if self.continue_final_message:
             raise InvalidArgument("continue_final_message", "not supported")
         return self.prompt if self.prompt is not None else self.messages or []

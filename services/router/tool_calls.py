@@ -24,7 +24,9 @@ from services.router.openai_schema import (
     FunctionSpec,
     Message,
     NamedToolChoice,
+    Tool,
     ToolCall,
+    ToolChoice,
 )
 
 CALLS, ANSWER, RESULT = "tool_calls", "response", "tool_response"
@@ -127,8 +129,23 @@ def tool_use(body: ChatBody) -> ToolUse | None:
     """The request's tools as the model will be asked to use them; None: no tools, the
     model answers as without them. InvalidArgument naming the field for a choice without
     tools, an unknown tool, or a parameter that cannot go with them."""
-    tools = body.tools or []
-    choice = body.tool_choice
+    use = tools_asked(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if use is None:
+        return None
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        raise InvalidArgument("response_format", "not with tools: the answer is the tools' JSON")
+    if body.logprobs:
+        raise InvalidArgument("logprobs", "not with tools")
+    return use
+
+
+def tools_asked(
+    tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool
+) -> ToolUse | None:
+    """The tools and the choice among them, checked (a choice without tools, an unknown
+    or a repeated name is refused naming the field); None: no tools."""
+    tools = tools or []
     if not tools:
         if choice not in (None, "none"):
             raise InvalidArgument("tool_choice", "needs tools")
@@ -142,15 +159,10 @@ def tool_use(body: ChatBody) -> ToolUse | None:
         raise InvalidArgument(
             "tool_choice.function.name", f"no tool named {choice.function.name!r:.70}"
         )
-    fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        raise InvalidArgument("response_format", "not with tools: the answer is the tools' JSON")
-    if body.logprobs:
-        raise InvalidArgument("logprobs", "not with tools")
     specs = tuple(tool.function for tool in tools)
     if isinstance(choice, NamedToolChoice):
-        return ToolUse(specs, "function", body.parallel_tool_calls, choice.function.name)
-    return ToolUse(specs, choice or "auto", body.parallel_tool_calls)
+        return ToolUse(specs, "function", parallel, choice.function.name)
+    return ToolUse(specs, choice or "auto", parallel)
 
 
 def conversation(messages: Sequence[Message]) -> list[tuple[Role, str]]:

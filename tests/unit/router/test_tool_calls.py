@@ -371,3 +371,26 @@ def test_a_reply_sent_back_as_it_came_is_taken_where_it_says_nothing(
     assert got == status, text
     if status == 400:
         assert json.loads(text)["error"]["param"] == f"messages[1].{field}"
+
+
+def test_tokenize_counts_the_tools_as_a_chat_completion_shows_them() -> None:
+    """vLLM's /tokenize with tools: the tokens of the prompt the chat would send (the
+    tiny model's tokens are bytes)."""
+
+    async def scenario(inference: Inference) -> tuple[int, int, int]:
+        core = make_core(gate(), Context(), inference)
+        api = OpenAiApi(core, Tenants(), ["llm"])
+        doc = {"model": "llm", "messages": [ASKED], "tools": [WEATHER]}
+        async with TestClient(TestServer(api.app())) as client:
+            with_tools = await (await client.post("/tokenize", json=doc)).json()
+            without = await (await client.post("/tokenize", json={**doc, "tools": None})).json()
+            refused = await client.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]})
+            assert (await refused.json())["error"]["param"] == "tools"
+            chat = await client.post("/v1/chat/completions", json=doc | {"max_tokens": 64})
+            assert chat.status == 200, await chat.text()
+        return with_tools["count"], without["count"], refused.status
+
+    inference = Scripted(text=json.dumps(CALL))
+    with_tools, without, refused = asyncio.run(scenario(inference))
+    assert with_tools == len(inference.calls[0].prompt.encode()) > without
+    assert refused == 400
