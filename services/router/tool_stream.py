@@ -20,6 +20,8 @@ _CALLS_START = "{" + json.dumps(CALLS) + ": ["
 _CALL_START = '{"name": '
 _ARGUMENTS = ', "arguments": '
 _NEXT_CALL, _END = ", ", "]}"
+# The states that only pass a literal of the layout: the literal, and the state after it.
+_LITERALS = {"call": (_CALL_START, "name"), "arguments": (_ARGUMENTS, "value")}
 _HIGH = frozenset("89abAB")  # a high surrogate's second hex digit: D800-DBFF
 
 
@@ -112,7 +114,10 @@ class _CallsReader:
     def read(self, text: str) -> list[Delta]:
         deltas: list[Delta] = []
         while self._state not in ("lost", "done"):
-            step = getattr(self, f"_{self._state}")(text)
+            if self._state in _LITERALS:
+                step = self._expect(text, *_LITERALS[self._state])
+            else:
+                step = getattr(self, f"_{self._state}")(text)
             if step is None:
                 break
             deltas += step
@@ -135,10 +140,11 @@ class _CallsReader:
             return False
         return None
 
-    def _call(self, text: str) -> list[Delta] | None:
-        if not self._literal(text, _CALL_START):
+    def _expect(self, text: str, literal: str, then: str) -> list[Delta] | None:
+        """Past ``literal``, on to ``then``; None: not all here yet, or lost."""
+        if not self._literal(text, literal):
             return None
-        self._state = "name"
+        self._state = then
         return []
 
     def _name(self, text: str) -> list[Delta] | None:
@@ -158,12 +164,6 @@ class _CallsReader:
         self.calls.append(call)  # its arguments grow as they come; the delta's stay empty
         header = {**call, "function": {"name": name, "arguments": ""}}
         return [{CALLS: [{"index": len(self.calls) - 1, **header}]}]
-
-    def _arguments(self, text: str) -> list[Delta] | None:
-        if not self._literal(text, _ARGUMENTS):
-            return None
-        self._state = "value"
-        return []
 
     def _value(self, text: str) -> list[Delta] | None:
         start = at = self._at
