@@ -200,11 +200,11 @@ class RouterCore:
         limit, history = self._config.max_prompt_chars, request.inline_history
         turns = history.turns if history is not None else ()
         name = request.inline_field
-        prompt_field = request.prompt_field if history is None else f"{name}[{len(turns)}].content"
+        prompt_field = request.prompt_field if history is None else request.inline_name(len(turns))
         if not request.prompt.strip():
             raise InvalidArgument(prompt_field, "must not be empty or only whitespace")
         for field, text in [
-            *((f"{name}[{i}].content", t.text) for i, t in enumerate(turns)),
+            *((request.inline_name(i), t.text) for i, t in enumerate(turns)),
             (prompt_field, request.prompt),
         ]:
             if len(text) > limit:
@@ -620,7 +620,7 @@ def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:
         history,
         request.prompt,
         None if inline is None else len(inline.turns),
-        request.inline_field,
+        request.inline_name,
         instructions=use.instructions is not None,
         prompt_field=request.prompt_field,
     )

@@ -391,6 +391,69 @@ class InputMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(_Strict):
+    """A call an earlier response made, sent back as an input item."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=128)
+    name: str
+    arguments: str = Field(description="the arguments as the text of a JSON object")
+    id: str | None = None  # an output item's, sent back
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    """A call's result: ``call_id`` names a call among the items or the previous
+    response's."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=128)
+    output: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+_ITEM_TAGS = {
+    "message": "Message",
+    "function_call": "FunctionCall",
+    "function_call_output": "FunctionCallOutput",
+}
+
+
+def _item_tag(value: Any) -> str | None:
+    """The member of InputItem an item's ``type`` picks (a message may leave it out)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("Message")]
+    | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    Discriminator(
+        _item_tag,
+        custom_error_type="invalid_item",
+        custom_error_message="type must be message, function_call or function_call_output",
+    ),
+]
+
+
+class FunctionTool(FunctionSpec):
+    """The Responses API's function tool: the function's fields beside its type."""
+
+    type: Literal["function"] = Field(description="function tools only")
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
 class TextConfig(_Strict):
     format: PlainFormat | None = None
 
@@ -399,7 +462,9 @@ class ResponseBody(_Strict):
     """``POST /v1/responses``; the conversation continues by ``previous_response_id``."""
 
     model: str = ""
-    input: str | list[InputMessage] = Field(description="text, or message items")
+    input: str | list[InputItem] = Field(
+        description="text, or items: messages, function calls and their outputs"
+    )
     instructions: str | None = Field(
         default=None, description="a system message for this response (not carried over)"
     )
@@ -422,15 +487,17 @@ class ResponseBody(_Strict):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
     text: TextConfig | None = None
-    tools: list[dict[str, Any]] = _no_op([], "tools are taken by /v1/chat/completions")
-    tool_choice: Literal["none", "auto"] | None = Field(
-        default=None, description="without tools, nothing to choose"
+    tools: list[FunctionTool] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="functions the model may call"
     )
-    parallel_tool_calls: bool | None = Field(default=None, description="without tools, moot")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = Field(
+        default=None, description="default: auto with tools, none without"
+    )
+    parallel_tool_calls: bool = Field(default=True, description="more than one call at once")
 
     @field_validator("input")
     @classmethod
-    def _some_items(cls, value: str | list[InputMessage]) -> str | list[InputMessage]:
+    def _some_items(cls, value: str | list[InputItem]) -> str | list[InputItem]:
         if isinstance(value, list) and not 1 <= len(value) <= MAX_INPUT_ITEMS:
             raise ValueError(f"1 to {MAX_INPUT_ITEMS} items")
         return value
@@ -445,11 +512,10 @@ class ResponseBody(_Strict):
 
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""
-        return {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
-
-    def check_no_ops(self) -> None:
-        if self.tools:
-            raise InvalidArgument("tools", "not supported here (/v1/chat/completions takes tools)")
+        names = {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
+        if self.tools:  # the tools' grammar is the structure
+            names["sampling.structured_output"] = "tools"
+        return names
 
 
 class TokenizeBody(_Strict):
@@ -512,8 +578,10 @@ async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> 
         unknown = [e for e in errors if e["type"] == "extra_forbidden"]
         if unknown:
             raise InvalidArgument(field_path(unknown[0]["loc"]), "not supported") from None
-        # For a union, each member's error: the one that got deepest says most.
-        deepest = max(errors, key=lambda e: len(field_path(e["loc"])))
+        # An object of a type not taken: its type is what is wrong, not its other fields.
+        # Otherwise, for a union, each member's error: the one that got deepest says most.
+        typed = [e for e in errors if e["loc"][-1:] == ("type",)]
+        deepest = typed[0] if typed else max(errors, key=lambda e: len(field_path(e["loc"])))
         raise InvalidArgument(field_path(deepest["loc"]), deepest["msg"]) from None
 
 

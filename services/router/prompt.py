@@ -127,7 +127,7 @@ def input_parts(
     history: History | None,
     prompt: str,
     written_turns: int | None,
-    field: str = "messages",
+    field: str | Callable[[int], str] = "messages",
     *,
     instructions: bool = False,
     prompt_field: str = "prompt",
@@ -135,10 +135,11 @@ def input_parts(
     """Everything the model will read, in the order it reads it, each part named by the
     request field it came from: a stored session's system prompt (or the request's
     ``instructions`` in its place), the request's tools, the summary and turns; then the
-    last ``written_turns`` turns, which the client wrote (``field[i].content``: the
-    messages of a conversation sent whole, or the items that continue a session); then
-    the new message. None: no
-    turns of the client's, the message is the ``prompt_field``."""
+    last ``written_turns`` turns, which the client wrote (``field[i].content``, or
+    ``field(i)``: the messages of a conversation sent whole, or the items that continue a
+    session); then the new message. None: no turns of the client's, the message is the
+    ``prompt_field``."""
+    name_of = field if callable(field) else (lambda i: f"{field}[{i}].content")
     parts: list[Part] = []
     turns = history.turns if history else ()
     if history is not None:
@@ -155,8 +156,8 @@ def input_parts(
         if index < stored:
             parts.append(Part(f"session.turns[{first_stored + index}]", turn.text))
         else:
-            parts.append(Part(f"{field}[{index - stored}].content", turn.text))
-    last = prompt_field if written_turns is None else f"{field}[{len(turns) - stored}].content"
+            parts.append(Part(name_of(index - stored), turn.text))
+    last = prompt_field if written_turns is None else name_of(len(turns) - stored)
     parts.append(Part(last, prompt))
     return parts
 

@@ -50,6 +50,15 @@ class GenerateInput:
     inline_field: str = "messages"  # the request field the inline turns came from
     prompt_field: str = "prompt"  # the request field of the prompt, without inline turns
     session_use: SessionUse = SessionUse()
+    # Each inline turn's field and then the prompt's, where an item's text is not its
+    # ``content`` (a function call's arguments, its output); empty: ``field[i].content``.
+    inline_names: tuple[str, ...] = ()
+
+    def inline_name(self, index: int) -> str:
+        """The request field of inline turn ``index`` (the prompt's after the last)."""
+        if self.inline_names:
+            return self.inline_names[index]
+        return f"{self.inline_field}[{index}].content"
 
 
 class StartedStream:

@@ -1,6 +1,7 @@
 """A response of OpenAI's Responses API: the object (``GET /v1/responses/{id}``, a whole
 reply) and the server-sent events that build it as it streams, in the order the
-``openai`` SDK parses them."""
+``openai`` SDK parses them. Its output is items: the answer's message, or with tools the
+calls of functions (read from the model's tool JSON as chat completions read it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import Chunk, FinishReason
+from services.router.tool_calls import CALLS, call_id
+from services.router.tool_stream import Delta, ToolStream
 
 # Why a response ended before its answer did (its status is then "incomplete").
 INCOMPLETE = {
@@ -20,25 +23,74 @@ INCOMPLETE = {
 }
 RECORD_KEY = "response"  # the session metadata entry that makes a session a response
 METADATA_PREFIX = "metadata."  # the client's metadata, one session metadata entry each
+# The context service keeps at most 64 metadata entries of 4096 characters: a record too
+# long for one entry goes on in "response.1", "response.2", ... beside the client's 16.
+ENTRY_CHARS = 4096
+MAX_RECORD_CHARS = ENTRY_CHARS * (64 - 16)
+
+
+def call_item_id(call: str) -> str:
+    """A function call item's id, from its call's (``call_...`` -> ``fc_...``)."""
+    return "fc_" + call.removeprefix("call_")
+
+
+@dataclass
+class OutputItem:
+    """One item of the output: the answer's message (``call_id`` empty) or a function
+    call; ``text`` is the message's text or the call's arguments as written so far."""
+
+    id: str
+    call_id: str = ""
+    name: str = ""
+    text: str = ""
+    state: str = "new"  # new, open (its opening events sent), done (its closing ones too)
+
+    def object(self, status: str) -> dict[str, Any]:
+        if self.call_id:
+            return {
+                "id": self.id,
+                "type": "function_call",
+                "status": status,
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": self.text,
+            }
+        return {
+            "id": self.id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [] if status == "in_progress" else [self.part()],
+        }
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
 
 
 @dataclass
 class ResponseDraft:
-    """The response as it is written: its settings (echoed as the client gave them), the
-    answer so far and, once it ends, its status and usage."""
+    """The response as it is written: its settings (echoed as the client gave them), its
+    output items so far and, once it ends, its status and usage. ``tools``: the decoder of
+    the model's tool JSON, when the request has tools (the output's items are then what
+    the answer turns out to be; without tools, one message from the start)."""
 
     id: str
     model: str
     created_at: int
-    settings: dict[str, Any]  # previous_response_id, max_output_tokens, store, truncation, ...
+    settings: dict[str, Any]  # previous_response_id, max_output_tokens, store, tools, ...
     instructions: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-    parts: list[str] = field(default_factory=list)
+    tools: ToolStream | None = None
+    items: list[OutputItem] = field(default_factory=list)
     status: str = "in_progress"
     incomplete_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, str] | None = None
     _sequence: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tools is None and not self.items:
+            self.items.append(OutputItem(self.message_id))
 
     @property
     def message_id(self) -> str:
@@ -46,13 +98,61 @@ class ResponseDraft:
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        """The answer's text (``output_text``): its message's, if it has one."""
+        return "".join(item.text for item in self.items if not item.call_id)
 
-    def add(self, chunk: Chunk) -> None:
-        self.parts.append(chunk.text)
+    def add(self, chunk: Chunk) -> list[bytes]:
+        """The chunk taken into the output; the events that stream it."""
+        ended = chunk.finish_reason is not None
+        events = [
+            event for delta in self._deltas(chunk.text, ended) for event in self._apply(delta)
+        ]
         if chunk.finish_reason is not None:
             self.incomplete_reason = INCOMPLETE.get(chunk.finish_reason)
             self.status = "incomplete" if self.incomplete_reason else "completed"
+        return events
+
+    def _deltas(self, text: str, ended: bool) -> list[Delta]:
+        """The answer's text as chat completions' deltas (content, or calls with tools)."""
+        if self.tools is None:
+            return [{"content": text}] if text else []
+        deltas = self.tools.feed(text)
+        return deltas + self.tools.end()[0] if ended else deltas
+
+    def _apply(self, delta: Delta) -> Iterator[bytes]:
+        if "content" in delta:
+            message = next((item for item in self.items if not item.call_id), None)
+            if message is None:
+                yield from self._close_open()
+                message = OutputItem(self.message_id)
+                self.items.append(message)
+            if message.state == "new":
+                yield from self._open(message)
+            message.text += delta["content"]
+            yield self._event(
+                "response.output_text.delta",
+                **self._at(message),
+                delta=delta["content"],
+                logprobs=[],
+            )
+        for call in delta.get(CALLS, []):
+            if "id" in call:  # a new call: its name is whole
+                yield from self._close_open()
+                name = call["function"]["name"]
+                item = OutputItem(call_item_id(call["id"]), call["id"], name)
+                self.items.append(item)
+                yield from self._open(item)
+            written = call["function"]["arguments"]
+            if written:
+                item = self.items[-1]
+                item.text += written
+                index = self.items.index(item)
+                yield self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item.id,
+                    output_index=index,
+                    delta=written,
+                )
 
     def finish(self, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
         self.usage = {
@@ -69,31 +169,22 @@ class ResponseDraft:
 
     # The object.
 
-    def _part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-
-    def _message(self, done: bool) -> dict[str, Any]:
-        status = "in_progress"
-        if done:
-            status = "incomplete" if self.status == "incomplete" else "completed"
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": [self._part()] if done else [],
-        }
+    def _item_status(self) -> str:
+        if self.status == "in_progress":
+            return "in_progress"
+        return "incomplete" if self.status == "incomplete" else "completed"
 
     def object(self) -> dict[str, Any]:
         done = self.status != "in_progress"
         reason = self.incomplete_reason
+        output = [item.object(self._item_status()) for item in self.items]
         return {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
             "model": self.model,
-            "output": [self._message(True)] if done and self.status != "failed" else [],
+            "output": output if done and self.status != "failed" else [],
             "output_text": self.text if done else "",
             "instructions": self.instructions,
             "metadata": self.metadata,
@@ -101,8 +192,8 @@ class ResponseDraft:
             "incomplete_details": {"reason": reason} if reason else None,
             "usage": self.usage,
             "tools": [],
-            "tool_choice": "none",
-            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
             "text": {"format": {"type": "text"}},
             **self.settings,
         }
@@ -110,7 +201,7 @@ class ResponseDraft:
     # As a record in the session store, and back.
 
     def record(self) -> dict[str, str]:
-        """Session metadata holding the response (its text is the session's last turn,
+        """Session metadata holding the response (its answer is the session's last turn,
         its instructions the session's system prompt)."""
         kept = {
             "model": self.model,
@@ -120,8 +211,13 @@ class ResponseDraft:
             "incomplete_reason": self.incomplete_reason,
             "usage": self.usage,
             "error": self.error,
+            "calls": [item.call_id for item in self.items if item.call_id],
         }
-        entries = {RECORD_KEY: json.dumps(kept, separators=(",", ":"))}
+        raw = json.dumps(kept, separators=(",", ":"))
+        entries = {
+            _entry_key(n): raw[at : at + ENTRY_CHARS]
+            for n, at in enumerate(range(0, len(raw), ENTRY_CHARS))
+        }
         entries.update({METADATA_PREFIX + k: v for k, v in self.metadata.items()})
         return entries
 
@@ -129,29 +225,42 @@ class ResponseDraft:
     def from_record(
         cls, response_id: str, metadata: dict[str, str], instructions: str, text: str
     ) -> ResponseDraft | None:
-        raw = metadata.get(RECORD_KEY)
-        if raw is None:
+        if RECORD_KEY not in metadata:
             return None  # a session, not a response
-        kept = json.loads(raw)
+        parts, n = [], 0
+        while _entry_key(n) in metadata:
+            parts.append(metadata[_entry_key(n)])
+            n += 1
+        kept = json.loads("".join(parts))
         user = {
             k.removeprefix(METADATA_PREFIX): v
             for k, v in metadata.items()
             if k.startswith(METADATA_PREFIX)
         }
+        ids = iter(kept.get("calls", []))
+        tools = ToolStream(lambda: next(ids, None) or call_id())
+        settings = kept["settings"]
         draft = cls(
             response_id,
             kept["model"],
             kept["created_at"],
-            kept["settings"],
+            settings,
             instructions or None,
             user,
-            [text],
+            tools if settings.get("tools") else None,
         )
         draft.status = kept["status"]
         draft.incomplete_reason = kept["incomplete_reason"]
         draft.usage = kept["usage"]
         draft.error = kept["error"]
+        draft.replay(text)
         return draft
+
+    def replay(self, text: str) -> None:
+        """The output read again from the answer's whole text (its events unsent)."""
+        for delta in self._deltas(text, True):
+            for _ in self._apply(delta):
+                pass
 
     # As server-sent events.
 
@@ -161,26 +270,56 @@ class ResponseDraft:
         data = json.dumps(doc, separators=(",", ":"))
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
-    def _at(self) -> dict[str, Any]:
-        return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+    def _at(self, item: OutputItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": self.items.index(item), "content_index": 0}
+
+    def _open(self, item: OutputItem) -> Iterator[bytes]:
+        item.state = "open"
+        index = self.items.index(item)
+        yield self._event(
+            "response.output_item.added", output_index=index, item=item.object("in_progress")
+        )
+        if not item.call_id:
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield self._event("response.content_part.added", **self._at(item), part=part)
+
+    def _close_open(self) -> Iterator[bytes]:
+        for item in self.items:
+            if item.state == "open":
+                yield from self._close(item)
+
+    def _close(self, item: OutputItem) -> Iterator[bytes]:
+        item.state = "done"
+        index = self.items.index(item)
+        if item.call_id:
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=item.id,
+                output_index=index,
+                arguments=item.text,
+            )
+        else:
+            at = self._at(item)
+            yield self._event("response.output_text.done", **at, text=item.text, logprobs=[])
+            yield self._event("response.content_part.done", **at, part=item.part())
+        done = item.object(self._item_status())
+        yield self._event("response.output_item.done", output_index=index, item=done)
 
     def opening(self) -> Iterator[bytes]:
         yield self._event("response.created", response=self.object())
         yield self._event("response.in_progress", response=self.object())
-        yield self._event("response.output_item.added", output_index=0, item=self._message(False))
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield self._event("response.content_part.added", **self._at(), part=part)
-
-    def delta(self, text: str) -> bytes:
-        return self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+        for item in self.items:  # without tools, the message from the start
+            yield from self._open(item)
 
     def closing(self) -> Iterator[bytes]:
-        yield self._event("response.output_text.done", **self._at(), text=self.text, logprobs=[])
-        yield self._event("response.content_part.done", **self._at(), part=self._part())
-        yield self._event("response.output_item.done", output_index=0, item=self._message(True))
+        yield from self._close_open()
         kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
         yield self._event(kind, response=self.object())
 
     def failure(self, code: str, message: str) -> Iterator[bytes]:
         yield self._event("error", code=code, message=message, param=None)
         yield self._event("response.failed", response=self.object())
+
+
+def _entry_key(n: int) -> str:
+    return RECORD_KEY if n == 0 else f"{RECORD_KEY}.{n}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,7 +25,6 @@ from services.router.openai_schema import (
     Message,
     NamedToolChoice,
     Tool,
-    ToolCall,
     ToolChoice,
 )
 
@@ -143,26 +142,38 @@ def tool_use(body: ChatBody) -> ToolUse | None:
 def tools_asked(
     tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool
 ) -> ToolUse | None:
-    """The tools and the choice among them, checked (a choice without tools, an unknown
-    or a repeated name is refused naming the field); None: no tools."""
-    tools = tools or []
-    if not tools:
-        if choice not in (None, "none"):
+    """Chat completions' tools and the choice among them, checked; None: no tools."""
+    specs = [tool.function for tool in tools or []]
+    fields = ("tools[{}].function.name", "tool_choice.function.name")
+    if isinstance(choice, NamedToolChoice):
+        return checked_use(specs, None, choice.function.name, parallel, fields)
+    return checked_use(specs, choice, None, parallel, fields)
+
+
+def checked_use(
+    specs: Sequence[FunctionSpec],
+    choice: Literal["none", "auto", "required"] | None,
+    named: str | None,
+    parallel: bool,
+    fields: tuple[str, str],
+) -> ToolUse | None:
+    """The tools and the choice among them (``named``: the function asked for); a choice
+    without tools, an unknown or a repeated name is refused naming the field (``fields``:
+    where a tool's name and the named choice are, as the API spells them)."""
+    if not specs:
+        if choice not in (None, "none") or named is not None:
             raise InvalidArgument("tool_choice", "needs tools")
         return None
     seen: set[str] = set()
-    for index, tool in enumerate(tools):
-        if tool.function.name in seen:
-            raise InvalidArgument(f"tools[{index}].function.name", "names must be unique")
-        seen.add(tool.function.name)
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
-        raise InvalidArgument(
-            "tool_choice.function.name", f"no tool named {choice.function.name!r:.70}"
-        )
-    specs = tuple(tool.function for tool in tools)
-    if isinstance(choice, NamedToolChoice):
-        return ToolUse(specs, "function", parallel, choice.function.name)
-    return ToolUse(specs, choice or "auto", parallel)
+    for index, spec in enumerate(specs):
+        if spec.name in seen:
+            raise InvalidArgument(fields[0].format(index), "names must be unique")
+        seen.add(spec.name)
+    if named is not None and named not in seen:
+        raise InvalidArgument(fields[1], f"no tool named {named!r:.70}")
+    if named is not None:
+        return ToolUse(tuple(specs), "function", parallel, named)
+    return ToolUse(tuple(specs), choice or "auto", parallel)
 
 
 def conversation(messages: Sequence[Message]) -> list[tuple[Role, str]]:
@@ -178,18 +189,28 @@ def conversation(messages: Sequence[Message]) -> list[tuple[Role, str]]:
             name = calls.get(message.tool_call_id or "")
             if name is None:
                 raise InvalidArgument(f"{field}.tool_call_id", "no earlier tool call has this id")
-            result = {RESULT: {"name": name, "content": message.text()}}
-            turns.append((Role.USER, _compact(result)))
+            turns.append(result_turn(name, message.text()))
         elif message.tool_calls:
             written = []
             for number, call in enumerate(message.tool_calls):
                 calls[call.id] = call.function.name
                 where = f"{field}.tool_calls[{number}].function.arguments"
-                written.append({"name": call.function.name, "arguments": _arguments(call, where)})
-            turns.append((Role.ASSISTANT, _compact({CALLS: written})))
+                written.append((call.function.name, arguments_of(call.function.arguments, where)))
+            turns.append(calls_turn(written))
         else:
             turns.append((_ROLES.get(message.role, Role.ASSISTANT), message.text()))
     return turns
+
+
+def calls_turn(calls: Sequence[tuple[str, Any]]) -> tuple[Role, str]:
+    """An assistant's calls (name, arguments) as the model writes them."""
+    written = [{"name": name, "arguments": arguments} for name, arguments in calls]
+    return Role.ASSISTANT, _compact({CALLS: written})
+
+
+def result_turn(name: str, content: str) -> tuple[Role, str]:
+    """A tool's result as the user's turn the model reads it in."""
+    return Role.USER, _compact({RESULT: {"name": name, "content": content}})
 
 
 def _check_fields(message: Message, field: str) -> None:
@@ -205,9 +226,10 @@ def _check_fields(message: Message, field: str) -> None:
         )
 
 
-def _arguments(call: ToolCall, field: str) -> Any:
+def arguments_of(text: str, field: str) -> Any:
+    """A call's arguments sent back: a JSON object, or refused naming ``field``."""
     try:
-        arguments = json.loads(call.function.arguments)
+        arguments = json.loads(text)
     except (ValueError, RecursionError):  # nested past the parser's depth: not taken either
         raise InvalidArgument(field, "not JSON") from None
     if not isinstance(arguments, dict):
@@ -219,7 +241,9 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def answer_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def answer_of(
+    text: str, new_id: Callable[[], str] = call_id
+) -> tuple[str | None, list[dict[str, Any]]]:
     """The content and the tool calls (OpenAI's shapes) of the model's JSON. Text that is
     not the tools' JSON (cut by max_tokens or a stop string, or changed by an output rule)
     is the content as it is."""
@@ -231,7 +255,7 @@ def answer_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         return text, []
     calls = doc.get(CALLS)
     if isinstance(calls, list) and calls and all(_is_call(c) for c in calls):
-        return None, [_openai_call(call) for call in calls]
+        return None, [_openai_call(call, new_id()) for call in calls]
     answer = doc.get(ANSWER)
     return (answer if isinstance(answer, str) else text), []
 
@@ -240,10 +264,10 @@ def _is_call(call: Any) -> bool:
     return isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call
 
 
-def _openai_call(call: dict[str, Any]) -> dict[str, Any]:
+def _openai_call(call: dict[str, Any], call_id: str) -> dict[str, Any]:
     arguments = json.dumps(call["arguments"], ensure_ascii=False)
     function = {"name": call["name"], "arguments": arguments}
-    return {"id": call_id(), "type": "function", "function": function}
+    return {"id": call_id, "type": "function", "function": function}
 
 
 def finish_of(finish: str | None, calls: list[dict[str, Any]], use: ToolUse) -> str | None:

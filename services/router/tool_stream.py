@@ -9,6 +9,7 @@ text that leaves it (changed by an output rule) goes out as content at the end.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from services.router.tool_calls import ANSWER, CALLS, answer_of, call_id
@@ -26,16 +27,17 @@ _HIGH = frozenset("89abAB")  # a high surrogate's second hex digit: D800-DBFF
 
 
 class ToolStream:
-    """One choice's deltas, fed its text as it comes."""
+    """One choice's deltas, fed its text as it comes; ``new_id`` names each call."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[], str] = call_id) -> None:
         self._text = ""
         self._reader: _AnswerReader | _CallsReader | None = None
+        self._new_id = new_id
 
     def feed(self, text: str) -> list[Delta]:
         self._text += text
         if self._reader is None:
-            self._reader = _reader_for(self._text)
+            self._reader = _reader_for(self._text, self._new_id)
         return self._reader.read(self._text) if self._reader is not None else []
 
     def end(self) -> tuple[list[Delta], list[Delta]]:
@@ -45,29 +47,32 @@ class ToolStream:
         calls = self._reader.calls if self._reader is not None else []
         if calls:
             return self._reader.rest(self._text) if self._reader else [], calls
-        content, calls = answer_of(self._text)  # not the tools' JSON, or cut before a call
+        content, calls = answer_of(
+            self._text, self._new_id
+        )  # not the tools' JSON, or cut before a call
         if calls:
             return [{CALLS: [{"index": i, **call} for i, call in enumerate(calls)]}], calls
         return ([{"content": content}] if content else []), []
 
 
-def whole_answer(text: str) -> tuple[str | None, list[Delta]]:
+def whole_answer(text: str, new_id: Callable[[], str] = call_id) -> tuple[str | None, list[Delta]]:
     """The content and the calls of a whole answer, read as a streamed one is (the same
     arguments' text either way)."""
-    stream = ToolStream()
+    stream = ToolStream(new_id)
     deltas = stream.feed(text)
     last, calls = stream.end()
     content = "".join(d["content"] for d in deltas + last if "content" in d)
     return (None if calls and not content else content), calls
 
 
-def _reader_for(text: str) -> _AnswerReader | _CallsReader | None:
-    for start, reader in ((_ANSWER_START, _AnswerReader), (_CALLS_START, _CallsReader)):
-        if text.startswith(start):
-            return reader(len(start))
+def _reader_for(text: str, new_id: Callable[[], str]) -> _AnswerReader | _CallsReader | None:
+    if text.startswith(_ANSWER_START):
+        return _AnswerReader(len(_ANSWER_START))
+    if text.startswith(_CALLS_START):
+        return _CallsReader(len(_CALLS_START), new_id)
     if any(start.startswith(text) for start in (_ANSWER_START, _CALLS_START)):
         return None  # not yet known
-    return _CallsReader(len(text), lost=True)  # neither: held to the end
+    return _CallsReader(len(text), new_id, lost=True)  # neither: held to the end
 
 
 class _AnswerReader:
@@ -103,8 +108,9 @@ class _CallsReader:
     """Reads calls from ``at``: each one's name, then its arguments' text as it comes, up
     to the brace that closes the call (outside any string, at the call's own depth)."""
 
-    def __init__(self, at: int, lost: bool = False) -> None:
+    def __init__(self, at: int, new_id: Callable[[], str], lost: bool = False) -> None:
         self.calls: list[Delta] = []
+        self._new_id = new_id
         self._at = at
         self._state = "lost" if lost else "call"
         self._depth = 0  # brackets open within the arguments
@@ -160,7 +166,11 @@ class _CallsReader:
             return None
         self._at = end
         self._state = "arguments"
-        call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+        call = {
+            "id": self._new_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }
         self.calls.append(call)  # its arguments grow as they come; the delta's stay empty
         header = {**call, "function": {"name": name, "arguments": ""}}
         return [{CALLS: [{"index": len(self.calls) - 1, **header}]}]

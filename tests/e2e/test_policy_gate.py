@@ -167,6 +167,42 @@ def test_a_deny_phrase_in_tools_their_calls_or_a_format_is_refused_before_the_en
     assert_engines_saw_only(stack, before, allowed)
 
 
+def test_a_deny_phrase_in_a_responses_tool_call_or_output_is_refused_by_its_item(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    """The Responses API's function tools, calls and outputs are read by the model as chat
+    completions' are: each checked, the refusal naming the item's own field."""
+    lookup: dict[str, Any] = {"type": "function", "name": "lookup", "description": "Finds it"}
+
+    def items(arguments: str = "{}", output: str = "ok") -> list[dict[str, Any]]:
+        call = {"type": "function_call", "call_id": "c1", "name": "lookup"}
+        return [
+            {"role": "user", "content": "Look it up."},
+            {**call, "arguments": arguments},
+            {"type": "function_call_output", "call_id": "c1", "output": output},
+        ]
+
+    placements: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
+        "tools": (items(), {**lookup, "description": DENIED}),
+        "input[1].arguments": (items(arguments=f'{{"q": "{DENIED}"}}'), lookup),
+        "input[2].output": (items(output=DENIED), lookup),
+    }
+    before = prompt_tokens_seen(stack)
+    for field, (sent, shown) in placements.items():
+        asked: dict[str, Any] = {"input": sent, "tools": [shown], "max_output_tokens": 4}
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            client.responses.create(model="llm", store=False, **asked)
+        assert "deny-weapons" in str(info.value) and info.value.param == field
+
+    def allowed() -> int:
+        asked: dict[str, Any] = {"input": items(), "tools": [lookup], "max_output_tokens": 2}
+        reply = client.responses.create(model="llm", store=False, **asked)
+        assert reply.usage is not None
+        return int(reply.usage.input_tokens)
+
+    assert_engines_saw_only(stack, before, allowed)
+
+
 def test_the_refusal_says_which_message_matched(client: openai.OpenAI) -> None:
     messages = chat_placements()["assistant"]
     with pytest.raises(openai.PermissionDeniedError) as info:

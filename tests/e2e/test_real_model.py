@@ -406,6 +406,25 @@ def test_a_tools_result_goes_back_to_the_model(sdk: openai.OpenAI) -> None:
     assert len(words) > 1 and "{" not in "".join(words)
 
 
+def test_the_responses_api_calls_a_function_and_reads_its_output(sdk: openai.OpenAI) -> None:
+    """The same tools through the Responses API: the model calls the weather tool for
+    Paris; the call's output, sent by ``previous_response_id``, is what it answers from."""
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    asked: dict[str, Any] = {"model": "smollm2", "tools": tools, "temperature": 0}
+    called = sdk.responses.create(
+        input="What is the weather in Paris?", tool_choice="required", max_output_tokens=60, **asked
+    )
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    answer: dict[str, Any] = {"input": [result], "tool_choice": "none", "max_output_tokens": 40}
+    answered = sdk.responses.create(previous_response_id=called.id, **answer, **asked)
+    (message,) = answered.output
+    assert message.type == "message" and answered.output_text
+    assert "{" not in answered.output_text
+
+
 def test_health_says_the_mesh_can_serve(stack: Stack) -> None:
     base = stack.openai_base_url.removesuffix("/v1")
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

@@ -1,10 +1,12 @@
 """The Responses API with the official `openai` SDK against the real stack: whole and
 streamed, conversations by ``previous_response_id`` kept in the context service (branches,
 instructions that are not carried over, truncation), ``store: false``, tenant isolation,
-and refusals in OpenAI's shape before anything is stored."""
+function tools (calls made, answered and stored), and refusals in OpenAI's shape before
+anything is stored."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -224,7 +226,11 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
             **TINY,
         )
     refusals: dict[str, dict[str, Any]] = {
-        "tools": {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        "tools[0].type": {"tools": [{"type": "web_search"}]},
+        "tool_choice.name": {
+            "tools": [{"type": "function", "name": "f"}],
+            "tool_choice": {"type": "function", "name": "g"},
+        },
         "input[0].role": {"input": [{"role": "assistant", "content": "I speak last"}]},
         "reasoning": {"extra_body": {"reasoning": {"effort": "low"}}},
         "text.format.type": {"text": {"format": {"type": "json_object"}}},
@@ -241,3 +247,71 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
     for session_id in before:
         stored = tenants.session(session_id)
         assert stored is not None and "bomb" not in str(stored)
+
+
+CITY = {
+    "type": "function",
+    "name": "weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_function_call_is_made_answered_and_stored(tenants: Tenants) -> None:
+    """The model is held to a call of the named function; its output's call is answered
+    by ``previous_response_id`` and a function_call_output; the stored conversation holds
+    the call and its result as the model's JSON, and the response reads back the same."""
+    named = {"type": "function", "name": "weather"}
+    asked: dict[str, Any] = {**TINY, "max_output_tokens": 120, "tools": [CITY]}
+    called = tenants.alice.responses.create(input="Weather?", tool_choice=named, **asked)
+    assert called.status == "completed" and called.output_text == ""
+    (call,) = called.output
+    assert call.type == "function_call" and call.name == "weather"
+    assert json.loads(call.arguments)["city"] in {"Paris", "Rome"}
+    assert tenants.alice.responses.retrieve(called.id).output == called.output
+    assert [t.name for t in called.tools] == ["weather"]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+    answered = tenants.alice.responses.create(
+        input=[result], previous_response_id=called.id, tool_choice="none", **TINY, tools=[CITY]
+    )
+    (message,) = answered.output
+    assert message.type == "message" and answered.status in {"completed", "incomplete"}
+    stored = tenants.session(answered.id)
+    assert stored is not None
+    texts = [t.text for t in stored.turns]
+    assert json.loads(texts[1]) == {
+        "tool_calls": [{"name": "weather", "arguments": json.loads(call.arguments)}]
+    }
+    assert json.loads(texts[2]) == {"tool_response": {"name": "weather", "content": "Sunny"}}
+    # The tools are shown to the model, never stored as what it reads (the response
+    # object's echo of them is the record's, beside the client's metadata).
+    assert not any("The weather in a city" in text for text in [stored.system_prompt, *texts])
+
+
+def test_function_calls_stream_as_the_sdk_accumulates_them(tenants: Tenants) -> None:
+    asked: dict[str, Any] = {**TINY, "max_output_tokens": 120, "tools": [CITY]}
+    one: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False}
+    with tenants.alice.responses.stream(input="Weather?", **one, **asked) as events:
+        kinds = [event.type for event in events]
+        final = events.get_final_response()
+    assert kinds.count("response.function_call_arguments.delta") >= 1
+    assert "response.output_text.delta" not in kinds
+    (call,) = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in {"Paris", "Rome"}
+    (stored,) = tenants.alice.responses.retrieve(final.id).output
+    assert stored.model_dump() == call.model_dump(exclude={"parsed_arguments"})
+
+
+def test_an_output_must_answer_a_call(tenants: Tenants) -> None:
+    first = tenants.alice.responses.create(input="Hello", **TINY)
+    before = tenants.session_ids()
+    unknown = {"type": "function_call_output", "call_id": "call_x", "output": "Sunny"}
+    with pytest.raises(openai.BadRequestError) as info:
+        tenants.alice.responses.create(input=[unknown], previous_response_id=first.id, **TINY)
+    assert info.value.body["param"] == "input[0].call_id"  # type: ignore[index]
+    assert tenants.session_ids() == before
