@@ -575,13 +575,15 @@ async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> 
         errors = err.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
             raise InvalidArgument("body", errors[0]["msg"]) from None
+        # An object of a type not taken: its type is what is wrong, not its other fields.
+        typed = [e for e in errors if e["loc"][-1:] == ("type",)]
+        if typed:
+            raise InvalidArgument(field_path(typed[0]["loc"]), typed[0]["msg"]) from None
         unknown = [e for e in errors if e["type"] == "extra_forbidden"]
         if unknown:
             raise InvalidArgument(field_path(unknown[0]["loc"]), "not supported") from None
-        # An object of a type not taken: its type is what is wrong, not its other fields.
-        # Otherwise, for a union, each member's error: the one that got deepest says most.
-        typed = [e for e in errors if e["loc"][-1:] == ("type",)]
-        deepest = typed[0] if typed else max(errors, key=lambda e: len(field_path(e["loc"])))
+        # For a union, each member's error: the one that got deepest says most.
+        deepest = max(errors, key=lambda e: len(field_path(e["loc"])))
         raise InvalidArgument(field_path(deepest["loc"]), deepest["msg"]) from None
 
 

@@ -115,6 +115,30 @@ def body(**fields: Any) -> bytes:
             400,
             "messages[0].content[0].text",
         ),
+        # A part or a tool of a type not taken: its type is named, not its other fields.
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}
+                    ]
+                }
+            ).encode(),
+            400,
+            "messages[0].content[0].type",
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"type": "custom", "custom": {}}],
+                }
+            ).encode(),
+            400,
+            "tools[0].type",
+        ),
     ],
     ids=[
         "stream-string",
@@ -152,6 +176,8 @@ def body(**fields: Any) -> bytes:
         "too-large",
         "blank-message",
         "part-without-text",
+        "image-part",
+        "custom-tool",
     ],
 )
 def test_a_bad_body_is_the_clients_error_naming_the_field(
