@@ -20,41 +20,27 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument, MeshError
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID
-from llmmesh.types import History, Role, Sampling, Turn
+from llmmesh.types import Role
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response
 from services.router.openai_reply import Choice
-from services.router.openai_schema import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    InputMessage,
-    NamedFunctionChoice,
-    ResponseBody,
-    parse_body,
-)
+from services.router.openai_schema import NamedFunctionChoice, ResponseBody, parse_body
 from services.router.request import GenerateInput, Generation, SessionUse
+from services.router.response_items import input_items, sampling_of, tool_use, unknown_outputs
 from services.router.response_object import MAX_RECORD_CHARS, ResponseDraft
 from services.router.tenants import Tenants
-from services.router.tool_calls import (
-    ToolUse,
-    arguments_of,
-    calls_turn,
-    checked_use,
-    result_turn,
-)
+from services.router.tool_calls import ToolUse
 from services.router.tool_stream import ToolStream
 from services.router.upstreams import SessionRecords
 
 RESPONSE_ID = re.compile(r"^resp_([0-9a-f]{16})([0-9a-f]{16})$")
-_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
 
 class ResponseNotFound(FieldError):
@@ -71,86 +57,6 @@ def _conversation(response_id: str, field: str) -> str:
     if match is None:
         raise _not_found(field, response_id)
     return match.group(1)
-
-
-@dataclass(frozen=True)
-class _Items:
-    """The input as the turns before the last item, the last one as the prompt, and each
-    item's field (whose text it is: a message's content, a call's arguments, an output)."""
-
-    history: History
-    prompt: str
-    names: tuple[str, ...]
-
-
-_TEXT_FIELDS = {InputMessage: "content", FunctionCallItem: "arguments"}
-
-
-def _items(body: ResponseBody, earlier_calls: dict[str, str]) -> _Items:
-    """The input items as the model reads them: a message as its turn; a call and its
-    output in the model's tool JSON (each call a turn of its own). An output's ``call_id``
-    names a call among the items or in ``earlier_calls`` (call id -> name: the previous
-    response's). The last item must be the user's message or a call's output."""
-    items = body.input
-    if isinstance(items, str):
-        items = [InputMessage(role="user", content=items)]
-    _check_last(items[-1], len(items) - 1)
-    calls = dict(earlier_calls)
-    turns: list[tuple[Role, str]] = []
-    for index, item in enumerate(items):
-        if isinstance(item, FunctionCallItem):
-            calls[item.call_id] = item.name
-            arguments = arguments_of(item.arguments, f"input[{index}].arguments")
-            turns.append(calls_turn([(item.name, arguments)]))
-        elif isinstance(item, FunctionCallOutputItem):
-            name = calls.get(item.call_id)
-            if name is None:
-                raise InvalidArgument(f"input[{index}].call_id", "no earlier function call has it")
-            turns.append(result_turn(name, item.text()))
-        else:
-            turns.append((_ROLES.get(item.role, Role.ASSISTANT), item.text()))
-    *earlier, (_, prompt) = turns
-    history = tuple(Turn(role, text) for role, text in earlier)
-    names = tuple(
-        f"input[{i}].{_TEXT_FIELDS.get(type(item), 'output')}" for i, item in enumerate(items)
-    )
-    return _Items(History(turns=history, total_turns=len(history)), prompt, names)
-
-
-def _check_last(item: InputMessage | FunctionCallItem | FunctionCallOutputItem, at: int) -> None:
-    why = "the last item must be the user's message or a function call's output"
-    if isinstance(item, FunctionCallItem):
-        raise InvalidArgument(f"input[{at}].type", why)
-    if isinstance(item, InputMessage) and item.role != "user":
-        raise InvalidArgument(f"input[{at}].role", why)
-
-
-def _unknown_outputs(body: ResponseBody) -> bool:
-    """Whether an output answers a call that is not among the items."""
-    if isinstance(body.input, str):
-        return False
-    made = {item.call_id for item in body.input if isinstance(item, FunctionCallItem)}
-    return any(
-        isinstance(item, FunctionCallOutputItem) and item.call_id not in made for item in body.input
-    )
-
-
-def _tool_use(body: ResponseBody) -> ToolUse | None:
-    """The request's tools as the model will be asked to use them; None: no tools."""
-    specs = list(body.tools or [])
-    choice, parallel = body.tool_choice, body.parallel_tool_calls
-    fields = ("tools[{}].name", "tool_choice.name")
-    if isinstance(choice, NamedFunctionChoice):
-        return checked_use(specs, None, choice.name, parallel, fields)
-    return checked_use(specs, choice, None, parallel, fields)
-
-
-def _sampling(body: ResponseBody, tools: ToolUse | None) -> Sampling:
-    kwargs: dict[str, Any] = {"max_tokens": body.max_output_tokens or 0}
-    for name in ("temperature", "top_p", "seed", "top_k"):
-        if getattr(body, name) is not None:
-            kwargs[name] = getattr(body, name)
-    return Sampling(structured=tools.structure() if tools else None, **kwargs)
 
 
 def _settings(body: ResponseBody) -> dict[str, Any]:
@@ -233,7 +139,7 @@ class ResponsesApi:
             conversation = conversation or uuid.uuid4().hex[:16]
             response_id = f"resp_{conversation}{uuid.uuid4().hex[:16]}"
             request_id = request.headers.get(REQUEST_ID) or response_id
-            tools = _tool_use(body)
+            tools = tool_use(body)
             decoded = await self._decode(request, body, tenant, tools, (request_id, response_id))
         except MeshError as err:
             return error_response(err)
@@ -275,15 +181,15 @@ class ResponsesApi:
         one's fork (or is made by the answer's record); without, the previous one's
         session is read and never written. ``ids``: the request's and the response's."""
         request_id, response_id = ids
-        sampling = _sampling(body, tools)  # refusals first: a fork is the last step
+        sampling = sampling_of(body, tools)  # refusals first: a fork is the last step
         if body.store and len(json.dumps(_settings(body))) > MAX_RECORD_CHARS // 2:
             raise InvalidArgument("tools", "too long to store (store: false keeps nothing)")
         previous = body.previous_response_id
         earlier_calls: dict[str, str] = {}
-        if previous and _unknown_outputs(body):
+        if previous and unknown_outputs(body):
             draft = await self._stored(tenant, previous, "previous_response_id")
             earlier_calls = {item.call_id: item.name for item in draft.items if item.call_id}
-        items = _items(body, earlier_calls)
+        items = input_items(body, earlier_calls)
         session_id = ""
         if previous:
             if body.store:

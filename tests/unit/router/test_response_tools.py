@@ -1,7 +1,7 @@
 """Function tools in the Responses API: input items written for the model as chat
-completions write them (each named by its own field), the output's items (message or function calls) built whole and
-as the SDK's events from the model's tool JSON, and the stored record read back with the
-same ids."""
+completions write them (each named by its own field), the output's items (message or
+function calls) built whole and as the SDK's events from the model's tool JSON, and the
+stored record read back with the same ids."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pydantic import TypeAdapter
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Chunk, FinishReason, Role
 from services.router.openai_schema import ResponseBody
+from services.router.response_items import input_items, tool_use, unknown_outputs
 from services.router.response_object import ENTRY_CHARS, RECORD_KEY, ResponseDraft
-from services.router.responses_api import _items, _tool_use, _unknown_outputs
 from services.router.tool_stream import ToolStream
 
 WEATHER = {
@@ -175,7 +175,7 @@ def test_items_are_written_as_the_model_writes_calls_and_results() -> None:
             "output": [{"type": "input_text", "text": "Rain"}],
         },
     ]
-    written_items = _items(body(input=items), {})
+    written_items = input_items(body(input=items), {})
     assert (
         [(t.role, t.text) for t in written_items.history.turns]
         == [
@@ -193,10 +193,10 @@ def test_items_are_written_as_the_model_writes_calls_and_results() -> None:
         "input[3].output",
         "input[4].output",
     )
-    assert not _unknown_outputs(body(input=items))
+    assert not unknown_outputs(body(input=items))
     answer = [{"type": "function_call_output", "call_id": "c9", "output": "Hail"}]
-    assert _unknown_outputs(body(input=answer))
-    prompt = _items(body(input=answer), {"c9": "weather"}).prompt  # the previous response's
+    assert unknown_outputs(body(input=answer))
+    prompt = input_items(body(input=answer), {"c9": "weather"}).prompt  # the previous response's
     assert '"name": "weather"' in prompt
 
 
@@ -220,7 +220,7 @@ def test_items_are_written_as_the_model_writes_calls_and_results() -> None:
 )
 def test_items_that_do_not_fit_are_refused_by_name(items: list[Any], param: str) -> None:
     with pytest.raises(InvalidArgument) as info:
-        _items(body(input=items), {})
+        input_items(body(input=items), {})
     assert info.value.field == param
 
 
@@ -236,13 +236,13 @@ def test_a_choice_that_does_not_fit_the_tools_is_refused_by_name(
     fields: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(InvalidArgument) as info:
-        _tool_use(body(**fields))
+        tool_use(body(**fields))
     assert info.value.field == param
 
 
 def test_the_choice_holds_the_answer() -> None:
-    named = _tool_use(body(tool_choice={"type": "function", "name": "weather"}))
+    named = tool_use(body(tool_choice={"type": "function", "name": "weather"}))
     assert named is not None and named.named and named.name == "weather"
-    single = _tool_use(body(parallel_tool_calls=False))
+    single = tool_use(body(parallel_tool_calls=False))
     assert single is not None and '"maxItems": 1' in single.structure()[1]
-    assert _tool_use(body(tools=None)) is None
+    assert tool_use(body(tools=None)) is None
