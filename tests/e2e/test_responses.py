@@ -9,11 +9,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import openai
 import pytest
+from openai.types.responses import (
+    FunctionToolParam,
+    ResponseInputItemParam,
+    ToolChoiceFunctionParam,
+)
 
 from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack
@@ -249,7 +254,7 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
         assert stored is not None and "bomb" not in str(stored)
 
 
-CITY = {
+CITY: FunctionToolParam = {
     "type": "function",
     "name": "weather",
     "description": "The weather in a city",
@@ -259,14 +264,19 @@ CITY = {
         "required": ["city"],
         "additionalProperties": False,
     },
+    "strict": None,
 }
+
+
+def output(call_id: str, text: str) -> ResponseInputItemParam:
+    return {"type": "function_call_output", "call_id": call_id, "output": text}
 
 
 def test_a_function_call_is_made_answered_and_stored(tenants: Tenants) -> None:
     """The model is held to a call of the named function; its output's call is answered
     by ``previous_response_id`` and a function_call_output; the stored conversation holds
     the call and its result as the model's JSON, and the response reads back the same."""
-    named = {"type": "function", "name": "weather"}
+    named: ToolChoiceFunctionParam = {"type": "function", "name": "weather"}
     asked: dict[str, Any] = {**TINY, "max_output_tokens": 120, "tools": [CITY]}
     called = tenants.alice.responses.create(input="Weather?", tool_choice=named, **asked)
     assert called.status == "completed" and called.output_text == ""
@@ -275,9 +285,12 @@ def test_a_function_call_is_made_answered_and_stored(tenants: Tenants) -> None:
     assert json.loads(call.arguments)["city"] in {"Paris", "Rome"}
     assert tenants.alice.responses.retrieve(called.id).output == called.output
     assert [t.name for t in called.tools] == ["weather"]
-    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
     answered = tenants.alice.responses.create(
-        input=[result], previous_response_id=called.id, tool_choice="none", **TINY, tools=[CITY]
+        input=[output(call.call_id, "Sunny")],
+        previous_response_id=called.id,
+        tool_choice="none",
+        tools=[CITY],
+        **TINY,
     )
     (message,) = answered.output
     assert message.type == "message" and answered.status in {"completed", "incomplete"}
@@ -291,6 +304,31 @@ def test_a_function_call_is_made_answered_and_stored(tenants: Tenants) -> None:
     # The tools are shown to the model, never stored as what it reads (the response
     # object's echo of them is the record's, beside the client's metadata).
     assert not any("The weather in a city" in text for text in [stored.system_prompt, *texts])
+
+
+def test_the_calls_output_items_sent_back_carry_a_conversation_without_storing(
+    tenants: Tenants,
+) -> None:
+    """As clients that keep the conversation themselves do: the response's output items
+    sent back as input, then the call's output, with ``store: false``."""
+    asked: dict[str, Any] = {**TINY, "tools": [CITY], "store": False}
+    question: ResponseInputItemParam = {"role": "user", "content": "Weather?"}
+    one: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False}
+    called = tenants.alice.responses.create(
+        input=[question], **one, **{**asked, "max_output_tokens": 120}
+    )
+    (call,) = called.output
+    assert call.type == "function_call"
+    sent_back = [
+        cast(ResponseInputItemParam, item.model_dump(exclude_unset=True)) for item in called.output
+    ]
+    before = tenants.session_ids()
+    items = [question, *sent_back, output(call.call_id, "Sunny")]
+    answered = tenants.alice.responses.create(input=items, **asked)
+    assert answered.output and answered.usage and called.usage
+    # The call and its output are in what the model read.
+    assert answered.usage.input_tokens > called.usage.input_tokens + 10
+    assert tenants.session_ids() == before
 
 
 def test_function_calls_stream_as_the_sdk_accumulates_them(tenants: Tenants) -> None:
@@ -310,7 +348,7 @@ def test_function_calls_stream_as_the_sdk_accumulates_them(tenants: Tenants) -> 
 def test_an_output_must_answer_a_call(tenants: Tenants) -> None:
     first = tenants.alice.responses.create(input="Hello", **TINY)
     before = tenants.session_ids()
-    unknown = {"type": "function_call_output", "call_id": "call_x", "output": "Sunny"}
+    unknown = output("call_x", "Sunny")
     with pytest.raises(openai.BadRequestError) as info:
         tenants.alice.responses.create(input=[unknown], previous_response_id=first.id, **TINY)
     assert info.value.body["param"] == "input[0].call_id"  # type: ignore[index]
