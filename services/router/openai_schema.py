@@ -485,7 +485,7 @@ class ResponseBody(_Strict):
         default=None, max_length=MAX_CACHE_SALT, description="as in chat completions"
     )
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=512, description="kept with the response")
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = Field(
         default=None, max_length=MAX_TOOLS, description="functions the model may call"

@@ -240,6 +240,7 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
         "reasoning": {"extra_body": {"reasoning": {"effort": "low"}}},
         "text.format.type": {"text": {"format": {"type": "json_object"}}},
         "input": {"input": []},
+        "user": {"user": "u" * 600},
         # The core's own checks, named as this API names the field.
         "max_output_tokens": {"max_output_tokens": 5000},
         "temperature": {"temperature": -1.0},
