@@ -454,8 +454,29 @@ class NamedFunctionChoice(_Strict):
     name: str
 
 
+class TextJsonSchemaFormat(JsonSchema):
+    """The Responses API's JSON schema format: the schema's fields beside its type."""
+
+    type: Literal["json_schema"] = Field(description="JSON that is an instance of the schema")
+
+
+TextFormat = Annotated[
+    Annotated[PlainFormat, Tag("Text")]
+    | Annotated[JsonObjectFormat, Tag("JsonObject")]
+    | Annotated[TextJsonSchemaFormat, Tag("JsonSchema")],
+    Discriminator(
+        _format_tag,
+        custom_error_type="invalid_format",
+        custom_error_message="type must be text, json_object or json_schema",
+    ),
+]
+
+
 class TextConfig(_Strict):
-    format: PlainFormat | None = None
+    format: TextFormat | None = Field(
+        default=None,
+        description="text; a JSON object; or JSON of a schema (as chat's response_format)",
+    )
 
 
 class ResponseBody(_Strict):
@@ -513,9 +534,23 @@ class ResponseBody(_Strict):
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""
         names = {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
-        if self.tools:  # the tools' grammar is the structure
-            names["sampling.structured_output"] = "tools"
+        # The structure is the tools' grammar, or the text's format.
+        names["sampling.structured_output"] = "tools" if self.tools else "text.format"
         return names
+
+    def structure(self) -> tuple[str, str] | None:
+        """``text.format`` as the core's structured output (None: text)."""
+        fmt = self.text.format if self.text is not None else None
+        if isinstance(fmt, JsonObjectFormat):
+            return ("json_object", "")
+        if isinstance(fmt, TextJsonSchemaFormat):
+            if fmt.description:
+                raise InvalidArgument(
+                    "text.format.description",
+                    "not supported: the schema is not shown to the model (say it in the input)",
+                )
+            return ("json_schema", json.dumps(fmt.json_schema or {}))
+        return None
 
 
 class TokenizeBody(_Strict):

@@ -98,4 +98,7 @@ def sampling_of(body: ResponseBody, tools: ToolUse | None) -> Sampling:
     for name in ("temperature", "top_p", "seed", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
-    return Sampling(structured=tools.structure() if tools else None, **kwargs)
+    structured = body.structure()
+    if tools is not None and structured is not None:
+        raise InvalidArgument("text.format", "not with tools: the answer is the tools' JSON")
+    return Sampling(structured=tools.structure() if tools else structured, **kwargs)

@@ -75,7 +75,13 @@ def _settings(body: ResponseBody) -> dict[str, Any]:
         if isinstance(choice, NamedFunctionChoice)
         else choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls,
+        "text": {"format": _format_echo(body)},
     }
+
+
+def _format_echo(body: ResponseBody) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
 
 class ResponsesApi:
@@ -183,7 +189,9 @@ class ResponsesApi:
         request_id, response_id = ids
         sampling = sampling_of(body, tools)  # refusals first: a fork is the last step
         if body.store and len(json.dumps(_settings(body))) > MAX_RECORD_CHARS // 2:
-            raise InvalidArgument("tools", "too long to store (store: false keeps nothing)")
+            raise InvalidArgument(
+                "store", "the tools and text.format are too long to keep (false keeps nothing)"
+            )
         previous = body.previous_response_id
         earlier_calls: dict[str, str] = {}
         if previous and unknown_outputs(body):

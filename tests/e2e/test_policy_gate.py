@@ -17,6 +17,7 @@ import grpc
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.responses import ResponseTextConfigParam
 
 from bench.recall import FILLER
 from llmmesh.client import authorized_channel, internal_channel
@@ -171,7 +172,8 @@ def test_a_deny_phrase_in_a_responses_tool_call_or_output_is_refused_by_its_item
     stack: Stack, client: openai.OpenAI
 ) -> None:
     """The Responses API's function tools, calls and outputs are read by the model as chat
-    completions' are: each checked, the refusal naming the item's own field."""
+    completions' are, and its text.format makes the model write what the schema spells
+    out: each checked, the refusal naming the item's own field."""
     lookup: dict[str, Any] = {"type": "function", "name": "lookup", "description": "Finds it"}
 
     def items(arguments: str = "{}", output: str = "ok") -> list[dict[str, Any]]:
@@ -193,6 +195,13 @@ def test_a_deny_phrase_in_a_responses_tool_call_or_output_is_refused_by_its_item
         with pytest.raises(openai.PermissionDeniedError) as info:
             client.responses.create(model="llm", store=False, **asked)
         assert "deny-weapons" in str(info.value) and info.value.param == field
+    schema: dict[str, object] = {"type": "object", "properties": {"how": {"const": DENIED}}}
+    shaped: ResponseTextConfigParam = {
+        "format": {"type": "json_schema", "name": "s", "schema": schema}
+    }
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        client.responses.create(model="llm", input="Go on.", text=shaped, max_output_tokens=4)
+    assert info.value.param == "text.format"
 
     def allowed() -> int:
         asked: dict[str, Any] = {"input": items(), "tools": [lookup], "max_output_tokens": 2}

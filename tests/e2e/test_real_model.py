@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam, ChatCompletionToolParam
+from pydantic import BaseModel, Field
 from tokenizers import Tokenizer
 
 from bench.truncation import WHOLE, Settings, evaluate_on
@@ -312,6 +313,22 @@ def test_a_json_schema_gets_the_models_answer_in_its_shape(sdk: openai.OpenAI) -
         "country": "France",
     }
     assert reply.choices[0].finish_reason == "stop"
+
+
+class Capital(BaseModel):
+    city: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+
+
+def test_the_responses_apis_parse_gets_the_models_answer_as_its_model(
+    sdk: openai.OpenAI,
+) -> None:
+    """The SDK's ``responses.parse``: the pydantic model's schema as text.format, the
+    answer held to it and parsed."""
+    parsed = sdk.responses.parse(
+        model="smollm2", input=QUESTION, text_format=Capital, max_output_tokens=60, temperature=0
+    )
+    assert parsed.output_parsed == Capital(city="Paris", country="France")
 
 
 def function_tool(name: str, description: str, argument: str) -> ChatCompletionToolParam:

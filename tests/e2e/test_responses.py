@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import grpc
 import openai
@@ -19,6 +19,7 @@ from openai.types.responses import (
     ResponseInputItemParam,
     ToolChoiceFunctionParam,
 )
+from pydantic import BaseModel
 
 from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack
@@ -238,14 +239,16 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
         },
         "input[0].role": {"input": [{"role": "assistant", "content": "I speak last"}]},
         "reasoning": {"extra_body": {"reasoning": {"effort": "low"}}},
-        "text.format.type": {"text": {"format": {"type": "json_object"}}},
+        "text.format": {"text": {"format": {"type": "xml"}}},
         "input": {"input": []},
         "user": {"user": "u" * 600},
         # The core's own checks, named as this API names the field.
         "max_output_tokens": {"max_output_tokens": 5000},
         "temperature": {"temperature": -1.0},
     }
-    for param, kwargs in refusals.items():
+    nonsense = {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}
+    asked = [*refusals.items(), ("text.format", {"text": {"format": nonsense}})]
+    for param, kwargs in asked:
         with pytest.raises(openai.BadRequestError) as info:
             tenants.alice.responses.create(**{"input": "hi", **TINY, **kwargs})
         assert info.value.body["param"] == param, kwargs  # type: ignore[index]
@@ -354,3 +357,21 @@ def test_an_output_must_answer_a_call(tenants: Tenants) -> None:
         tenants.alice.responses.create(input=[unknown], previous_response_id=first.id, **TINY)
     assert info.value.body["param"] == "input[0].call_id"  # type: ignore[index]
     assert tenants.session_ids() == before
+
+
+class Pick(BaseModel):
+    city: Literal["Paris", "Rome"]
+    sunny: bool
+
+
+def test_the_sdks_parse_gets_an_instance_of_its_model(tenants: Tenants) -> None:
+    """``responses.parse`` sends the model's JSON schema as text.format: the answer is held
+    to it, parsed by the SDK, echoed and read back the same."""
+    parsed = tenants.alice.responses.parse(
+        input="Pick one.", text_format=Pick, **{**TINY, "max_output_tokens": 60}
+    )
+    assert isinstance(parsed.output_parsed, Pick)
+    assert parsed.text is not None and parsed.text.format is not None
+    assert parsed.text.format.type == "json_schema"
+    stored = tenants.alice.responses.retrieve(parsed.id)
+    assert Pick.model_validate_json(stored.output_text) == parsed.output_parsed
