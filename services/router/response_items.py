@@ -1,9 +1,12 @@
 """The Responses API's request as the core's: its input items as the turns the model
 reads (messages as they are, function calls and their outputs in the model's tool JSON,
-as chat completions write them), each named by its own field, and its function tools."""
+as chat completions write them), each named by its own field, and its function tools;
+and back: a stored response's input items from its session's turns."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +19,15 @@ from services.router.openai_schema import (
     NamedFunctionChoice,
     ResponseBody,
 )
-from services.router.tool_calls import ToolUse, arguments_of, calls_turn, checked_use, result_turn
+from services.router.tool_calls import (
+    RESULT,
+    ToolUse,
+    answer_of,
+    arguments_of,
+    calls_turn,
+    checked_use,
+    result_turn,
+)
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER}
 
@@ -102,3 +113,104 @@ def sampling_of(body: ResponseBody, tools: ToolUse | None) -> Sampling:
     if tools is not None and structured is not None:
         raise InvalidArgument("text.format", "not with tools: the answer is the tools' JSON")
     return Sampling(structured=tools.structure() if tools else structured, **kwargs)
+
+
+def input_record(body: ResponseBody) -> list[list[str]]:
+    """What a stored response keeps of its input items beside their turns' text: each
+    item's type and its role or call id."""
+    if isinstance(body.input, str):
+        return [["message", "user"]]
+    kept = []
+    for item in body.input:
+        if isinstance(item, InputMessage):
+            kept.append(["message", item.role])
+        else:
+            kept.append([item.type, item.call_id])
+    return kept
+
+
+_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def stored_items(
+    response_id: str, kept: Sequence[Sequence[str]], turns: Sequence[Turn]
+) -> list[dict[str, Any]]:
+    """A stored response's input items, in order, from what it kept of them and their
+    turns (the session's turns before the answer; the items' text as policy let it in).
+    Where the session holds fewer turns than there were items, the last ones."""
+    own = response_id.removeprefix("resp_")
+    turns = turns[-len(kept) :] if kept else ()
+    first = len(kept) - len(turns)
+    items = []
+    for index, turn in enumerate(turns, start=first):
+        kind, detail = kept[index]
+        item_id = f"{_PREFIXES[kind]}_{own}{index:04x}"
+        items.append(_stored_item(item_id, kind, detail, turn.text))
+    return items
+
+
+def _stored_item(item_id: str, kind: str, detail: str, text: str) -> dict[str, Any]:
+    base = {"id": item_id, "type": kind, "status": "completed"}
+    if kind == "function_call":
+        _, calls = answer_of(text)
+        function = calls[0]["function"] if calls else {"name": "", "arguments": text}
+        return {**base, "call_id": detail, **function}
+    if kind == "function_call_output":
+        return {**base, "call_id": detail, "output": _result_content(text)}
+    if detail == "assistant":
+        part = {"type": "output_text", "text": text, "annotations": []}
+    else:
+        part = {"type": "input_text", "text": text}
+    return {**base, "role": detail, "content": [part]}
+
+
+def _result_content(text: str) -> str:
+    """A call's output as it was sent, from its turn in the model's tool JSON (the text
+    as it is if an input rule changed it past reading)."""
+    try:
+        content = json.loads(text)[RESULT]["content"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return text
+    return content if isinstance(content, str) else text
+
+
+@dataclass(frozen=True)
+class ItemPage:
+    """A page of a list, as OpenAI's list endpoints ask for one: in ``order`` (``asc`` or
+    ``desc``), at most ``limit`` items, those after the item ``after``."""
+
+    order: str = "desc"
+    limit: int = 20
+    after: str | None = None
+
+    @classmethod
+    def of(cls, query: Mapping[str, str]) -> ItemPage:
+        """The page a query asks for; InvalidArgument naming a parameter it cannot take."""
+        for name in query:
+            if name not in ("order", "limit", "after"):
+                raise InvalidArgument(name.removesuffix("[]"), "not supported")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidArgument("order", "asc or desc")
+        limit = query.get("limit", "20")
+        if not limit.isascii() or not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise InvalidArgument("limit", "an integer from 1 to 100")
+        return cls(order, int(limit), query.get("after"))
+
+    def list(self, items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The page of ``items`` (in ascending order) as OpenAI's list object."""
+        ordered = list(items) if self.order == "asc" else list(reversed(items))
+        start = 0
+        if self.after is not None:
+            ids = [item["id"] for item in ordered]
+            if self.after not in ids:
+                raise InvalidArgument("after", "no item of this response has this id")
+            start = ids.index(self.after) + 1
+        data = ordered[start : start + self.limit]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + self.limit < len(ordered),
+        }

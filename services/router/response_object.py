@@ -82,6 +82,7 @@ class ResponseDraft:
     metadata: dict[str, str] = field(default_factory=dict)
     tools: ToolStream | None = None
     items: list[OutputItem] = field(default_factory=list)
+    input: list[list[str]] = field(default_factory=list)  # each input item's type and detail
     status: str = "in_progress"
     incomplete_reason: str | None = None
     usage: dict[str, Any] | None = None
@@ -212,6 +213,7 @@ class ResponseDraft:
             "usage": self.usage,
             "error": self.error,
             "calls": [item.call_id for item in self.items if item.call_id],
+            "input": self.input,
         }
         raw = json.dumps(kept, separators=(",", ":"))
         entries = {
@@ -253,6 +255,7 @@ class ResponseDraft:
         draft.incomplete_reason = kept["incomplete_reason"]
         draft.usage = kept["usage"]
         draft.error = kept["error"]
+        draft.input = kept.get("input", [])
         draft.replay(text)
         return draft
 

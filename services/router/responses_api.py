@@ -26,14 +26,22 @@ from aiohttp import web
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument, MeshError
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID
-from llmmesh.types import Role
+from llmmesh.types import Role, Turn
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response
 from services.router.openai_reply import Choice
 from services.router.openai_schema import NamedFunctionChoice, ResponseBody, parse_body
 from services.router.request import GenerateInput, Generation, SessionUse
-from services.router.response_items import input_items, sampling_of, tool_use, unknown_outputs
+from services.router.response_items import (
+    ItemPage,
+    input_items,
+    input_record,
+    sampling_of,
+    stored_items,
+    tool_use,
+    unknown_outputs,
+)
 from services.router.response_object import MAX_RECORD_CHARS, ResponseDraft
 from services.router.tenants import Tenants
 from services.router.tool_calls import ToolUse
@@ -101,6 +109,7 @@ class ResponsesApi:
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{response_id}", self.retrieve)
         app.router.add_delete("/v1/responses/{response_id}", self.delete)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.input_items)
 
     async def retrieve(self, request: web.Request) -> web.Response:
         try:
@@ -112,8 +121,29 @@ class ResponsesApi:
             return error_response(err)
         return web.json_response(draft.object())
 
+    async def input_items(self, request: web.Request) -> web.Response:
+        """The response's input items, a page at a time (OpenAI's list: ``order``,
+        ``limit``, ``after``)."""
+        try:
+            tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            response_id = request.match_info["response_id"]
+            _conversation(response_id, "response_id")
+            page = ItemPage.of(request.query)
+            draft, turns = await self._stored_with_turns(tenant, response_id, "response_id")
+            listed = page.list(stored_items(response_id, draft.input, turns[:-1]))
+        except MeshError as err:
+            return error_response(err)
+        return web.json_response(listed)
+
     async def _stored(self, tenant: str, response_id: str, field: str) -> ResponseDraft:
         """The tenant's stored response, or not found naming ``field``."""
+        draft, _ = await self._stored_with_turns(tenant, response_id, field)
+        return draft
+
+    async def _stored_with_turns(
+        self, tenant: str, response_id: str, field: str
+    ) -> tuple[ResponseDraft, tuple[Turn, ...]]:
+        """The tenant's stored response and its session's turns (the answer last)."""
         stored = await self._records.read(tenant, response_id)
         draft = None
         if stored is not None and stored.turns and stored.turns[-1].role is Role.ASSISTANT:
@@ -121,9 +151,9 @@ class ResponsesApi:
             draft = ResponseDraft.from_record(
                 response_id, stored.metadata, stored.system_prompt, text
             )
-        if draft is None:
+        if draft is None or stored is None:
             raise _not_found(field, response_id)
-        return draft
+        return draft, stored.turns
 
     async def delete(self, request: web.Request) -> web.Response:
         try:
@@ -158,6 +188,7 @@ class ResponsesApi:
             tools=ToolStream() if tools else None,
         )
         draft.metadata = dict(body.metadata or {})
+        draft.input = input_record(body)
         created = body.store and bool(previous)  # the fork made the session already
         try:
             async with self._core.generation(decoded) as generation:

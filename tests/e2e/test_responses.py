@@ -298,6 +298,12 @@ def test_a_function_call_is_made_answered_and_stored(tenants: Tenants) -> None:
     )
     (message,) = answered.output
     assert message.type == "message" and answered.status in {"completed", "incomplete"}
+    (given,) = tenants.alice.responses.input_items.list(answered.id).data
+    assert given.model_dump(include={"type", "call_id", "output"}) == {
+        "type": "function_call_output",
+        "call_id": call.call_id,
+        "output": "Sunny",
+    }
     stored = tenants.session(answered.id)
     assert stored is not None
     texts = [t.text for t in stored.turns]
@@ -375,3 +381,28 @@ def test_the_sdks_parse_gets_an_instance_of_its_model(tenants: Tenants) -> None:
     assert parsed.text.format.type == "json_schema"
     stored = tenants.alice.responses.retrieve(parsed.id)
     assert Pick.model_validate_json(stored.output_text) == parsed.output_parsed
+
+
+def test_a_responses_input_items_are_listed_page_by_page(tenants: Tenants) -> None:
+    """``responses.input_items.list``: the items the response was given (not the earlier
+    responses'), newest first by default, the SDK following the pages."""
+    first = tenants.alice.responses.create(input="My name is Ada.", **TINY)
+    given: list[ResponseInputItemParam] = [
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "I like tea."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "What do I like?"},
+    ]
+    second = tenants.alice.responses.create(input=given, previous_response_id=first.id, **TINY)
+    listed = [
+        item.model_dump() for item in tenants.alice.responses.input_items.list(second.id, limit=3)
+    ]
+    texts = [item["content"][0]["text"] for item in listed]
+    assert texts == ["What do I like?", "Noted.", "I like tea.", "Answer in French."]
+    assert [item["role"] for item in listed] == ["user", "assistant", "user", "developer"]
+    ascending = tenants.alice.responses.input_items.list(second.id, order="asc")
+    assert [item.id for item in ascending.data] == [item["id"] for item in reversed(listed)]
+    (only,) = tenants.alice.responses.input_items.list(first.id).data
+    assert only.model_dump()["content"][0]["text"] == "My name is Ada."
+    with pytest.raises(openai.NotFoundError):
+        tenants.bob.responses.input_items.list(second.id)

@@ -1,7 +1,7 @@
 """Function tools in the Responses API: input items written for the model as chat
 completions write them (each named by its own field), the output's items (message or
 function calls) built whole and as the SDK's events from the model's tool JSON, and the
-stored record read back with the same ids."""
+stored record read back with the same ids; its input items listed back."""
 
 from __future__ import annotations
 
@@ -11,13 +11,20 @@ from typing import Any
 import openai
 import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Chunk, FinishReason, Role
+from llmmesh.types import Chunk, FinishReason, Role, Turn
 from services.router.openai_schema import ResponseBody
-from services.router.response_items import input_items, tool_use, unknown_outputs
+from services.router.response_items import (
+    ItemPage,
+    input_items,
+    input_record,
+    stored_items,
+    tool_use,
+    unknown_outputs,
+)
 from services.router.response_object import ENTRY_CHARS, RECORD_KEY, ResponseDraft
 from services.router.tool_stream import ToolStream
 
@@ -30,6 +37,7 @@ WEATHER = {
 CALL = {"tool_calls": [{"name": "weather", "arguments": {"city": "Paris"}}]}
 TWO = {"tool_calls": [*CALL["tool_calls"], {"name": "weather", "arguments": {"city": "Rome"}}]}
 EVENTS: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+ITEMS: TypeAdapter[ResponseItem] = TypeAdapter(ResponseItem)
 
 
 def body(**fields: Any) -> ResponseBody:
@@ -246,3 +254,66 @@ def test_the_choice_holds_the_answer() -> None:
     single = tool_use(body(parallel_tool_calls=False))
     assert single is not None and '"maxItems": 1' in single.structure()[1]
     assert tool_use(body(tools=None)) is None
+
+
+def test_a_stored_responses_input_items_come_back_from_its_turns() -> None:
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "weather",
+            "arguments": '{"city":"Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+    ]
+    sent = body(input=items)
+    written = input_items(sent, {})
+    turns = [*written.history.turns, Turn(Role.USER, written.prompt)]
+    back = stored_items("resp_" + "b" * 32, input_record(sent), turns)
+    assert [item["type"] for item in back] == [
+        "message",
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
+    assert back[0]["role"] == "developer" and back[1]["content"][0]["text"] == "Weather in Paris?"
+    assert (back[2]["call_id"], back[2]["name"]) == ("c1", "weather")
+    assert json.loads(back[2]["arguments"]) == {"city": "Paris"}
+    assert (back[3]["call_id"], back[3]["output"]) == ("c1", "Sunny")
+    assert len({item["id"] for item in back}) == 4
+    for item in back:  # each as the SDK's own item types read it
+        ITEMS.validate_python(item)
+    # A session that kept fewer turns: the last items, with the same ids.
+    assert stored_items("resp_" + "b" * 32, input_record(sent), turns[2:]) == back[2:]
+
+
+def test_a_page_of_items_as_openais_lists() -> None:
+    items = [{"id": f"i{n}"} for n in range(5)]
+    first = ItemPage(limit=2).list(items)
+    assert [i["id"] for i in first["data"]] == ["i4", "i3"] and first["has_more"]
+    rest = ItemPage(limit=2, after="i3").list(items)
+    assert [i["id"] for i in rest["data"]] == ["i2", "i1"] and rest["has_more"]
+    last = ItemPage(order="asc", limit=3, after="i1").list(items)
+    assert [i["id"] for i in last["data"]] == ["i2", "i3", "i4"] and not last["has_more"]
+    assert (last["first_id"], last["last_id"]) == ("i2", "i4")
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "101"}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"include[]": "message.input_image.image_url"}, "include"),
+    ],
+)
+def test_a_page_that_cannot_be_given_is_refused_by_name(query: dict[str, str], param: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        ItemPage.of(query)
+    assert info.value.field == param
+    with pytest.raises(InvalidArgument) as unknown:
+        ItemPage(after="nope").list([{"id": "i0"}])
+    assert unknown.value.field == "after"
