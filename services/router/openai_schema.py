@@ -650,6 +650,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/completions": _generation("CompletionBody", "A text completion", error),
             "/v1/responses": _generation("ResponseBody", "A response (Responses API)", error),
             "/v1/responses/{response_id}": _stored_response(error),
+            "/v1/responses/{response_id}/input_items": _input_items(error),
             "/v1/models": {
                 "get": {
                     "summary": "The models the caller may use",
@@ -717,6 +718,28 @@ def _stored_response(error: dict[str, str]) -> dict[str, Any]:
             **call,
             "responses": {"200": {"description": "Deleted"}, **statuses},
         },
+    }
+
+
+def _input_items(error: dict[str, str]) -> dict[str, Any]:
+    path = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    query = [
+        {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
+        {"name": "after", "in": "query", "schema": {"type": "string"}},
+    ]
+    statuses = {code: _err(error) for code in ("400", "401", "404", "503")}
+    return {
+        "get": {
+            "summary": "The input items of a stored response, a page at a time",
+            "security": [{"bearer": []}],
+            "parameters": [path, *query],
+            "responses": {"200": {"description": "A list of items"}, **statuses},
+        }
     }
 
 

@@ -38,7 +38,7 @@ def api(stack: Stack) -> Any:
 def test_no_request_is_a_server_error(api: Any, stack: Stack) -> None:
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     operations = [result.ok() for result in api.get_all_operations()]
-    assert len(operations) == 13  # every operation of the document, GET probes included
+    assert len(operations) == 14  # every operation of the document, GET probes included
     for operation in operations:
 
         @settings(

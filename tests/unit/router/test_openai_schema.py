@@ -233,6 +233,7 @@ def test_the_openapi_document_describes_what_the_handlers_validate() -> None:
         "/v1/completions",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
         "/v1/models",
         "/v1/models/{model}",
         "/tokenize",
