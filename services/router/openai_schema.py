@@ -33,6 +33,7 @@ from services.router.request import MAX_CACHE_SALT
 B = TypeVar("B", bound=BaseModel)
 MAX_CHOICES = 8
 MAX_TOOLS = 64
+LOGPROBS_INCLUDED = "message.output_text.logprobs"  # the Responses API's include for them
 MAX_INPUT_ITEMS = 62  # with the answer, what one append to a session may hold
 JSON_TYPES = ("application/json",)
 # A path element naming a field or a key (not a union member's type tag, e.g. "str").
@@ -502,6 +503,12 @@ class ResponseBody(_Strict):
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0, description="the mesh's extension")
     seed: int | None = Field(default=None, description="the mesh's extension")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="with the logprobs included: the k likeliest too"
+    )
+    include: list[Literal["message.output_text.logprobs"]] | None = Field(
+        default=None, description="each output token's log probability"
+    )
     cache_salt: str | None = Field(
         default=None, max_length=MAX_CACHE_SALT, description="as in chat completions"
     )
@@ -534,9 +541,17 @@ class ResponseBody(_Strict):
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""
         names = {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
+        names["sampling.logprobs"] = "top_logprobs"
         # The structure is the tools' grammar, or the text's format.
         names["sampling.structured_output"] = "tools" if self.tools else "text.format"
         return names
+
+    def logprobs_wanted(self) -> int | None:
+        """The likeliest tokens to give at each output token (None: no log probabilities)."""
+        included = LOGPROBS_INCLUDED in (self.include or [])
+        if self.top_logprobs is not None and not included:
+            raise InvalidArgument("top_logprobs", f"needs include [{LOGPROBS_INCLUDED!r}]")
+        return (self.top_logprobs or 0) if included else None
 
     def structure(self) -> tuple[str, str] | None:
         """``text.format`` as the core's structured output (None: text)."""

@@ -109,10 +109,13 @@ def sampling_of(body: ResponseBody, tools: ToolUse | None) -> Sampling:
     for name in ("temperature", "top_p", "seed", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
-    structured = body.structure()
+    structured, logprobs = body.structure(), body.logprobs_wanted()
     if tools is not None and structured is not None:
         raise InvalidArgument("text.format", "not with tools: the answer is the tools' JSON")
-    return Sampling(structured=tools.structure() if tools else structured, **kwargs)
+    if tools is not None and logprobs is not None:
+        raise InvalidArgument("include", "log probabilities not with tools")
+    structured = tools.structure() if tools else structured
+    return Sampling(structured=structured, logprobs=logprobs, **kwargs)
 
 
 def input_record(body: ResponseBody) -> list[list[str]]:

@@ -6,12 +6,13 @@ calls of functions (read from the model's tool JSON as chat completions read it)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmmesh.runtime.errors import MeshError
-from llmmesh.types import Chunk, FinishReason
+from llmmesh.types import Chunk, FinishReason, TokenLogprob
+from services.router.openai_reply import chat_logprobs
 from services.router.tool_calls import CALLS, call_id
 from services.router.tool_stream import Delta, ToolStream
 
@@ -44,6 +45,7 @@ class OutputItem:
     name: str = ""
     text: str = ""
     state: str = "new"  # new, open (its opening events sent), done (its closing ones too)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, if asked
 
     def object(self, status: str) -> dict[str, Any]:
         if self.call_id:
@@ -64,7 +66,12 @@ class OutputItem:
         }
 
     def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        return {
+            "type": "output_text",
+            "text": self.text,
+            "annotations": [],
+            "logprobs": self.logprobs,
+        }
 
 
 @dataclass
@@ -105,18 +112,20 @@ class ResponseDraft:
     def add(self, chunk: Chunk) -> list[bytes]:
         """The chunk taken into the output; the events that stream it."""
         ended = chunk.finish_reason is not None
-        events = [
-            event for delta in self._deltas(chunk.text, ended) for event in self._apply(delta)
-        ]
+        deltas = self._deltas(chunk.text, ended, chunk.logprobs)
+        events = [event for delta in deltas for event in self._apply(delta)]
         if chunk.finish_reason is not None:
             self.incomplete_reason = INCOMPLETE.get(chunk.finish_reason)
             self.status = "incomplete" if self.incomplete_reason else "completed"
         return events
 
-    def _deltas(self, text: str, ended: bool) -> list[Delta]:
-        """The answer's text as chat completions' deltas (content, or calls with tools)."""
+    def _deltas(self, text: str, ended: bool, logprobs: Sequence[TokenLogprob] = ()) -> list[Delta]:
+        """The answer's text as chat completions' deltas (content, or calls with tools;
+        log probabilities are asked only without tools)."""
         if self.tools is None:
-            return [{"content": text}] if text else []
+            if not logprobs:
+                return [{"content": text}] if text else []
+            return [{"content": text, "logprobs": chat_logprobs(logprobs)["content"]}]
         deltas = self.tools.feed(text)
         return deltas + self.tools.end()[0] if ended else deltas
 
@@ -130,11 +139,12 @@ class ResponseDraft:
             if message.state == "new":
                 yield from self._open(message)
             message.text += delta["content"]
+            message.logprobs += delta.get("logprobs", [])
             yield self._event(
                 "response.output_text.delta",
                 **self._at(message),
                 delta=delta["content"],
-                logprobs=[],
+                logprobs=delta.get("logprobs", []),
             )
         for call in delta.get(CALLS, []):
             if "id" in call:  # a new call: its name is whole
@@ -303,7 +313,8 @@ class ResponseDraft:
             )
         else:
             at = self._at(item)
-            yield self._event("response.output_text.done", **at, text=item.text, logprobs=[])
+            written = {"text": item.text, "logprobs": item.logprobs}
+            yield self._event("response.output_text.done", **at, **written)
             yield self._event("response.content_part.done", **at, part=item.part())
         done = item.object(self._item_status())
         yield self._event("response.output_item.done", output_index=index, item=done)

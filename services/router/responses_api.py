@@ -116,6 +116,8 @@ class ResponsesApi:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             response_id = request.match_info["response_id"]
             _conversation(response_id, "response_id")
+            for name in request.query:  # include, stream, starting_after: none kept
+                raise InvalidArgument(name.removesuffix("[]"), "not supported")
             draft = await self._stored(tenant, response_id, "response_id")
         except MeshError as err:
             return error_response(err)

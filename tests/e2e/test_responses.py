@@ -406,3 +406,21 @@ def test_a_responses_input_items_are_listed_page_by_page(tenants: Tenants) -> No
     assert only.model_dump()["content"][0]["text"] == "My name is Ada."
     with pytest.raises(openai.NotFoundError):
         tenants.bob.responses.input_items.list(second.id)
+
+
+def test_log_probabilities_come_with_the_text_when_included(tenants: Tenants) -> None:
+    asked: dict[str, Any] = {**TINY, "include": ["message.output_text.logprobs"]}
+    whole = tenants.alice.responses.create(input="Once upon a", top_logprobs=2, **asked)
+    (message,) = whole.output
+    assert message.type == "message" and whole.usage is not None
+    (part,) = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    assert len(part.logprobs) == whole.usage.output_tokens == 6
+    assert "".join(p.token for p in part.logprobs) == whole.output_text
+    assert all(len(p.top_logprobs) == 2 and p.logprob <= 0 for p in part.logprobs)
+    events = list(tenants.alice.responses.create(input="Once upon a", stream=True, **asked))
+    streamed = [p for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+    assert len(streamed) == 6 and all(p.top_logprobs == [] for p in streamed)
+    with pytest.raises(openai.BadRequestError) as info:
+        tenants.alice.responses.retrieve(whole.id, include=["message.output_text.logprobs"])
+    assert info.value.body["param"] == "include"  # type: ignore[index]

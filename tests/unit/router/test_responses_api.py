@@ -1,7 +1,8 @@
-"""Function tools in the Responses API: input items written for the model as chat
-completions write them (each named by its own field), the output's items (message or
-function calls) built whole and as the SDK's events from the model's tool JSON, and the
-stored record read back with the same ids; its input items listed back."""
+"""The Responses API's pieces, without a server: function tools' input items written for
+the model as chat completions write them (each named by its own field), the output's
+items (message or function calls) built whole and as the SDK's events from the model's
+tool JSON, log probabilities, the stored record read back with the same ids, and input
+items listed back."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.types import Chunk, FinishReason, Role, Turn
+from llmmesh.types import Chunk, FinishReason, Role, TokenLogprob, Turn
 from services.router.openai_schema import ResponseBody
 from services.router.response_items import (
     ItemPage,
     input_items,
     input_record,
+    sampling_of,
     stored_items,
     tool_use,
     unknown_outputs,
@@ -317,3 +319,53 @@ def test_a_page_that_cannot_be_given_is_refused_by_name(query: dict[str, str], p
     with pytest.raises(InvalidArgument) as unknown:
         ItemPage(after="nope").list([{"id": "i0"}])
     assert unknown.value.field == "after"
+
+
+def test_log_probabilities_stream_with_their_text_and_stay_in_the_message() -> None:
+    out = draft(tools=False)
+    events = list(out.opening())
+    tokens = (
+        TokenLogprob(1, "Hel", -0.5, 1, ((1, "Hel", -0.5), (2, "Hi", -1.5))),
+        TokenLogprob(2, "lo", -0.1, 1, ((2, "lo", -0.1),)),
+    )
+    events += out.add(Chunk("Hel", 1, None, logprobs=tokens[:1]))
+    events += out.add(Chunk("lo", 1, FinishReason.STOP, logprobs=tokens[1:]))
+    events += out.closing()
+    docs = parsed(events)
+    deltas = [d for d in docs if d.type == "response.output_text.delta"]
+    assert [[p.token for p in d.logprobs] for d in deltas] == [["Hel"], ["lo"]]
+    top = deltas[0].logprobs[0].top_logprobs
+    assert top is not None and [(t.token, t.logprob) for t in top] == [("Hel", -0.5), ("Hi", -1.5)]
+    final = Response.model_validate(out.object())
+    (message,) = final.output
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    assert [(p.token, p.logprob, p.bytes) for p in part.logprobs] == [
+        ("Hel", -0.5, list(b"Hel")),
+        ("lo", -0.1, list(b"lo")),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),
+    ],
+)
+def test_log_probabilities_that_cannot_be_given_are_refused_by_name(
+    fields: dict[str, Any], param: str
+) -> None:
+    sent = ResponseBody.model_validate({"input": "hi", **fields})
+    with pytest.raises(InvalidArgument) as info:
+        sampling_of(sent, tool_use(sent))
+    assert info.value.field == param
+
+
+def test_log_probabilities_are_asked_of_the_engine_when_included() -> None:
+    sent = ResponseBody.model_validate(
+        {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    )
+    assert sampling_of(sent, None).logprobs == 2
+    assert sampling_of(body(tools=None), None).logprobs is None
