@@ -359,7 +359,8 @@ class OpenAiApi:
         listed = isinstance(body, CompletionBody) and isinstance(body.prompt, list)
         # The tools are shown in a system message of their own (policy's verdict on it
         # names the field), after the session's system prompt if there is one.
-        use = SessionUse(tools=tools.instructions() if tools else "")
+        affinity = SessionUse.keyed(body.prompt_cache_key)  # or the session's, if any
+        use = SessionUse(tools=tools.instructions() if tools else "", affinity=affinity)
         return [
             GenerateInput(
                 request_id=request_id,

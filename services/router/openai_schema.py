@@ -33,6 +33,12 @@ from services.router.request import MAX_CACHE_SALT
 B = TypeVar("B", bound=BaseModel)
 MAX_CHOICES = 8
 MAX_TOOLS = 64
+MAX_CACHE_KEY = 256
+CACHE_KEY_DOC = (
+    "requests of the tenant with the same key go to the same replica (its prefix cache) "
+    "and canary subset, as a session's turns do (the key, when given, instead of the "
+    "session's or the conversation's)"
+)
 LOGPROBS_INCLUDED = "message.output_text.logprobs"  # the Responses API's include for them
 MAX_INPUT_ITEMS = 62  # with the answer, what one append to a session may hold
 JSON_TYPES = ("application/json",)
@@ -176,6 +182,9 @@ class Body(_Strict):
         max_length=MAX_CACHE_SALT,
         description="vLLM's extension: shares cached prefixes only with the same salt "
         "(within the tenant's own cache)",
+    )
+    prompt_cache_key: str | None = Field(
+        default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
     )
 
     def check_no_ops(self) -> None:
@@ -511,6 +520,9 @@ class ResponseBody(_Strict):
     )
     cache_salt: str | None = Field(
         default=None, max_length=MAX_CACHE_SALT, description="as in chat completions"
+    )
+    prompt_cache_key: str | None = Field(
+        default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
     )
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = Field(default=None, max_length=512, description="kept with the response")

@@ -24,6 +24,13 @@ class SessionUse:
     instructions: str | None = None  # this request's system prompt instead of the stored one
     tools: str = ""  # the system message that shows the model its tools (never stored)
     affinity: str = ""  # the conversation's key for replica affinity; empty: the session's
+
+    @staticmethod
+    def keyed(prompt_cache_key: str | None) -> str:
+        """The affinity of a request that names a prompt cache key (OpenAI's), apart from
+        any session id or conversation (empty: none named)."""
+        return f"prompt_cache_key:{prompt_cache_key}" if prompt_cache_key else ""
+
     may_truncate: bool = True  # False: a history that does not fit is refused, never cut
 
 

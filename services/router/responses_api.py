@@ -254,7 +254,8 @@ class ResponsesApi:
             record=body.store,
             # Instructions are the response's own: never carried over from the previous.
             instructions=(body.instructions or "") if session_id else body.instructions,
-            affinity=response_id[5:21] if session_id else "",
+            affinity=SessionUse.keyed(body.prompt_cache_key)
+            or (response_id[5:21] if session_id else ""),
             may_truncate=body.truncation == "auto",
             tools=tools.instructions() if tools else "",
         )

@@ -619,3 +619,30 @@ def test_a_responses_format_that_cannot_be_kept_is_refused_by_name(
     with pytest.raises(InvalidArgument) as info:
         sampling_of(body, tool_use(body))
     assert info.value.field == param
+
+
+def test_a_prompt_cache_key_keeps_the_tenants_requests_together() -> None:
+    """OpenAI's prompt_cache_key is the replica affinity's key (a session's otherwise):
+    the picker sends requests with the same key where the first went."""
+    inference = Inference()
+    served = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"]).app()
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    sent = [
+        ({**OK, "prompt_cache_key": "shared"}, "/v1/completions", {}),
+        (OK, "/v1/completions", {}),
+        ({**chat, "prompt_cache_key": "shared"}, "/v1/chat/completions", {"x-session-id": "s1"}),
+        (chat, "/v1/chat/completions", {"x-session-id": "s1"}),
+    ]
+
+    async def scenario() -> list[int]:
+        async with TestClient(TestServer(served)) as client:
+            statuses = []
+            for doc, path, headers in sent:
+                response = await client.post(path, json=doc, headers=headers)
+                statuses.append(response.status)
+            return statuses
+
+    assert asyncio.run(scenario()) == [200] * 4
+    keyed, plain, keyed_session, session = [hints.session_key for hints in inference.hints]
+    assert keyed == keyed_session and keyed.endswith("/prompt_cache_key:shared")
+    assert plain == "" and session.endswith("/s1")
