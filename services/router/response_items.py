@@ -19,6 +19,8 @@ from services.router.openai_schema import (
     NamedFunctionChoice,
     ResponseBody,
 )
+from services.router.request import SessionUse
+from services.router.response_object import MAX_RECORD_CHARS
 from services.router.tool_calls import (
     RESULT,
     ToolUse,
@@ -102,6 +104,45 @@ def tool_use(body: ResponseBody) -> ToolUse | None:
     if isinstance(choice, NamedFunctionChoice):
         return checked_use(specs, None, choice.name, parallel, fields)
     return checked_use(specs, choice, None, parallel, fields)
+
+
+def echoed(body: ResponseBody) -> dict[str, Any]:
+    """What the response object echoes of the request (its settings, kept with it)."""
+    choice = body.tool_choice
+    named = choice.model_dump() if isinstance(choice, NamedFunctionChoice) else None
+    return {
+        "previous_response_id": body.previous_response_id,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "truncation": body.truncation,
+        "store": body.store,
+        "user": body.user,
+        "tools": [tool.model_dump() for tool in body.tools or []],
+        "tool_choice": named or choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "text": {"format": _format_echo(body)},
+    }
+
+
+def _format_echo(body: ResponseBody) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+
+
+def check_storable(body: ResponseBody, settings: dict[str, Any]) -> None:
+    """With ``store``, the settings must fit the response's record (half of it: the
+    rest is its status, usage and ids)."""
+    if body.store and len(json.dumps(settings)) > MAX_RECORD_CHARS // 2:
+        raise InvalidArgument(
+            "store", "the tools and text.format are too long to keep (false keeps nothing)"
+        )
+
+
+def affinity_of(body: ResponseBody, conversation: str) -> str:
+    """The replica affinity's key: the request's prompt cache key if it names one, else
+    its conversation's (empty: neither)."""
+    return SessionUse.keyed(body.prompt_cache_key) or conversation
 
 
 def sampling_of(body: ResponseBody, tools: ToolUse | None) -> Sampling:

@@ -90,6 +90,7 @@ class ResponseDraft:
     tools: ToolStream | None = None
     items: list[OutputItem] = field(default_factory=list)
     input: list[list[str]] = field(default_factory=list)  # each input item's type and detail
+    streaming: bool = False  # False: no events are written (a whole reply, a stored one)
     status: str = "in_progress"
     incomplete_reason: str | None = None
     usage: dict[str, Any] | None = None
@@ -278,6 +279,8 @@ class ResponseDraft:
     # As server-sent events.
 
     def _event(self, kind: str, **fields: Any) -> bytes:
+        if not self.streaming:
+            return b""
         doc = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         data = json.dumps(doc, separators=(",", ":"))

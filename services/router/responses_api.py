@@ -16,11 +16,9 @@ Another tenant's response is not found, exactly like one that does not exist.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
@@ -31,10 +29,13 @@ from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response
 from services.router.openai_reply import Choice
-from services.router.openai_schema import NamedFunctionChoice, ResponseBody, parse_body
+from services.router.openai_schema import ResponseBody, parse_body
 from services.router.request import GenerateInput, Generation, SessionUse
 from services.router.response_items import (
     ItemPage,
+    affinity_of,
+    check_storable,
+    echoed,
     input_items,
     input_record,
     sampling_of,
@@ -42,7 +43,7 @@ from services.router.response_items import (
     tool_use,
     unknown_outputs,
 )
-from services.router.response_object import MAX_RECORD_CHARS, ResponseDraft
+from services.router.response_object import ResponseDraft
 from services.router.tenants import Tenants
 from services.router.tool_calls import ToolUse
 from services.router.tool_stream import ToolStream
@@ -65,31 +66,6 @@ def _conversation(response_id: str, field: str) -> str:
     if match is None:
         raise _not_found(field, response_id)
     return match.group(1)
-
-
-def _settings(body: ResponseBody) -> dict[str, Any]:
-    """What the response object echoes of the request."""
-    choice = body.tool_choice
-    return {
-        "previous_response_id": body.previous_response_id,
-        "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "truncation": body.truncation,
-        "store": body.store,
-        "user": body.user,
-        "tools": [tool.model_dump() for tool in body.tools or []],
-        "tool_choice": choice.model_dump()
-        if isinstance(choice, NamedFunctionChoice)
-        else choice or "auto",
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "text": {"format": _format_echo(body)},
-    }
-
-
-def _format_echo(body: ResponseBody) -> dict[str, Any]:
-    fmt = body.text.format if body.text is not None else None
-    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
 
 class ResponsesApi:
@@ -177,7 +153,8 @@ class ResponsesApi:
             conversation = conversation or uuid.uuid4().hex[:16]
             response_id = f"resp_{conversation}{uuid.uuid4().hex[:16]}"
             request_id = request.headers.get(REQUEST_ID) or response_id
-            tools = tool_use(body)
+            tools, settings = tool_use(body), echoed(body)
+            check_storable(body, settings)
             decoded = await self._decode(request, body, tenant, tools, (request_id, response_id))
         except MeshError as err:
             return error_response(err)
@@ -185,9 +162,10 @@ class ResponsesApi:
             response_id,
             decoded.model,
             int(time.time()),
-            _settings(body),
+            settings,
             body.instructions,
             tools=ToolStream() if tools else None,
+            streaming=body.stream,
         )
         draft.metadata = dict(body.metadata or {})
         draft.input = input_record(body)
@@ -221,16 +199,12 @@ class ResponsesApi:
         session is read and never written. ``ids``: the request's and the response's."""
         request_id, response_id = ids
         sampling = sampling_of(body, tools)  # refusals first: a fork is the last step
-        if body.store and len(json.dumps(_settings(body))) > MAX_RECORD_CHARS // 2:
-            raise InvalidArgument(
-                "store", "the tools and text.format are too long to keep (false keeps nothing)"
-            )
         previous = body.previous_response_id
-        earlier_calls: dict[str, str] = {}
+        earlier_calls: dict[str, str] | None = None  # the previous response's, if read
         if previous and unknown_outputs(body):
             draft = await self._stored(tenant, previous, "previous_response_id")
             earlier_calls = {item.call_id: item.name for item in draft.items if item.call_id}
-        items = input_items(body, earlier_calls)
+        items = input_items(body, earlier_calls or {})
         session_id = ""
         if previous:
             if body.store:
@@ -245,7 +219,8 @@ class ResponsesApi:
                     raise
                 session_id = response_id
             else:
-                if await self._records.read(tenant, previous) is None:
+                found = earlier_calls is not None  # read above
+                if not found and await self._records.read(tenant, previous) is None:
                     raise _not_found("previous_response_id", previous)
                 session_id = previous
         elif body.store:
@@ -254,8 +229,7 @@ class ResponsesApi:
             record=body.store,
             # Instructions are the response's own: never carried over from the previous.
             instructions=(body.instructions or "") if session_id else body.instructions,
-            affinity=SessionUse.keyed(body.prompt_cache_key)
-            or (response_id[5:21] if session_id else ""),
+            affinity=affinity_of(body, response_id[5:21] if session_id else ""),
             may_truncate=body.truncation == "auto",
             tools=tools.instructions() if tools else "",
         )

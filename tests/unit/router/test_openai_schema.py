@@ -11,11 +11,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, ConfigDict
 
-from llmmesh.runtime.errors import InvalidArgument
 from services.router.config import HttpSettings
 from services.router.openai_api import OpenAiApi
-from services.router.openai_schema import ChatBody, ResponseBody, field_path
-from services.router.response_items import sampling_of, tool_use
+from services.router.openai_schema import ChatBody, field_path
 from services.router.tenants import Tenants
 from tests.unit.router.test_core import Context, Inference, gate, make_core
 
@@ -571,54 +569,6 @@ def test_a_list_of_prompts_gives_n_choices_each_in_order() -> None:
     # Each prompt counted once, whatever its samples: "a" and "bb" plus a BOS each.
     assert whole["usage"]["prompt_tokens"] == (1 + 1) + (2 + 1)
     assert (status, error["param"]) == (400, "n")
-
-
-CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-
-
-@pytest.mark.parametrize(
-    ("fmt", "structured"),
-    [
-        (None, None),
-        ({"type": "text"}, None),
-        ({"type": "json_object"}, ("json_object", "")),
-        (
-            {"type": "json_schema", "name": "c", "schema": CITY_SCHEMA, "strict": True},
-            ("json_schema", json.dumps(CITY_SCHEMA)),
-        ),
-    ],
-)
-def test_a_responses_text_format_is_a_structured_output_as_chats_response_format(
-    fmt: dict[str, Any] | None, structured: tuple[str, str] | None
-) -> None:
-    body = ResponseBody.model_validate({"input": "hi", "text": {"format": fmt}})
-    assert sampling_of(body, None).structured == structured
-    assert body.field_names()["sampling.structured_output"] == "text.format"
-
-
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [
-        (
-            {"text": {"format": {"type": "json_schema", "name": "c", "description": "A city"}}},
-            "text.format.description",
-        ),
-        (
-            {
-                "text": {"format": {"type": "json_object"}},
-                "tools": [{"type": "function", "name": "f"}],
-            },
-            "text.format",
-        ),
-    ],
-)
-def test_a_responses_format_that_cannot_be_kept_is_refused_by_name(
-    fields: dict[str, Any], param: str
-) -> None:
-    body = ResponseBody.model_validate({"input": "hi", **fields})
-    with pytest.raises(InvalidArgument) as info:
-        sampling_of(body, tool_use(body))
-    assert info.value.field == param
 
 
 def test_a_prompt_cache_key_keeps_the_tenants_requests_together() -> None:

@@ -20,6 +20,9 @@ from llmmesh.types import Chunk, FinishReason, Role, TokenLogprob, Turn
 from services.router.openai_schema import ResponseBody
 from services.router.response_items import (
     ItemPage,
+    affinity_of,
+    check_storable,
+    echoed,
     input_items,
     input_record,
     sampling_of,
@@ -48,9 +51,8 @@ def body(**fields: Any) -> ResponseBody:
 
 def draft(tools: bool = True) -> ResponseDraft:
     settings = {"tools": [WEATHER] if tools else [], "store": True}
-    return ResponseDraft(
-        "resp_" + "a" * 32, "llm", 0, settings, tools=ToolStream() if tools else None
-    )
+    tools_read = ToolStream() if tools else None
+    return ResponseDraft("resp_" + "a" * 32, "llm", 0, settings, tools=tools_read, streaming=True)
 
 
 def written(doc: dict[str, Any]) -> str:
@@ -347,14 +349,56 @@ def test_log_probabilities_stream_with_their_text_and_stay_in_the_message() -> N
     ]
 
 
+def test_log_probabilities_are_asked_of_the_engine_when_included() -> None:
+    sent = ResponseBody.model_validate(
+        {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    )
+    assert sampling_of(sent, None).logprobs == 2
+    assert sampling_of(body(tools=None), None).logprobs is None
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "structured"),
+    [
+        (None, None),
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, ("json_object", "")),
+        (
+            {"type": "json_schema", "name": "c", "schema": CITY_SCHEMA, "strict": True},
+            ("json_schema", json.dumps(CITY_SCHEMA)),
+        ),
+    ],
+)
+def test_a_text_format_is_a_structured_output_as_chats_response_format(
+    fmt: dict[str, Any] | None, structured: tuple[str, str] | None
+) -> None:
+    sent = ResponseBody.model_validate({"input": "hi", "text": {"format": fmt}})
+    assert sampling_of(sent, None).structured == structured
+    assert sent.field_names()["sampling.structured_output"] == "text.format"
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
+        (
+            {"text": {"format": {"type": "json_schema", "name": "c", "description": "A city"}}},
+            "text.format.description",
+        ),
+        (
+            {
+                "text": {"format": {"type": "json_object"}},
+                "tools": [{"type": "function", "name": "f"}],
+            },
+            "text.format",
+        ),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),
     ],
 )
-def test_log_probabilities_that_cannot_be_given_are_refused_by_name(
+def test_sampling_that_cannot_be_given_is_refused_by_name(
     fields: dict[str, Any], param: str
 ) -> None:
     sent = ResponseBody.model_validate({"input": "hi", **fields})
@@ -363,9 +407,18 @@ def test_log_probabilities_that_cannot_be_given_are_refused_by_name(
     assert info.value.field == param
 
 
-def test_log_probabilities_are_asked_of_the_engine_when_included() -> None:
-    sent = ResponseBody.model_validate(
-        {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
-    )
-    assert sampling_of(sent, None).logprobs == 2
-    assert sampling_of(body(tools=None), None).logprobs is None
+def test_settings_too_long_to_keep_are_refused_only_when_kept() -> None:
+    big = {**WEATHER, "description": "x" * 4000}
+    kept = body(tools=[big] * 30)
+    with pytest.raises(InvalidArgument) as info:
+        check_storable(kept, echoed(kept))
+    assert info.value.field == "store"
+    unkept = body(tools=[big] * 30, store=False)
+    check_storable(unkept, echoed(unkept))  # nothing kept: nothing to fit
+    check_storable(body(), echoed(body()))
+
+
+def test_a_prompt_cache_key_is_the_affinity_before_the_conversation() -> None:
+    assert affinity_of(body(prompt_cache_key="k"), "c0ffee") == "prompt_cache_key:k"
+    assert affinity_of(body(), "c0ffee") == "c0ffee"
+    assert affinity_of(body(), "") == ""
