@@ -168,7 +168,8 @@ class _Scorer:
         from refengine.attention import Segment
 
         segment = Segment(tokens, 0, list(range(-(-len(tokens) // 16))))
-        out: np.ndarray[Any, Any] = self._model.forward([segment], self._pool, every_position=True)
+        every = np.arange(len(tokens))
+        out: np.ndarray[Any, Any] = self._model.forward([segment], self._pool, every)
         return out
 
 

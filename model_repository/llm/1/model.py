@@ -3,7 +3,8 @@
 Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
          exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
 Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
-         num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports).
+         num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports),
+         the vLLM backend's optional outputs, num_cached_tokens and prompt_logprobs.
 Request parameters: scheduling_priority, cache_salt, stream_gap_ms, stream_gap_after and
          resumed_output_chars (refengine/contract.py), model_card (the model's card instead
          of a generation).
@@ -431,7 +432,8 @@ def _detail_tensors(details: Details) -> list[Any]:
     """The vLLM backend's optional outputs: ``logprobs`` as JSON, one entry per token of
     this response ({token id: {logprob, rank, decoded_token}}, the sampled token and the
     most likely ones), ``cumulative_logprob``, ``num_input_tokens``; and the engine's
-    ``num_cached_tokens``."""
+    ``num_cached_tokens`` and ``prompt_logprobs`` (first response; an entry per prompt
+    token, as ``logprobs``'s, when sampling_parameters has vLLM's prompt_logprobs)."""
     tensors = []
     if details.logprobs is not None:
         entries = [logprob_entry(t) for t in details.logprobs]
@@ -446,4 +448,8 @@ def _detail_tensors(details: Details) -> list[Any]:
     if details.num_cached_tokens is not None:
         value = np.array([details.num_cached_tokens], dtype=np.uint32)
         tensors.append(pb_utils.Tensor("num_cached_tokens", value))
+    if details.prompt_logprobs is not None:
+        entries = [logprob_entry(t) for t in details.prompt_logprobs]
+        raw = json.dumps(entries, ensure_ascii=False).encode("utf-8")
+        tensors.append(pb_utils.Tensor("prompt_logprobs", np.array([raw], dtype=np.object_)))
     return tensors

@@ -157,7 +157,7 @@ def test_every_positions_logits_are_those_after_each_prefix(
     first i + 1 tokens."""
     pool = BlockPool(4, 16, model.shape.n_layers, model.shape.n_kv_heads, model.shape.head_dim)
     tokens = tokenizer.encode("Once upon a time, in a land far away, there lived")
-    rows = model.forward([Segment(tokens, 0, [0, 1])], pool, every_position=True)
+    rows = model.forward([Segment(tokens, 0, [0, 1])], pool, np.arange(len(tokens)))
     assert rows.shape == (len(tokens), model.shape.vocab_size)
     for end in (3, len(tokens)):
         want = plain_forward(model, tokens[:end])
@@ -288,7 +288,7 @@ def test_quantized_weights_stay_close_to_float32_in_a_fraction_of_the_memory(
         shape = of.shape
         pool = BlockPool(8, 16, shape.n_layers, shape.n_kv_heads, shape.head_dim)
         table = list(range(-(-len(tokens) // 16)))
-        rows = of.forward([Segment(tokens, 0, table)], pool, every_position=True)
+        rows = of.forward([Segment(tokens, 0, table)], pool, np.arange(len(tokens)))
         return rows[-9:-1]
 
     same = int((last_eight(model).argmax(axis=1) == last_eight(quantized).argmax(axis=1)).sum())

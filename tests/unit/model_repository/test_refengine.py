@@ -43,7 +43,7 @@ from refengine.rowstable import (
     probe_layout,
 )
 from refengine.sampling import Sampler
-from refengine.sequence import Details, TokenLogprob
+from refengine.sequence import Details, TokenLogprob, logprob_entry
 from refengine.stops import StopMatcher
 from refengine.tokenizer import BOS, EOS
 from refengine.transformer import _gelu
@@ -1048,6 +1048,82 @@ class TestLogprobs:
         merged = first.then(later)
         assert [t.token for t in merged.logprobs or ()] == [1, 2]
         assert merged.cumulative_logprob == -1.5
+
+
+def prompt_scores(sink: RecordingSink) -> list[tuple[TokenLogprob, ...]]:
+    return [d.prompt_logprobs for d in sink.details if d and d.prompt_logprobs is not None]
+
+
+def teacher_forced(text: str) -> list[float]:
+    """The log probability of each of the text's tokens after what precedes it (BOS
+    first), from one forward pass of the same weights over the whole prompt."""
+    model, tokens = Transformer(SMALL, seed=0), ByteTokenizer().encode(text)
+    pool = BlockPool(64, 4, SMALL.n_layers, SMALL.n_heads, SMALL.head_dim)
+    table = list(range(-(-len(tokens) // 4)))
+    rows = model.forward([Segment(tokens, 0, table)], pool, np.arange(len(tokens)))
+    logs = rows - np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
+    logs -= rows.max(axis=1, keepdims=True)
+    return [float(logs[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+
+
+class TestPromptLogprobs:
+    TEXT = "prompt log probabilities, scored over several chunks"
+
+    def test_each_prompt_token_is_scored_after_what_precedes_it_once_on_the_first_response(
+        self,
+    ) -> None:
+        """Chunked over several steps, and with the prompt already in the prefix cache
+        (which has no logits: it is computed whole, and reported as not cached)."""
+        engine = make_engine(block_size=4, max_batched_tokens=8, stream_interval=1)
+        run(engine, self.TEXT, max_tokens=2)  # now cached
+        request = GenerationRequest(
+            self.TEXT,
+            sampling=SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+            return_num_cached_tokens=True,
+        )
+        sink = RecordingSink()
+        engine.submit(request, sink)
+        drain(engine)
+        (scores,) = prompt_scores(sink)
+        assert sink.details[0] is not None and sink.details[0].prompt_logprobs == scores
+        assert sink.details[0].num_cached_tokens == 0
+        assert [t.token for t in scores] == list(self.TEXT.encode())  # BOS is not the text's
+        assert [t.logprob for t in scores] == pytest.approx(teacher_forced(self.TEXT), abs=1e-4)
+        for t in scores:
+            assert len(t.top) == 3 and t.top[0][2] >= t.top[1][2] >= t.top[2][2]
+            assert t.rank == 1 + sum(lp > t.logprob + 1e-9 for _, _, lp in t.top) or t.rank > 3
+        assert engine.pool.stats().used == 0
+
+    def test_a_preemption_mid_prompt_neither_loses_nor_repeats_a_position(self) -> None:
+        engine = make_engine(block_size=4, max_batched_tokens=8, max_running=1)
+        low = RecordingSink()
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+        engine.submit(GenerationRequest(self.TEXT, sampling=sampling, priority=2), low)
+        engine.step()
+        engine.step()  # two chunks of its prompt scored
+        submit_at(engine, "urgent", 0, max_tokens=2, ignore_eos=True)
+        drain(engine)
+        assert engine.stats.preemptions_by_priority == {2: 1}
+        (scores,) = prompt_scores(low)
+        assert [t.logprob for t in scores] == pytest.approx(teacher_forced(self.TEXT), abs=1e-4)
+        assert all(t.top == () for t in scores)
+
+    def test_without_a_bos_the_first_token_has_no_log_probability(self) -> None:
+        """The entry of the prompt's first token when nothing precedes it: rank 0, and
+        null in the backend's JSON."""
+        first = TokenLogprob(104, "h", 0.0, 0)
+        assert logprob_entry(first) == {
+            "104": {"logprob": None, "rank": None, "decoded_token": "h"}
+        }
+
+    def test_prompt_logprobs_above_the_engines_maximum_are_refused_naming_the_field(
+        self,
+    ) -> None:
+        with pytest.raises(RequestError, match=r"sampling_parameters\.prompt_logprobs: at most"):
+            submit(make_engine(), "hi", prompt_logprobs=21)
+        assert parse_sampling_parameters(b'{"prompt_logprobs": 2}').prompt_logprobs == 2
+        with pytest.raises(RequestError, match="prompt_logprobs"):
+            parse_sampling_parameters(b'{"prompt_logprobs": -1}')
 
 
 class TestQuantizedWeights:

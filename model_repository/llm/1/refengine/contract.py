@@ -45,6 +45,10 @@ class SamplingParams:
     # Log probabilities of this many most likely tokens at each generated position,
     # beside the sampled token's own (0: the sampled token's only; None: none).
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: the log probability of each of the prompt's tokens after
+    # what precedes it, and of this many most likely tokens there (None: none). The
+    # prompt is then computed whole, not read from the prefix cache (vLLM's rule too).
+    prompt_logprobs: int | None = None
     # vLLM's penalties, applied to the logits before temperature (greedy included):
     # presence subtracts once per token the output has, frequency once per occurrence;
     # repetition divides a positive logit (multiplies a negative one) of every token of
@@ -197,6 +201,7 @@ _KNOWN_KEYS = {
     "stop",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -251,7 +256,8 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         seed=_seed(doc),
         stop=_stop(doc),
         ignore_eos=_bool(doc, "ignore_eos", False),
-        logprobs=_logprobs(doc),
+        logprobs=_logprobs(doc, "logprobs"),
+        prompt_logprobs=_logprobs(doc, "prompt_logprobs"),
         presence_penalty=_within(doc, "presence_penalty", 0.0, MAX_PENALTY),
         frequency_penalty=_within(doc, "frequency_penalty", 0.0, MAX_PENALTY),
         repetition_penalty=_float(doc, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
@@ -413,10 +419,10 @@ def _stop(doc: dict[str, Any]) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _logprobs(doc: dict[str, Any]) -> int | None:
-    if doc.get("logprobs") is None:
+def _logprobs(doc: dict[str, Any], key: str) -> int | None:
+    if doc.get(key) is None:
         return None
-    return _int(doc, "logprobs", 0, minimum=0)
+    return _int(doc, key, 0, minimum=0)
 
 
 def _bool(doc: dict[str, Any], key: str, default: bool) -> bool:

@@ -67,8 +67,11 @@ class LanguageModel(Protocol):
     @property
     def shape(self) -> ModelShape: ...
 
-    def forward(self, segments: list[Segment], pool: BlockPool) -> npt.NDArray[np.float32]:
-        """Next-token logits of each segment, [segments, vocab]."""
+    def forward(
+        self, segments: list[Segment], pool: BlockPool, rows: npt.NDArray[np.intp] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Next-token logits of each segment, [segments, vocab]; with ``rows``, those after
+        each of these of the step's tokens (rows of the segments' tokens in order)."""
 
 
 @dataclass(frozen=True)
@@ -187,11 +190,12 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Validates and enqueues a request; raises RequestError if it can never be served."""
-        wanted = request.sampling.logprobs
-        if wanted is not None and wanted > self.config.max_logprobs:
-            raise RequestError(
-                f"sampling_parameters.logprobs: at most {self.config.max_logprobs}, got {wanted}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(request.sampling, name)
+            if wanted is not None and wanted > self.config.max_logprobs:
+                raise RequestError(
+                    f"sampling_parameters.{name}: at most {self.config.max_logprobs}, got {wanted}"
+                )
         vocab = self.tokenizer.vocab_size
         for token, _ in request.sampling.logit_bias:
             if token >= vocab:
@@ -223,6 +227,8 @@ class Engine:
             resumed_output_tokens=self._resumed_output_tokens(request, len(prompt)),
             constraint=self._grammars.matcher(structured) if structured else None,
         )
+        if request.sampling.prompt_logprobs is not None:
+            sequence.prompt_from = len(prompt) - self.tokenizer.count(request.prompt)
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
@@ -424,7 +430,8 @@ class Engine:
     def _admit(self, seq: Sequence) -> bool:
         """Takes the blocks a waiting sequence needs, cached prefix first; False if it must
         wait for free blocks."""
-        hits = self._prefix_hits(seq)
+        # A prompt still to be scored is computed whole: a cached block has no logits.
+        hits = [] if seq.scores_prompt else self._prefix_hits(seq)
         reusable_idle = sum(1 for block, _ in hits if self.pool.is_idle(block))
         new_blocks = seq.blocks_needed(self.pool.block_size) - len(hits)
         if new_blocks > self.pool.available() - reusable_idle:
@@ -485,13 +492,17 @@ class Engine:
         self.stats.prefill_tokens += sum(
             n for seq, n in batch if not (len(seq.pending) == 1 and seq.generated > 0)
         )
+        rows, lasts = _logit_rows(batch)
         try:
-            logits = self.model.forward(segments, self.pool)
+            every = self.model.forward(segments, self.pool, rows)
         except Exception as exc:
             log.exception("forward pass failed")
             for seq, _ in batch:
                 self._fail(seq, f"generation failed: {exc}")
             return
+        logits = every if rows is None else every[lasts]
+        if rows is not None:
+            self._score_prompts(batch, every, lasts)
         # Only a sequence whose whole prompt is now computed samples its next token.
         ready = [i for i, (seq, n) in enumerate(batch) if seq.computed + n == len(seq.tokens)]
         for seq, n in batch:
@@ -509,6 +520,29 @@ class Engine:
             except Exception as exc:  # one bad sequence must not take the batch down
                 log.exception("sequence failed")
                 self._fail(seq, f"generation failed: {exc}")
+
+    def _score_prompts(
+        self, batch: list[tuple[Sequence, int]], every: npt.NDArray[np.float32], lasts: list[int]
+    ) -> None:
+        """Scores the prompt tokens this step's rows predict, for the sequences that want
+        them; a position scored before (a recompute after a preemption) is not again."""
+        text = self.tokenizer.decode
+        for (seq, n), last in zip(batch, lasts, strict=True):
+            if not seq.scores_prompt:
+                continue
+            top = seq.request.sampling.prompt_logprobs or 0
+            if seq.prompt_from == 0 and not seq.prompt_scores:  # nothing precedes it
+                first = seq.tokens[0]
+                seq.prompt_scores.append(TokenLogprob(first, text([first]), 0.0, 0))
+            # Row last - n + 1 holds the logits after position seq.computed, which score
+            # the token after it.
+            after = last - n + 1 - seq.computed  # + position: its row
+            start = seq.prompt_from + len(seq.prompt_scores)
+            for index in range(start, min(seq.computed + n + 1, seq.prompt_len)):
+                token = seq.tokens[index]
+                logprob, rank, best = score_token(every[after + index - 1], token, top)
+                listed = tuple((i, text([i]), lp) for i, lp in best)
+                seq.prompt_scores.append(TokenLogprob(token, text([token]), logprob, rank, listed))
 
     def _score(self, seq: Sequence, logits: npt.NDArray[np.float32], token: int) -> None:
         """The token's log probability (and the most likely tokens'), for its response."""
@@ -635,3 +669,19 @@ def _spread(indexes: list[int], values: list[int], size: int) -> list[int | None
     for index, value in zip(indexes, values, strict=True):
         out[index] = value
     return out
+
+
+def _logit_rows(batch: list[tuple[Sequence, int]]) -> tuple[npt.NDArray[np.intp] | None, list[int]]:
+    """The rows of the step's tokens whose logits the step needs, and where each
+    segment's last row is among them: each segment's last (its next token), and every
+    row of a prompt being scored. None: the last rows only (the model's default)."""
+    if not any(seq.scores_prompt for seq, _ in batch):
+        return None, list(range(len(batch)))
+    rows: list[int] = []
+    lasts: list[int] = []
+    start = 0
+    for seq, n in batch:
+        rows.extend(range(start, start + n) if seq.scores_prompt else (start + n - 1,))
+        lasts.append(len(rows) - 1)
+        start += n
+    return np.array(rows, dtype=np.intp), lasts

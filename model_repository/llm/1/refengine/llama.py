@@ -115,11 +115,11 @@ class Llama:
         return matmul(a, w.expand(), self._layouts[id(w)])
 
     def forward(
-        self, segments: list[Segment], pool: BlockPool, every_position: bool = False
+        self, segments: list[Segment], pool: BlockPool, rows: npt.NDArray[np.intp] | None = None
     ) -> Array:
         """One step for a whole batch (prefill chunks and decode tokens together);
         returns the next-token logits of each segment, [segments, vocab], or with
-        ``every_position`` those after each of the step's tokens, [tokens, vocab] (what
+        ``rows`` those after each of these of the step's tokens, [rows, vocab] (what
         scoring a text teacher-forced needs)."""
         shape = self.shape
         step = Step.of(segments, pool, shape.max_context)
@@ -131,7 +131,7 @@ class Llama:
             x = x + self._matmul(self._attend(index, h, step, pool, (cos, sin)), block.w_o)
             h = _rms_norm(x, block.ffn_norm, shape.norm_eps)
             x = x + self._matmul(_swiglu(self._matmul(h, block.w_gate_up)), block.w_down)
-        last = x if every_position else x[step.ends - 1]
+        last = x[step.ends - 1 if rows is None else rows]
         return self._matmul(_rms_norm(last, self.final_norm, shape.norm_eps), self.w_out)
 
     def _attend(

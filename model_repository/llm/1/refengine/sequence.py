@@ -25,7 +25,7 @@ class TokenLogprob:
     token: int
     text: str
     logprob: float
-    rank: int  # 1: the most likely token
+    rank: int  # 1: the most likely token; 0: a prompt's first, which nothing precedes
     top: tuple[tuple[int, str, float], ...] = ()
 
 
@@ -40,6 +40,8 @@ class Details:
     cumulative_logprob: float | None = None
     num_input_tokens: int | None = None
     num_cached_tokens: int | None = None
+    # The prompt's tokens' (first response; see SamplingParams.prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def then(self, later: Details | None) -> Details:
         """This response's details followed by a later one's, as one response."""
@@ -51,16 +53,19 @@ class Details:
         cached = later.num_cached_tokens
         if cached is None:
             cached = self.num_cached_tokens
-        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens, cached)
+        prompt = self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs
+        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens, cached, prompt)
 
 
 def logprob_entry(token: TokenLogprob) -> dict[str, dict[str, object]]:
     """One position as vLLM's backend writes it: {token id: {logprob, rank, decoded_token}}
-    for the sampled token and the most likely ones."""
+    for the sampled token and the most likely ones. A prompt's first token (rank 0:
+    nothing precedes it) has a null log probability and rank."""
+    scored = token.rank > 0
     entry = {
         str(token.token): {
-            "logprob": token.logprob,
-            "rank": token.rank,
+            "logprob": token.logprob if scored else None,
+            "rank": token.rank if scored else None,
             "decoded_token": token.text,
         }
     }
@@ -107,6 +112,11 @@ class Sequence:
     text: list[str] = field(default_factory=list)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # With prompt_logprobs: the prompt's tokens from prompt_from on (an added BOS is not
+    # the client's text), scored in order as their positions are computed.
+    prompt_from: int = 0
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_reported: bool = False
     cached_tokens: int = -1  # prompt tokens its first admission found cached (-1: not yet)
     cached_reported: bool = False
     order: int = 0  # its place in arrival order (the engine numbers its requests)
@@ -151,17 +161,25 @@ class Sequence:
         r = self.request
         return r.sampling.logprobs is not None or r.return_logprobs or r.return_cumulative_logprob
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether some of its prompt's tokens are still to be scored."""
+        wanted = self.request.sampling.prompt_logprobs is not None
+        return wanted and self.prompt_from + len(self.prompt_scores) < self.prompt_len
+
     def details(self) -> Details | None:
         """The details its next response carries (taking the unsent log probabilities)."""
         r = self.request
         cached = None  # reported once, on the first response
         if r.return_num_cached_tokens and not self.cached_reported and self.cached_tokens >= 0:
             cached, self.cached_reported = self.cached_tokens, True
+        prompt = self._prompt_logprobs()
         if not (
             r.return_logprobs
             or r.return_cumulative_logprob
             or r.return_num_input_tokens
             or cached is not None
+            or prompt is not None
         ):
             return None
         logprobs = tuple(self.unsent_logprobs) if r.return_logprobs else None
@@ -171,7 +189,16 @@ class Sequence:
             self.cumulative_logprob if r.return_cumulative_logprob else None,
             self.prompt_len if r.return_num_input_tokens else None,
             cached,
+            prompt,
         )
+
+    def _prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's log probabilities, once, when all are scored."""
+        wanted = self.request.sampling.prompt_logprobs is not None
+        if not wanted or self.prompt_reported or self.scores_prompt:
+            return None
+        self.prompt_reported = True
+        return tuple(self.prompt_scores)
 
     @property
     def min_tokens(self) -> int:

@@ -125,12 +125,15 @@ class Transformer:
     def _matmul(self, a: Array, w: Array) -> Array:
         return matmul(a, w, self._layouts[id(w)])
 
-    def forward(self, segments: list[Segment], pool: BlockPool) -> Array:
+    def forward(
+        self, segments: list[Segment], pool: BlockPool, rows: npt.NDArray[np.intp] | None = None
+    ) -> Array:
         """One step for a whole batch: prefill segments and decode tokens together.
 
         Every projection and MLP is one matrix product over all the batch's tokens;
         attention reads each sequence's keys and values from its own cache blocks. Returns
-        the next-token logits of each segment, [segments, vocab].
+        the next-token logits of each segment, [segments, vocab], or with ``rows`` those
+        after each of these of the step's tokens, [rows, vocab].
         """
         step = Step.of(segments, pool, self.shape.max_context)
         self._attention.next_step()
@@ -141,7 +144,7 @@ class Transformer:
             x = x + self._matmul(attended, layer.w_o)
             h = _layer_norm(x, layer.ln2_g, layer.ln2_b)
             x = x + self._matmul(_gelu(self._matmul(h, layer.w_up)), layer.w_down)
-        last = _layer_norm(x[step.ends - 1], self.lnf_g, self.lnf_b)
+        last = _layer_norm(x[step.ends - 1 if rows is None else rows], self.lnf_g, self.lnf_b)
         logits: Array = self._matmul(last, self.w_out) + self.out_bias
         return logits
 
