@@ -41,6 +41,8 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         message.seed = sampling.seed
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        message.prompt_logprobs = sampling.prompt_logprobs
     for name, none in PENALTIES.items():
         if getattr(sampling, name) != none:
             setattr(message, name, getattr(sampling, name))
@@ -71,6 +73,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         logit_bias=tuple(sorted(message.logit_bias.items())),
         min_tokens=message.min_tokens,
         structured=_structure(message),
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
     )
 
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.sentences import Scored
@@ -52,6 +52,8 @@ class Sampling:
     # What the output must be: (kind, spec), kind one of STRUCTURED_KINDS, spec the JSON
     # schema's text or the regular expression ("" for json_object); None: free text.
     structured: tuple[str, str] | None = None
+    # vLLM's prompt_logprobs: each prompt token's, and the k likeliest there; None: none
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -82,6 +84,8 @@ class Sampling:
             doc["ignore_eos"] = True
         if self.logprobs is not None:
             doc["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            doc["prompt_logprobs"] = self.prompt_logprobs
         for name, none in PENALTIES.items():
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
@@ -114,7 +118,7 @@ class TokenLogprob:
     token: int
     text: str
     logprob: float
-    rank: int
+    rank: int  # 0: a prompt's first token, which nothing precedes (no log probability)
     top: tuple[tuple[int, str, float], ...] = ()
 
 
@@ -133,6 +137,20 @@ class Chunk:
     resumed: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of this chunk, when asked
     cached_tokens: int = 0  # on the first chunk: prompt tokens read from the prefix cache
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first chunk, when asked
+
+    def after(self, held: Chunk | None) -> Chunk:
+        """This chunk preceded by what ``held`` (earlier chunks whose text the output check
+        held back whole) carried besides text: tokens, log probabilities, cache reads."""
+        if held is None:
+            return self
+        return replace(
+            self,
+            num_tokens=held.num_tokens + self.num_tokens,
+            logprobs=held.logprobs + self.logprobs,
+            cached_tokens=held.cached_tokens + self.cached_tokens,
+            prompt_logprobs=held.prompt_logprobs + self.prompt_logprobs,
+        )
 
     def with_text(self, text: str) -> Chunk:
         """This chunk with other text (what the output check let out of it): as
@@ -241,10 +259,12 @@ def check_sampling(
             "sampling.min_tokens",
             f"must be in [0, max_tokens ({sampling.max_tokens})], got {sampling.min_tokens}",
         )
-    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
-        raise InvalidArgument(
-            "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        wanted = getattr(sampling, name)
+        if wanted is not None and not 0 <= wanted <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {wanted}"
+            )
 
 
 def _check_penalties(sampling: Sampling) -> None:

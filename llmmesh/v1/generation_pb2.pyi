@@ -267,6 +267,7 @@ class GenerateResponse(_message.Message):
     SERVED_FIELD_NUMBER: _builtins.int
     CONTEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -299,6 +300,13 @@ class GenerateResponse(_message.Message):
         sum of their log probabilities, no top tokens): the entries spell the text.
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With SamplingParams.prompt_logprobs, on the first response: one per token of the
+        prompt as the model read it (after input policy's redactions; a session's history
+        included).
+        """
+
     def __init__(
         self,
         *,
@@ -310,10 +318,11 @@ class GenerateResponse(_message.Message):
         served: Global___Served | None = ...,
         context: Global___SessionContext | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

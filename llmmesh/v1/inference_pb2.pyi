@@ -294,6 +294,7 @@ class InferenceResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text generated since the previous response."""
     num_output_tokens: _builtins.int
@@ -308,6 +309,12 @@ class InferenceResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """With SamplingParams.logprobs: one per token generated since the previous response."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """On the first response, with SamplingParams.prompt_logprobs: one per prompt token (a
+        BOS the engine adds is not among them).
+        """
+
     def __init__(
         self,
         *,
@@ -316,10 +323,11 @@ class InferenceResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         cached_tokens: _builtins.int = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "prompt_logprobs", b"prompt_logprobs", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -122,6 +122,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                         finish_reason=finish_reason_to_pb(chunk.finish_reason),
                         logprobs=logprobs_to_pb(chunk.logprobs),
                         cached_tokens=chunk.cached_tokens,
+                        prompt_logprobs=logprobs_to_pb(chunk.prompt_logprobs),
                     )
         finally:
             self._drained_when_idle()

@@ -45,11 +45,21 @@ TRITON_CHANNEL_OPTIONS = [
 ]
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
+PROMPT_LOGPROBS = "prompt_logprobs"  # an output the reference engine's models declare
 PRIORITY_PARAMETER = "scheduling_priority"
 RESUMED_OUTPUT_PARAMETER = "resumed_output_chars"
 CACHE_SALT_PARAMETER = "cache_salt"
 GAP_PARAMETER = "stream_gap_ms"
 GAP_AFTER_PARAMETER = "stream_gap_after"
+
+
+@dataclass(frozen=True)
+class ModelReports:
+    """Outputs of a model beyond the vLLM backend's (the reference engine's models have
+    them): the prompt's tokens read from the prefix cache, the prompt's log probabilities."""
+
+    cached_tokens: bool
+    prompt_logprobs: bool
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ def build_request(
     if cached_tokens:
         inputs = (*inputs, (CACHED_TOKENS_FLAG, "BOOL", _TRUE))
         outputs = (*outputs, "num_cached_tokens")
+    if call.sampling.prompt_logprobs is not None:  # asked in sampling_parameters (vLLM's)
+        outputs = (*outputs, PROMPT_LOGPROBS)
     for name, datatype, raw in inputs:
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
@@ -143,17 +155,26 @@ def _outputs(response: service_pb2.ModelInferResponse) -> dict[str, bytes]:
     return dict(zip((o.name for o in response.outputs), response.raw_output_contents, strict=False))
 
 
-def parse_response(response: service_pb2.ModelInferResponse, top: int | None = None) -> Chunk:
-    """One response as a chunk; ``top``: the most likely tokens asked for per position."""
+def parse_response(
+    response: service_pb2.ModelInferResponse, sampling: Sampling | None = None
+) -> Chunk:
+    """One response as a chunk, its log probabilities with as many most likely tokens per
+    position as ``sampling`` asked (None: the tokens' own only)."""
+    top, prompt_top = (sampling.logprobs, sampling.prompt_logprobs) if sampling else (0, 0)
     raw = _outputs(response)
     reason = first_bytes_element(raw.get("finish_reason", b"")).decode()
     return Chunk(
         text=first_bytes_element(raw.get("text_output", b"")).decode("utf-8", "replace"),
         num_tokens=_uint32(raw.get("num_output_tokens", b"")),
         finish_reason=FinishReason(reason) if reason else None,
-        logprobs=parse_logprobs(first_bytes_element(raw.get("logprobs", b"")), top or 0),
+        logprobs=parse_logprobs(_bytes(raw, "logprobs"), top or 0),
         cached_tokens=_uint32(raw.get("num_cached_tokens", b"")),
+        prompt_logprobs=parse_logprobs(_bytes(raw, PROMPT_LOGPROBS), prompt_top or 0),
     )
+
+
+def _bytes(raw: dict[str, bytes], name: str) -> bytes:
+    return first_bytes_element(raw.get(name, b""))
 
 
 def _uint32(raw: bytes) -> int:
@@ -171,15 +192,17 @@ def parse_logprobs(raw: bytes, top: int) -> tuple[TokenLogprob, ...]:
 
 
 def _position(position: dict[str, Any], top: int) -> TokenLogprob:
+    """A position's entry; a prompt's first token has a null rank and log probability
+    (nothing precedes it): rank 0."""
     entries = [(int(i), e) for i, e in position.items()]
     token, own = entries[0]
-    best = sorted((e["rank"], i, e["decoded_token"], e["logprob"]) for i, e in entries)
+    ranked = [(e["rank"], i, e["decoded_token"], e["logprob"]) for i, e in entries if e["rank"]]
     return TokenLogprob(
         token,
         own["decoded_token"],
-        float(own["logprob"]),
-        int(own["rank"]),
-        tuple((i, text, float(lp)) for rank, i, text, lp in best if rank <= top),
+        float(own["logprob"] or 0.0),
+        int(own["rank"] or 0),
+        tuple((i, text, float(lp)) for rank, i, text, lp in sorted(ranked) if rank <= top),
     )
 
 
@@ -203,7 +226,7 @@ class TritonBackend:
         self._channel = grpc.aio.insecure_channel(url, options=TRITON_CHANNEL_OPTIONS)
         self._stub: Any = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._streams: WarmStreams[Any] = WarmStreams(self._stub.ModelStreamInfer, max_idle_streams)
-        self._reports_cached: dict[str, bool] = {}  # per model: it declares the flag
+        self._reports_of: dict[str, ModelReports] = {}  # per model, from its metadata
 
     @property
     def idle_streams(self) -> int:
@@ -225,7 +248,13 @@ class TritonBackend:
     async def generate(self, call: InferenceCall) -> AsyncIterator[Chunk]:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
-        cached = await self._declares_cached_tokens(call.model)
+        reports = await self._reports(call.model)
+        if call.sampling.prompt_logprobs is not None and reports and not reports.prompt_logprobs:
+            raise InvalidArgument(
+                "sampling.prompt_logprobs",
+                f"model '{call.model}' does not report its prompts' log probabilities",
+            )
+        cached = reports is not None and reports.cached_tokens
         stream = await self._start(build_request(call, cached, self.gap))
         first_tokens.start_sent()  # in a router whose endpoint is Triton itself
         deadline = _Deadline(stream, self._timeout)
@@ -239,7 +268,7 @@ class TritonBackend:
                     raise _stream_error(reply.error_message, call.model)
                 if reply.infer_response.id != call.request_id:
                     continue  # an earlier generation's stray on a reused stream
-                chunk = parse_response(reply.infer_response, call.sampling.logprobs)
+                chunk = parse_response(reply.infer_response, call.sampling)
                 if chunk.finish_reason is not None:
                     # Back before the last yield: a caller may stop at the last chunk.
                     ended = True
@@ -270,18 +299,22 @@ class TritonBackend:
             raise _write_error(exc, self.url) from None
         return stream
 
-    async def _declares_cached_tokens(self, model: str) -> bool:
-        """Whether the model takes the cached-tokens flag (its metadata, asked once)."""
-        known = self._reports_cached.get(model)
+    async def _reports(self, model: str) -> ModelReports | None:
+        """What the model reports beyond the vLLM backend's outputs (its metadata, asked
+        once); None while that cannot be known."""
+        known = self._reports_of.get(model)
         if known is not None:
             return known
         request = service_pb2.ModelMetadataRequest(name=model)
         try:
             meta = await self._stub.ModelMetadata(request, timeout=5)
         except grpc.aio.AioRpcError:
-            return False  # the generation will say what is wrong; ask again next time
-        known = any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs)
-        self._reports_cached[model] = known
+            return None  # the generation will say what is wrong; ask again next time
+        known = ModelReports(
+            cached_tokens=any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs),
+            prompt_logprobs=any(o.name == PROMPT_LOGPROBS for o in meta.outputs),
+        )
+        self._reports_of[model] = known
         return known
 
     async def describe(self, model: str, timeout_s: float = 30.0) -> ModelCard:

@@ -39,7 +39,6 @@ from llmmesh.types import (
     InferenceCall,
     PolicyAction,
     Role,
-    TokenLogprob,
     Turn,
     Verdict,
     check_sampling,
@@ -383,8 +382,8 @@ class RouterCore:
         tier = self._tenants.spec(prepared.request.tenant).tier
         parts: list[str] = []
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
-        guard, held_tokens, held_cached = prepared.guard, 0, 0
-        held_logprobs: tuple[TokenLogprob, ...] = ()
+        guard = prepared.guard
+        held: Chunk | None = None  # chunks the output check held back whole
         asked_logprobs = prepared.request.sampling.logprobs is not None
         tokens = GuardedTokens() if guard is not None and asked_logprobs else None
         ttft_s: float | None = None  # observed once the first text is on its way
@@ -392,19 +391,11 @@ class RouterCore:
             async for relayed in prepared.stream.chunks():
                 charged = self._charge(prepared.lease, relayed)
                 chunk, guard = await self._guard(prepared.request.tenant, guard, charged, tokens)
+                chunk = chunk.after(held)
                 if not chunk.text and chunk.finish_reason is None:
-                    held_tokens += chunk.num_tokens  # all held back: nothing to send yet
-                    held_logprobs += chunk.logprobs
-                    held_cached += chunk.cached_tokens
+                    held = chunk  # all held back: nothing to send yet
                     continue
-                if held_tokens or held_logprobs or held_cached:
-                    chunk = replace(
-                        chunk,
-                        num_tokens=chunk.num_tokens + held_tokens,
-                        logprobs=held_logprobs + chunk.logprobs,
-                        cached_tokens=chunk.cached_tokens + held_cached,
-                    )
-                    held_tokens, held_logprobs, held_cached = 0, (), 0
+                held = None
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     ttft_s = time.perf_counter() - prepared.received_at

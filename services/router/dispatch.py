@@ -276,11 +276,13 @@ async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:
 
 def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> InferenceCall:
     """The call that continues a broken stream: the text already sent becomes prompt, and
-    the engine's penalties count it as output (all of it, over several resumes)."""
+    the engine's penalties count it as output (all of it, over several resumes). The
+    prompt's log probabilities went with the first chunk: not asked again."""
     sampling = replace(
         call.sampling,
         max_tokens=call.sampling.max_tokens - sent_tokens,
         min_tokens=max(0, call.sampling.min_tokens - sent_tokens),
+        prompt_logprobs=None,
     )
     return replace(
         call,

@@ -35,7 +35,7 @@ from services.router.canary_watch import CanaryWatch
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
-from services.router.openai_reply import Choice, Reply, merged, sse
+from services.router.openai_reply import Choice, Reply, echoed, merged, sse
 from services.router.openai_schema import (
     MAX_CHOICES,
     ChatBody,
@@ -61,6 +61,9 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
+        "prompt_logprobs": (
+            body.prompt_logprobs_wanted() if isinstance(body, CompletionBody) else None
+        ),
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
         "structured": tools.structure() if tools else body.structure(),
@@ -284,7 +287,8 @@ class OpenAiApi:
             tools = tool_use(body) if isinstance(body, ChatBody) else None
             prompts = self._decode(request, request_id, tenant, body, tools)
             async with contextlib.AsyncExitStack() as generations:
-                started = await self._start(generations, prompts, body.n)
+                echo = isinstance(body, CompletionBody) and body.echo
+                started = await self._start(generations, prompts, body.n, echo)
                 reply = Reply(
                     f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                     started.model,
@@ -304,13 +308,18 @@ class OpenAiApi:
             return response
 
     async def _start(
-        self, generations: contextlib.AsyncExitStack, prompts: list[GenerateInput], n: int
+        self,
+        generations: contextlib.AsyncExitStack,
+        prompts: list[GenerateInput],
+        n: int,
+        echo: bool = False,
     ) -> _Started:
         """Each prompt's n samples, choice p * n + i: per prompt, the first sample's
         generation and first chunk, then the others'. By then the first one's prompt is
         in the engine's prefix cache, so the others' prefill is read back from it
         (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
-        n distinct samples, the same ones every time."""
+        n distinct samples, the same ones every time. ``echo``: each choice's first chunk
+        begins with its prompt as the model read it."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
         many = len(prompts) * n > 1
@@ -324,7 +333,10 @@ class OpenAiApi:
                     sample = replace(prompt, request_id=sample_id, sampling=seeded)
                 generation = await generations.enter_async_context(self._core.generation(sample))
                 chunks = generation.chunks
-                choices.append(Choice(await anext(chunks), chunks))
+                first = await anext(chunks)
+                if echo:  # a completion without a session: the prompt is the text checked
+                    first = echoed(first, generation.prepared.user_text)
+                choices.append(Choice(first, chunks))
                 if index == 0:
                     model = generation.request.model
                     prompt_tokens += generation.prompt_tokens
@@ -351,6 +363,10 @@ class OpenAiApi:
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if body.n * len(prompts) > MAX_CHOICES:
             raise InvalidArgument("n", f"at most {MAX_CHOICES} choices (prompts x n)")
+        if session_id and isinstance(body, CompletionBody) and body.echo:
+            raise InvalidArgument(
+                "echo", "not with a session (x-session-id): the model reads its history too"
+            )
         if session_id and body.n * len(prompts) > 1:
             # A session records one answer per turn: which one would it be?
             field = "n" if body.n > 1 else "prompt"

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmmesh.runtime.errors import MeshError
@@ -78,10 +78,20 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], offset: int) -> dict[str
         offset += len(t.text)
     return {
         "tokens": [t.text for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{text: logprob for _, text, logprob in t.top} for t in tokens],
+        # An echoed prompt's first token has none (nothing precedes it: rank 0).
+        "token_logprobs": [t.logprob if t.rank else None for t in tokens],
+        "top_logprobs": [
+            {text: logprob for _, text, logprob in t.top} if t.rank else None for t in tokens
+        ],
         "text_offset": offsets,
     }
+
+
+def echoed(first: Chunk, prompt: str) -> Chunk:
+    """A choice's first chunk after its prompt (OpenAI's ``echo``): the prompt's text and,
+    when asked, its tokens' log probabilities before the chunk's own."""
+    logprobs = first.prompt_logprobs + first.logprobs
+    return replace(first, text=prompt + first.text, logprobs=logprobs, prompt_logprobs=())
 
 
 def sse(doc: dict[str, Any] | str) -> bytes:

@@ -367,15 +367,26 @@ class CompletionBody(Body):
     logprobs: int | None = Field(
         default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
     )
-    echo: bool = _no_op(False, "the prompt is never returned")
+    echo: bool = Field(
+        default=False,
+        description="each choice's text after its prompt as the model read it (input "
+        "policy's redactions made); with logprobs, the prompt's tokens' first (the first "
+        "token's log probability null)",
+    )
 
     def field_names(self) -> dict[str, str]:
-        return {**super().field_names(), "sampling.logprobs": "logprobs"}
+        return {
+            **super().field_names(),
+            "sampling.logprobs": "logprobs",
+            "sampling.prompt_logprobs": "logprobs",
+        }
 
     def logprobs_wanted(self) -> int | None:
-        if self.echo:
-            raise InvalidArgument("echo", "not supported (the prompt is never returned)")
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt's log probabilities: echoed with logprobs, as OpenAI's legacy API."""
+        return self.logprobs if self.echo else None
 
 
 class InputText(_Strict):

@@ -156,6 +156,8 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
         response = generation_pb2.GenerateResponse(text=chunk.text)
         if chunk.logprobs:  # an empty list costs the constructor as much as the text
             response.logprobs.extend(logprobs_to_pb(chunk.logprobs))
+        if chunk.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_pb(chunk.prompt_logprobs))
         if first:
             response.request_id = generation.request.request_id
             response.model = generation.request.model

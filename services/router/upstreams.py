@@ -434,6 +434,7 @@ class ChunkReader:
             finish_reason=finish_reason_from_pb(reply.finish_reason),
             logprobs=logprobs_from_pb(reply.logprobs),
             cached_tokens=reply.cached_tokens,
+            prompt_logprobs=logprobs_from_pb(reply.prompt_logprobs),
         )
         self._seen = reply.num_output_tokens
         return chunk
@@ -450,6 +451,9 @@ class ChunkReader:
             finish_reason=finish_reason_from_pb(last.finish_reason),
             logprobs=tuple(lp for r in replies for lp in logprobs_from_pb(r.logprobs)),
             cached_tokens=sum(r.cached_tokens for r in replies),
+            prompt_logprobs=tuple(
+                lp for r in replies for lp in logprobs_from_pb(r.prompt_logprobs)
+            ),
         )
         self._seen = last.num_output_tokens
         return chunk

@@ -9,7 +9,7 @@ import pytest
 
 from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack
-from llmmesh.v1 import common_pb2
+from llmmesh.v1 import common_pb2, generation_pb2_grpc
 from tests.conftest import collect, text_of
 
 # What sidecars change (mTLS, RBAC, original-destination routing, each service's calls
@@ -84,3 +84,19 @@ def test_canary_model_serves_with_other_weights(router_channel: grpc.Channel) ->
     assert canary[0].model == "llm_canary"
     assert canary[-1].usage.completion_tokens == 24
     assert text_of(canary) != text_of(stable)
+
+
+def test_prompt_logprobs_come_on_the_first_response(router_channel: grpc.Channel) -> None:
+    request = build_request("Once upon a time", max_tokens=4, seed=2)
+    request.sampling.prompt_logprobs = 1
+    stub = generation_pb2_grpc.GenerationStub(router_channel)
+    responses = list(stub.Generate(request, timeout=60))
+    scored = responses[0].prompt_logprobs
+    assert [t.text for t in scored] == list("Once upon a time")
+    assert all(t.rank >= 1 and len(t.top) == 1 and t.logprob <= 0.0 for t in scored)
+    assert all(not r.prompt_logprobs for r in responses[1:])
+    request.sampling.prompt_logprobs = 21
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(request, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.prompt_logprobs" in (refused.value.details() or "")

@@ -161,6 +161,33 @@ def test_text_completion_and_models(client: openai.OpenAI) -> None:
     assert missing.value.code == "model_not_found"
 
 
+def test_echo_returns_the_prompt_the_model_read_and_its_tokens_log_probabilities(
+    client: openai.OpenAI,
+) -> None:
+    """The legacy API's echo with logprobs (how evaluation harnesses score a text): the
+    prompt after input policy's redaction, each of its tokens scored by the engine (BOS
+    precedes the first), then the completion's; streamed, the prompt comes first."""
+    prompt = "Write to bob@example.com"
+    reply = client.completions.create(
+        model="llm", prompt=prompt, echo=True, logprobs=2, max_tokens=3, seed=1
+    )
+    (choice,) = reply.choices
+    read = "Write to [EMAIL]"
+    assert choice.text.startswith(read) and len(choice.text) > len(read)
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs and logprobs.top_logprobs
+    assert "".join(logprobs.tokens or []) == choice.text
+    assert len(logprobs.token_logprobs) == len(read) + 3
+    assert all(lp is not None and lp <= 0.0 for lp in logprobs.token_logprobs)
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    stream = client.completions.create(
+        model="llm", prompt=prompt, echo=True, max_tokens=3, seed=1, stream=True
+    )
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert texts[0].startswith(read) and "".join(texts) == choice.text
+
+
 def test_async_client_streams(stack: Stack) -> None:
     async def scenario() -> str:
         client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key)

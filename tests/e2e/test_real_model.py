@@ -264,6 +264,41 @@ def test_completion_logprobs_and_exact_usage_in_the_models_tokens(
     assert counted["max_model_len"] == 8192
 
 
+def test_echoed_log_probabilities_score_a_continuation_as_evaluation_harnesses_do(
+    sdk: openai.OpenAI,
+) -> None:
+    """A multiple-choice question scored the way evaluation harnesses use the legacy API:
+    echo with logprobs and one generated token; the continuation's log likelihood is the
+    sum of its tokens' (after the context's). SmolLM2 finds Paris likelier than London."""
+
+    def likelihood(context: str, continuation: str) -> float:
+        reply = sdk.completions.create(
+            model="smollm2",
+            prompt=context + continuation,
+            echo=True,
+            logprobs=1,
+            max_tokens=1,
+            temperature=0,
+        )
+        scored = reply.choices[0].logprobs
+        assert scored is not None and scored.tokens and scored.token_logprobs
+        # The SDK types them as floats; the first is null (SmolLM2 adds no BOS: nothing
+        # precedes it).
+        logprobs: list[float | None] = list(scored.token_logprobs)
+        assert logprobs[0] is None
+        offsets = scored.text_offset or []
+        after = [
+            lp
+            for offset, lp in zip(offsets[:-1], logprobs[:-1], strict=True)
+            if offset >= len(context)
+        ]
+        assert after and all(lp is not None for lp in after)
+        return sum(lp for lp in after if lp is not None)
+
+    context = "The capital of France is"
+    assert likelihood(context, " Paris") > likelihood(context, " London") + 1.0
+
+
 def test_penalties_break_the_models_greedy_loop(sdk: openai.OpenAI) -> None:
     """Asked for a list, SmolLM2 decoding greedily goes round the same few fruits; a
     frequency or presence penalty makes it name others (0.32 of its words distinct

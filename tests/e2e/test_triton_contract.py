@@ -15,7 +15,13 @@ from tritonclient.utils import InferenceServerException
 from llmmesh.launcher import Stack
 
 BASIC_OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
-EXTRA_OUTPUTS = ("logprobs", "cumulative_logprob", "num_input_tokens", "num_cached_tokens")
+EXTRA_OUTPUTS = (
+    "logprobs",
+    "cumulative_logprob",
+    "num_input_tokens",
+    "num_cached_tokens",
+    "prompt_logprobs",
+)
 
 
 def _tensor(name: str, value: Any, dtype: str) -> triton_grpc.InferInput:
@@ -183,3 +189,24 @@ def test_the_first_response_says_what_the_prefix_cache_held(stack: Stack) -> Non
 
     assert cached()[:1] == [0]
     assert cached()[:1] == [128]  # 133 tokens with BOS: 8 blocks, one token left to compute
+
+
+def test_prompt_logprobs_come_with_the_first_response_and_read_no_cache(stack: Stack) -> None:
+    """vLLM's prompt_logprobs in sampling_parameters: an entry per prompt token (BOS, which
+    the engine adds, is not the prompt's), on the first response only; the prompt is
+    computed whole even when its blocks are cached."""
+    prompt = f"scored {uuid.uuid4().hex} " * 2
+    sampling = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "prompt_logprobs": 2}
+    outputs = (*BASIC_OUTPUTS, "num_cached_tokens", "prompt_logprobs")
+    for _ in range(2):  # the second time, its blocks are in the prefix cache
+        items = _stream(stack, prompt, sampling, ("return_num_cached_tokens",), outputs)
+        assert all(not isinstance(i, Exception) for i in items)
+        scored = [i.as_numpy("prompt_logprobs") for i in items]
+        assert all(s is None for s in scored[1:])
+        positions = json.loads(scored[0][0])
+        assert len(positions) == len(prompt.encode())
+        for position, byte in zip(positions, prompt.encode(), strict=True):
+            own = position[str(byte)]
+            assert own["rank"] >= 1 and own["logprob"] <= 0.0
+            assert {e["rank"] for e in position.values()} >= {1, 2}
+        assert int(items[0].as_numpy("num_cached_tokens")[0]) == 0

@@ -254,3 +254,54 @@ def test_a_card_stream_that_broke_before_the_answer_is_cancelled() -> None:
     with pytest.raises(Unavailable):
         _describe(stream)
     assert stream.cancelled
+
+
+def test_prompt_logprobs_are_asked_as_vllms_and_read_from_their_output() -> None:
+    """In sampling_parameters (vLLM's key), the output asked for; the first token, which
+    nothing precedes, has a null rank and log probability: rank 0."""
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, prompt_logprobs=1))
+    request = build_request(call)
+    assert "prompt_logprobs" in {o.name for o in request.outputs}
+    assert json.loads(first_bytes_element(request.raw_input_contents[2]))["prompt_logprobs"] == 1
+    positions = [
+        {"104": {"logprob": None, "rank": None, "decoded_token": "h"}},
+        {"105": {"logprob": -2.0, "rank": 3, "decoded_token": "i"}, "33": {
+            "logprob": -0.5, "rank": 1, "decoded_token": "!"}},
+    ]  # fmt: skip
+    response = service_pb2.ModelInferResponse()
+    response.outputs.add(name="prompt_logprobs")
+    response.raw_output_contents.append(bytes_tensor(json.dumps(positions).encode()))
+    chunk = parse_response(response, call.sampling)
+    assert chunk.prompt_logprobs == (
+        TokenLogprob(104, "h", 0.0, 0),
+        TokenLogprob(105, "i", -2.0, 3, ((33, "!", -0.5),)),
+    )
+
+
+def test_prompt_logprobs_of_a_model_that_does_not_report_them_are_refused_by_name() -> None:
+    """A vLLM backend's model declares no prompt_logprobs output: the request is refused
+    naming the field (not sent to fail inside Triton)."""
+    metadata = service_pb2.ModelMetadataResponse(name="llm")
+    metadata.outputs.add(name="text_output")
+
+    async def main() -> None:
+        backend = TritonBackend("127.0.0.1:1", stream_timeout_s=5)
+
+        async def described(request: object, **_: float) -> object:
+            return metadata
+
+        backend._stub = SimpleNamespace(ModelMetadata=described)  # no stream to start
+
+        async def connected() -> None:
+            return None
+
+        backend._connected = connected  # type: ignore[method-assign]
+        call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, prompt_logprobs=0))
+        try:
+            with pytest.raises(InvalidArgument) as refused:
+                await anext(backend.generate(call))
+            assert refused.value.field == "sampling.prompt_logprobs"
+        finally:
+            await backend.close()
+
+    asyncio.run(main())

@@ -186,13 +186,31 @@ class Inference:
             for i in range(call.sampling.max_tokens - 1):
                 if i == 1 and self.paused is not None:
                     await self.paused.wait()
-                yield Chunk(str(i % 10), 1, logprobs=self._scored(call, str(i % 10)))
-            yield Chunk("!", 1, FinishReason.LENGTH, logprobs=self._scored(call, "!"))
+                prompt = self._prompt_scored(call) if i == 0 else ()
+                text = str(i % 10)
+                yield Chunk(text, 1, logprobs=self._scored(call, text), prompt_logprobs=prompt)
+            first = call.sampling.max_tokens == 1
+            prompt = self._prompt_scored(call) if first else ()
+            yield Chunk(
+                "!",
+                1,
+                FinishReason.LENGTH,
+                logprobs=self._scored(call, "!"),
+                prompt_logprobs=prompt,
+            )
         finally:
             self.closed.append(call.prompt)
 
     async def describe(self, model: str) -> ModelCard:
         return ModelCard(model, CONTEXT)
+
+    @staticmethod
+    def _prompt_scored(call: InferenceCall) -> tuple[TokenLogprob, ...]:
+        """A byte-level engine's prompt log probabilities: the first without one."""
+        if call.sampling.prompt_logprobs is None:
+            return ()
+        chars = call.prompt
+        return tuple(TokenLogprob(ord(c), c, -1.0, int(i > 0)) for i, c in enumerate(chars))
 
     @staticmethod
     def _scored(call: InferenceCall, text: str) -> tuple[TokenLogprob, ...]:

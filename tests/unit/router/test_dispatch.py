@@ -60,8 +60,11 @@ def fleet(addresses: tuple[str, ...] = ("a:1", "b:1"), **settings: Any) -> Fleet
     return Fleet(dispatcher, replicas, connector.replicas, clock)
 
 
-def call(max_tokens: int = 20, min_tokens: int = 0) -> InferenceCall:
-    return InferenceCall("r1", "llm", PROMPT, Sampling(max_tokens, min_tokens=min_tokens))
+def call(
+    max_tokens: int = 20, min_tokens: int = 0, prompt_logprobs: int | None = None
+) -> InferenceCall:
+    sampling = Sampling(max_tokens, min_tokens=min_tokens, prompt_logprobs=prompt_logprobs)
+    return InferenceCall("r1", "llm", PROMPT, sampling)
 
 
 async def collect(f: Fleet, c: InferenceCall, deadline: float | None = None) -> list[Chunk]:
@@ -89,13 +92,15 @@ def test_a_stream_broken_mid_way_resumes_elsewhere_with_nothing_lost_or_repeated
     async def scenario() -> None:
         f = fleet()
         f["a:1"].fail_next(7)
-        chunks = await collect(f, call(20, min_tokens=10))
+        chunks = await collect(f, call(20, min_tokens=10, prompt_logprobs=1))
         assert "".join(c.text for c in chunks) == expected_text(PROMPT, 20)
         assert sum(c.num_tokens for c in chunks) == 20
         [resumed_call] = f["b:1"].calls
         assert resumed_call.prompt == PROMPT + expected_text(PROMPT, 7)
         assert resumed_call.sampling.max_tokens == 13
         assert resumed_call.sampling.min_tokens == 3
+        # the prompt's log probabilities went with the first chunk: not asked again
+        assert resumed_call.sampling.prompt_logprobs is None
         # what was sent is output still: the engine's penalties count it as such
         assert resumed_call.resumed_output_chars == len(expected_text(PROMPT, 7))
         assert chunks[-1].resumed == 1 and chunks[-1].route is not None

@@ -275,7 +275,6 @@ def test_field_paths_leave_union_tags_out() -> None:
             },
             "response_format.json_schema.description",
         ),
-        ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"no_such_parameter": 1}, "no_such_parameter"),
         (
@@ -491,6 +490,44 @@ def test_health_version_and_metrics() -> None:
     assert operator[0] == 200 and "llm_router" in operator[1]
     down = asyncio.run(scenario(False))
     assert down[0][0] == down[1][0] == 503
+
+
+async def post_json(path: str, doc: dict[str, Any], **headers: str) -> tuple[int, Any]:
+    async with TestClient(TestServer(api().app())) as client:
+        response = await client.post(path, json=doc, headers=headers)
+        if response.content_type == "text/event-stream":
+            lines = (await response.text()).split("\n\n")
+            events = [json.loads(e[6:]) for e in lines if e.startswith("data: {")]
+            return response.status, events
+        return response.status, await response.json()
+
+
+def test_echo_puts_the_prompt_and_its_tokens_before_each_choices_own() -> None:
+    """OpenAI's legacy echo: the text after the prompt, the prompt's tokens' log
+    probabilities first (the first one's null), streamed in the first event."""
+    doc = OK | {"prompt": ["hi", "yo"], "echo": True, "logprobs": 1, "max_tokens": 3}
+    got, reply = asyncio.run(post_json("/v1/completions", doc))
+    assert got == 200
+    texts = [c["text"] for c in reply["choices"]]
+    assert texts == ["hi01!", "yo01!"]
+    logprobs = reply["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["h", "i", "0", "1", "!"]
+    assert logprobs["token_logprobs"] == [None, -1.0, -0.5, -0.5, -0.5]
+    assert logprobs["top_logprobs"][0] is None and logprobs["text_offset"] == [0, 1, 2, 3, 4]
+    assert reply["usage"]["completion_tokens"] == 6  # the prompts are not output
+    got, events = asyncio.run(post_json("/v1/completions", doc | {"stream": True}))
+    firsts = [e["choices"][0] for e in events if e["choices"]]
+    first = next(c for c in firsts if c["index"] == 1)
+    assert first["text"] == "yo0" and first["logprobs"]["token_logprobs"][:2] == [None, -1.0]
+    plain = OK | {"echo": True}  # without logprobs: the text only
+    got, reply = asyncio.run(post_json("/v1/completions", plain))
+    assert reply["choices"][0]["text"] == "hello0!" and reply["choices"][0]["logprobs"] is None
+
+
+def test_echo_in_a_session_is_refused_naming_it() -> None:
+    doc = OK | {"echo": True}
+    got, reply = asyncio.run(post_json("/v1/completions", doc, **{"x-session-id": "s-1"}))
+    assert (got, reply["error"]["param"]) == (400, "echo")
 
 
 def test_logprobs_in_openais_chat_and_completions_shapes() -> None:

@@ -62,7 +62,7 @@ def logprob_entry(token: TokenLogprob) -> dict[str, dict[str, object]]:
     for the sampled token and the most likely ones. A prompt's first token (rank 0:
     nothing precedes it) has a null log probability and rank."""
     scored = token.rank > 0
-    entry = {
+    entry: dict[str, dict[str, object]] = {
         str(token.token): {
             "logprob": token.logprob if scored else None,
             "rank": token.rank if scored else None,
