@@ -35,7 +35,14 @@ from services.router.canary_watch import CanaryWatch
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response, http_errors, status_of
-from services.router.openai_reply import Choice, Reply, echoed, merged, sse
+from services.router.openai_reply import (
+    Choice,
+    Reply,
+    echoed,
+    merged,
+    sse,
+    vllm_prompt_logprobs,
+)
 from services.router.openai_schema import (
     MAX_CHOICES,
     ChatBody,
@@ -61,9 +68,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
-        "prompt_logprobs": (
-            body.prompt_logprobs_wanted() if isinstance(body, CompletionBody) else None
-        ),
+        "prompt_logprobs": body.prompt_logprobs_wanted(),
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
         "structured": tools.structure() if tools else body.structure(),
@@ -288,7 +293,9 @@ class OpenAiApi:
             prompts = self._decode(request, request_id, tenant, body, tools)
             async with contextlib.AsyncExitStack() as generations:
                 echo = isinstance(body, CompletionBody) and body.echo
-                started = await self._start(generations, prompts, body.n, echo)
+                echo_top = body.echoed_logprobs() if isinstance(body, CompletionBody) else None
+                started = await self._start(generations, prompts, body.n, echo, echo_top)
+                shown = body.prompt_logprobs
                 reply = Reply(
                     f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
                     started.model,
@@ -297,6 +304,11 @@ class OpenAiApi:
                     logprobs=prompts[0].sampling.logprobs is not None,
                     usage=bool(body.stream_options and body.stream_options.include_usage),
                     tools=tools,
+                    prompt_logprobs=(
+                        None
+                        if shown is None
+                        else [vllm_prompt_logprobs(c, shown) for c in started.choices]
+                    ),
                 )
                 headers = {REQUEST_ID: request_id}
                 if body.stream:
@@ -313,13 +325,15 @@ class OpenAiApi:
         prompts: list[GenerateInput],
         n: int,
         echo: bool = False,
+        echo_top: int | None = None,
     ) -> _Started:
         """Each prompt's n samples, choice p * n + i: per prompt, the first sample's
         generation and first chunk, then the others'. By then the first one's prompt is
         in the engine's prefix cache, so the others' prefill is read back from it
         (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
         n distinct samples, the same ones every time. ``echo``: each choice's first chunk
-        begins with its prompt as the model read it."""
+        begins with its prompt as the model read it (and its tokens' log probabilities,
+        the ``echo_top`` likeliest each, when asked)."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
         many = len(prompts) * n > 1
@@ -335,8 +349,8 @@ class OpenAiApi:
                 chunks = generation.chunks
                 first = await anext(chunks)
                 if echo:  # a completion without a session: the prompt is the text checked
-                    first = echoed(first, generation.prepared.user_text)
-                choices.append(Choice(first, chunks))
+                    first = echoed(first, generation.prepared.user_text, echo_top)
+                choices.append(Choice(first, chunks, generation.prompt_tokens))
                 if index == 0:
                     model = generation.request.model
                     prompt_tokens += generation.prompt_tokens

@@ -33,6 +33,7 @@ class Choice:
 
     first: Chunk
     rest: AsyncIterator[Chunk]
+    prompt_tokens: int = 0  # the prompt's, as the router counts them (BOS included)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         yield self.first
@@ -87,11 +88,34 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], offset: int) -> dict[str
     }
 
 
-def echoed(first: Chunk, prompt: str) -> Chunk:
+def echoed(first: Chunk, prompt: str, top: int | None) -> Chunk:
     """A choice's first chunk after its prompt (OpenAI's ``echo``): the prompt's text and,
-    when asked, its tokens' log probabilities before the chunk's own."""
-    logprobs = first.prompt_logprobs + first.logprobs
-    return replace(first, text=prompt + first.text, logprobs=logprobs, prompt_logprobs=())
+    with ``logprobs: top``, its tokens' log probabilities (``top`` likeliest each) before
+    the chunk's own."""
+    if top is None:
+        return replace(first, text=prompt + first.text)
+    scored = tuple(replace(t, top=t.top[:top]) for t in first.prompt_logprobs)
+    return replace(first, text=prompt + first.text, logprobs=scored + first.logprobs)
+
+
+def vllm_prompt_logprobs(choice: Choice, top: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for one nothing precedes (a BOS
+    the engine adds, which it does not score, or a first token), else {token id:
+    {logprob, rank, decoded_token}} for the token and the ``top`` likeliest."""
+    scored = choice.first.prompt_logprobs
+    unscored: list[dict[str, Any] | None] = [None] * max(0, choice.prompt_tokens - len(scored))
+    return unscored + [_vllm_entry(t, top) if t.rank else None for t in scored]
+
+
+def _vllm_entry(token: TokenLogprob, top: int) -> dict[str, Any]:
+    entry = {str(token.token): _vllm_logprob(token.logprob, token.rank, token.text)}
+    for rank, (i, text, logprob) in enumerate(token.top[:top], start=1):
+        entry.setdefault(str(i), _vllm_logprob(logprob, rank, text))
+    return entry
+
+
+def _vllm_logprob(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
 
 def sse(doc: dict[str, Any] | str) -> bytes:
@@ -112,7 +136,10 @@ class Reply:
         logprobs: bool,
         usage: bool,
         tools: ToolUse | None = None,
+        prompt_logprobs: list[list[dict[str, Any] | None]] | None = None,
     ) -> None:
+        """``prompt_logprobs``: each choice's in vLLM's form, when asked (whole replies
+        only: a completion's in each choice, a chat's beside them)."""
         self.id = response_id
         self.model = model
         self.chat = chat
@@ -121,6 +148,7 @@ class Reply:
         self._logprobs = logprobs
         self._tools = tools
         self._samples = [_Sample(tools=ToolStream() if tools else None) for _ in range(n)]
+        self._prompt_logprobs = prompt_logprobs
         self.completion_tokens = 0
 
     def add(self, index: int, chunk: Chunk) -> None:
@@ -163,9 +191,14 @@ class Reply:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+                if self._prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs[index]
             choices.append(choice)
         whole = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(choices, whole), "usage": usage}
+        reply = {**self._envelope(choices, whole), "usage": usage}
+        if self.chat and self._prompt_logprobs is not None:  # the choices share the prompt
+            reply["prompt_logprobs"] = self._prompt_logprobs[0]
+        return reply
 
     def _tool_events(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         """A chunk's events with tools: the answer's deltas as the decoder lets them out,

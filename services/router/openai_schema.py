@@ -52,7 +52,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 _SAMPLING_NAMES = {
     f"sampling.{name}": name
     for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", "min_tokens", *PENALTIES)
-} | {"sampling.structured_output": "response_format"}
+} | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
 
 
 class UnsupportedMediaType(FieldError):
@@ -186,13 +186,24 @@ class Body(_Strict):
     prompt_cache_key: str | None = Field(
         default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
     )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="vLLM's extension: each prompt token's log probability after what "
+        "precedes it and the k likeliest there (a completion's in each choice, a chat's "
+        "beside its choices); not streamed",
+    )
 
     def check_no_ops(self) -> None:
-        """Refuses, by name, a parameter set to anything but its no-op value, and stream
+        """Refuses, by name, a parameter set to anything but its no-op value, stream
         options without a stream (as OpenAI and vLLM do: there is no stream to end with
-        the usage)."""
+        the usage), and prompt log probabilities with one (vLLM's rule: they have no place
+        in its chunks)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidArgument("prompt_logprobs", "not with stream: true")
         fmt = self.response_format
         if isinstance(fmt, JsonSchemaFormat) and fmt.json_schema.description:
             raise InvalidArgument(
@@ -229,6 +240,10 @@ class Body(_Strict):
         """The core's names of the fields this body sets, and the body's own."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         return {**_SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt's log probabilities the engine is asked for (the k likeliest)."""
+        return self.prompt_logprobs
 
 
 class TextPart(_Strict):
@@ -375,18 +390,21 @@ class CompletionBody(Body):
     )
 
     def field_names(self) -> dict[str, str]:
-        return {
-            **super().field_names(),
-            "sampling.logprobs": "logprobs",
-            "sampling.prompt_logprobs": "logprobs",
-        }
+        names = {**super().field_names(), "sampling.logprobs": "logprobs"}
+        if self.prompt_logprobs is None:
+            names["sampling.prompt_logprobs"] = "logprobs"  # echoed
+        return names
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    def prompt_logprobs_wanted(self) -> int | None:
-        """The prompt's log probabilities: echoed with logprobs, as OpenAI's legacy API."""
+    def echoed_logprobs(self) -> int | None:
+        """The k of the prompt's tokens echoed with logprobs, as OpenAI's legacy API."""
         return self.logprobs if self.echo else None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        wanted = [k for k in (self.prompt_logprobs, self.echoed_logprobs()) if k is not None]
+        return max(wanted, default=None)
 
 
 class InputText(_Strict):

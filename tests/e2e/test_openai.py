@@ -188,6 +188,26 @@ def test_echo_returns_the_prompt_the_model_read_and_its_tokens_log_probabilities
     assert texts[0].startswith(read) and "".join(texts) == choice.text
 
 
+def test_vllms_prompt_logprobs_through_the_sdks_extra_body(client: openai.OpenAI) -> None:
+    """A completion's in each choice, a chat's beside its choices: null for the BOS the
+    engine puts first, then each prompt token with its two likeliest."""
+    reply = client.completions.create(
+        model="llm", prompt="Once upon", max_tokens=2, seed=1, extra_body={"prompt_logprobs": 2}
+    )
+    assert reply.usage is not None
+    scored = (reply.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(scored) == reply.usage.prompt_tokens == len("Once upon") + 1
+    assert scored[0] is None and not reply.choices[0].text.startswith("Once")
+    for entry, byte in zip(scored[1:], b"Once upon", strict=True):
+        assert entry[str(byte)]["decoded_token"] == chr(byte)
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+    chat = client.chat.completions.create(
+        model="llm", messages=HI, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    assert chat.usage is not None
+    assert len((chat.model_extra or {})["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
 def test_async_client_streams(stack: Stack) -> None:
     async def scenario() -> str:
         client = openai.AsyncOpenAI(base_url=stack.openai_base_url, api_key=stack.api_key)

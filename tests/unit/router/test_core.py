@@ -206,11 +206,11 @@ class Inference:
 
     @staticmethod
     def _prompt_scored(call: InferenceCall) -> tuple[TokenLogprob, ...]:
-        """A byte-level engine's prompt log probabilities: the first without one."""
+        """A byte-level engine's prompt log probabilities: BOS precedes every prompt, so
+        each character has one."""
         if call.sampling.prompt_logprobs is None:
             return ()
-        chars = call.prompt
-        return tuple(TokenLogprob(ord(c), c, -1.0, int(i > 0)) for i, c in enumerate(chars))
+        return tuple(TokenLogprob(ord(c), c, -1.0, 1) for c in call.prompt)
 
     @staticmethod
     def _scored(call: InferenceCall, text: str) -> tuple[TokenLogprob, ...]:

@@ -504,7 +504,7 @@ async def post_json(path: str, doc: dict[str, Any], **headers: str) -> tuple[int
 
 def test_echo_puts_the_prompt_and_its_tokens_before_each_choices_own() -> None:
     """OpenAI's legacy echo: the text after the prompt, the prompt's tokens' log
-    probabilities first (the first one's null), streamed in the first event."""
+    probabilities first, streamed in the first event."""
     doc = OK | {"prompt": ["hi", "yo"], "echo": True, "logprobs": 1, "max_tokens": 3}
     got, reply = asyncio.run(post_json("/v1/completions", doc))
     assert got == 200
@@ -512,16 +512,37 @@ def test_echo_puts_the_prompt_and_its_tokens_before_each_choices_own() -> None:
     assert texts == ["hi01!", "yo01!"]
     logprobs = reply["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["h", "i", "0", "1", "!"]
-    assert logprobs["token_logprobs"] == [None, -1.0, -0.5, -0.5, -0.5]
-    assert logprobs["top_logprobs"][0] is None and logprobs["text_offset"] == [0, 1, 2, 3, 4]
+    assert logprobs["token_logprobs"] == [-1.0, -1.0, -0.5, -0.5, -0.5]
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4]
     assert reply["usage"]["completion_tokens"] == 6  # the prompts are not output
     got, events = asyncio.run(post_json("/v1/completions", doc | {"stream": True}))
     firsts = [e["choices"][0] for e in events if e["choices"]]
     first = next(c for c in firsts if c["index"] == 1)
-    assert first["text"] == "yo0" and first["logprobs"]["token_logprobs"][:2] == [None, -1.0]
+    assert first["text"] == "yo0" and first["logprobs"]["tokens"] == ["y", "o", "0"]
     plain = OK | {"echo": True}  # without logprobs: the text only
     got, reply = asyncio.run(post_json("/v1/completions", plain))
     assert reply["choices"][0]["text"] == "hello0!" and reply["choices"][0]["logprobs"] is None
+
+
+def test_vllms_prompt_logprobs_in_each_completion_choice_and_beside_a_chats() -> None:
+    doc = OK | {"prompt": "hi", "prompt_logprobs": 2}
+    got, reply = asyncio.run(post_json("/v1/completions", doc))
+    assert got == 200 and reply["choices"][0]["text"] == "0!"  # no echo: the output only
+    assert reply["choices"][0]["prompt_logprobs"] == [
+        None,  # the BOS the engine puts first: nothing precedes it
+        {"104": {"logprob": -1.0, "rank": 1, "decoded_token": "h"}},
+        {"105": {"logprob": -1.0, "rank": 1, "decoded_token": "i"}},
+    ]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    got, reply = asyncio.run(post_json("/v1/chat/completions", chat | {"prompt_logprobs": 0}))
+    scored = reply["prompt_logprobs"]
+    assert got == 200 and "prompt_logprobs" not in reply["choices"][0]
+    assert len(scored) == reply["usage"]["prompt_tokens"] and scored[0] is None
+    written = "".join(next(iter(e.values()))["decoded_token"] for e in scored[1:])
+    assert written == "<|user|>\nhi\n<|assistant|>\n"  # the conversation as laid out
+    for refused in ({"prompt_logprobs": 0, "stream": True}, {"prompt_logprobs": 21}):
+        got, reply = asyncio.run(post_json("/v1/completions", OK | refused))
+        assert (got, reply["error"]["param"]) == (400, "prompt_logprobs")
 
 
 def test_echo_in_a_session_is_refused_naming_it() -> None:
@@ -549,12 +570,14 @@ def test_logprobs_in_openais_chat_and_completions_shapes() -> None:
         ],
     }
     assert chat["refusal"] is None
-    # Completions: parallel lists, offsets counted from where this chunk's text starts.
-    assert completion_logprobs(tokens, 10) == {
-        "tokens": ["Pa", "ris"],
-        "token_logprobs": [-0.1, -0.2],
-        "top_logprobs": [{"Pa": -0.1, "Lo": -2.5}, {"ris": -0.2, "r": -3.0}],
-        "text_offset": [10, 12],
+    # Completions: parallel lists, offsets counted from where this chunk's text starts; an
+    # echoed prompt's first token, which nothing precedes (rank 0), has null ones.
+    first = TokenLogprob(5, "The", 0.0, 0)
+    assert completion_logprobs([first, *tokens], 10) == {
+        "tokens": ["The", "Pa", "ris"],
+        "token_logprobs": [None, -0.1, -0.2],
+        "top_logprobs": [None, {"Pa": -0.1, "Lo": -2.5}, {"ris": -0.2, "r": -3.0}],
+        "text_offset": [10, 13, 15],
     }
 
 
