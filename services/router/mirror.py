@@ -152,7 +152,10 @@ class Mirror:
 
     async def _shadow(self, subset: str, call: InferenceCall, stable: _Answer) -> None:
         model, outcome = call.model, "failed"
-        shadow = replace(call, request_id=f"{call.request_id}.shadow")
+        # What the two say is compared, not how each scores the prompt: computing it whole
+        # again on the canary would be wasted.
+        unscored = replace(call.sampling, prompt_logprobs=None)
+        shadow = replace(call, request_id=f"{call.request_id}.shadow", sampling=unscored)
         if call.priority is not None:  # never before a client's request in the engine
             shadow = replace(shadow, priority=SHADOW_PRIORITY)
         hints = RouteHints(color=subset, tier="shadow")

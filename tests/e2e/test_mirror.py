@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel
+from llmmesh.client import authorized_channel, build_request
 from llmmesh.launcher import Stack, StackPorts
-from tests.conftest import collect, start_service, wait_for
+from llmmesh.v1 import generation_pb2_grpc
+from tests.conftest import collect, metric_value, start_service, wait_for
 from tests.e2e.test_tenants import write_tenants
 
 ROUTING = """\
@@ -26,7 +28,7 @@ split: {stable: 100, canary: 0}
 colors: {stable: stable, canary: canary}
 mirror: {subset: canary, percent: 100, max_in_flight: 1, top_logprobs: 5}
 """
-BUDGET = 12  # requests a minute: as many as the test sends, shadows not counted
+BUDGET = 14  # requests a minute: as many as the tests send, shadows not counted
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,38 @@ def test_mirrored_requests_are_compared_and_the_client_sees_only_its_answer(
     assert len(observed["subsets"]["stable"]["ttft_s"]) == 4
 
 
+def test_a_shadow_leaves_the_prompts_scoring_to_the_client_request(
+    stack: Stack, mirrored: Mirrored
+) -> None:
+    """A client's prompt log probabilities are computed by stable, which reads no cache
+    for them; its shadow asks for none, so the canary reads the prompt's blocks from its
+    cache the second time."""
+    url = f"http://{stack.address('triton_metrics')}/metrics"
+
+    def hits(model: str) -> float:
+        return metric_value(url, "llm_engine_prefix_cache_hit_tokens_total", {"model": model})
+
+    prompt = f"{uuid.uuid4().hex} scored by stable, " * 3  # with BOS 154 tokens: 9 blocks
+    request = build_request(prompt, max_tokens=2, ignore_eos=True)
+    request.sampling.prompt_logprobs = 0
+    seen: list[tuple[float, float]] = []  # prefix cache hits: stable's, the canary's
+    with authorized_channel(mirrored.address, mirrored.key) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for round_ in range(2):
+            done = mirrored.shadows_done()
+            before = (hits("llm"), hits("llm_canary"))
+            responses = list(stub.Generate(request, timeout=60))
+            assert len(responses[0].prompt_logprobs) == len(prompt)
+            wait_for(lambda: mirrored.shadows_done() == done + 1, 20, f"shadow {round_}")  # noqa: B023
+            seen.append((hits("llm") - before[0], hits("llm_canary") - before[1]))
+    assert seen[0] == (0.0, 0.0)  # a prompt never seen
+    assert seen[1][0] == 0.0 and seen[1][1] >= 9 * 16
+
+
 def test_shadows_are_not_charged_and_beyond_the_concurrency_are_dropped(
     mirrored: Mirrored,
 ) -> None:
-    """Eight more at once (the budget allows the test's twelve requests, not their
+    """Eight more at once (the budget allows the tests' fourteen requests, not their
     shadows as well): each is answered, and with one shadow at a time the rest drop."""
     before, done_before = mirrored.shadows(), mirrored.shadows_done()
 
@@ -123,5 +153,5 @@ def test_shadows_are_not_charged_and_beyond_the_concurrency_are_dropped(
         authorized_channel(mirrored.address, mirrored.key) as channel,
         pytest.raises(grpc.RpcError) as info,
     ):
-        collect(channel, "one too many", max_tokens=1)  # the 13th of 12 a minute
+        collect(channel, "one too many", max_tokens=1)  # the 15th of 14 a minute
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
