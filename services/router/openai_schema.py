@@ -372,6 +372,16 @@ class ChatBody(Body):
 class CompletionBody(Body):
     prompt: str | list[str] = Field(description="a prompt, or several (n choices each)")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_not_tokens(cls, prompt: Any) -> Any:
+        """Token ids (OpenAI's other prompt form) are refused as such: the engine reads
+        text, and ids turned back into text need not be read as the same ids."""
+        items = prompt if isinstance(prompt, list) else []
+        if any(isinstance(i, int) or (isinstance(i, list) and i) for i in items):
+            raise ValueError("token ids are not taken here: send the prompt's text")
+        return prompt
+
     @field_validator("prompt")
     @classmethod
     def _some_prompts(cls, prompt: str | list[str]) -> str | list[str]:

@@ -43,6 +43,8 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(max_tokens=2.0), 400, "max_tokens"),
         ("/v1/completions", body(stop=["a", 1]), 400, "stop[1]"),
         ("/v1/completions", body(prompt=" \n\t "), 400, "prompt"),
+        ("/v1/completions", body(prompt=[464, 3139]), 400, "prompt"),
+        ("/v1/completions", body(prompt=[[464, 3139]]), 400, "prompt"),
         ("/v1/completions", b'{"prompt": "a \\ud800 b"}', 400, "body"),
         ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "body"),
         (
@@ -146,6 +148,8 @@ def body(**fields: Any) -> bytes:
         "max_tokens-float",
         "stop-number",
         "blank-prompt",
+        "token-ids",
+        "lists-of-token-ids",
         "lone-surrogate",
         "nested-100k",
         "huge-number",
