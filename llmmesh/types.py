@@ -211,6 +211,10 @@ def check_session_id(session_id: str) -> None:
 SEED_LIMIT = 1 << 63  # a seed is an integer in [0, 2^63): what an int64 field holds
 MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform anyway (and a float32 overflows)
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+# A prompt's log probabilities come in one response: at most this many entries (prompt
+# tokens x (1 + the likeliest asked for each)), which keeps the engine's JSON of them and
+# every message after it within gRPC's default 4 MiB (the reference engine's own bound).
+MAX_PROMPT_LOGPROB_ENTRIES = 16_384
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -265,6 +269,18 @@ def check_sampling(
             raise InvalidArgument(
                 f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {wanted}"
             )
+
+
+def check_prompt_logprobs(sampling: Sampling, prompt_tokens: int) -> None:
+    """Raises InvalidArgument naming ``sampling.prompt_logprobs`` when the prompt's log
+    probabilities would be more than one response can carry."""
+    top = sampling.prompt_logprobs
+    if top is not None and prompt_tokens * (1 + top) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidArgument(
+            "sampling.prompt_logprobs",
+            f"{prompt_tokens} prompt tokens x {1 + top} entries each is past "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer likeliest tokens",
+        )
 
 
 def _check_penalties(sampling: Sampling) -> None:

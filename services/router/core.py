@@ -41,6 +41,7 @@ from llmmesh.types import (
     Role,
     Turn,
     Verdict,
+    check_prompt_logprobs,
     check_sampling,
     check_session_id,
     check_truncation,
@@ -254,6 +255,7 @@ class RouterCore:
             history, user_text = with_texts(history, texts)
             _check_not_reused(history, user_text)
             call, prompt_tokens = self._build_call(request, history, user_text, speech)
+            check_prompt_logprobs(request.sampling, prompt_tokens)
             user_tokens = speech.count(user_text)
             new_turns = _new_turns(request, history, speech)
             lease = await asyncio.shield(admitting)  # a client gone now cancels not it

@@ -201,6 +201,12 @@ def test_vllms_prompt_logprobs_through_the_sdks_extra_body(client: openai.OpenAI
     for entry, byte in zip(scored[1:], b"Once upon", strict=True):
         assert entry[str(byte)]["decoded_token"] == chr(byte)
         assert {e["rank"] for e in entry.values()} >= {1, 2}
+    # At the bound of one response (16,384 entries: 780 tokens x 21), through every hop.
+    longest = client.completions.create(
+        model="llm", prompt="y" * 779, max_tokens=1, extra_body={"prompt_logprobs": 20}
+    )
+    entries = (longest.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(entries) == 780 and all(len(e) >= 20 for e in entries[1:])
     chat = client.chat.completions.create(
         model="llm", messages=HI, max_tokens=2, extra_body={"prompt_logprobs": 0}
     )

@@ -1116,6 +1116,14 @@ class TestPromptLogprobs:
             "104": {"logprob": None, "rank": None, "decoded_token": "h"}
         }
 
+    def test_more_entries_than_one_response_should_carry_are_refused_naming_the_field(
+        self,
+    ) -> None:
+        engine = make_engine(max_prompt_logprob_entries=40)
+        run(engine, "x" * 19, max_tokens=1, prompt_logprobs=1)  # 20 tokens x 2: 40
+        with pytest.raises(RequestError, match=r"sampling_parameters\.prompt_logprobs: 20 prompt"):
+            submit(engine, "x" * 19, prompt_logprobs=2)
+
     def test_prompt_logprobs_above_the_engines_maximum_are_refused_naming_the_field(
         self,
     ) -> None:

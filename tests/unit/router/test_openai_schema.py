@@ -547,6 +547,15 @@ def test_vllms_prompt_logprobs_in_each_completion_choice_and_beside_a_chats() ->
     for refused in ({"prompt_logprobs": 0, "stream": True}, {"prompt_logprobs": 21}):
         got, reply = asyncio.run(post_json("/v1/completions", OK | refused))
         assert (got, reply["error"]["param"]) == (400, "prompt_logprobs")
+    # More than one response should carry (16,384 entries): 1,001 tokens x 21 each.
+    long = OK | {"prompt": "a" * 1000}
+    for asked, param in (
+        ({"prompt_logprobs": 20}, "prompt_logprobs"),
+        ({"echo": True, "logprobs": 20}, "logprobs"),
+    ):
+        got, reply = asyncio.run(post_json("/v1/completions", long | asked))
+        assert (got, reply["error"]["param"]) == (400, param)
+        assert "1001 prompt tokens x 21" in reply["error"]["message"]
 
 
 def test_echo_in_a_session_is_refused_naming_it() -> None:

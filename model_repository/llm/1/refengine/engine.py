@@ -89,6 +89,10 @@ class EngineConfig:
     # message for them; the first response never waits.
     stream_gap_ms: int = 0
     max_logprobs: int = 20  # most likely tokens a request may ask for per position (OpenAI's cap)
+    # A prompt's log probabilities go out in one response: at most this many entries
+    # (prompt tokens x (1 + the likeliest asked for each)), about 80 bytes of JSON each
+    # (a long token text, 200), so that the response stays within gRPC's default 4 MiB.
+    max_prompt_logprob_entries: int = 16_384
     # A sequence preempted this many times for more urgent ones is not preempted for them
     # again (memory pressure may still preempt it: nothing else could run otherwise).
     max_preemptions: int = 4
@@ -114,6 +118,7 @@ class EngineConfig:
             "stream_interval": "stream_interval",
             "stream_gap_ms": "stream_gap_ms",
             "max_logprobs": "max_logprobs",
+            "max_prompt_logprob_entries": "max_prompt_logprob_entries",
             "max_preemptions": "max_preemptions",
             "urgent_first_tokens": "urgent_first_tokens",
             "lower_prefill_tokens": "lower_prefill_tokens",
@@ -208,6 +213,7 @@ class Engine:
             raise RequestError(
                 f"text_input: prompt is {len(prompt)} tokens; the model's context is {context}"
             )
+        self._check_prompt_entries(request, len(prompt))
         max_new = min(request.sampling.max_tokens, context - len(prompt))
         structured = request.sampling.structured
         blocks = -(-(len(prompt) + max_new) // self.pool.block_size)
@@ -232,6 +238,15 @@ class Engine:
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
+
+    def _check_prompt_entries(self, request: GenerationRequest, prompt_tokens: int) -> None:
+        top = request.sampling.prompt_logprobs
+        limit = self.config.max_prompt_logprob_entries
+        if top is not None and prompt_tokens * (1 + top) > limit:
+            raise RequestError(
+                f"sampling_parameters.prompt_logprobs: {prompt_tokens} prompt tokens x "
+                f"{1 + top} entries each is past {limit}; ask for fewer likeliest tokens"
+            )
 
     def _resumed_output_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
         """The tokens of the prompt's last ``resumed_output_chars`` characters (only
