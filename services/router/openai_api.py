@@ -40,6 +40,7 @@ from services.router.openai_reply import (
     Reply,
     echoed,
     merged,
+    prompt_alone,
     sse,
     vllm_prompt_logprobs,
 )
@@ -63,9 +64,12 @@ log = logging.getLogger(__name__)
 
 def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Sampling:
     body.check_no_ops()
+    alone = isinstance(body, CompletionBody) and body.prompt_alone()
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     kwargs: dict[str, Any] = {
-        "max_tokens": body.max_completion_tokens or body.max_tokens or 0,
+        # The prompt alone still takes the engine's first token (dropped): its last
+        # position's logits are computed with the rest of the prompt's anyway.
+        "max_tokens": 1 if alone else body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
         "logprobs": body.logprobs_wanted(),
         "prompt_logprobs": body.prompt_logprobs_wanted(),
@@ -93,6 +97,21 @@ def _inline_history(messages: list[Message]) -> tuple[History, str]:
         )
     turns = tuple(Turn(role, text) for role, text in earlier)
     return History(turns=turns, total_turns=len(turns)), last
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """OpenAI's ``echo``: the k likeliest of each prompt token's (None: no log
+    probabilities), and whether the prompt comes alone (``max_tokens: 0``)."""
+
+    top: int | None
+    alone: bool
+
+    @classmethod
+    def of(cls, body: ChatBody | CompletionBody) -> _Echo | None:
+        if not isinstance(body, CompletionBody) or not body.echo:
+            return None
+        return cls(body.echoed_logprobs(), body.prompt_alone())
 
 
 @dataclass(frozen=True)
@@ -292,9 +311,8 @@ class OpenAiApi:
             tools = tool_use(body) if isinstance(body, ChatBody) else None
             prompts = self._decode(request, request_id, tenant, body, tools)
             async with contextlib.AsyncExitStack() as generations:
-                echo = isinstance(body, CompletionBody) and body.echo
-                echo_top = body.echoed_logprobs() if isinstance(body, CompletionBody) else None
-                started = await self._start(generations, prompts, body.n, echo, echo_top)
+                echo = _Echo.of(body)
+                started = await self._start(generations, prompts, body.n, echo)
                 shown = body.prompt_logprobs
                 reply = Reply(
                     f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
@@ -324,8 +342,7 @@ class OpenAiApi:
         generations: contextlib.AsyncExitStack,
         prompts: list[GenerateInput],
         n: int,
-        echo: bool = False,
-        echo_top: int | None = None,
+        echo: _Echo | None = None,
     ) -> _Started:
         """Each prompt's n samples, choice p * n + i: per prompt, the first sample's
         generation and first chunk, then the others'. By then the first one's prompt is
@@ -333,7 +350,7 @@ class OpenAiApi:
         (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
         n distinct samples, the same ones every time. ``echo``: each choice's first chunk
         begins with its prompt as the model read it (and its tokens' log probabilities,
-        the ``echo_top`` likeliest each, when asked)."""
+        when asked), and is the whole choice for the prompt alone."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
         many = len(prompts) * n > 1
@@ -348,8 +365,12 @@ class OpenAiApi:
                 generation = await generations.enter_async_context(self._core.generation(sample))
                 chunks = generation.chunks
                 first = await anext(chunks)
-                if echo:  # a completion without a session: the prompt is the text checked
-                    first = echoed(first, generation.prepared.user_text, echo_top)
+                if (
+                    echo is not None
+                ):  # a completion without a session: the prompt is the text checked
+                    if echo.alone:
+                        first = await prompt_alone(first, chunks)
+                    first = echoed(first, generation.prepared.user_text, echo.top)
                 choices.append(Choice(first, chunks, generation.prompt_tokens))
                 if index == 0:
                     model = generation.request.model

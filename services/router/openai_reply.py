@@ -98,6 +98,21 @@ def echoed(first: Chunk, prompt: str, top: int | None) -> Chunk:
     return replace(first, text=prompt + first.text, logprobs=scored + first.logprobs)
 
 
+async def prompt_alone(first: Chunk, rest: AsyncIterator[Chunk]) -> Chunk:
+    """The whole of a choice that asked for its prompt alone (``max_tokens: 0``): the
+    engine's one token read to its end and dropped, what the first chunk says of the
+    prompt kept, finished as OpenAI's are (``length``)."""
+    last = first
+    while last.finish_reason is None:
+        last = await anext(rest)
+    return Chunk(
+        "",
+        finish_reason=FinishReason.LENGTH,
+        cached_tokens=first.cached_tokens,
+        prompt_logprobs=first.prompt_logprobs,
+    )
+
+
 def vllm_prompt_logprobs(choice: Choice, top: int) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token, null for one nothing precedes (a BOS
     the engine adds, which it does not score, or a first token), else {token id:

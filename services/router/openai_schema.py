@@ -392,6 +392,9 @@ class CompletionBody(Body):
     logprobs: int | None = Field(
         default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
     )
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="0 only with echo: the prompt alone, no output"
+    )
     echo: bool = Field(
         default=False,
         description="each choice's text after its prompt as the model read it (input "
@@ -404,6 +407,16 @@ class CompletionBody(Body):
         if self.prompt_logprobs is None:
             names["sampling.prompt_logprobs"] = "logprobs"  # echoed
         return names
+
+    def check_no_ops(self) -> None:
+        super().check_no_ops()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidArgument("max_tokens", "0 only with echo: true (the prompt alone)")
+
+    def prompt_alone(self) -> bool:
+        """OpenAI's ``echo`` with ``max_tokens: 0``: the prompt (and its tokens' log
+        probabilities), no output."""
+        return self.echo and self.max_tokens == 0
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs

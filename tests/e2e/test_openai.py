@@ -186,6 +186,13 @@ def test_echo_returns_the_prompt_the_model_read_and_its_tokens_log_probabilities
     )
     texts = [c.choices[0].text for c in stream if c.choices]
     assert texts[0].startswith(read) and "".join(texts) == choice.text
+    alone = client.completions.create(
+        model="llm", prompt=prompt, echo=True, logprobs=1, max_tokens=0
+    )  # the prompt alone
+    assert alone.choices[0].text == read and alone.choices[0].finish_reason == "length"
+    assert alone.choices[0].logprobs is not None
+    assert alone.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[: len(read)]
+    assert alone.usage is not None and alone.usage.completion_tokens == 0
 
 
 def test_vllms_prompt_logprobs_through_the_sdks_extra_body(client: openai.OpenAI) -> None:

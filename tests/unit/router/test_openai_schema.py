@@ -558,6 +558,23 @@ def test_vllms_prompt_logprobs_in_each_completion_choice_and_beside_a_chats() ->
         assert "1001 prompt tokens x 21" in reply["error"]["message"]
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
+    """OpenAI's: the prompt and its tokens' log probabilities, no output, finished by
+    length; streamed, one event with all of it."""
+    doc = OK | {"prompt": "hi", "echo": True, "logprobs": 0, "max_tokens": 0}
+    got, reply = asyncio.run(post_json("/v1/completions", doc))
+    (choice,) = reply["choices"]
+    assert got == 200 and (choice["text"], choice["finish_reason"]) == ("hi", "length")
+    assert choice["logprobs"]["tokens"] == ["h", "i"]
+    assert reply["usage"]["completion_tokens"] == 0
+    got, events = asyncio.run(post_json("/v1/completions", doc | {"stream": True}))
+    texts = [(c["text"], c["finish_reason"]) for e in events for c in e["choices"]]
+    assert texts == [("hi", "length")]
+    got, reply = asyncio.run(post_json("/v1/completions", OK | {"max_tokens": 0}))
+    assert (got, reply["error"]["param"]) == (400, "max_tokens")
+    assert "only with echo" in reply["error"]["message"]
+
+
 def test_echo_in_a_session_is_refused_naming_it() -> None:
     doc = OK | {"echo": True}
     got, reply = asyncio.run(post_json("/v1/completions", doc, **{"x-session-id": "s-1"}))
