@@ -46,17 +46,18 @@ def _stream(
     flags: tuple[str, ...] = (),
     outputs: tuple[str, ...] = BASIC_OUTPUTS,
     parameters: dict[str, Any] | None = None,
+    extra: tuple[triton_grpc.InferInput, ...] = (),
 ) -> list[Any]:
     """A plain tritonclient streaming request, as Triton's own docs show it; ``flags``:
     optional BOOL inputs set true (the vLLM backend's ``return_*``); ``parameters``: the
-    request's parameters."""
+    request's parameters; ``extra``: other inputs."""
     results: queue.Queue[Any] = queue.Queue()
     client = triton_grpc.InferenceServerClient(stack.address("triton_grpc"))
     client.start_stream(callback=lambda result, error: results.put(error or result))
     try:
         client.async_stream_infer(
             "llm",
-            _inputs(prompt, True, params) + [_tensor(f, True, "BOOL") for f in flags],
+            _inputs(prompt, True, params) + [_tensor(f, True, "BOOL") for f in flags] + [*extra],
             request_id="contract-1",
             outputs=[triton_grpc.InferRequestedOutput(name) for name in outputs],
             parameters=parameters,
@@ -210,3 +211,21 @@ def test_prompt_logprobs_come_with_the_first_response_and_read_no_cache(stack: S
             assert own["rank"] >= 1 and own["logprob"] <= 0.0
             assert {e["rank"] for e in position.values()} >= {1, 2}
         assert int(items[0].as_numpy("num_cached_tokens")[0]) == 0
+
+
+def _ids(values: list[int]) -> triton_grpc.InferInput:
+    ids = triton_grpc.InferInput("input_ids", [len(values)], "INT32")
+    ids.set_data_from_numpy(np.array(values, dtype=np.int32))
+    return ids
+
+
+def test_a_prompt_of_token_ids_is_read_as_given(stack: Stack) -> None:
+    """The optional input ``input_ids`` (TensorRT-LLM's name): the text's own tokens, BOS
+    included, give the text's output; text_input is then only the prompt's text."""
+    sampling = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    by_text = "".join(_texts(_stream(stack, "Hello", sampling)))
+    by_ids = _stream(stack, "Hello", sampling, extra=(_ids([256, *b"Hello"]),))
+    assert "".join(_texts(by_ids)) == by_text and len(by_text) == 6
+    refused = _stream(stack, "Hello", sampling, extra=(_ids([256, 300]),))
+    assert isinstance(refused[-1], InferenceServerException)
+    assert "input_ids[1]: 300 is not a token" in str(refused[-1])

@@ -1,7 +1,8 @@
 """Triton Python-backend adapter for the reference engine (decoupled, vLLM tensor contract).
 
 Inputs:  text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON),
-         exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted).
+         exclude_input_in_output (BOOL), and vLLM's optional return_* flags (accepted);
+         input_ids (INT32, optional: the prompt's token ids, text_input then its text).
 Outputs: text_output (BYTES), finish_reason (BYTES; empty until the last response),
          num_output_tokens (UINT32; tokens behind this response's text, as vLLM reports),
          the vLLM backend's optional outputs, num_cached_tokens and prompt_logprobs.
@@ -371,6 +372,7 @@ def _parse(request: Any) -> GenerationRequest:
     parameters = _parameters(request)
     text = decode_text(prompt, "text_input")
     return GenerationRequest(
+        prompt_ids=_ids(request, "input_ids"),
         priority=parse_priority(parameters),
         cache_salt=parse_cache_salt(parameters),
         stream_gap=parse_stream_gap(parameters),
@@ -384,6 +386,17 @@ def _parse(request: Any) -> GenerationRequest:
         return_num_input_tokens=_flag(request, "return_num_input_tokens"),
         return_num_cached_tokens=_flag(request, "return_num_cached_tokens"),
     )
+
+
+def _ids(request: Any, name: str) -> tuple[int, ...] | None:
+    """An optional tensor of token ids, as ints (None when absent)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    ids = tuple(int(i) for i in tensor.as_numpy().reshape(-1))
+    if not ids:
+        raise RequestError(f"{name}: no token ids")
+    return ids
 
 
 def _flag(request: Any, name: str) -> bool:

@@ -1050,6 +1050,31 @@ class TestLogprobs:
         assert merged.cumulative_logprob == -1.5
 
 
+class TestPromptIds:
+    def test_ids_are_read_as_given_without_a_bos_added(self) -> None:
+        """The text's own tokens (BOS included) give the text's output; the same without
+        the BOS are another prompt, as vLLM reads ids."""
+        engine = make_engine()
+        sampling = SamplingParams(max_tokens=8, seed=5, ignore_eos=True)
+        ids = tuple(ByteTokenizer().encode("once upon"))
+        outputs = []
+        for request in (
+            GenerationRequest("once upon", sampling=sampling),
+            GenerationRequest("once upon", prompt_ids=ids, sampling=sampling),
+            GenerationRequest("once upon", prompt_ids=ids[1:], sampling=sampling),
+        ):
+            sink = RecordingSink()
+            engine.submit(request, sink)
+            drain(engine)
+            outputs.append(sink.text)
+        assert outputs[0] == outputs[1] != outputs[2]
+
+    def test_an_id_the_model_does_not_have_is_refused_naming_it(self) -> None:
+        request = GenerationRequest("x", prompt_ids=(104, 258))
+        with pytest.raises(RequestError, match=r"input_ids\[1\]: 258 is not a token \(0-257\)"):
+            make_engine().submit(request, RecordingSink())
+
+
 def prompt_scores(sink: RecordingSink) -> list[tuple[TokenLogprob, ...]]:
     return [d.prompt_logprobs for d in sink.details if d and d.prompt_logprobs is not None]
 

@@ -102,6 +102,9 @@ class StreamGap:
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str
+    # The optional input ``input_ids`` (TensorRT-LLM's name): the prompt's token ids, read
+    # as given (no BOS added, as vLLM reads a prompt of ids); ``prompt`` is then its text.
+    prompt_ids: tuple[int, ...] | None = None
     stream: bool = True
     exclude_input_in_output: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)

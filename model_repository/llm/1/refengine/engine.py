@@ -207,7 +207,7 @@ class Engine:
                 raise RequestError(
                     f"sampling_parameters.logit_bias: {token} is not a token (0-{vocab - 1})"
                 )
-        prompt = self.tokenizer.encode(request.prompt)
+        prompt = self._prompt_tokens(request)
         context = self.model.shape.max_context
         if len(prompt) >= context:
             raise RequestError(
@@ -233,11 +233,22 @@ class Engine:
             resumed_output_tokens=self._resumed_output_tokens(request, len(prompt)),
             constraint=self._grammars.matcher(structured) if structured else None,
         )
-        if request.sampling.prompt_logprobs is not None:
+        if request.sampling.prompt_logprobs is not None and request.prompt_ids is None:
             sequence.prompt_from = len(prompt) - self.tokenizer.count(request.prompt)
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
+
+    def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The prompt's tokens: its ids as given, or its text's (BOS first where the
+        model expects one)."""
+        if request.prompt_ids is None:
+            return self.tokenizer.encode(request.prompt)
+        vocab = self.tokenizer.vocab_size
+        for index, token in enumerate(request.prompt_ids):
+            if not 0 <= token < vocab:
+                raise RequestError(f"input_ids[{index}]: {token} is not a token (0-{vocab - 1})")
+        return list(request.prompt_ids)
 
     def _check_prompt_entries(self, request: GenerationRequest, prompt_tokens: int) -> None:
         top = request.sampling.prompt_logprobs
