@@ -176,6 +176,9 @@ class InferenceCall:
     # The prompt's last this many characters are this generation's own earlier output (a
     # stream resumed on another replica), which the engine's penalties count as output.
     resumed_output_chars: int = 0
+    # The prompt's token ids, read as given (no BOS added); ``prompt`` is then their text
+    # (what routing and the checks read). Empty: the engine tokenizes ``prompt``.
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

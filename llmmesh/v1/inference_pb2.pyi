@@ -236,6 +236,7 @@ class InferenceRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     RESUMED_OUTPUT_CHARS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id, passed to Triton as the request id."""
     model: _builtins.str
@@ -264,6 +265,14 @@ class InferenceRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling controls."""
 
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt's token ids, read as given (no BOS added, as vLLM reads them); prompt is
+        then their text. Empty: the engine tokenizes prompt. Sent to Triton as the optional
+        input input_ids (INT32), which the reference engine's models declare; refused for a
+        model that does not.
+        """
+
     def __init__(
         self,
         *,
@@ -274,10 +283,11 @@ class InferenceRequest(_message.Message):
         priority: _builtins.int | None = ...,
         cache_salt: _builtins.str = ...,
         resumed_output_chars: _builtins.int = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "priority", b"priority", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "resumed_output_chars", b"resumed_output_chars", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "cache_salt", b"cache_salt", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resumed_output_chars", b"resumed_output_chars", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015

@@ -53,6 +53,8 @@ class InferenceCore:
             raise InvalidArgument("model", "required")
         if not call.prompt:
             raise InvalidArgument("prompt", "must not be empty")
+        if any(token < 0 for token in call.prompt_ids):
+            raise InvalidArgument("prompt_token_ids", "token ids are >= 0")
         if call.priority is not None and call.priority < 0:
             raise InvalidArgument("priority", f"must be >= 0 (lower: sooner), got {call.priority}")
         if not 0 <= call.resumed_output_chars <= len(call.prompt):

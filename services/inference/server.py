@@ -109,6 +109,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             priority=request.priority if request.HasField("priority") else None,
             cache_salt=request.cache_salt,
             resumed_output_chars=request.resumed_output_chars,
+            prompt_ids=tuple(request.prompt_token_ids),
         )
         total = 0
         self._monitor.generation_started()

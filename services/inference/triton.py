@@ -46,6 +46,7 @@ TRITON_CHANNEL_OPTIONS = [
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PROMPT_LOGPROBS = "prompt_logprobs"  # an output the reference engine's models declare
+INPUT_IDS = "input_ids"  # an input they declare (TensorRT-LLM's name): the prompt's ids
 PRIORITY_PARAMETER = "scheduling_priority"
 RESUMED_OUTPUT_PARAMETER = "resumed_output_chars"
 CACHE_SALT_PARAMETER = "cache_salt"
@@ -55,11 +56,13 @@ GAP_AFTER_PARAMETER = "stream_gap_after"
 
 @dataclass(frozen=True)
 class ModelReports:
-    """Outputs of a model beyond the vLLM backend's (the reference engine's models have
-    them): the prompt's tokens read from the prefix cache, the prompt's log probabilities."""
+    """What a model takes and reports beyond the vLLM backend's contract (the reference
+    engine's models do): the prompt's tokens read from the prefix cache, the prompt's log
+    probabilities, a prompt of token ids."""
 
     cached_tokens: bool
     prompt_logprobs: bool
+    input_ids: bool
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,10 @@ def build_request(
     for name, datatype, raw in inputs:
         request.inputs.add(name=name, datatype=datatype, shape=[1])
         request.raw_input_contents.append(raw)
+    if call.prompt_ids:
+        ids = call.prompt_ids
+        request.inputs.add(name=INPUT_IDS, datatype="INT32", shape=[len(ids)])
+        request.raw_input_contents.append(struct.pack(f"<{len(ids)}i", *ids))
     for name in outputs:
         request.outputs.add(name=name)
     if call.priority is not None:  # a parameter the model reads (tritonclient reserves "priority")
@@ -122,6 +129,19 @@ def build_request(
         request.parameters[GAP_PARAMETER].double_param = gap.seconds * 1000
         request.parameters[GAP_AFTER_PARAMETER].int64_param = gap.after
     return request
+
+
+def _check_reported(call: InferenceCall, reports: ModelReports | None) -> None:
+    """InvalidArgument naming what ``call`` asks of a model that does not take it."""
+    if reports is None:  # not known now: the generation will say what is wrong
+        return
+    if call.sampling.prompt_logprobs is not None and not reports.prompt_logprobs:
+        raise InvalidArgument(
+            "sampling.prompt_logprobs",
+            f"model '{call.model}' does not report its prompts' log probabilities",
+        )
+    if call.prompt_ids and not reports.input_ids:
+        raise InvalidArgument("prompt", f"model '{call.model}' takes no token ids: send text")
 
 
 def build_card_request(model: str) -> service_pb2.ModelInferRequest:
@@ -249,11 +269,7 @@ class TritonBackend:
         """Yields text chunks; closing the iterator early cancels the request in Triton."""
         await self._connected()
         reports = await self._reports(call.model)
-        if call.sampling.prompt_logprobs is not None and reports and not reports.prompt_logprobs:
-            raise InvalidArgument(
-                "sampling.prompt_logprobs",
-                f"model '{call.model}' does not report its prompts' log probabilities",
-            )
+        _check_reported(call, reports)
         cached = reports is not None and reports.cached_tokens
         stream = await self._start(build_request(call, cached, self.gap))
         first_tokens.start_sent()  # in a router whose endpoint is Triton itself
@@ -313,6 +329,7 @@ class TritonBackend:
         known = ModelReports(
             cached_tokens=any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs),
             prompt_logprobs=any(o.name == PROMPT_LOGPROBS for o in meta.outputs),
+            input_ids=any(i.name == INPUT_IDS for i in meta.inputs),
         )
         self._reports_of[model] = known
         return known

@@ -277,7 +277,8 @@ async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:
 def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> InferenceCall:
     """The call that continues a broken stream: the text already sent becomes prompt, and
     the engine's penalties count it as output (all of it, over several resumes). The
-    prompt's log probabilities went with the first chunk: not asked again."""
+    prompt's log probabilities went with the first chunk: not asked again. A prompt of
+    token ids goes on as text (the sent text's ids are not known here)."""
     sampling = replace(
         call.sampling,
         max_tokens=call.sampling.max_tokens - sent_tokens,
@@ -289,6 +290,7 @@ def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> Infe
         prompt=call.prompt + sent_text,
         sampling=sampling,
         resumed_output_chars=call.resumed_output_chars + len(sent_text),
+        prompt_ids=(),
     )
 
 

@@ -418,6 +418,7 @@ def inference_request(call: InferenceCall) -> inference_pb2.InferenceRequest:
         priority=call.priority,
         cache_salt=call.cache_salt,
         resumed_output_chars=call.resumed_output_chars,
+        prompt_token_ids=call.prompt_ids,
     )
 
 

@@ -47,3 +47,14 @@ def test_a_structure_is_compiled_off_the_loop_and_a_bad_one_refused_by_name(
     loop_thread, chunks, refused = asyncio.run(scenario())
     assert [c.text for c in chunks] == ["x"] and refused.field == "sampling.structured_output"
     assert len(compiled_on) == 2 and loop_thread not in compiled_on
+
+
+def test_a_negative_token_id_is_refused_naming_the_field() -> None:
+    call = InferenceCall("r", "llm", "hi", Sampling(4), prompt_ids=(104, -1))
+
+    async def scenario() -> InvalidArgument:
+        with pytest.raises(InvalidArgument) as refused:
+            await anext(InferenceCore(OneToken(), 64).generate(call))
+        return refused.value
+
+    assert asyncio.run(scenario()).field == "prompt_token_ids"

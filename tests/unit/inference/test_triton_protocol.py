@@ -278,9 +278,32 @@ def test_prompt_logprobs_are_asked_as_vllms_and_read_from_their_output() -> None
     )
 
 
-def test_prompt_logprobs_of_a_model_that_does_not_report_them_are_refused_by_name() -> None:
-    """A vLLM backend's model declares no prompt_logprobs output: the request is refused
-    naming the field (not sent to fail inside Triton)."""
+def test_a_prompt_of_ids_is_sent_as_the_input_ids_tensor() -> None:
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2), prompt_ids=(256, 104, 105))
+    request = build_request(call)
+    (ids,) = [
+        (i, raw)
+        for i, raw in zip(request.inputs, request.raw_input_contents, strict=True)
+        if i.name == "input_ids"
+    ]
+    assert (ids[0].datatype, list(ids[0].shape)) == ("INT32", [3])
+    assert struct.unpack("<3i", ids[1]) == (256, 104, 105)
+    assert "input_ids" not in {i.name for i in build_request(replace(call, prompt_ids=())).inputs}
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (
+            InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, prompt_logprobs=0)),
+            "sampling.prompt_logprobs",
+        ),
+        (InferenceCall("r", "llm", "hi", Sampling(max_tokens=2), prompt_ids=(1, 2)), "prompt"),
+    ],
+)
+def test_what_a_model_does_not_take_is_refused_by_name(call: InferenceCall, field: str) -> None:
+    """A vLLM backend's model declares no prompt_logprobs output and no input_ids: the
+    request is refused naming the field (not sent to fail inside Triton)."""
     metadata = service_pb2.ModelMetadataResponse(name="llm")
     metadata.outputs.add(name="text_output")
 
@@ -296,11 +319,10 @@ def test_prompt_logprobs_of_a_model_that_does_not_report_them_are_refused_by_nam
             return None
 
         backend._connected = connected  # type: ignore[method-assign]
-        call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, prompt_logprobs=0))
         try:
             with pytest.raises(InvalidArgument) as refused:
                 await anext(backend.generate(call))
-            assert refused.value.field == "sampling.prompt_logprobs"
+            assert refused.value.field == field
         finally:
             await backend.close()
 

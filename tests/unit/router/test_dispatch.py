@@ -92,15 +92,17 @@ def test_a_stream_broken_mid_way_resumes_elsewhere_with_nothing_lost_or_repeated
     async def scenario() -> None:
         f = fleet()
         f["a:1"].fail_next(7)
-        chunks = await collect(f, call(20, min_tokens=10, prompt_logprobs=1))
+        asked = replace(call(20, min_tokens=10, prompt_logprobs=1), prompt_ids=(1, 2, 3))
+        chunks = await collect(f, asked)
         assert "".join(c.text for c in chunks) == expected_text(PROMPT, 20)
         assert sum(c.num_tokens for c in chunks) == 20
         [resumed_call] = f["b:1"].calls
         assert resumed_call.prompt == PROMPT + expected_text(PROMPT, 7)
         assert resumed_call.sampling.max_tokens == 13
         assert resumed_call.sampling.min_tokens == 3
-        # the prompt's log probabilities went with the first chunk: not asked again
-        assert resumed_call.sampling.prompt_logprobs is None
+        # the prompt's log probabilities went with the first chunk: not asked again; a
+        # prompt of ids goes on as text
+        assert resumed_call.sampling.prompt_logprobs is None and resumed_call.prompt_ids == ()
         # what was sent is output still: the engine's penalties count it as such
         assert resumed_call.resumed_output_chars == len(expected_text(PROMPT, 7))
         assert chunks[-1].resumed == 1 and chunks[-1].route is not None
