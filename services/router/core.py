@@ -254,7 +254,9 @@ class RouterCore:
                 texts = texts[1:]
             history, user_text = with_texts(history, texts)
             _check_not_reused(history, user_text)
-            call, prompt_tokens = self._build_call(request, history, user_text, speech)
+            # Token ids go to the engine only as the checks passed their text: unchanged.
+            ids = request.prompt_ids if user_text == request.prompt else ()
+            call, prompt_tokens = self._build_call(request, history, user_text, speech, ids)
             check_prompt_logprobs(request.sampling, prompt_tokens)
             user_tokens = speech.count(user_text)
             new_turns = _new_turns(request, history, speech)
@@ -351,8 +353,44 @@ class RouterCore:
         return RouteHints(session_key, request.color, request.deadline, tier)
 
     def _build_call(
-        self, request: GenerateInput, history: History | None, user_text: str, speech: ModelSpeech
+        self,
+        request: GenerateInput,
+        history: History | None,
+        user_text: str,
+        speech: ModelSpeech,
+        ids: tuple[int, ...] = (),
     ) -> tuple[InferenceCall, int]:
+        """The call, and its prompt's tokens: ``ids`` as given (the engine adds no BOS to
+        them; ``user_text`` is their text), or the prompt built from the history."""
+        if ids:
+            prompt, tokens = user_text, len(ids)
+            room = speech.max_context - request.sampling.max_tokens
+            if tokens > room:
+                raise InvalidArgument(
+                    request.prompt_field,
+                    f"{tokens} tokens leave no room for generation in the model's context "
+                    f"({room} tokens available after max_tokens)",
+                )
+        else:
+            prompt, tokens = self._text_prompt(request, history, user_text, speech)
+        priority = None
+        if self._admission.settings.engine_priority:
+            priority = TIER_PRIORITY.get(self._tenants.spec(request.tenant).tier)
+        call = InferenceCall(
+            request.request_id,
+            request.model,
+            prompt,
+            request.sampling,
+            priority,
+            self._tenants.cache_salt(request.tenant, request.cache_salt),
+            prompt_ids=ids,
+        )
+        return call, tokens
+
+    def _text_prompt(
+        self, request: GenerateInput, history: History | None, user_text: str, speech: ModelSpeech
+    ) -> tuple[str, int]:
+        """The prompt of the history and the new text within the context, and its tokens."""
         budget = speech.max_context - request.sampling.max_tokens - speech.bos_tokens
         prompt, dropped = build_prompt(history, user_text, budget, speech.count, speech.layout)
         dropped += history.dropped_turns if history else 0
@@ -365,18 +403,7 @@ class RouterCore:
             )
         if dropped:
             HISTORY_DROPPED.labels(request.model).inc(dropped)
-        priority = None
-        if self._admission.settings.engine_priority:
-            priority = TIER_PRIORITY.get(self._tenants.spec(request.tenant).tier)
-        call = InferenceCall(
-            request.request_id,
-            request.model,
-            prompt,
-            request.sampling,
-            priority,
-            self._tenants.cache_salt(request.tenant, request.cache_salt),
-        )
-        return call, speech.count(prompt) + speech.bos_tokens
+        return prompt, speech.count(prompt) + speech.bos_tokens
 
     async def stream(self, prepared: Prepared) -> AsyncGenerator[Chunk, None]:
         """Relays the generation; records the turn in the session before the last chunk."""

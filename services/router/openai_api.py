@@ -309,7 +309,8 @@ class OpenAiApi:
             body = await parse_body(request, model, self._settings.body_timeout_s)
             names = body.field_names()
             tools = tool_use(body) if isinstance(body, ChatBody) else None
-            prompts = self._decode(request, request_id, tenant, body, tools)
+            written = await self._written(body, tenant)
+            prompts = self._decode(request, request_id, tenant, body, tools, written=written)
             async with contextlib.AsyncExitStack() as generations:
                 echo = _Echo.of(body)
                 started = await self._start(generations, prompts, body.n, echo)
@@ -378,6 +379,27 @@ class OpenAiApi:
                     cached_tokens += choices[-1].first.cached_tokens
         return _Started(model, prompt_tokens, choices, cached_tokens)
 
+    async def _written(
+        self, body: ChatBody | CompletionBody, tenant: str
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """A completion's prompts: each one's text, and its token ids when it came as ids
+        (their text, in the model's tokenizer, is what the checks read). A chat's: none."""
+        if not isinstance(body, CompletionBody):
+            return []
+        prompts = body.prompts()
+        if all(isinstance(p, str) for p in prompts):
+            return [(p, ()) for p in prompts if isinstance(p, str)]
+        model, speech = await self._core.model_speech(body.model, tenant)
+        self._tenants.may_use(tenant, model)
+        written: list[tuple[str, tuple[int, ...]]] = []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                written.append((prompt, ()))
+                continue
+            field = f"prompt[{index}]" if body.listed else "prompt"
+            written.append((speech.codec.prompt_text(prompt, field), tuple(prompt)))
+        return written
+
     def _decode(
         self,
         request: web.Request,
@@ -385,17 +407,20 @@ class OpenAiApi:
         tenant: str,
         body: ChatBody | CompletionBody,
         tools: ToolUse | None,
+        *,
+        written: list[tuple[str, tuple[int, ...]]],
     ) -> list[GenerateInput]:
         """One request per prompt (a completion may have several)."""
         session_id = request.headers.get(SESSION_ID, "")
         inline: History | None = None
         if isinstance(body, ChatBody):
             history, prompt = _inline_history(body.messages)
-            prompts = [prompt]
+            written = [(prompt, ())]
             if not session_id:
                 inline = history  # with a session, the stored history is the history
-        else:
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if session_id and any(ids for _, ids in written):
+            raise InvalidArgument("prompt", "token ids not in a session (x-session-id): send text")
+        prompts = written
         if body.n * len(prompts) > MAX_CHOICES:
             raise InvalidArgument("n", f"at most {MAX_CHOICES} choices (prompts x n)")
         if session_id and isinstance(body, CompletionBody) and body.echo:
@@ -407,7 +432,7 @@ class OpenAiApi:
             field = "n" if body.n > 1 else "prompt"
             raise InvalidArgument(field, "one answer only in a session (x-session-id)")
         sampling = _sampling(body, tools)
-        listed = isinstance(body, CompletionBody) and isinstance(body.prompt, list)
+        listed = isinstance(body, CompletionBody) and body.listed
         # The tools are shown in a system message of their own (policy's verdict on it
         # names the field), after the session's system prompt if there is one.
         affinity = SessionUse.keyed(body.prompt_cache_key)  # or the session's, if any
@@ -425,8 +450,9 @@ class OpenAiApi:
                 cache_salt=body.cache_salt or "",
                 prompt_field=f"prompt[{index}]" if listed else "prompt",
                 session_use=use,
+                prompt_ids=ids,
             )
-            for index, prompt in enumerate(prompts)
+            for index, (prompt, ids) in enumerate(prompts)
         ]
 
     async def _whole(

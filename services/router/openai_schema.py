@@ -369,25 +369,36 @@ class ChatBody(Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionBody(Body):
-    prompt: str | list[str] = Field(description="a prompt, or several (n choices each)")
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _text_not_tokens(cls, prompt: Any) -> Any:
-        """Token ids (OpenAI's other prompt form) are refused as such: the engine reads
-        text, and ids turned back into text need not be read as the same ids."""
-        items = prompt if isinstance(prompt, list) else []
-        if any(isinstance(i, int) or (isinstance(i, list) and i) for i in items):
-            raise ValueError("token ids are not taken here: send the prompt's text")
-        return prompt
+
+class CompletionBody(Body):
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a prompt, or several (n choices each); as text or as the model's "
+        "token ids (read as given: no BOS added)"
+    )
 
     @field_validator("prompt")
     @classmethod
-    def _some_prompts(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and not 1 <= len(prompt) <= MAX_CHOICES:
+    def _some_prompts(cls, prompt: Any) -> Any:
+        several = isinstance(prompt, list) and not _ids(prompt)
+        if several and not 1 <= len(prompt) <= MAX_CHOICES:
             raise ValueError(f"1 to {MAX_CHOICES} prompts")
         return prompt
+
+    @property
+    def listed(self) -> bool:
+        """Whether the body has several prompts (each named ``prompt[i]``)."""
+        return isinstance(self.prompt, list) and not _ids(self.prompt)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        items: list[Any] = list(self.prompt)
+        if _ids(items):
+            return [items]
+        return items
 
     logprobs: int | None = Field(
         default=None, ge=0, le=20, description="the k likeliest tokens' log probabilities"
@@ -428,6 +439,11 @@ class CompletionBody(Body):
     def prompt_logprobs_wanted(self) -> int | None:
         wanted = [k for k in (self.prompt_logprobs, self.echoed_logprobs()) if k is not None]
         return max(wanted, default=None)
+
+
+def _ids(prompt: list[Any]) -> bool:
+    """Whether a list prompt is one prompt's token ids (not several prompts)."""
+    return bool(prompt) and isinstance(prompt[0], int)
 
 
 class InputText(_Strict):

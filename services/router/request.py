@@ -60,6 +60,9 @@ class GenerateInput:
     # Each inline turn's field and then the prompt's, where an item's text is not its
     # ``content`` (a function call's arguments, its output); empty: ``field[i].content``.
     inline_names: tuple[str, ...] = ()
+    # A prompt sent as token ids (``prompt`` is their text, which the checks read): the
+    # engine reads them as given while the checks leave the text as it is. Empty: text.
+    prompt_ids: tuple[int, ...] = ()
 
     def inline_name(self, index: int) -> str:
         """The request field of inline turn ``index`` (the prompt's after the last)."""

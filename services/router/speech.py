@@ -41,6 +41,23 @@ class Codec(Protocol):
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """Each token as the tokenizer's vocabulary writes it."""
 
+    def prompt_text(self, ids: Sequence[int], field: str) -> str:
+        """The text of a prompt given as token ids: what the checks read of it (a BOS
+        first, as the engine would put it, has none). InvalidArgument naming ``field``
+        for an id the model lacks, one that has no text (a control token the checks
+        could not see), or bytes that are not UTF-8 text (replacement characters would
+        hide from the checks what the model reads)."""
+
+
+def _after_bos(ids: Sequence[int], bos_id: int | None) -> Sequence[int]:
+    return ids[1:] if ids and bos_id is not None and ids[0] == bos_id else ids
+
+
+def _utf8_text(text: str, field: str) -> str:
+    if "\ufffd" in text:
+        raise InvalidArgument(field, "the token ids are not UTF-8 text: send text")
+    return text
+
 
 BYTE_BOS, BYTE_VOCABULARY = 256, 258  # the byte-level models' BOS and vocabulary size
 
@@ -61,6 +78,17 @@ class ByteCodec:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         _check_ids(ids, BYTE_VOCABULARY)
         return [bytes([i]).decode("latin-1") if i < 256 else f"<{i}>" for i in ids]
+
+    def prompt_text(self, ids: Sequence[int], field: str) -> str:
+        text_ids = _after_bos(ids, self.bos_id)
+        first = len(ids) - len(text_ids)
+        for index, token in enumerate(text_ids, start=first):
+            if not 0 <= token < BYTE_BOS:
+                raise InvalidArgument(field, f"{token} (at {index}) is not a byte (0-255)")
+        try:
+            return bytes(text_ids).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(field, "the token ids are not UTF-8 text: send text") from None
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,16 @@ class HuggingFaceCodec:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         _check_ids(ids, self.vocab_size)
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def prompt_text(self, ids: Sequence[int], field: str) -> str:
+        """Control tokens come out as their text, which the checks of written text
+        refuse (``ModelSpeech.check_plain``)."""
+        size = self.vocab_size
+        for index, token in enumerate(ids):
+            if not 0 <= token < size:
+                raise InvalidArgument(field, f"{token} (at {index}) is not a token (0-{size - 1})")
+        text = self.tokenizer.decode(list(_after_bos(ids, self.bos_id)), skip_special_tokens=False)
+        return _utf8_text(str(text), field)
 
 
 def _check_ids(ids: Sequence[int], size: int) -> None:

@@ -195,6 +195,24 @@ def test_echo_returns_the_prompt_the_model_read_and_its_tokens_log_probabilities
     assert alone.usage is not None and alone.usage.completion_tokens == 0
 
 
+def test_a_prompt_of_token_ids_is_read_as_given(client: openai.OpenAI) -> None:
+    """The byte model's BOS and the text's bytes are the text's own prompt: the same
+    seed gives the same output; without the BOS it is another prompt."""
+    text = client.completions.create(model="llm", prompt="Once upon", max_tokens=6, seed=4)
+    ids = [256, *b"Once upon"]
+    same = client.completions.create(model="llm", prompt=ids, max_tokens=6, seed=4)
+    assert same.choices[0].text == text.choices[0].text
+    assert same.usage is not None and same.usage.prompt_tokens == len(ids)
+    several = client.completions.create(
+        model="llm", prompt=[ids, list(b"Once upon")], max_tokens=6, seed=4, echo=True
+    )
+    assert [c.text.startswith("Once upon") for c in several.choices] == [True, True]
+    assert several.choices[0].text == "Once upon" + text.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="llm", prompt=[104, 257], max_tokens=2)
+    assert refused.value.body["param"] == "prompt"  # type: ignore[index]
+
+
 def test_vllms_prompt_logprobs_through_the_sdks_extra_body(client: openai.OpenAI) -> None:
     """A completion's in each choice, a chat's beside its choices: null for the BOS the
     engine puts first, then each prompt token with its two likeliest."""

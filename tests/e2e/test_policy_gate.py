@@ -279,6 +279,7 @@ class RecordingReplica:
 
     def __init__(self, upstream: str, token: str, port: int) -> None:
         self.prompts: list[str] = []
+        self.token_ids: list[tuple[int, ...]] = []  # each prompt's ids, () for text
         self._channel = internal_channel(upstream, token)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -291,17 +292,15 @@ class RecordingReplica:
             self._owner = owner
 
         def Generate(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
-            with self._owner._lock:
-                self._owner.prompts.append(request.prompt)
+            self._owner.record([request])
             yield from self._owner._stub.Generate(request, timeout=60)
 
         def Multiplex(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:  # noqa: N802
             def recorded() -> Iterator[Any]:
                 for request in requests:
-                    with self._owner._lock:
-                        self._owner.prompts += [
-                            c.start.request.prompt for c in request.controls if c.HasField("start")
-                        ]
+                    self._owner.record(
+                        [c.start.request for c in request.controls if c.HasField("start")]
+                    )
                     yield request
 
             replies = self._owner._stub.Multiplex(recorded())
@@ -315,6 +314,11 @@ class RecordingReplica:
             reports = self._owner._stub.WatchLoad(request)
             context.add_callback(reports.cancel)
             yield from reports
+
+    def record(self, requests: list[Any]) -> None:
+        with self._lock:
+            self.prompts += [r.prompt for r in requests]
+            self.token_ids += [tuple(r.prompt_token_ids) for r in requests]
 
     def __enter__(self) -> RecordingReplica:
         self._server.start()
@@ -362,6 +366,23 @@ def test_personal_data_in_any_message_never_reaches_a_replica(stack: Stack, reco
     for raw in (CARD_NBSP, EMAIL_CYRILLIC, CARD_FULLWIDTH, "1111", "example.com"):
         assert raw not in prompt
     assert prompt.count("[CREDIT_CARD]") == 2 and "[EMAIL]" in prompt
+
+
+def test_personal_data_in_token_ids_never_reaches_a_replica(stack: Stack, recorded: Any) -> None:
+    """A prompt of token ids is checked as its text: redacted, the replica gets the
+    redacted text and no ids; untouched, it gets the ids as sent (their text beside)."""
+    replica, base_url, _ = recorded
+    client = openai.OpenAI(base_url=base_url, api_key=stack.api_key, max_retries=0)
+    mail = f"Write to {EMAIL_CYRILLIC} please".encode()
+    client.completions.create(model="llm", prompt=list(mail), max_tokens=2)
+    plain = list(b"Write to me please")
+    client.completions.create(model="llm", prompt=plain, max_tokens=2)
+    (redacted, kept) = replica.prompts[-2:]
+    assert EMAIL_CYRILLIC not in redacted and "[EMAIL]" in redacted
+    assert replica.token_ids[-2:] == [(), tuple(plain)] and kept == "Write to me please"
+    with pytest.raises(openai.PermissionDeniedError):
+        client.completions.create(model="llm", prompt=list(DENIED.encode()), max_tokens=2)
+    assert len(replica.prompts) == len(replica.token_ids) and DENIED not in replica.prompts
 
 
 def test_personal_data_in_tools_and_their_calls_never_reaches_a_replica(

@@ -299,6 +299,26 @@ def test_echoed_log_probabilities_score_a_continuation_as_evaluation_harnesses_d
     assert likelihood(context, " Paris") > likelihood(context, " London") + 1.0
 
 
+def test_token_ids_from_tokenize_are_the_texts_own_prompt(sdk: openai.OpenAI) -> None:
+    """vLLM's /tokenize, then a completion of those ids: SmolLM2 adds no BOS, so they are
+    the text's prompt, answered as the text is."""
+    prompt = "The capital of France is"
+    base = str(sdk.base_url).rstrip("/").removesuffix("/v1")
+    ids = httpx.post(
+        f"{base}/tokenize",
+        json={"model": "smollm2", "prompt": prompt},
+        headers={"Authorization": f"Bearer {sdk.api_key}"},
+        timeout=30,
+    ).json()["tokens"]
+    by_text = sdk.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0)
+    by_ids = sdk.completions.create(model="smollm2", prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as control:  # <|im_start|>: a control token
+        sdk.completions.create(model="smollm2", prompt=[1, *ids], max_tokens=2)
+    assert "control token" in str(control.value)
+
+
 def test_penalties_break_the_models_greedy_loop(sdk: openai.OpenAI) -> None:
     """Asked for a list, SmolLM2 decoding greedily goes round the same few fruits; a
     frequency or presence penalty makes it name others (0.32 of its words distinct

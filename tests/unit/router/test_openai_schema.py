@@ -15,7 +15,16 @@ from services.router.config import HttpSettings
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, field_path
 from services.router.tenants import Tenants
-from tests.unit.router.test_core import Context, Inference, gate, make_core
+from tests.unit.router.test_core import (
+    DENY_BOMB,
+    REDACT_EMAIL,
+    Context,
+    Inference,
+    PolicyService,
+    gate,
+    make_core,
+    rules,
+)
 
 MAX_TOKENS = 2
 OK = {"model": "llm", "prompt": "hello", "max_tokens": MAX_TOKENS}
@@ -43,8 +52,8 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(max_tokens=2.0), 400, "max_tokens"),
         ("/v1/completions", body(stop=["a", 1]), 400, "stop[1]"),
         ("/v1/completions", body(prompt=" \n\t "), 400, "prompt"),
-        ("/v1/completions", body(prompt=[464, 3139]), 400, "prompt"),
-        ("/v1/completions", body(prompt=[[464, 3139]]), 400, "prompt"),
+        ("/v1/completions", body(prompt=[104, 300]), 400, "prompt"),
+        ("/v1/completions", body(prompt=[[104], [300]]), 400, "prompt[1]"),
         ("/v1/completions", b'{"prompt": "a \\ud800 b"}', 400, "body"),
         ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "body"),
         (
@@ -148,8 +157,8 @@ def body(**fields: Any) -> bytes:
         "max_tokens-float",
         "stop-number",
         "blank-prompt",
-        "token-ids",
-        "lists-of-token-ids",
+        "token-id-not-a-byte",
+        "token-id-not-a-byte-in-a-list",
         "lone-surrogate",
         "nested-100k",
         "huge-number",
@@ -573,6 +582,58 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
     got, reply = asyncio.run(post_json("/v1/completions", OK | {"max_tokens": 0}))
     assert (got, reply["error"]["param"]) == (400, "max_tokens")
     assert "only with echo" in reply["error"]["message"]
+
+
+def served_by(inference: Inference, *rule_lines: str) -> OpenAiApi:
+    policy = gate(PolicyService(rules(*rule_lines))) if rule_lines else gate()
+    return OpenAiApi(make_core(policy, Context(), inference), Tenants(), ["llm"])
+
+
+async def post_to(served: OpenAiApi, doc: dict[str, Any], **headers: str) -> tuple[int, Any]:
+    async with TestClient(TestServer(served.app())) as client:
+        response = await client.post("/v1/completions", json=doc, headers=headers)
+        return response.status, await response.json()
+
+
+def test_a_prompt_of_token_ids_goes_to_the_engine_as_given_once_its_text_is_checked() -> None:
+    """The checks read the ids' text; the engine reads the ids (no BOS added: the usage
+    counts them alone); a redaction sends the redacted text instead; a denied one goes
+    nowhere."""
+    inference = Inference()
+    served = served_by(inference, DENY_BOMB, REDACT_EMAIL)
+    ids = list(b"once upon")
+    got, reply = asyncio.run(post_to(served, OK | {"prompt": ids, "echo": True}))
+    assert got == 200 and reply["choices"][0]["text"].startswith("once upon")
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    (call,) = inference.calls
+    assert (call.prompt, call.prompt_ids) == ("once upon", tuple(ids))
+    got, reply = asyncio.run(post_to(served, OK | {"prompt": [256, 104, 105]}))  # BOS first
+    assert got == 200 and inference.calls[-1].prompt == "hi"
+    assert inference.calls[-1].prompt_ids == (256, 104, 105)
+    got, reply = asyncio.run(post_to(served, OK | {"prompt": [list(b"mail a@b.io")]}))
+    assert got == 200 and inference.calls[-1].prompt == "mail [EMAIL]"
+    assert inference.calls[-1].prompt_ids == ()  # the text the checks let through
+    got, reply = asyncio.run(post_to(served, OK | {"prompt": list(b"how to build a bomb")}))
+    assert (got, reply["error"]["param"]) == (403, "prompt") and len(inference.calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "headers", "param", "says"),
+    [
+        ([104, 256], {}, "prompt", "256 (at 1) is not a byte"),  # BOS: no text to check
+        ([[104], [0xC3, 0x28]], {}, "prompt[1]", "not UTF-8 text"),
+        ([104] * 2047, {}, "prompt", "2047 tokens leave no room"),
+        ([104, 105], {"x-session-id": "s-1"}, "prompt", "not in a session"),
+        ([], {}, "prompt", ""),
+    ],
+)
+def test_token_ids_the_checks_could_not_read_as_the_engine_would_are_refused(
+    prompt: list[Any], headers: dict[str, str], param: str, says: str
+) -> None:
+    inference = Inference()
+    got, reply = asyncio.run(post_to(served_by(inference), OK | {"prompt": prompt}, **headers))
+    assert (got, reply["error"]["param"]) == (400, param) and says in reply["error"]["message"]
+    assert inference.calls == []
 
 
 def test_echo_in_a_session_is_refused_naming_it() -> None:
