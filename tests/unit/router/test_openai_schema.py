@@ -608,11 +608,12 @@ def test_a_prompt_of_token_ids_goes_to_the_engine_as_given_once_its_text_is_chec
     (call,) = inference.calls
     assert (call.prompt, call.prompt_ids) == ("once upon", tuple(ids))
     got, reply = asyncio.run(post_to(served, OK | {"prompt": [256, 104, 105]}))  # BOS first
-    assert got == 200 and inference.calls[-1].prompt == "hi"
-    assert inference.calls[-1].prompt_ids == (256, 104, 105)
+    assert got == 200
     got, reply = asyncio.run(post_to(served, OK | {"prompt": [list(b"mail a@b.io")]}))
-    assert got == 200 and inference.calls[-1].prompt == "mail [EMAIL]"
-    assert inference.calls[-1].prompt_ids == ()  # the text the checks let through
+    assert got == 200
+    # The BOS kept with its text's ids; a redacted text sent as the checks let it through.
+    sent = [(c.prompt, c.prompt_ids) for c in inference.calls[1:]]
+    assert sent == [("hi", (256, 104, 105)), ("mail [EMAIL]", ())]
     got, reply = asyncio.run(post_to(served, OK | {"prompt": list(b"how to build a bomb")}))
     assert (got, reply["error"]["param"]) == (403, "prompt") and len(inference.calls) == 3
 
