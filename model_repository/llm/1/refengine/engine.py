@@ -32,6 +32,7 @@ import numpy.typing as npt
 from refengine.attention import Segment
 from refengine.contract import GenerationRequest, RequestError
 from refengine.kvcache import BlockPool, block_hash
+from refengine.prompt_scores import logit_rows, score_prompts
 from refengine.sampling import OutputMasks, sample_batch, score_token
 from refengine.sequence import CANCELLED, ERROR, LENGTH, STOP, Sequence, Sink, TokenLogprob
 from refengine.structured import Grammars
@@ -518,7 +519,7 @@ class Engine:
         self.stats.prefill_tokens += sum(
             n for seq, n in batch if not (len(seq.pending) == 1 and seq.generated > 0)
         )
-        rows, lasts = _logit_rows(batch)
+        rows, lasts = logit_rows(batch)
         try:
             every = self.model.forward(segments, self.pool, rows)
         except Exception as exc:
@@ -528,7 +529,7 @@ class Engine:
             return
         logits = every if rows is None else every[lasts]
         if rows is not None:
-            self._score_prompts(batch, every, lasts)
+            score_prompts(batch, every, lasts, self.tokenizer.decode)
         # Only a sequence whose whole prompt is now computed samples its next token.
         ready = [i for i, (seq, n) in enumerate(batch) if seq.computed + n == len(seq.tokens)]
         for seq, n in batch:
@@ -546,29 +547,6 @@ class Engine:
             except Exception as exc:  # one bad sequence must not take the batch down
                 log.exception("sequence failed")
                 self._fail(seq, f"generation failed: {exc}")
-
-    def _score_prompts(
-        self, batch: list[tuple[Sequence, int]], every: npt.NDArray[np.float32], lasts: list[int]
-    ) -> None:
-        """Scores the prompt tokens this step's rows predict, for the sequences that want
-        them; a position scored before (a recompute after a preemption) is not again."""
-        text = self.tokenizer.decode
-        for (seq, n), last in zip(batch, lasts, strict=True):
-            if not seq.scores_prompt:
-                continue
-            top = seq.request.sampling.prompt_logprobs or 0
-            if seq.prompt_from == 0 and not seq.prompt_scores:  # nothing precedes it
-                first = seq.tokens[0]
-                seq.prompt_scores.append(TokenLogprob(first, text([first]), 0.0, 0))
-            # Row last - n + 1 holds the logits after position seq.computed, which score
-            # the token after it.
-            after = last - n + 1 - seq.computed  # + position: its row
-            start = seq.prompt_from + len(seq.prompt_scores)
-            for index in range(start, min(seq.computed + n + 1, seq.prompt_len)):
-                token = seq.tokens[index]
-                logprob, rank, best = score_token(every[after + index - 1], token, top)
-                listed = tuple((i, text([i]), lp) for i, lp in best)
-                seq.prompt_scores.append(TokenLogprob(token, text([token]), logprob, rank, listed))
 
     def _score(self, seq: Sequence, logits: npt.NDArray[np.float32], token: int) -> None:
         """The token's log probability (and the most likely tokens'), for its response."""
@@ -695,19 +673,3 @@ def _spread(indexes: list[int], values: list[int], size: int) -> list[int | None
     for index, value in zip(indexes, values, strict=True):
         out[index] = value
     return out
-
-
-def _logit_rows(batch: list[tuple[Sequence, int]]) -> tuple[npt.NDArray[np.intp] | None, list[int]]:
-    """The rows of the step's tokens whose logits the step needs, and where each
-    segment's last row is among them: each segment's last (its next token), and every
-    row of a prompt being scored. None: the last rows only (the model's default)."""
-    if not any(seq.scores_prompt for seq, _ in batch):
-        return None, list(range(len(batch)))
-    rows: list[int] = []
-    lasts: list[int] = []
-    start = 0
-    for seq, n in batch:
-        rows.extend(range(start, start + n) if seq.scores_prompt else (start + n - 1,))
-        lasts.append(len(rows) - 1)
-        start += n
-    return np.array(rows, dtype=np.intp), lasts
