@@ -216,6 +216,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TRUNCATION_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name, as served by the mesh (e.g. "llm"). Empty selects the default model."""
     prompt: _builtins.str
@@ -237,6 +238,15 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling controls. Unset fields take the defaults documented in SamplingParams."""
 
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt as the model's token ids instead of text (prompt then empty): read by the
+        engine as given (no BOS added), once the checks have read their text in the model's
+        tokenizer and left it unchanged (a redaction sends the checked text instead). Ids
+        whose text the checks could not read as the engine reads them (a control token, bytes
+        that are not UTF-8 text, an id the model lacks) are refused; not with a session.
+        """
+
     def __init__(
         self,
         *,
@@ -246,10 +256,11 @@ class GenerateRequest(_message.Message):
         session_id: _builtins.str = ...,
         truncation: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -227,6 +227,7 @@ class RouterCore:
         streamed. Nothing of the request reaches a replica before policy's verdict on
         everything the model will read, and then only as the verdict lets it (redacted)."""
         received_at = time.perf_counter()
+        request = await self._with_ids_text(request)
         if request.sampling.structured is not None:
             partition = self._structure_partition(request)
             await compile_structure(request.sampling.structured, partition)
@@ -298,6 +299,21 @@ class RouterCore:
             user_tokens,
             new_turns,
         )
+
+    async def _with_ids_text(self, request: GenerateInput) -> GenerateInput:
+        """A prompt of token ids with its text in the model's tokenizer: what the checks
+        read, and what the engine reads instead of the ids if the checks change it."""
+        ids, field = request.prompt_ids, request.prompt_field
+        if not ids:
+            return request
+        if request.prompt:
+            raise InvalidArgument(field, "either a prompt's text or its token ids, not both")
+        if request.session_id:
+            raise InvalidArgument(field, "token ids are not taken in a session: send text")
+        model = self._served(request.model, request.tenant)
+        self._tenants.may_use(request.tenant, model)
+        speech = await self._speech(model)
+        return replace(request, prompt=speech.codec.prompt_text(ids, field))
 
     async def _fold_if_asked(
         self,

@@ -309,8 +309,7 @@ class OpenAiApi:
             body = await parse_body(request, model, self._settings.body_timeout_s)
             names = body.field_names()
             tools = tool_use(body) if isinstance(body, ChatBody) else None
-            written = await self._written(body, tenant)
-            prompts = self._decode(request, request_id, tenant, body, tools, written=written)
+            prompts = self._decode(request, request_id, tenant, body, tools)
             async with contextlib.AsyncExitStack() as generations:
                 echo = _Echo.of(body)
                 started = await self._start(generations, prompts, body.n, echo)
@@ -379,27 +378,6 @@ class OpenAiApi:
                     cached_tokens += choices[-1].first.cached_tokens
         return _Started(model, prompt_tokens, choices, cached_tokens)
 
-    async def _written(
-        self, body: ChatBody | CompletionBody, tenant: str
-    ) -> list[tuple[str, tuple[int, ...]]]:
-        """A completion's prompts: each one's text, and its token ids when it came as ids
-        (their text, in the model's tokenizer, is what the checks read). A chat's: none."""
-        if not isinstance(body, CompletionBody):
-            return []
-        prompts = body.prompts()
-        if all(isinstance(p, str) for p in prompts):
-            return [(p, ()) for p in prompts if isinstance(p, str)]
-        model, speech = await self._core.model_speech(body.model, tenant)
-        self._tenants.may_use(tenant, model)
-        written: list[tuple[str, tuple[int, ...]]] = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                written.append((prompt, ()))
-                continue
-            field = f"prompt[{index}]" if body.listed else "prompt"
-            written.append((speech.codec.prompt_text(prompt, field), tuple(prompt)))
-        return written
-
     def _decode(
         self,
         request: web.Request,
@@ -407,20 +385,18 @@ class OpenAiApi:
         tenant: str,
         body: ChatBody | CompletionBody,
         tools: ToolUse | None,
-        *,
-        written: list[tuple[str, tuple[int, ...]]],
     ) -> list[GenerateInput]:
-        """One request per prompt (a completion may have several)."""
+        """One request per prompt (a completion may have several: text, or token ids
+        whose text the core reads in the model's tokenizer)."""
         session_id = request.headers.get(SESSION_ID, "")
         inline: History | None = None
         if isinstance(body, ChatBody):
             history, prompt = _inline_history(body.messages)
-            written = [(prompt, ())]
+            prompts: list[str | list[int]] = [prompt]
             if not session_id:
                 inline = history  # with a session, the stored history is the history
-        if session_id and any(ids for _, ids in written):
-            raise InvalidArgument("prompt", "token ids not in a session (x-session-id): send text")
-        prompts = written
+        else:
+            prompts = body.prompts()
         if body.n * len(prompts) > MAX_CHOICES:
             raise InvalidArgument("n", f"at most {MAX_CHOICES} choices (prompts x n)")
         if session_id and isinstance(body, CompletionBody) and body.echo:
@@ -442,7 +418,7 @@ class OpenAiApi:
                 request_id=request_id,
                 tenant=tenant,
                 model=body.model,
-                prompt=prompt,
+                prompt=prompt if isinstance(prompt, str) else "",
                 sampling=sampling,
                 session_id=session_id,
                 color=request.headers.get(COLOR, ""),
@@ -450,9 +426,9 @@ class OpenAiApi:
                 cache_salt=body.cache_salt or "",
                 prompt_field=f"prompt[{index}]" if listed else "prompt",
                 session_use=use,
-                prompt_ids=ids,
+                prompt_ids=() if isinstance(prompt, str) else tuple(prompt),
             )
-            for index, (prompt, ids) in enumerate(prompts)
+            for index, prompt in enumerate(prompts)
         ]
 
     async def _whole(

@@ -144,6 +144,8 @@ def _decoded(
         deadline=None if remaining_s is None else time.monotonic() + remaining_s,
         truncation=request.truncation,
         cache_salt=request.cache_salt,
+        prompt_field="prompt_token_ids" if request.prompt_token_ids else "prompt",
+        prompt_ids=tuple(request.prompt_token_ids),
     )
 
 

@@ -100,3 +100,26 @@ def test_prompt_logprobs_come_on_the_first_response(router_channel: grpc.Channel
         list(stub.Generate(request, timeout=60))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.prompt_logprobs" in (refused.value.details() or "")
+
+
+def test_a_prompt_of_token_ids_is_read_as_given(router_channel: grpc.Channel) -> None:
+    """The byte model's BOS and the text's bytes are the text's own prompt."""
+    by_text = collect(router_channel, "Once upon", max_tokens=6, seed=4, ignore_eos=True)
+    request = build_request("", max_tokens=6, seed=4, ignore_eos=True)
+    request.prompt_token_ids.extend([256, *b"Once upon"])
+    stub = generation_pb2_grpc.GenerationStub(router_channel)
+    by_ids = list(stub.Generate(request, timeout=60))
+    assert text_of(by_ids) == text_of(by_text)
+    assert by_ids[-1].usage.prompt_tokens == by_text[-1].usage.prompt_tokens == 10
+    refusals = {
+        "prompt": ("Once upon", [104]),  # both: which is the prompt?
+        "control": ("", [104, 257]),  # the byte model's EOS: no text to check
+        "session": ("", [104]),
+    }
+    for name, (text, ids) in refusals.items():
+        bad = build_request(text, max_tokens=2, session_id="s-1" if name == "session" else "")
+        bad.prompt_token_ids.extend(ids)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(bad, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "prompt_token_ids" in (refused.value.details() or ""), name

@@ -622,9 +622,9 @@ def test_a_prompt_of_token_ids_goes_to_the_engine_as_given_once_its_text_is_chec
     ("prompt", "headers", "param", "says"),
     [
         ([104, 256], {}, "prompt", "256 (at 1) is not a byte"),  # BOS: no text to check
-        ([[104], [0xC3, 0x28]], {}, "prompt[1]", "not UTF-8 text"),
+        ([[0xC3, 0x28]], {}, "prompt[0]", "not UTF-8 text"),
         ([104] * 2047, {}, "prompt", "2047 tokens leave no room"),
-        ([104, 105], {"x-session-id": "s-1"}, "prompt", "not in a session"),
+        ([104, 105], {"x-session-id": "s-1"}, "prompt", "not taken in a session"),
         ([], {}, "prompt", ""),
     ],
 )
