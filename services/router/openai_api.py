@@ -30,7 +30,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.runtime.internal_auth import INTERNAL_TOKEN
 from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
-from llmmesh.types import PENALTIES, History, Role, Sampling, Turn
+from llmmesh.types import PENALTIES, History, Role, Sampling, TokenLogprob, Turn
 from services.router.canary_watch import CanaryWatch
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
@@ -81,6 +81,16 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     return Sampling(stop=stop, **kwargs)
+
+
+def _sample(prompt: GenerateInput, choice: int, index: int) -> GenerateInput:
+    """Sample ``index`` of a prompt, choice ``choice`` of the reply: its own request id,
+    seed + index with a seed, and no prompt log probabilities but for the first sample."""
+    seed = prompt.sampling.seed
+    sampling = replace(prompt.sampling, seed=None if seed is None else seed + index)
+    if index > 0:
+        sampling = replace(sampling, prompt_logprobs=None)
+    return replace(prompt, request_id=f"{prompt.request_id}.{choice}", sampling=sampling)
 
 
 def _model_object(name: str) -> dict[str, Any]:
@@ -348,34 +358,33 @@ class OpenAiApi:
         generation and first chunk, then the others'. By then the first one's prompt is
         in the engine's prefix cache, so the others' prefill is read back from it
         (samples of one prompt share their prefill). With a seed, sample i takes seed + i:
-        n distinct samples, the same ones every time. ``echo``: each choice's first chunk
-        begins with its prompt as the model read it (and its tokens' log probabilities,
-        when asked), and is the whole choice for the prompt alone."""
+        n distinct samples, the same ones every time. The prompt's log probabilities, when
+        asked, are the first sample's (the others read the prompt from the cache).
+        ``echo``: each choice's first chunk begins with its prompt as the model read it
+        (and its tokens' log probabilities, when asked), and is the whole choice for the
+        prompt alone."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
         many = len(prompts) * n > 1
         for number, prompt in enumerate(prompts):
+            scored: tuple[TokenLogprob, ...] = ()  # the prompt's, from its first sample
             for index in range(n):
-                sample = prompt
-                if many:
-                    seed = prompt.sampling.seed
-                    seeded = replace(prompt.sampling, seed=None if seed is None else seed + index)
-                    sample_id = f"{prompt.request_id}.{number * n + index}"
-                    sample = replace(prompt, request_id=sample_id, sampling=seeded)
+                sample = _sample(prompt, number * n + index, index) if many else prompt
                 generation = await generations.enter_async_context(self._core.generation(sample))
                 chunks = generation.chunks
                 first = await anext(chunks)
-                if (
-                    echo is not None
-                ):  # a completion without a session: the prompt is the text checked
+                if index == 0:
+                    scored = first.prompt_logprobs
+                    model = generation.request.model
+                    prompt_tokens += generation.prompt_tokens
+                    cached_tokens += first.cached_tokens
+                else:
+                    first = replace(first, prompt_logprobs=scored)
+                if echo is not None:  # a completion without a session: its text was checked
                     if echo.alone:
                         first = await prompt_alone(first, chunks)
                     first = echoed(first, generation.prepared.user_text, echo.top)
                 choices.append(Choice(first, chunks, generation.prompt_tokens))
-                if index == 0:
-                    model = generation.request.model
-                    prompt_tokens += generation.prompt_tokens
-                    cached_tokens += choices[-1].first.cached_tokens
         return _Started(model, prompt_tokens, choices, cached_tokens)
 
     def _decode(

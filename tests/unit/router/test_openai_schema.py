@@ -567,6 +567,19 @@ def test_vllms_prompt_logprobs_in_each_completion_choice_and_beside_a_chats() ->
         assert "1001 prompt tokens x 21" in reply["error"]["message"]
 
 
+def test_n_samples_of_an_echoed_prompt_share_its_first_samples_scoring() -> None:
+    """Only the first sample asks for the prompt's log probabilities (the others read
+    the prompt from the cache); every choice echoes them."""
+    inference = Inference()
+    doc = OK | {"prompt": "hi", "n": 3, "echo": True, "logprobs": 1, "prompt_logprobs": 0}
+    got, reply = asyncio.run(post_to(served_by(inference), doc))
+    assert got == 200
+    assert [c.sampling.prompt_logprobs for c in inference.calls] == [1, None, None]
+    echoed = [c["logprobs"]["token_logprobs"][:2] for c in reply["choices"]]
+    assert echoed == [[-1.0, -1.0]] * 3
+    assert [len(c["prompt_logprobs"]) for c in reply["choices"]] == [3, 3, 3]
+
+
 def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
     """OpenAI's: the prompt and its tokens' log probabilities, no output, finished by
     length; streamed, one event with all of it."""
