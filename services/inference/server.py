@@ -14,7 +14,7 @@ from llmmesh.runtime import GrpcService, InvalidArgument
 from llmmesh.runtime.metadata import bind_request_id
 from llmmesh.runtime.multiplex import INFERENCE_MULTIPLEX, MultiplexSession, OpenSessions
 from llmmesh.runtime.registration import add_servicer, takes_malformed
-from llmmesh.types import InferenceCall
+from llmmesh.types import Chunk, InferenceCall
 from llmmesh.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
 from services.inference.core import InferenceCore
@@ -117,16 +117,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async with contextlib.aclosing(self._core.generate(call)) as chunks:
                 async for chunk in chunks:
                     total += chunk.num_tokens
-                    yield inference_pb2.InferenceResponse(
-                        text=chunk.text,
-                        num_output_tokens=total,
-                        finish_reason=finish_reason_to_pb(chunk.finish_reason),
-                        logprobs=logprobs_to_pb(chunk.logprobs),
-                        cached_tokens=chunk.cached_tokens,
-                        prompt_logprobs=logprobs_to_pb(chunk.prompt_logprobs),
-                    )
+                    yield _response(chunk, total)
         finally:
             self._drained_when_idle()
+
+
+def _response(chunk: Chunk, total_tokens: int) -> inference_pb2.InferenceResponse:
+    """A chunk as a response; log probabilities only when it has some (an empty list
+    costs the constructor as much as the rest, on every chunk)."""
+    response = inference_pb2.InferenceResponse(
+        text=chunk.text,
+        num_output_tokens=total_tokens,
+        finish_reason=finish_reason_to_pb(chunk.finish_reason),
+        cached_tokens=chunk.cached_tokens,
+    )
+    if chunk.logprobs:
+        response.logprobs.extend(logprobs_to_pb(chunk.logprobs))
+    if chunk.prompt_logprobs:
+        response.prompt_logprobs.extend(logprobs_to_pb(chunk.prompt_logprobs))
+    return response
 
 
 def load_report_to_pb(snapshot: LoadSnapshot, replica: str) -> inference_pb2.LoadReport:

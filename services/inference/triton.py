@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import struct
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from services.inference.warm_streams import (
 log = logging.getLogger(__name__)
 
 OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
-_FIELDS = ("text_input", "stream", "sampling_parameters")
+# Inputs whose name starts a model's refusal ("input_ids[3]: ...", "sampling_parameters.x:
+# ..."): the request's fault, never the replica's.
+_FIELDS = ("text_input", "stream", "sampling_parameters", "input_ids")
 _LENGTH = struct.Struct("<I")
 # Triton runs beside this service: after an outage, reconnect within a second of it being
 # back, not after gRPC's default backoff (which grows to minutes).
@@ -205,8 +208,10 @@ def parse_logprobs(raw: bytes, top: int) -> tuple[TokenLogprob, ...]:
     """The vLLM backend's ``logprobs`` output: per token, {token id: {logprob, rank,
     decoded_token}} holding the sampled token (first) and the ``top`` most likely ones
     (ranks 1 to ``top``; the sampled token is one of them or has a rank of its own)."""
+    if not raw:  # most responses: none asked
+        return ()
     try:
-        return tuple(_position(p, top) for p in (json.loads(raw) if raw else []))
+        return tuple(_position(p, top) for p in json.loads(raw))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise Unavailable("Triton sent log probabilities that do not parse") from None
 
@@ -478,6 +483,6 @@ def _stream_error(message: str, model: str) -> MeshError:
     if "unknown model" in message or "is not found" in message:
         return InvalidArgument("model", f"model '{model}' is not served by Triton")
     field, sep, reason = message.partition(": ")
-    if sep and field.split(".")[0] in _FIELDS:
+    if sep and re.split(r"[.\[]", field, maxsplit=1)[0] in _FIELDS:
         return InvalidArgument(field, reason)
     return Unavailable(f"Triton failed the request: {message}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
@@ -435,8 +435,9 @@ class ChunkReader:
             finish_reason=finish_reason_from_pb(reply.finish_reason),
             logprobs=logprobs_from_pb(reply.logprobs),
             cached_tokens=reply.cached_tokens,
-            prompt_logprobs=logprobs_from_pb(reply.prompt_logprobs),
         )
+        if reply.prompt_logprobs:  # the first response's, when asked (a call less on others)
+            chunk = replace(chunk, prompt_logprobs=logprobs_from_pb(reply.prompt_logprobs))
         self._seen = reply.num_output_tokens
         return chunk
 

@@ -82,6 +82,11 @@ def test_intermediate_response_has_no_finish_reason() -> None:
             InvalidArgument,
             "text_input",
         ),
+        (  # the request's fault, not the replica's: never counted against it
+            "input_ids[1]: 300 is not a token (0-257)",
+            InvalidArgument,
+            "input_ids[1]",
+        ),
         ("Request for unknown model: 'x' is not found", InvalidArgument, "model"),
         ("generation failed: out of memory", Unavailable, None),
     ],
