@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from llmmesh.runtime.errors import InvalidArgument
+from llmmesh.structures import choice_options, choice_spec
 from llmmesh.types import PENALTIES, FinishReason, PolicyAction, Role, Sampling, TokenLogprob, Turn
 from llmmesh.v1 import common_pb2, context_pb2, policy_pb2
 
@@ -51,6 +52,8 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         kind, spec = sampling.structured
         if kind == "json_object":
             message.structured_output.json_object = True
+        elif kind == "choice":
+            message.structured_output.choice.options.extend(choice_options(spec))
         else:
             setattr(message.structured_output, kind, spec)
     return message
@@ -84,6 +87,8 @@ def _structure(message: common_pb2.SamplingParams) -> tuple[str, str] | None:
     kind = structure.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not structure.json_object):
         return ("", "")  # no kind asked for: refused by the core's check
+    if kind == "choice":
+        return (kind, choice_spec(list(structure.choice.options)))
     return (kind, "" if kind == "json_object" else getattr(structure, kind))
 
 

@@ -1,5 +1,6 @@
-"""Structured outputs' checks: whether a JSON schema or a pattern compiles (llguidance's
-own check, the one the engine makes), kept per tenant, and compiled off the event loop."""
+"""Structured outputs' checks: whether a JSON schema, a pattern or a list of choices
+compiles (llguidance's own check, the one the engine makes), kept per tenant, and compiled
+off the event loop."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import NamedTuple
 
 from llmmesh.runtime.errors import InvalidArgument
 
-# The kinds the mesh takes (the router's names; types.py maps them to vLLM's).
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex")
+# The kinds the mesh takes (the router's names; types.py maps them to vLLM's). A choice's
+# spec is the JSON text of its list of options.
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_STRUCTURE_CHARS = 65536
 
 _Key = tuple[str, int, int]  # a structure's kind, length and hash (see _key)
@@ -116,6 +118,8 @@ def _compile_error(kind: str, spec: str) -> str:
     try:
         if kind == "regex":
             grammar = LLMatcher.grammar_from_regex(spec)
+        elif kind == "choice":
+            grammar = LLMatcher.grammar_from_regex(_choice_pattern(choice_options(spec)))
         else:
             schema = json.loads(spec) if kind == "json_schema" else {"type": "object"}
             if not isinstance(schema, dict):
@@ -129,3 +133,26 @@ def _compile_error(kind: str, spec: str) -> str:
             raise
         return "does not compile (the compiler failed on it)"
     return "" if not error or error.startswith("WARNING") else f"does not compile: {error[:300]}"
+
+
+def choice_spec(options: list[str]) -> str:
+    """A choice's spec: its options' JSON text, as written (policy reads it)."""
+    return json.dumps(options, ensure_ascii=False)
+
+
+def choice_options(spec: str) -> list[str]:
+    """A choice's options from its spec; ValueError unless a list of non-empty texts."""
+    options = json.loads(spec)
+    if not isinstance(options, list) or not options:
+        raise ValueError("a list of one option or more")
+    if not all(isinstance(o, str) and o for o in options):
+        raise ValueError("an option is empty or not a text")
+    return options
+
+
+def _choice_pattern(options: list[str]) -> str:
+    """The regular expression that matches exactly one of ``options`` (the engine's)."""
+    return "|".join("".join(f"\\{c}" if c in _REGEX_SPECIAL else c for c in o) for o in options)
+
+
+_REGEX_SPECIAL = frozenset(r"\.^$*+?{}[]|()/-")

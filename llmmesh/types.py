@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.sentences import Scored
-from llmmesh.structures import SHARED, CachePartition, check_structure
+from llmmesh.structures import SHARED, CachePartition, check_structure, choice_options
 
 
 class FinishReason(enum.Enum):
@@ -25,7 +25,12 @@ class FinishReason(enum.Enum):
 
 
 # Structured outputs: vLLM's name for each kind the mesh takes (structures.py checks them).
-_VLLM_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex"}
+_VLLM_KINDS = {
+    "json_schema": "json",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+}
 
 # The penalties' names (as vLLM and OpenAI spell them) and the value that asks for none.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -50,7 +55,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # no end (EOS or stop string) before this many tokens
     # What the output must be: (kind, spec), kind one of STRUCTURED_KINDS, spec the JSON
-    # schema's text or the regular expression ("" for json_object); None: free text.
+    # schema's text, the regular expression or the choices' JSON list ("" for
+    # json_object); None: free text.
     structured: tuple[str, str] | None = None
     # vLLM's prompt_logprobs: each prompt token's, and the k likeliest there; None: none
     prompt_logprobs: int | None = None
@@ -95,7 +101,8 @@ class Sampling:
             doc["min_tokens"] = self.min_tokens
         if self.structured is not None:
             kind, spec = self.structured
-            doc["structured_outputs"] = {_VLLM_KINDS[kind]: spec or True}
+            value = choice_options(spec) if kind == "choice" else spec or True
+            doc["structured_outputs"] = {_VLLM_KINDS[kind]: value}
         return json.dumps(doc, separators=(",", ":"))
 
 

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
+from llmmesh.structures import choice_spec
 from llmmesh.types import PENALTIES
 from services.router.request import MAX_CACHE_SALT
 
@@ -124,6 +125,41 @@ ResponseFormat = Annotated[
 ]
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: what the output must be, one kind at most."""
+
+    # "json" would shadow BaseModel's own attribute: the body's key is its alias.
+    json_spec: dict[str, Any] | str | None = Field(
+        default=None, alias="json", description="a JSON schema (or its JSON text)"
+    )
+    regex: str | None = Field(
+        default=None, min_length=1, description="a regular expression the whole output matches"
+    )
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="the output is one of these texts, exactly"
+    )
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+    disable_any_whitespace: bool = _no_op(
+        False, "JSON is written with ', ' and ': ' and no other whitespace"
+    )
+    disable_additional_properties: bool = _no_op(False, "a schema is read as written")
+    whitespace_pattern: str | None = _no_op(None, "JSON's whitespace is fixed")
+
+    def kinds(self) -> list[str]:
+        """The kinds asked for, by their keys; InvalidArgument naming a no-op set."""
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if getattr(self, name):
+                raise InvalidArgument(f"structured_outputs.{name}", "not supported (only False)")
+        if self.whitespace_pattern is not None:
+            raise InvalidArgument("structured_outputs.whitespace_pattern", "not supported")
+        asked = [k for k in ("regex", "choice") if getattr(self, k) is not None]
+        return (
+            (["json"] if self.json_spec is not None else [])
+            + asked
+            + (["json_object"] if self.json_object else [])
+        )
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -177,6 +213,19 @@ class Body(_Strict):
         description="text; a JSON object; or JSON of a schema (written with ', ' and ': ' "
         "and no other whitespace)",
     )
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None,
+        description="vLLM's extension: what the output must be (not with response_format)",
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        default=None, description="vLLM's older name of structured_outputs.json"
+    )
+    guided_regex: str | None = Field(
+        default=None, min_length=1, description="vLLM's older name of structured_outputs.regex"
+    )
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, description="vLLM's older name of structured_outputs.choice"
+    )
     cache_salt: str | None = Field(
         default=None,
         max_length=MAX_CACHE_SALT,
@@ -218,13 +267,29 @@ class Body(_Strict):
         return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
 
     def structure(self) -> tuple[str, str] | None:
-        """``response_format`` as the core's structured output (None: text)."""
-        fmt = self.response_format
-        if isinstance(fmt, JsonObjectFormat):
-            return ("json_object", "")
+        """The core's structured output (None: text), from ``response_format`` or vLLM's
+        fields; InvalidArgument naming the second field if two ask for one."""
+        fields = self.structure_fields()
+        if len(fields) > 1:
+            raise InvalidArgument(fields[1], f"not with {fields[0]}: one structure at most")
+        if not fields:
+            return None
+        fmt, vllm = self.response_format, self.structured_outputs
         if isinstance(fmt, JsonSchemaFormat):
             return ("json_schema", json.dumps(fmt.json_schema.json_schema or {}))
-        return None
+        if fields[0] in ("response_format", "structured_outputs.json_object"):
+            return ("json_object", "")
+        if vllm is not None:
+            return _structure(vllm.json_spec, vllm.regex, vllm.choice)
+        return _structure(self.guided_json, self.guided_regex, self.guided_choice)
+
+    def structure_fields(self) -> list[str]:
+        """The fields that ask for a structured output, in the order they are read."""
+        fmt, vllm = self.response_format, self.structured_outputs
+        fields = ["response_format"] if fmt is not None and fmt.type != "text" else []
+        fields += [f"structured_outputs.{kind}" for kind in vllm.kinds()] if vllm else []
+        guided = ("guided_json", "guided_regex", "guided_choice")
+        return fields + [name for name in guided if getattr(self, name) is not None]
 
     def biases(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; InvalidArgument naming it for a key
@@ -239,11 +304,27 @@ class Body(_Strict):
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-        return {**_SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+        names = {**_SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+        structured = self.structure_fields()
+        if structured:
+            names["sampling.structured_output"] = structured[0]
+        return names
 
     def prompt_logprobs_wanted(self) -> int | None:
         """The prompt's log probabilities the engine is asked for (the k likeliest)."""
         return self.prompt_logprobs
+
+
+def _structure(
+    schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None
+) -> tuple[str, str]:
+    """The core's structured output of vLLM's kinds (one of them given)."""
+    if schema is not None:
+        return ("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    if regex is not None:
+        return ("regex", regex)
+    assert choice is not None
+    return ("choice", choice_spec(choice))
 
 
 class TextPart(_Strict):

@@ -131,9 +131,9 @@ def tool_use(body: ChatBody) -> ToolUse | None:
     use = tools_asked(body.tools, body.tool_choice, body.parallel_tool_calls)
     if use is None:
         return None
-    fmt = body.response_format
-    if fmt is not None and fmt.type != "text":
-        raise InvalidArgument("response_format", "not with tools: the answer is the tools' JSON")
+    structured = body.structure_fields()
+    if structured:
+        raise InvalidArgument(structured[0], "not with tools: the answer is the tools' JSON")
     if body.logprobs:
         raise InvalidArgument("logprobs", "not with tools")
     return use

@@ -44,6 +44,20 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"structured_output": common_pb2.StructuredOutput(regex="(")},
         "sampling.structured_output",
     ),
+    (
+        "hi",
+        {"structured_output": common_pb2.StructuredOutput(choice=common_pb2.StructuredChoice())},
+        "sampling.structured_output",
+    ),
+    (
+        "hi",
+        {
+            "structured_output": common_pb2.StructuredOutput(
+                choice=common_pb2.StructuredChoice(options=["yes", ""])
+            )
+        },
+        "sampling.structured_output",
+    ),
 ]
 
 

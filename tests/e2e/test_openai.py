@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -17,11 +19,13 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from llmmesh.client import internal_channel
 from llmmesh.launcher import Stack, StackPorts
-from llmmesh.v1 import context_pb2, context_pb2_grpc
+from llmmesh.v1 import common_pb2, context_pb2, context_pb2_grpc
 from tests.conftest import (
     assert_engines_saw_only,
+    collect,
     metric_value,
     prompt_tokens_seen,
+    text_of,
     wait_for,
 )
 from tests.e2e.test_tenants import http_tenant_router
@@ -148,6 +152,44 @@ def test_a_response_format_holds_the_output_to_json(client: openai.OpenAI) -> No
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert json.loads(text) == point  # the same seed, streamed
+
+
+def test_vllms_structured_outputs_hold_the_output_to_a_choice_or_a_pattern(
+    client: openai.OpenAI, router_channel: grpc.Channel
+) -> None:
+    """vLLM's ``structured_outputs`` (and its older ``guided_choice``), as vLLM's clients
+    send them in the SDK's extra body: the random model's output is one of the choices
+    exactly, whatever the seed; over gRPC, the same choice gives the same text."""
+    options = ["yes", "no (never)", "ça va"]
+    picked = set()
+    for seed in range(6):
+        extra = (
+            {"structured_outputs": {"choice": options}} if seed % 2 else {"guided_choice": options}
+        )
+        reply = client.completions.create(
+            model="llm", prompt="Well?", max_tokens=20, seed=seed, extra_body=extra
+        )
+        assert reply.choices[0].text in options and reply.choices[0].finish_reason == "stop"
+        picked.add(reply.choices[0].text)
+    assert len(picked) > 1  # the model chose: the seeds do not all give one option
+    stream = client.chat.completions.create(
+        model="llm",
+        messages=HI,
+        max_tokens=20,
+        seed=3,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text)
+    choice = common_pb2.StructuredOutput(choice=common_pb2.StructuredChoice(options=options))
+    sent = text_of(
+        collect(router_channel, "Well?", max_tokens=20, seed=1, structured_output=choice)
+    )
+    over_http = client.completions.create(
+        model="llm", prompt="Well?", max_tokens=20, seed=1, extra_body={"guided_choice": options}
+    )
+    assert sent == over_http.choices[0].text
 
 
 def test_text_completion_and_models(client: openai.OpenAI) -> None:

@@ -156,6 +156,19 @@ def test_a_deny_phrase_in_tools_their_calls_or_a_format_is_refused_before_the_en
             max_tokens=4,
         )
     assert info.value.param == "response_format" and "in response_format" in str(info.value)
+    vllms = {
+        "structured_outputs.choice": {"structured_outputs": {"choice": ["fine", DENIED]}},
+        "guided_regex": {"guided_regex": f"(Sure, {DENIED})?"},
+    }
+    for field, asked in vllms.items():
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            client.chat.completions.create(
+                model="llm",
+                messages=[{"role": "user", "content": "Go on."}],
+                max_tokens=4,
+                extra_body=asked,
+            )
+        assert info.value.param == field and f"in {field}" in str(info.value)
 
     def allowed() -> int:
         messages, _ = tool_placements()["tool's description"]

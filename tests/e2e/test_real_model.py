@@ -370,6 +370,24 @@ def test_a_json_schema_gets_the_models_answer_in_its_shape(sdk: openai.OpenAI) -
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_a_choice_gets_the_models_own_pick(sdk: openai.OpenAI) -> None:
+    """vLLM's ``structured_outputs.choice`` (``guided_choice`` before it): the answer is
+    one of the options, and the one the model knows. Asked where the answer is the next
+    word: held to the options from the first token, a chat answer that would start "The
+    capital of..." can only pick by its first token's likelihood (as in vLLM)."""
+    capitals = {"France": "Paris", "Germany": "Berlin", "Japan": "Tokyo", "Spain": "Madrid"}
+    options = [f" {city}" for city in ["London", "Rome", *capitals.values()]]
+    for country, city in capitals.items():
+        reply = sdk.completions.create(
+            model="smollm2",
+            prompt=f"The capital of {country} is",
+            max_tokens=5,
+            temperature=0,
+            extra_body={"structured_outputs": {"choice": options}},
+        )
+        assert reply.choices[0].text == f" {city}" and reply.choices[0].finish_reason == "stop"
+
+
 class Capital(BaseModel):
     city: str = Field(max_length=40)
     country: str = Field(max_length=40)

@@ -1,13 +1,20 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
 
 from llmmesh import structures
 from llmmesh.runtime.errors import InvalidArgument
-from llmmesh.structures import CHECKED, CachePartition, StructureChecks, check_structure
+from llmmesh.structures import (
+    CHECKED,
+    CachePartition,
+    StructureChecks,
+    check_structure,
+    choice_spec,
+)
 
 A, B = CachePartition("tenant:a"), CachePartition("tenant:b")
 
@@ -22,6 +29,10 @@ A, B = CachePartition("tenant:a"), CachePartition("tenant:b")
         ("regex", "(", "does not compile"),
         ("grammar", "x", "one of json_schema, json_object, regex"),
         ("regex", "a" * 70_000, "at most 65536 characters"),
+        ("choice", "[]", "one option or more"),
+        ("choice", '["a", ""]', "an option is empty"),
+        ("choice", '["a", 1]', "an option is empty or not a text"),
+        ("choice", '"a"', "one option or more"),
     ],
 )
 def test_a_structure_that_does_not_compile_is_refused_naming_the_field(
@@ -36,6 +47,16 @@ def test_a_structure_that_compiles_passes() -> None:
     check_structure("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
     check_structure("json_object", "")
     check_structure("regex", "[0-9]{3}")
+    check_structure("choice", choice_spec(["a.b", "(c)|d", "x-y/z", "[e]{1}", "\\", "é"]))
+
+
+def test_a_choice_matches_its_options_and_nothing_else() -> None:
+    """The pattern the check compiles: each option exactly, its special characters
+    literal (the engine builds the same)."""
+    options = ["a.b", "(c)|d", "x-y/z", "[e]{1}+?*^$", "\\", "é"]
+    pattern = re.compile(structures._choice_pattern(options))
+    assert all(pattern.fullmatch(o) for o in options)
+    assert not any(pattern.fullmatch(t) for t in ["axb", "c", "d", "(c)", "e", "x-y", ""])
 
 
 def test_a_structure_checked_for_one_partition_is_checked_anew_for_another() -> None:

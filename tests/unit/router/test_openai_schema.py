@@ -11,6 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, ConfigDict
 
+from llmmesh.types import Sampling
 from services.router.config import HttpSettings
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, field_path
@@ -365,6 +366,87 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
+
+
+def sampled(path: str, fields: dict[str, Any]) -> tuple[int, Any, Any]:
+    """The status, the reply and the structured output that reached the engine."""
+    inference = Inference()
+    served = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def scenario() -> tuple[int, Any]:
+        async with TestClient(TestServer(served.app())) as client:
+            sent = (chat if "chat" in path else OK) | fields
+            response = await client.post(path, json=sent)
+            return response.status, await response.json()
+
+    status, reply = asyncio.run(scenario())
+    structured = inference.calls[0].sampling.structured if inference.calls else None
+    return status, reply, structured
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("fields", "structured", "vllm"),
+    [
+        ({"structured_outputs": {"choice": ["yes", "no (-)"]}}, "choice", ["yes", "no (-)"]),
+        ({"guided_choice": ["é"]}, "choice", ["é"]),
+        ({"structured_outputs": {"regex": "[ab]+"}}, "regex", "[ab]+"),
+        ({"guided_regex": "x"}, "regex", "x"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema", '{"type": "object"}'),
+        ({"guided_json": '{"type": "array"}'}, "json_schema", '{"type": "array"}'),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True),
+        ({"structured_outputs": {"json_object": False}}, None, None),
+        ({"structured_outputs": {"disable_any_whitespace": False}}, None, None),
+    ],
+)
+def test_vllms_structured_outputs_reach_the_engine_as_vllm_has_them(
+    path: str, fields: dict[str, Any], structured: str | None, vllm: Any
+) -> None:
+    """vLLM's ``structured_outputs`` (and its older ``guided_*`` fields) become the core's
+    structured output, and the engine gets vLLM's key and value."""
+    status, _, got = sampled(path, fields)
+    assert status == 200
+    if structured is None:
+        assert got is None
+        return
+    assert got is not None and got[0] == structured
+    sent = Sampling(max_tokens=2, structured=got).to_vllm_json()
+    assert list(json.loads(sent)["structured_outputs"].values()) == [vllm]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        (
+            {"structured_outputs": {"json": {}, "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs.choice",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+            "guided_choice",
+        ),
+        ({"structured_outputs": {"json_object": True}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+        ({"guided_choice": "a"}, "guided_choice"),
+    ],
+)
+def test_a_structured_output_that_cannot_be_served_is_refused_by_name(
+    fields: dict[str, Any], param: str
+) -> None:
+    status, reply, structured = sampled("/v1/completions", fields)
+    assert (status, reply["error"]["param"]) == (400, param)
+    assert structured is None  # nothing reached the engine
 
 
 def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:

@@ -103,6 +103,8 @@ def test_the_model_is_shown_the_tools_it_may_call() -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
         ({"tools": [CLOCK, CLOCK]}, "tools[1].function.name"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"logprobs": True}, "logprobs"),
     ],
 )
