@@ -174,6 +174,8 @@ class RouterCore:
         self._check_texts(request)
         if request.session_id:
             check_session_id(request.session_id)
+            if request.prompt_role is not Role.USER:  # a session's turn is the user's
+                raise InvalidArgument("continue_final_message", "not with a session")
         if request.color and not COLOR_NAME.match(request.color):
             raise InvalidArgument("x-llm-color", "1-64 letters, digits, '-', '_', '.'")
         if request.truncation:
@@ -408,7 +410,8 @@ class RouterCore:
     ) -> tuple[str, int]:
         """The prompt of the history and the new text within the context, and its tokens."""
         budget = speech.max_context - request.sampling.max_tokens - speech.bos_tokens
-        prompt, dropped = build_prompt(history, user_text, budget, speech.count, speech.layout)
+        layout, role = speech.layout, request.prompt_role
+        prompt, dropped = build_prompt(history, user_text, budget, speech.count, layout, role=role)
         dropped += history.dropped_turns if history else 0
         cut = dropped or (history is not None and history.system_prompt_dropped)
         if cut and not request.session_use.may_truncate:
@@ -527,7 +530,7 @@ class RouterCore:
             speech.max_context
             - request.sampling.max_tokens
             - speech.bos_tokens
-            - count(user_tail(request.prompt, speech.layout))
+            - count(user_tail(request.prompt, speech.layout, request.prompt_role))
             - summary_overhead(count)
             - sum(count(t.text) + overhead for t in new_turns)
             - (count(use.tools) + overhead if use.tools else 0)

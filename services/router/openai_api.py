@@ -54,6 +54,7 @@ from services.router.openai_schema import (
     openapi_document,
     parse_body,
 )
+from services.router.prompt import render_last
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
 from services.router.tenants import Tenants
@@ -97,11 +98,12 @@ def _model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "llm-mesh"}
 
 
-def _inline_history(messages: list[Message]) -> tuple[History, str]:
+def _inline_history(messages: list[Message], role: Role) -> tuple[History, str]:
     """Earlier messages as history, in order (system and developer ones as system turns),
-    and the last one, which must be the user's (or a tool's result), as the prompt."""
-    *earlier, (role, last) = conversation(messages)
-    if role != Role.USER:
+    and the last one as the prompt: the user's (or a tool's result), or the assistant's
+    when it starts the answer (``role``)."""
+    *earlier, (last_role, last) = conversation(messages)
+    if last_role != role:
         raise InvalidArgument(
             f"messages[{len(earlier)}].role", "the last message must be the user's or a tool's"
         )
@@ -119,7 +121,9 @@ class _Echo:
 
     @classmethod
     def of(cls, body: ChatBody | CompletionBody) -> _Echo | None:
-        if not isinstance(body, CompletionBody) or not body.echo:
+        if isinstance(body, ChatBody):  # vLLM's: the answer's start, continued
+            return cls(None, False) if body.echo and body.continue_final_message else None
+        if not body.echo:
             return None
         return cls(body.echoed_logprobs(), body.prompt_alone())
 
@@ -246,7 +250,10 @@ class OpenAiApi:
                 tools = tools_asked(body.tools, body.tool_choice, body.parallel_tool_calls)
                 if tools is not None:  # where a chat completion shows them
                     turns.insert(0, Turn(Role.SYSTEM, tools.instructions()))
-                text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
+                if body.continue_final_message:
+                    text = render_last(speech.layout, turns[:-1], turns[-1])
+                else:
+                    text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
             tokens = speech.codec.encode(text)
             bos = speech.codec.bos_id
             if body.special_tokens() and bos is not None:
@@ -399,8 +406,13 @@ class OpenAiApi:
         whose text the core reads in the model's tokenizer)."""
         session_id = request.headers.get(SESSION_ID, "")
         inline: History | None = None
+        role = Role.USER
         if isinstance(body, ChatBody):
-            history, prompt = _inline_history(body.messages)
+            if body.continues_answer():
+                if session_id:  # a session's turn is the user's
+                    raise InvalidArgument("continue_final_message", "not with a session")
+                role = Role.ASSISTANT
+            history, prompt = _inline_history(body.messages, role)
             prompts: list[str | list[int]] = [prompt]
             if not session_id:
                 inline = history  # with a session, the stored history is the history
@@ -436,6 +448,7 @@ class OpenAiApi:
                 prompt_field=f"prompt[{index}]" if listed else "prompt",
                 session_use=use,
                 prompt_ids=() if isinstance(prompt, str) else tuple(prompt),
+                prompt_role=role,
             )
             for index, prompt in enumerate(prompts)
         ]

@@ -315,6 +315,22 @@ class Body(_Strict):
         return self.prompt_logprobs
 
 
+def check_continuation(messages: list[Message], continued: bool, cue: bool) -> None:
+    """vLLM's rules for ``continue_final_message`` (``continued``): not with
+    ``add_generation_prompt`` (``cue``), and the message continued is the assistant's, in
+    words."""
+    if continued and cue:
+        raise InvalidArgument(
+            "add_generation_prompt", "false with continue_final_message: no new message"
+        )
+    last = messages[-1]
+    if continued and (last.role != "assistant" or last.tool_calls):
+        raise InvalidArgument(
+            f"messages[{len(messages) - 1}].role",
+            "the assistant's, in words, to continue it (continue_final_message)",
+        )
+
+
 def _structure(
     schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None
 ) -> tuple[str, str]:
@@ -399,7 +415,22 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(
         default=None, ge=0, le=20, description="with logprobs: the k likeliest tokens too"
     )
-    continue_final_message: bool = _no_op(False, "vLLM's; the last message is always closed")
+    add_generation_prompt: bool = Field(
+        default=True,
+        description="vLLM's: the assistant's cue after the messages; false only with "
+        "continue_final_message",
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="vLLM's: the last message, the assistant's, is the start of the answer "
+        "and the model goes on with it (with add_generation_prompt: false; not in a session, "
+        "nor with tools; a structured output holds what the model adds)",
+    )
+    echo: bool = Field(
+        default=False,
+        description="vLLM's: with continue_final_message, the answer's content begins with "
+        "the last message's text",
+    )
     # SGLang's, for models that reason apart from their answer; the served models do not.
     separate_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
     stream_reasoning: bool = _no_op(True, "SGLang's; the served models write no reasoning")
@@ -422,6 +453,20 @@ class ChatBody(Body):
     )
     parallel_tool_calls: bool = Field(default=True, description="false: one call at most")
 
+    def continues_answer(self) -> bool:
+        """vLLM's ``continue_final_message``: whether the last message starts the answer.
+        InvalidArgument naming what cannot go with it."""
+        check_continuation(self.messages, self.continue_final_message, self.add_generation_prompt)
+        if not self.continue_final_message:
+            if not self.add_generation_prompt:  # the answer is the assistant's
+                raise InvalidArgument(
+                    "add_generation_prompt", "false only with continue_final_message: true"
+                )
+            return False
+        if self.tools:  # the tools' JSON is a whole answer, not one under way
+            raise InvalidArgument("tools", "not with continue_final_message")
+        return True
+
     def check_no_ops(self) -> None:
         super().check_no_ops()
         if self.store:
@@ -432,7 +477,6 @@ class ChatBody(Body):
     def _forwarded_defaults(self) -> dict[str, bool]:
         return {
             **super()._forwarded_defaults(),
-            "continue_final_message": False,
             "separate_reasoning": True,
             "stream_reasoning": True,
             "include_reasoning": True,
@@ -736,7 +780,9 @@ class TokenizeBody(_Strict):
     prompt: str | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
-    continue_final_message: bool = _no_op(False, "the last message is always closed")
+    continue_final_message: bool = Field(
+        default=False, description="with messages: the last one left open, as a chat has it"
+    )
     add_special_tokens: bool | None = Field(
         default=None,
         description="the tokens the engine adds to a prompt (its BOS, if any); default: "
@@ -756,8 +802,12 @@ class TokenizeBody(_Strict):
             raise InvalidArgument("prompt", "give either prompt or messages")
         if self.tools and self.prompt is not None:
             raise InvalidArgument("tools", "only with messages")
-        if self.continue_final_message:
-            raise InvalidArgument("continue_final_message", "not supported")
+        if self.messages is not None:
+            check_continuation(
+                self.messages, self.continue_final_message, self.add_generation_prompt
+            )
+        elif self.continue_final_message:
+            raise InvalidArgument("continue_final_message", "only with messages")
         return self.prompt if self.prompt is not None else self.messages or []
 
     def special_tokens(self) -> bool:

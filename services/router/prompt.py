@@ -48,9 +48,28 @@ def summary_overhead(count_tokens: Callable[[str], int]) -> int:
     return count_tokens(SUMMARY_LEAD)
 
 
-def user_tail(user_text: str, layout: ChatLayout = MESH_LAYOUT) -> str:
-    """What follows the history: the new message and the assistant's cue."""
-    return _after_anchor(layout, [Turn(Role.USER, user_text)], True)
+def user_tail(user_text: str, layout: ChatLayout = MESH_LAYOUT, role: Role = Role.USER) -> str:
+    """What follows the history: the new message and the assistant's cue (or, the
+    assistant's, the start of its answer, left open)."""
+    before = _anchor(layout)
+    whole = render_last(layout, [_ANCHOR], Turn(role, user_text))
+    return whole[len(before) :] if whole.startswith(before) else whole
+
+
+def render_last(layout: ChatLayout, turns: list[Turn], last: Turn) -> str:
+    """``turns`` and then ``last``: a user's message followed by the assistant's cue, or
+    an assistant's left open for the model to continue (vLLM's continue_final_message):
+    the conversation as the layout writes it, cut where that message's text ends."""
+    if last.role is not Role.ASSISTANT:
+        return layout.render([*turns, last], generation_prompt=True)
+    whole = layout.render([*turns, last], generation_prompt=False)
+    for text in (last.text, last.text.strip()):  # a template may strip the message
+        end = whole.rfind(text) if text else -1
+        if end >= 0:
+            return whole[: end + len(text)]
+    raise InvalidArgument(
+        "prompt", "the model's chat template does not write this message: it cannot go on"
+    )
 
 
 def _preamble(history: History) -> list[Turn]:
@@ -70,22 +89,25 @@ def build_prompt(
     budget_tokens: int,
     count_tokens: Callable[[str], int],
     layout: ChatLayout = MESH_LAYOUT,
+    *,
+    role: Role = Role.USER,
 ) -> tuple[str, int]:
     """Returns (prompt, turns dropped here): the history within ``budget_tokens``.
 
     The context service cuts the history to the budget already; what would still not fit
     (it counted differently, or an older service) is dropped here, oldest first. Without a
     session (``history`` is None) the prompt goes to the model as it is, a plain
-    completion; a session's turns are laid out in the model's chat layout.
+    completion; a session's turns are laid out in the model's chat layout, and then the
+    new message: the user's, or the start of the assistant's answer (``role``).
     """
     if history is None:
         _check_fits(count_tokens(user_text), budget_tokens)
         return user_text, 0
     turns = [*_preamble(history), *history.turns]
-    first = _first_kept(turns, user_text, budget_tokens, count_tokens, layout)
-    user = Turn(Role.USER, user_text)
+    last = Turn(role, user_text)
+    first = _first_kept(turns, last, budget_tokens, count_tokens, layout)
     while True:  # the estimate per turn, checked on the whole: a template may add its own
-        prompt = layout.render([*turns[first:], user], generation_prompt=True)
+        prompt = render_last(layout, turns[first:], last)
         used = count_tokens(prompt)
         if used <= budget_tokens or first == len(turns):
             _check_fits(used, budget_tokens)
@@ -95,14 +117,14 @@ def build_prompt(
 
 def _first_kept(
     turns: list[Turn],
-    user_text: str,
+    last: Turn,
     budget_tokens: int,
     count_tokens: Callable[[str], int],
     layout: ChatLayout,
 ) -> int:
     """The oldest turn of the longest run of recent turns that fits, by each turn's own
     rendering."""
-    used = count_tokens(user_tail(user_text, layout))
+    used = count_tokens(user_tail(last.text, layout, last.role))
     _check_fits(used, budget_tokens)
     first = len(turns)
     while first > 0:

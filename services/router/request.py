@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from llmmesh.runtime import tracing
-from llmmesh.types import Chunk, History, Sampling, Turn
+from llmmesh.types import Chunk, History, Role, Sampling, Turn
 from services.router.admission import Slot
 from services.router.tenants import Lease
 from services.router.upstreams import OutputGuard
@@ -63,6 +63,9 @@ class GenerateInput:
     # A prompt sent as token ids (``prompt`` is their text, which the checks read): the
     # engine reads them as given while the checks leave the text as it is. Empty: text.
     prompt_ids: tuple[int, ...] = ()
+    # Whose the prompt is: the user's (answered after the assistant's cue), or the
+    # assistant's, the start of its answer that the model goes on with (no session).
+    prompt_role: Role = Role.USER
 
     def inline_name(self, index: int) -> str:
         """The request field of inline turn ``index`` (the prompt's after the last)."""

@@ -91,6 +91,19 @@ def test_a_deny_phrase_anywhere_in_a_chat_is_refused_before_the_engine(
         with pytest.raises(openai.PermissionDeniedError) as info:
             client.chat.completions.create(model="llm", messages=messages, max_tokens=4)
         assert "deny-weapons" in str(info.value), name
+    # The start of an answer the model is to go on with (vLLM's continue_final_message).
+    under_way: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": f"Here is {DENIED}:"},
+    ]
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        client.chat.completions.create(
+            model="llm",
+            messages=under_way,
+            max_tokens=4,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )
+    assert info.value.param == "messages[1].content"
 
     def allowed() -> int:
         reply = client.chat.completions.create(

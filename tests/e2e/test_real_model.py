@@ -388,6 +388,41 @@ def test_a_choice_gets_the_models_own_pick(sdk: openai.OpenAI) -> None:
         assert reply.choices[0].text == f" {city}" and reply.choices[0].finish_reason == "stop"
 
 
+def test_an_answer_under_way_is_continued_as_vllms_clients_prefill_it(
+    sdk: openai.OpenAI,
+) -> None:
+    """vLLM's continue_final_message: the assistant's message is the start of the answer
+    (a JSON object's first key here), the model goes on with it, and with echo the
+    content is the whole answer; a choice then holds what the model adds, where the
+    answer is the next word."""
+    question: ChatCompletionMessageParam = {"role": "user", "content": QUESTION}
+    reply = sdk.chat.completions.create(
+        model="smollm2",
+        messages=[question, {"role": "assistant", "content": '{"city": "'}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+    )
+    assert json.loads(reply.choices[0].message.content or "") == {"city": "Paris"}
+    capitals = {"Germany": " Berlin", "Italy": " Rome", "England": " London"}
+    for country, city in capitals.items():
+        reply = sdk.chat.completions.create(
+            model="smollm2",
+            messages=[
+                {"role": "user", "content": f"What is the capital of {country}?"},
+                {"role": "assistant", "content": f"The capital of {country} is"},
+            ],
+            max_tokens=5,
+            temperature=0,
+            extra_body={
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "structured_outputs": {"choice": [" Paris", *capitals.values()]},
+            },
+        )
+        assert reply.choices[0].message.content == city
+
+
 class Capital(BaseModel):
     city: str = Field(max_length=40)
     country: str = Field(max_length=40)

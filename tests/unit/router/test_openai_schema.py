@@ -449,6 +449,67 @@ def test_a_structured_output_that_cannot_be_served_is_refused_by_name(
     assert structured is None  # nothing reached the engine
 
 
+def continued(fields: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    """A chat that continues the assistant's answer: the status, the reply and the call."""
+    inference = Inference()
+    served = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+    chat = {
+        "model": "llm",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Well, "},
+        ],
+        "max_tokens": 2,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+
+    async def scenario() -> tuple[int, Any]:
+        async with TestClient(TestServer(served.app())) as client:
+            response = await client.post(
+                "/v1/chat/completions", json=chat | fields, headers=headers
+            )
+            return response.status, await response.json()
+
+    status, reply = asyncio.run(scenario())
+    return status, reply, inference.calls
+
+
+def test_an_answer_under_way_is_continued_as_vllm_does() -> None:
+    """vLLM's continue_final_message: the prompt ends with the assistant's text, left
+    open; with echo, the answer's content begins with it; the structure holds what the
+    model adds."""
+    status, reply, (call,) = continued({})
+    assert status == 200
+    assert call.prompt == "<|user|>\nhi\n<|assistant|>\nWell, "
+    assert reply["choices"][0]["message"]["content"] == "0!"
+    status, reply, _ = continued({"echo": True})
+    assert (status, reply["choices"][0]["message"]["content"]) == (200, "Well, 0!")
+    status, _, (call,) = continued({"structured_outputs": {"regex": "[0-9]!"}})
+    assert status == 200 and call.sampling.structured == ("regex", "[0-9]!")
+
+
+@pytest.mark.parametrize(
+    ("fields", "headers", "param"),
+    [
+        ({"add_generation_prompt": True}, None, "add_generation_prompt"),
+        ({"continue_final_message": False}, None, "add_generation_prompt"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, None, "messages[0].role"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "clock"}}]},
+            None,
+            "tools",
+        ),
+        ({}, {"x-session-id": "s-1"}, "continue_final_message"),
+    ],
+)
+def test_what_cannot_continue_an_answer_is_refused_by_name(
+    fields: dict[str, Any], headers: dict[str, str] | None, param: str
+) -> None:
+    status, reply, calls = continued(fields, headers)
+    assert (status, reply["error"]["param"], calls) == (400, param, [])
+
+
 def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:
     no_ops = {
         "frequency_penalty": 0,
@@ -483,10 +544,13 @@ def test_what_a_router_in_front_forwards_at_its_defaults_is_served() -> None:
         post("/v1/chat/completions", json.dumps(chat | VLLM_ROUTER_CHAT).encode())
     )
     assert got == 200 and reply["usage"]["completion_tokens"] == 2
-    for name in ("separate_reasoning", "continue_final_message"):
+    for name, refused in (
+        ("separate_reasoning", "separate_reasoning"),
+        ("continue_final_message", "add_generation_prompt"),  # the last message is the user's
+    ):
         changed = chat | VLLM_ROUTER_CHAT | {name: not VLLM_ROUTER_CHAT[name]}
         got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(changed).encode()))
-        assert (got, reply["error"]["param"]) == (400, name)
+        assert (got, reply["error"]["param"]) == (400, refused)
 
 
 def test_an_unknown_model_is_openais_404_model_not_found() -> None:
@@ -509,12 +573,22 @@ def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
                 ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}),
                 ("/tokenize", {"messages": HI, "add_special_tokens": True}),
                 ("/tokenize", {"messages": HI, "continue_final_message": True}),
+                (
+                    "/tokenize",
+                    {
+                        "messages": [*HI, {"role": "assistant", "content": "Sure"}],
+                        "continue_final_message": True,
+                        "add_generation_prompt": False,
+                    },
+                ),
             ):
                 response = await client.post(path, json=doc)
                 replies.append((response.status, await response.json()))
             return replies
 
-    with_bos, plain, chat, text, bad_id, both, chat_bos, open_end = asyncio.run(scenario())
+    with_bos, plain, chat, text, bad_id, both, chat_bos, with_cue, open_end = asyncio.run(
+        scenario()
+    )
     for reply in (with_bos, plain, chat, chat_bos):  # vLLM's documented shapes, exactly
         VllmTokenizeResponse.model_validate(reply[1])
     VllmDetokenizeResponse.model_validate(text[1])
@@ -533,7 +607,9 @@ def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
     # without the engine's special tokens unless asked (a template writes its own).
     assert bytes(chat[1]["tokens"]).decode() == "<|user|>\nhi\n<|assistant|>\n"
     assert chat_bos[1]["tokens"] == [256, *chat[1]["tokens"]]
-    assert open_end[0] == 400 and open_end[1]["error"]["param"] == "continue_final_message"
+    assert with_cue[0] == 400 and with_cue[1]["error"]["param"] == "add_generation_prompt"
+    # An answer under way, left open (vLLM's continue_final_message).
+    assert bytes(open_end[1]["tokens"]).decode() == "<|user|>\nhi\n<|assistant|>\nSure"
     assert text == (200, {"prompt": "hi"})
     assert bad_id[0] == 400 and bad_id[1]["error"]["param"] == "tokens[1]"
     assert both[0] == 400 and both[1]["error"]["param"] == "prompt"

