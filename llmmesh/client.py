@@ -142,6 +142,7 @@ def build_request(
     max_tokens: int = 0,
     temperature: float | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     stop: list[str] | None = None,
     session_id: str = "",
@@ -162,6 +163,7 @@ def build_request(
         repetition_penalty=repetition_penalty,
         logit_bias=logit_bias,
         structured_output=structured_output,
+        min_p=min_p,
     )
     if temperature is not None:
         sampling.temperature = temperature

@@ -40,6 +40,8 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
+    if sampling.min_p:
+        message.min_p = sampling.min_p
     if sampling.logprobs is not None:
         message.logprobs = sampling.logprobs
     if sampling.prompt_logprobs is not None:
@@ -66,6 +68,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         temperature=message.temperature if message.HasField("temperature") else 1.0,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         top_k=message.top_k,
+        min_p=message.min_p,
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,

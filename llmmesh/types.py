@@ -60,6 +60,9 @@ class Sampling:
     structured: tuple[str, str] | None = None
     # vLLM's prompt_logprobs: each prompt token's, and the k likeliest there; None: none
     prompt_logprobs: int | None = None
+    # vLLM's min_p: only tokens at least this share of the likeliest one's probability
+    # are drawn; 0: none
+    min_p: float = 0.0
 
     @property
     def penalized(self) -> bool:
@@ -82,6 +85,8 @@ class Sampling:
         }
         if self.top_k > 0:
             doc["top_k"] = self.top_k
+        if self.min_p > 0.0:
+            doc["min_p"] = self.min_p
         if self.seed is not None:
             doc["seed"] = self.seed
         if self.stop:
@@ -255,6 +260,8 @@ def check_sampling(
         )
     if not 0.0 < sampling.top_p <= 1.0:
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if not 0.0 <= sampling.min_p <= 1.0:
+        raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
     if not 0 <= sampling.top_k <= MAX_TOP_K:
         raise InvalidArgument(
             "sampling.top_k", f"must be in [0, {MAX_TOP_K}], got {sampling.top_k}"

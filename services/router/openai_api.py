@@ -78,7 +78,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "min_tokens": body.min_tokens,
         "structured": tools.structure() if tools else body.structure(),
     }
-    for name in ("temperature", "top_p", "seed", "top_k", *PENALTIES):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", *PENALTIES):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     return Sampling(stop=stop, **kwargs)

@@ -52,7 +52,16 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 # name is the same (max_tokens and logprobs differ between the APIs).
 _SAMPLING_NAMES = {
     f"sampling.{name}": name
-    for name in ("temperature", "top_p", "top_k", "seed", "logit_bias", "min_tokens", *PENALTIES)
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "logit_bias",
+        "min_tokens",
+        *PENALTIES,
+    )
 } | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
 
 
@@ -181,6 +190,11 @@ class Body(_Strict):
     )
     top_k: int | None = Field(
         default=None, ge=0, description="vLLM's extension: sample from the k likeliest; 0: all"
+    )
+    min_p: float | None = Field(
+        default=None,
+        description="vLLM's extension, in [0, 1]: sample only tokens at least this share of "
+        "the likeliest one's probability; 0: all",
     )
     presence_penalty: float | None = Field(
         default=None, description="in [-2, 2]: subtracted once from a token the output has"

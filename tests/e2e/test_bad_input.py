@@ -22,6 +22,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"temperature": -0.5}, "sampling.temperature"),
     ("hi", {"top_p": 0.0}, "sampling.top_p"),
     ("hi", {"top_p": 1.01}, "sampling.top_p"),
+    ("hi", {"min_p": 1.5}, "sampling.min_p"),
     ("hi", {"session_id": "no spaces allowed"}, "session_id"),
     ("hi", {"stop": [""]}, "sampling.stop"),
     ("hi", {"stop": ["x"] * 17}, "sampling.stop"),

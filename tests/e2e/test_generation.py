@@ -49,6 +49,16 @@ def test_same_seed_gives_same_text(router_channel: grpc.Channel) -> None:
     assert a == b != c
 
 
+def test_min_p_of_one_draws_only_the_likeliest_token(router_channel: grpc.Channel) -> None:
+    """vLLM's min_p reaches the engine: at 1 only the likeliest token is left to draw,
+    so every seed writes the greedy text (which seeds alone do not)."""
+    asked = {"max_tokens": 16, "ignore_eos": True}
+    greedy = text_of(collect(router_channel, "min-p", temperature=0.0, **asked))
+    drawn = {text_of(collect(router_channel, "min-p", seed=s, **asked)) for s in range(3)}
+    kept = {text_of(collect(router_channel, "min-p", seed=s, min_p=1.0, **asked)) for s in range(3)}
+    assert kept == {greedy} and drawn != {greedy}
+
+
 def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
     free = text_of(collect(router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True))
     stop = free[30:33]

@@ -91,6 +91,9 @@ class TestSamplingParameters:
             (b'{"temperature": -0.1}', "temperature"),
             (b'{"top_p": 0}', "top_p"),
             (b'{"top_p": 1.5}', "top_p"),
+            (b'{"min_p": 1.5}', r"min_p: must be in \[0, 1\]"),
+            (b'{"min_p": -0.1}', "min_p: must be >= 0"),
+            (b'{"min_p": "0.1"}', "min_p: must be a finite number"),
             (b'{"stop": [""]}', "stop"),
             (b'{"bogus": 1}', "unknown keys"),
             (b'{"presence_penalty": 2.5}', r"presence_penalty: must be in \[-2.0, 2.0\]"),
@@ -161,6 +164,22 @@ class TestSampler:
         greedy = Sampler(SamplingParams(temperature=0.0)).sample(logits)
         sampler = Sampler(SamplingParams(top_p=1e-6, seed=0))
         assert {sampler.sample(logits) for _ in range(20)} == {greedy}
+
+    def test_min_p_draws_only_tokens_near_the_likeliest(self) -> None:
+        """vLLM's min_p: with 0.5, tokens at least half as likely as the likeliest are
+        drawn (all of them, in time), none less likely; with 1, only the likeliest."""
+        logits = np.full(258, -30.0, dtype=np.float32)
+        likely = {ord("a"): 0.0, ord("b"): np.log(0.6), ord("c"): np.log(0.4)}
+        for token, logit in likely.items():
+            logits[token] = logit
+        sampler = Sampler(SamplingParams(min_p=0.5, seed=0))
+        drawn = {sampler.sample(logits) for _ in range(200)}
+        assert drawn == {ord("a"), ord("b")}
+        plain = Sampler(SamplingParams(seed=0))
+        assert ord("c") in {plain.sample(logits) for _ in range(200)}
+        only = Sampler(SamplingParams(min_p=1.0, seed=0))
+        assert {only.sample(logits) for _ in range(20)} == {ord("a")}
+        assert parse_sampling_parameters(b'{"min_p": 0.05}').min_p == 0.05
 
     def test_eos_allowed_unless_ignored(self) -> None:
         logits = np.full(258, -50.0, dtype=np.float32)

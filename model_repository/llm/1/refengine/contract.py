@@ -65,6 +65,9 @@ class SamplingParams:
     # vLLM's structured_outputs: the output held to a JSON schema, an object, a regular
     # expression or one of some choices (None: free text).
     structured: StructuredOutput | None = None
+    # vLLM's min_p: tokens less likely than this share of the likeliest one's probability
+    # (after temperature) are not drawn; 0: none.
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +203,7 @@ _KNOWN_KEYS = {
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "ignore_eos",
@@ -256,6 +260,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         temperature=_float(doc, "temperature", 1.0, lo=0.0, lo_open=False),
         top_p=_top_p(doc),
         top_k=_top_k(doc),
+        min_p=_min_p(doc),
         seed=_seed(doc),
         stop=_stop(doc),
         ignore_eos=_bool(doc, "ignore_eos", False),
@@ -390,6 +395,13 @@ def _top_p(doc: dict[str, Any]) -> float:
     value = _float(doc, "top_p", 1.0, lo=0.0, lo_open=True)
     if value > 1.0:
         raise RequestError(f"sampling_parameters.top_p: must be in (0, 1], got {value}")
+    return value
+
+
+def _min_p(doc: dict[str, Any]) -> float:
+    value = _float(doc, "min_p", 0.0, lo=0.0, lo_open=False)
+    if value > 1.0:
+        raise RequestError(f"sampling_parameters.min_p: must be in [0, 1], got {value}")
     return value
 
 

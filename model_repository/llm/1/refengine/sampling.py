@@ -1,5 +1,5 @@
-"""Turns next-token logits into a token: masking, penalties, temperature, top-k, top-p,
-seeded RNG."""
+"""Turns next-token logits into a token: masking, penalties, temperature, min-p, top-k,
+top-p, seeded RNG."""
 
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ class Sampler:
 
     def draw(self, probs: npt.NDArray[np.float64]) -> int:
         """A token from unnormalised probabilities, by inverse CDF with this sequence's RNG."""
-        probs = _top_p(_top_k(probs, self.params.top_k), self.params.top_p)
+        params = self.params
+        probs = _top_p(_top_k(_min_p(probs, params.min_p), params.top_k), params.top_p)
         cdf = np.cumsum(probs)
         index = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
         return min(index, len(cdf) - 1)
@@ -163,6 +164,14 @@ def _biased(mask: npt.NDArray[np.float64], params: SamplingParams) -> npt.NDArra
     biased = mask.copy()
     biased[list(tokens)] += biases
     return biased
+
+
+def _min_p(probs: npt.NDArray[np.float64], p: float) -> npt.NDArray[np.float64]:
+    """vLLM's min-p, first as vLLM applies it: the tokens at least ``p`` times as likely
+    as the likeliest (the likeliest always stays)."""
+    if p <= 0.0:
+        return probs
+    return np.where(probs >= p * probs.max(), probs, 0.0)
 
 
 def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:
