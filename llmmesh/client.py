@@ -143,6 +143,7 @@ def build_request(
     temperature: float | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    stop_token_ids: list[int] | None = None,
     seed: int | None = None,
     stop: list[str] | None = None,
     session_id: str = "",
@@ -164,6 +165,7 @@ def build_request(
         logit_bias=logit_bias,
         structured_output=structured_output,
         min_p=min_p,
+        stop_token_ids=stop_token_ids or [],
     )
     if temperature is not None:
         sampling.temperature = temperature

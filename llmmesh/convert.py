@@ -37,6 +37,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         stop=list(sampling.stop),
         ignore_eos=sampling.ignore_eos,
         min_tokens=sampling.min_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -69,6 +70,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         top_k=message.top_k,
         min_p=message.min_p,
+        stop_token_ids=tuple(sorted(set(message.stop_token_ids))),
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,

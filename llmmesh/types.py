@@ -34,6 +34,18 @@ _VLLM_KINDS = {
 
 # The penalties' names (as vLLM and OpenAI spell them) and the value that asks for none.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+# The sampling parameters sent to an engine only when they ask for something, with the
+# value that asks for nothing.
+_SENT_UNLESS = (
+    ("top_k", 0),
+    ("min_p", 0.0),
+    ("seed", None),
+    ("ignore_eos", False),
+    ("logprobs", None),
+    ("prompt_logprobs", None),
+    ("min_tokens", 0),
+    *PENALTIES.items(),
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class Sampling:
     # vLLM's min_p: only tokens at least this share of the likeliest one's probability
     # are drawn; 0: none
     min_p: float = 0.0
+    # vLLM's stop_token_ids: the generation ends with any of these (ascending, no repeats)
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -83,27 +97,14 @@ class Sampling:
             "temperature": self.temperature,
             "top_p": self.top_p,
         }
-        if self.top_k > 0:
-            doc["top_k"] = self.top_k
-        if self.min_p > 0.0:
-            doc["min_p"] = self.min_p
-        if self.seed is not None:
-            doc["seed"] = self.seed
-        if self.stop:
-            doc["stop"] = list(self.stop)
-        if self.ignore_eos:
-            doc["ignore_eos"] = True
-        if self.logprobs is not None:
-            doc["logprobs"] = self.logprobs
-        if self.prompt_logprobs is not None:
-            doc["prompt_logprobs"] = self.prompt_logprobs
-        for name, none in PENALTIES.items():
+        for name, none in _SENT_UNLESS:
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name):
+                doc[name] = list(getattr(self, name))
         if self.logit_bias:
             doc["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
-        if self.min_tokens:
-            doc["min_tokens"] = self.min_tokens
         if self.structured is not None:
             kind, spec = self.structured
             value = choice_options(spec) if kind == "choice" else spec or True
@@ -233,6 +234,7 @@ MAX_PROMPT_LOGPROB_ENTRIES = 16_384
 MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM take them
 MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out anyway
 MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100], as OpenAI takes it
@@ -271,6 +273,13 @@ def check_sampling(
             "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
         )
     _check_stop(sampling.stop)
+    if (
+        len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS
+        or min(sampling.stop_token_ids, default=0) < 0
+    ):
+        raise InvalidArgument(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0"
+        )
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
     if sampling.structured is not None:

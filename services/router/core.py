@@ -235,7 +235,7 @@ class RouterCore:
             await compile_structure(request.sampling.structured, partition)
         request = self.validate(request)
         speech = await self._speech(request.model)
-        speech.check_biased(request.sampling.logit_bias)
+        speech.check_tokens(request.sampling)
         with tracing.step("context.load"):
             history = await self._load_history(request, speech)
         # What the client wrote (a session's stored turns were checked on their way in, or

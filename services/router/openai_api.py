@@ -76,6 +76,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "prompt_logprobs": body.prompt_logprobs_wanted(),
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
+        "stop_token_ids": tuple(sorted(set(body.stop_token_ids or ()))),
         "structured": tools.structure() if tools else body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", *PENALTIES):

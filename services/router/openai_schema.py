@@ -60,6 +60,7 @@ _SAMPLING_NAMES = {
         "seed",
         "logit_bias",
         "min_tokens",
+        "stop_token_ids",
         *PENALTIES,
     )
 } | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
@@ -190,6 +191,12 @@ class Body(_Strict):
     )
     top_k: int | None = Field(
         default=None, ge=0, description="vLLM's extension: sample from the k likeliest; 0: all"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        max_length=64,
+        description="vLLM's extension: the model's token ids that end the generation (a "
+        "token's text is kept unless it is a control token)",
     )
     min_p: float | None = Field(
         default=None,

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from llmmesh.policy import Part
 from llmmesh.runtime.errors import InvalidArgument, MeshError
-from llmmesh.types import ModelCard, count_tokens
+from llmmesh.types import ModelCard, Sampling, count_tokens
 from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
 
 log = logging.getLogger(__name__)
@@ -165,14 +165,19 @@ class ModelSpeech:
             layout = TemplateLayout(card.chat_template, card.bos_token, card.eos_token)
         return cls(count, layout, card.max_context, controls, codec)
 
-    def check_biased(self, biases: Iterable[tuple[int, float]]) -> None:
-        """INVALID_ARGUMENT naming ``sampling.logit_bias`` for a token this model lacks."""
+    def check_tokens(self, sampling: Sampling) -> None:
+        """INVALID_ARGUMENT naming ``sampling.logit_bias`` or ``sampling.stop_token_ids``
+        for a token this model lacks."""
         size = self.codec.vocab_size
-        for token, _ in biases:
-            if token >= size:
-                raise InvalidArgument(
-                    "sampling.logit_bias", f"{token} is not a token of this model (0-{size - 1})"
-                )
+        for name, tokens in (
+            ("logit_bias", [token for token, _ in sampling.logit_bias]),
+            ("stop_token_ids", sampling.stop_token_ids),
+        ):
+            for token in tokens:
+                if token >= size:
+                    raise InvalidArgument(
+                        f"sampling.{name}", f"{token} is not a token of this model (0-{size - 1})"
+                    )
 
     def check_plain(self, parts: Iterable[Part]) -> None:
         """INVALID_ARGUMENT naming the first part that writes one of the model's control

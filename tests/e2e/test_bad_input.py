@@ -23,6 +23,8 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"top_p": 0.0}, "sampling.top_p"),
     ("hi", {"top_p": 1.01}, "sampling.top_p"),
     ("hi", {"min_p": 1.5}, "sampling.min_p"),
+    ("hi", {"stop_token_ids": [10, 258]}, "sampling.stop_token_ids"),  # the model has 258
+    ("hi", {"stop_token_ids": [-1]}, "sampling.stop_token_ids"),
     ("hi", {"session_id": "no spaces allowed"}, "session_id"),
     ("hi", {"stop": [""]}, "sampling.stop"),
     ("hi", {"stop": ["x"] * 17}, "sampling.stop"),

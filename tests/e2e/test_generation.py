@@ -59,6 +59,15 @@ def test_min_p_of_one_draws_only_the_likeliest_token(router_channel: grpc.Channe
     assert kept == {greedy} and drawn != {greedy}
 
 
+def test_a_stop_token_ends_the_stream_with_its_text(router_channel: grpc.Channel) -> None:
+    asked = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    free = text_of(collect(router_channel, "stop token", **asked))
+    token = ord(free[30])  # the byte model: a character's token is its byte
+    responses = collect(router_channel, "stop token", stop_token_ids=[token], **asked)
+    assert text_of(responses) == free[: free.index(chr(token)) + 1]
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
 def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
     free = text_of(collect(router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True))
     stop = free[30:33]

@@ -92,6 +92,9 @@ class TestSamplingParameters:
             (b'{"top_p": 0}', "top_p"),
             (b'{"top_p": 1.5}', "top_p"),
             (b'{"min_p": 1.5}', r"min_p: must be in \[0, 1\]"),
+            (b'{"stop_token_ids": 5}', "stop_token_ids: must be a list"),
+            (b'{"stop_token_ids": [1, -1]}', "stop_token_ids: each must be a token id"),
+            (b'{"stop_token_ids": [true]}', "stop_token_ids: each must be a token id"),
             (b'{"min_p": -0.1}', "min_p: must be >= 0"),
             (b'{"min_p": "0.1"}', "min_p: must be a finite number"),
             (b'{"stop": [""]}', "stop"),
@@ -744,6 +747,20 @@ class TestEngine:
         )
         assert cut.final is not None and cut.final[2] == "stop"
         assert cut.text == free[: free.index(stop)]
+
+    def test_a_stop_token_ends_generation_with_its_text(self) -> None:
+        """vLLM's stop_token_ids: the first of them generated ends the stream, its text
+        kept (a token that is not special); before min_tokens, none may come."""
+        kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+        free = run(make_engine(), "stops", **kw).text
+        token = ord(free[20])
+        cut = run(make_engine(), "stops", stop_token_ids=[token, 255], **kw)
+        assert cut.final is not None and cut.final[2] == "stop"
+        assert cut.text == free[: free.index(chr(token)) + 1]
+        late = run(make_engine(), "stops", stop_token_ids=[token], min_tokens=25, **kw)
+        assert chr(token) not in late.text[:25]
+        with pytest.raises(RequestError, match=r"stop_token_ids: 258 is not a token"):
+            run(make_engine(), "stops", stop_token_ids=[258], **kw)
 
     def test_cancellation_stops_generation_and_frees_blocks(self) -> None:
         engine = make_engine()

@@ -69,6 +69,8 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(top_p=0.0), 400, "top_p"),
         ("/v1/completions", body(min_p=1.5), 400, "min_p"),
         ("/v1/completions", body(min_p=-0.5), 400, "min_p"),
+        ("/v1/completions", body(stop_token_ids=[10, 258]), 400, "stop_token_ids"),
+        ("/v1/completions", body(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
         ("/v1/completions", body(seed=-1), 400, "seed"),
         ("/v1/completions", body(stop=[""]), 400, "stop"),
         ("/v1/completions", body(presence_penalty=2.5), 400, "presence_penalty"),
@@ -171,6 +173,8 @@ def body(**fields: Any) -> bytes:
         "top_p-zero",
         "min_p-over-1",
         "min_p-negative",
+        "stop_token_ids-not-the-models",
+        "stop_token_ids-negative",
         "seed-negative",
         "stop-empty",
         "presence_penalty-over-2",
@@ -349,6 +353,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "frequency_penalty": 2,
         "repetition_penalty": 1.3,
         "min_p": 0.25,
+        "stop_token_ids": [33, 10, 33],
         "logit_bias": {"66": -100, "65": 2.5},
         "min_tokens": 1,
         "response_format": {
@@ -370,7 +375,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert sampling.logit_bias == ((65, 2.5), (66, -100.0)) and sampling.min_tokens == 1
     assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
-    assert sent["min_p"] == 0.25
+    assert sent["min_p"] == 0.25 and sent["stop_token_ids"] == [10, 33]
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 
 

@@ -68,6 +68,9 @@ class SamplingParams:
     # vLLM's min_p: tokens less likely than this share of the likeliest one's probability
     # (after temperature) are not drawn; 0: none.
     min_p: float = 0.0
+    # vLLM's stop_token_ids: the generation ends with any of these tokens (its text kept,
+    # as vLLM keeps a token that is not special), once past min_tokens; ascending.
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -204,6 +207,7 @@ _KNOWN_KEYS = {
     "top_p",
     "top_k",
     "min_p",
+    "stop_token_ids",
     "seed",
     "stop",
     "ignore_eos",
@@ -260,7 +264,6 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         temperature=_float(doc, "temperature", 1.0, lo=0.0, lo_open=False),
         top_p=_top_p(doc),
         top_k=_top_k(doc),
-        min_p=_min_p(doc),
         seed=_seed(doc),
         stop=_stop(doc),
         ignore_eos=_bool(doc, "ignore_eos", False),
@@ -272,6 +275,8 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         logit_bias=_logit_bias(doc),
         min_tokens=_min_tokens(doc),
         structured=_structured(doc),
+        min_p=_min_p(doc),
+        stop_token_ids=_stop_token_ids(doc),
     )
 
 
@@ -396,6 +401,21 @@ def _top_p(doc: dict[str, Any]) -> float:
     if value > 1.0:
         raise RequestError(f"sampling_parameters.top_p: must be in (0, 1], got {value}")
     return value
+
+
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _stop_token_ids(doc: dict[str, Any]) -> tuple[int, ...]:
+    value = doc.get("stop_token_ids")
+    if value is None:
+        return ()
+    field = "sampling_parameters.stop_token_ids"
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"{field}: must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+    if not all(type(token) is int and token >= 0 for token in value):
+        raise RequestError(f"{field}: each must be a token id (an integer >= 0)")
+    return tuple(sorted(set(value)))
 
 
 def _min_p(doc: dict[str, Any]) -> float:

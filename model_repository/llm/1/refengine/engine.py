@@ -203,11 +203,16 @@ class Engine:
                     f"sampling_parameters.{name}: at most {self.config.max_logprobs}, got {wanted}"
                 )
         vocab = self.tokenizer.vocab_size
-        for token, _ in request.sampling.logit_bias:
-            if token >= vocab:
-                raise RequestError(
-                    f"sampling_parameters.logit_bias: {token} is not a token (0-{vocab - 1})"
-                )
+        sampling = request.sampling
+        for name, tokens in (
+            ("logit_bias", [token for token, _ in sampling.logit_bias]),
+            ("stop_token_ids", sampling.stop_token_ids),
+        ):
+            for token in tokens:
+                if token >= vocab:
+                    raise RequestError(
+                        f"sampling_parameters.{name}: {token} is not a token (0-{vocab - 1})"
+                    )
         prompt = self._prompt_tokens(request)
         context = self.model.shape.max_context
         if len(prompt) >= context:
@@ -582,7 +587,8 @@ class Engine:
             seq.unsent_text.append(released)
         if seq.request.stream and seq.unsent_text and self._due(seq):
             self._emit(seq)
-        if seq.stops.stopped or (constraint is not None and constraint.complete):
+        ends = token in seq.request.sampling.stop_token_ids and seq.generated > seq.min_tokens
+        if ends or seq.stops.stopped or (constraint is not None and constraint.complete):
             self._finish(seq, STOP)
         elif seq.generated >= seq.max_new:
             self._finish(seq, LENGTH)

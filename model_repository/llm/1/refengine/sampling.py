@@ -27,8 +27,15 @@ class OutputMasks:
         return self.without_eos if params.ignore_eos else self.with_eos
 
     def early(self, params: SamplingParams) -> npt.NDArray[np.float64] | None:
-        """The mask for a sequence's first ``min_tokens`` tokens, if it differs."""
-        return self.without_eos if params.min_tokens and not params.ignore_eos else None
+        """The mask for a sequence's first ``min_tokens`` tokens, if it differs: no end of
+        sequence, nor a stop token."""
+        if not params.min_tokens or (params.ignore_eos and not params.stop_token_ids):
+            return None
+        if not params.stop_token_ids:
+            return self.without_eos
+        mask = self.without_eos.copy()
+        mask[list(params.stop_token_ids)] = -np.inf
+        return mask
 
 
 BYTE_MASKS = OutputMasks(ByteTokenizer())
