@@ -144,6 +144,7 @@ def build_request(
     top_p: float | None = None,
     min_p: float | None = None,
     stop_token_ids: list[int] | None = None,
+    include_stop_str_in_output: bool = False,
     seed: int | None = None,
     stop: list[str] | None = None,
     session_id: str = "",
@@ -166,6 +167,7 @@ def build_request(
         structured_output=structured_output,
         min_p=min_p,
         stop_token_ids=stop_token_ids or [],
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     if temperature is not None:
         sampling.temperature = temperature

@@ -41,6 +41,7 @@ _SENT_UNLESS = (
     ("min_p", 0.0),
     ("seed", None),
     ("ignore_eos", False),
+    ("include_stop_str_in_output", False),
     ("logprobs", None),
     ("prompt_logprobs", None),
     ("min_tokens", 0),
@@ -77,6 +78,7 @@ class Sampling:
     min_p: float = 0.0
     # vLLM's stop_token_ids: the generation ends with any of these (ascending, no repeats)
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the output, in it
 
     @property
     def penalized(self) -> bool:

@@ -72,6 +72,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         # position's logits are computed with the rest of the prompt's anyway.
         "max_tokens": 1 if alone else body.max_completion_tokens or body.max_tokens or 0,
         "ignore_eos": body.ignore_eos,
+        "include_stop_str_in_output": body.include_stop_str_in_output or body.no_stop_trim,
         "logprobs": body.logprobs_wanted(),
         "prompt_logprobs": body.prompt_logprobs_wanted(),
         "logit_bias": body.biases(),

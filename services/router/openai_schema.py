@@ -227,7 +227,12 @@ class Body(_Strict):
     # What routers in front of vLLM and SGLang servers (vllm-router, for one) forward at
     # their defaults: each asks for nothing here, and anything else is refused by name.
     skip_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
-    no_stop_trim: bool = _no_op(False, "SGLang's; a stop string is always trimmed")
+    no_stop_trim: bool = Field(
+        default=False, description="SGLang's name of include_stop_str_in_output"
+    )
+    include_stop_str_in_output: bool = Field(
+        default=False, description="vLLM's extension: the stop string that ends the text is in it"
+    )
     return_hidden_states: bool = _no_op(False, "SGLang's; hidden states are never returned")
     response_format: ResponseFormat | None = Field(
         default=None,
@@ -285,7 +290,7 @@ class Body(_Strict):
                 raise InvalidArgument(name, f"not supported (only {default!r})")
 
     def _forwarded_defaults(self) -> dict[str, bool]:
-        return {"skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
+        return {"skip_special_tokens": True, "return_hidden_states": False}
 
     def structure(self) -> tuple[str, str] | None:
         """The core's structured output (None: text), from ``response_format`` or vLLM's

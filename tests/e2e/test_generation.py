@@ -76,6 +76,16 @@ def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
     )
     assert text_of(responses) == free[: free.index(stop)]
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    kept = collect(
+        router_channel,
+        "stop",
+        max_tokens=48,
+        temperature=0.0,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
+    assert text_of(kept) == free[: free.index(stop) + len(stop)]
 
 
 def test_default_max_tokens_applies_when_unset(router_channel: grpc.Channel) -> None:

@@ -402,6 +402,10 @@ class TestStopMatcher:
         assert stops.push("c") == "ac"
         assert not stops.stopped
 
+    def test_the_stop_that_begins_first_is_kept_when_asked(self) -> None:
+        stops = StopMatcher(("CD", "BC", "B"), include=True)
+        assert stops.push("aBCD") == "aBC" and stops.stopped
+
     def test_flush_releases_a_held_partial_match(self) -> None:
         stops = StopMatcher(("END",))
         assert stops.push("xEN") == "x"
@@ -747,6 +751,16 @@ class TestEngine:
         )
         assert cut.final is not None and cut.final[2] == "stop"
         assert cut.text == free[: free.index(stop)]
+
+    def test_a_stop_string_kept_in_the_text_when_asked(self) -> None:
+        kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+        free = run(make_engine(), "stops", **kw).text
+        stop = free[20:23]
+        kept = run(
+            make_engine(), "stops", stop=["zzzz", stop], include_stop_str_in_output=True, **kw
+        )
+        assert kept.final is not None and kept.final[2] == "stop"
+        assert kept.text == free[: free.index(stop) + len(stop)]
 
     def test_a_stop_token_ends_generation_with_its_text(self) -> None:
         """vLLM's stop_token_ids: the first of them generated ends the stream, its text

@@ -305,7 +305,6 @@ def test_field_paths_leave_union_tags_out() -> None:
         ),
         ({"logprobs": 21}, "logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"no_stop_trim": True}, "no_stop_trim"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"return_hidden_states": True}, "return_hidden_states"),
     ],
@@ -376,7 +375,24 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
     assert sent["min_p"] == 0.25 and sent["stop_token_ids"] == [10, 33]
+    assert "include_stop_str_in_output" not in sent
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
+
+
+@pytest.mark.parametrize("name", ["include_stop_str_in_output", "no_stop_trim"])
+def test_a_stop_string_kept_in_the_text_is_asked_of_the_engine(name: str) -> None:
+    """vLLM's include_stop_str_in_output, and SGLang's name for it."""
+    inference = Inference()
+    served = OpenAiApi(make_core(gate(), Context(), inference), Tenants(), ["llm"])
+
+    async def scenario() -> int:
+        async with TestClient(TestServer(served.app())) as client:
+            response = await client.post("/v1/completions", json=OK | {"stop": "x", name: True})
+            return response.status
+
+    assert asyncio.run(scenario()) == 200
+    sent = json.loads(inference.calls[0].sampling.to_vllm_json())
+    assert sent["include_stop_str_in_output"] is True
 
 
 def sampled(path: str, fields: dict[str, Any]) -> tuple[int, Any, Any]:

@@ -71,6 +71,8 @@ class SamplingParams:
     # vLLM's stop_token_ids: the generation ends with any of these tokens (its text kept,
     # as vLLM keeps a token that is not special), once past min_tokens; ascending.
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's include_stop_str_in_output: the stop string that ends the output is in it.
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -208,6 +210,7 @@ _KNOWN_KEYS = {
     "top_k",
     "min_p",
     "stop_token_ids",
+    "include_stop_str_in_output",
     "seed",
     "stop",
     "ignore_eos",
@@ -277,6 +280,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         structured=_structured(doc),
         min_p=_min_p(doc),
         stop_token_ids=_stop_token_ids(doc),
+        include_stop_str_in_output=_bool(doc, "include_stop_str_in_output", False),
     )
 
 

@@ -139,7 +139,8 @@ class Sequence:
         if self.constraint is not None and resumed:
             self.constraint.accept_all(resumed)
         self.sampler = Sampler(self.request.sampling, self.masks, prompt, resumed, self.constraint)
-        self.stops = StopMatcher(self.request.sampling.stop)
+        sampling = self.request.sampling
+        self.stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
 
     @property
     def priority(self) -> int:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self._stops = stops
+        self._include = include  # vLLM's include_stop_str_in_output: the stop is released
         self._pending = ""
         # How much of the pending text came before matching began (a sequence's first
         # min_tokens): a stop string may begin there but must end after it (vLLM's rule).
@@ -21,10 +22,11 @@ class StopMatcher:
         self._pending += text
         if not matching:
             self._inert = len(self._pending)
-        cut = self._first_stop()
+        cut, stop = self._first_stop()
         if cut >= 0:
             self.stopped = True
-            released, self._pending, self._inert = self._pending[:cut], "", 0
+            end = cut + len(stop) if self._include else cut
+            released, self._pending, self._inert = self._pending[:end], "", 0
             return released
         keep = self._held_suffix()
         released = self._pending[: len(self._pending) - keep]
@@ -37,10 +39,11 @@ class StopMatcher:
         released, self._pending, self._inert = self._pending, "", 0
         return released
 
-    def _first_stop(self) -> int:
-        """Where the first stop string that ends past the inert text begins, or -1."""
-        hits = (self._pending.find(s, max(0, self._inert - len(s) + 1)) for s in self._stops)
-        return min((i for i in hits if i >= 0), default=-1)
+    def _first_stop(self) -> tuple[int, str]:
+        """Where the first stop string that ends past the inert text begins (-1: none),
+        and which it is (the first listed of those that begin there)."""
+        hits = ((self._pending.find(s, max(0, self._inert - len(s) + 1)), s) for s in self._stops)
+        return min(((i, s) for i, s in hits if i >= 0), key=lambda hit: hit[0], default=(-1, ""))
 
     def _held_suffix(self) -> int:
         """Length of the longest suffix of pending text that is a prefix of a stop string."""
