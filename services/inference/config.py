@@ -31,9 +31,11 @@ class InferenceConfig(ServiceConfig):
     models: list[str] = Field(default_factory=lambda: ["llm"])
     # A model with generations in flight and no response from any of them for this long
     # has stalled: they end UNAVAILABLE and the model is reloaded (services/inference/
-    # health.py). Idle models are probed this often.
+    # health.py). Idle models are probed this often; busy ones whose streams all went
+    # quiet this long, at most this often (a dead backend process ends them then).
     stall_timeout_s: float = Field(default=15.0, gt=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
+    quiet_probe_s: float = Field(default=1.0, gt=0)
     # Multiplexed streams (routers): a generation's later responses may wait this long for
     # others to go out in the same message (its first and last never wait); each message
     # costs both ends a wakeup. 0: every response on its own, at once.

@@ -10,8 +10,9 @@ streams it had silent forever. So the inference service watches for itself:
 - **Liveness probes**: a model with nothing in flight for ``probe_interval_s`` is sent a
   request its backend must refuse (``max_tokens: 0``); the refusal proves the backend
   process alive and answering, without touching the engine or its statistics. So is a
-  model whose streams have all been quiet for ``probe_interval_s``: a dead backend
-  process fails the probe at once, and its streams end then, not at the stall time.
+  model whose streams have all been quiet for ``quiet_probe_s`` (a second: many times an
+  engine step), at most that often: a dead backend process fails the probe at once, and
+  its streams end then, not at the stall time; a live one answers it (a long prefill).
 - **Recovery**: a failed model is probed every ``RECHECK_S`` until it answers again, and
   reloaded through Triton's model control API (unload, then load: a new backend
   process) when a probe fails, at most once per backoff period. A model that comes back
@@ -28,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Protocol
@@ -144,11 +146,14 @@ class HealthKeeper:
         control: ModelControl,
         models: Callable[[], Collection[str]],
         probe_interval_s: float,
+        quiet_probe_s: float | None = None,
     ) -> None:
         self._health = health
         self._control = control
         self._models = models
         self._probe_interval = probe_interval_s
+        self._quiet_probe = min(quiet_probe_s or probe_interval_s, probe_interval_s)
+        self._probed_at: dict[str, float] = {}  # when each busy model was last probed
         self._tasks: list[asyncio.Task[None]] = []
         self._recovering: dict[str, asyncio.Task[None]] = {}
         self._suspects: dict[str, asyncio.Task[None]] = {}  # busy models being probed
@@ -177,16 +182,23 @@ class HealthKeeper:
 
     async def _watch_stalls(self) -> None:
         health = self._health
-        period = min(health.stall_s, self._probe_interval) / 4
+        period = min(health.stall_s, self._quiet_probe) / 4
         while True:
             await asyncio.sleep(period)  # the watchdog's period, not synchronisation
             for model in health.stalled():
                 detail = f"stalled: no response in {health.stall_s:g} s"
                 self.failed(model, "stalled", detail, hung=True)
-            for model in health.stalled(after_s=self._probe_interval):
-                probing = self._suspects.get(model)
-                if model not in health.failed and (probing is None or probing.done()):
+            for model in health.stalled(after_s=self._quiet_probe):
+                if self._may_probe_busy(model):
+                    self._probed_at[model] = time.monotonic()
                     self._suspects[model] = asyncio.create_task(self._probe_busy(model))
+
+    def _may_probe_busy(self, model: str) -> bool:
+        """Not failed, not being probed, and not probed in the last ``quiet_probe_s``."""
+        probing = self._suspects.get(model)
+        recent = time.monotonic() - self._probed_at.get(model, -math.inf) < self._quiet_probe
+        busy = probing is not None and not probing.done()
+        return model not in self._health.failed and not busy and not recent
 
     async def _probe_busy(self, model: str) -> None:
         """A model whose streams all went quiet: if its backend does not answer a probe,

@@ -48,7 +48,9 @@ def build_replica(config: InferenceConfig) -> Replica:
     backend = triton_backend(config)
     health = ModelHealth(config.stall_timeout_s)
     served_models = set(config.model_aliases.values()) or set(config.models)
-    keeper = HealthKeeper(health, backend, lambda: served_models, config.probe_interval_s)
+    keeper = HealthKeeper(
+        health, backend, lambda: served_models, config.probe_interval_s, config.quiet_probe_s
+    )
     generating: GenerationBackend = backend
     if config.faults.active:
         log.warning("this replica injects faults", extra={"fields": config.faults.model_dump()})

@@ -4,6 +4,7 @@ failed, reloaded and probed back: the inference core over an in-memory backend."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -112,6 +113,30 @@ def test_quiet_streams_of_a_dead_backend_end_before_the_stall_time() -> None:
             await keeper.close()
 
     asyncio.run(scenario())
+
+
+def test_quiet_streams_are_probed_soon_and_at_most_so_often() -> None:
+    """Streams quiet for quiet_probe_s get the model probed well before the idle probe
+    interval (a minute here); a live one that stays quiet is probed again only after
+    another quiet_probe_s."""
+
+    async def scenario() -> int:
+        backend = Backend()
+        health = ModelHealth(stall_s=60.0)
+        keeper = HealthKeeper(health, backend, lambda: ["llm"], 60.0, quiet_probe_s=0.2)
+        keeper.start()
+        try:
+            async with health.watching("llm"):
+                assert await poll_until_async(lambda: _probed_often(backend, times=1), 5)
+                started = time.monotonic()
+                assert await poll_until_async(lambda: _probed_often(backend, times=3), 5)
+                elapsed = time.monotonic() - started
+            assert not health.failed
+            return round(elapsed / 0.2)
+        finally:
+            await keeper.close()
+
+    assert asyncio.run(scenario()) >= 2  # two more probes: two more quiet periods
 
 
 def test_quiet_streams_of_a_live_backend_go_on() -> None:
