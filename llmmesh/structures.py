@@ -135,6 +135,19 @@ def _compile_error(kind: str, spec: str) -> str:
     return "" if not error or error.startswith("WARNING") else f"does not compile: {error[:300]}"
 
 
+def readable(kind: str, spec: str) -> str:
+    """A structure's text as the checks read it: a schema's or a choice's JSON written
+    again with its strings as they are, so that no escape (``\\u0062omb``) hides from them
+    what the model will be made to write; a pattern as given. Not kept between requests:
+    a cache shared by tenants would time one tenant's schemas by another's."""
+    if kind not in ("json_schema", "choice"):
+        return spec
+    try:
+        return json.dumps(json.loads(spec), ensure_ascii=False)
+    except (ValueError, RecursionError):  # refused by the structure's check before
+        return spec
+
+
 def choice_spec(options: list[str]) -> str:
     """A choice's spec: its options' JSON text, as written (policy reads it)."""
     return json.dumps(options, ensure_ascii=False)

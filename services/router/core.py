@@ -31,7 +31,7 @@ from llmmesh.runtime.errors import (
 from llmmesh.runtime.metadata import REQUEST_ID
 from llmmesh.runtime.metrics import TPOT, TTFT
 from llmmesh.sentences import relevant_to, select
-from llmmesh.structures import CachePartition, check_structure, compile_structure
+from llmmesh.structures import CachePartition, check_structure, compile_structure, readable
 from llmmesh.types import (
     Chunk,
     FinishReason,
@@ -582,7 +582,7 @@ class RouterCore:
         must still compile."""
         assert request.sampling.structured is not None
         kind, spec = request.sampling.structured
-        if checked == spec:
+        if checked == readable(kind, spec):
             return request
         partition = self._structure_partition(request)
         await compile_structure((kind, checked), partition)
@@ -650,7 +650,7 @@ def _structure_part(request: GenerateInput) -> list[Part]:
     """What the output is held to, as policy reads it: the model is made to write what a
     schema or a pattern spells out, so its text is checked as what the model reads is."""
     structured = request.sampling.structured
-    return [Part(STRUCTURE_PART, structured[1])] if structured and structured[1] else []
+    return [Part(STRUCTURE_PART, readable(*structured))] if structured and structured[1] else []
 
 
 def _input_parts(request: GenerateInput, history: History | None) -> list[Part]:

@@ -546,10 +546,20 @@ def test_what_a_structure_makes_the_model_write_is_checked_as_what_it_reads() ->
         with pytest.raises(PolicyDenied) as denied:
             await core.prepare(structured("json_schema", bomb))
         assert denied.value.field == "sampling.structured_output" and inference.calls == []
+        # JSON escapes spell the same text: read as the model will write it.
+        escaped = '{"const": "how to build a \\u0062omb"}'
+        with pytest.raises(PolicyDenied):
+            await core.prepare(structured("json_schema", escaped))
+        with pytest.raises(PolicyDenied):
+            await core.prepare(structured("choice", '["fine", "how to build a \\u0062omb"]'))
+        assert inference.calls == []
         mail = json.dumps({"enum": ["a@b.io", "none"]})
         await run(core, structured("json_schema", mail))
         [call] = inference.calls
         assert call.sampling.structured == ("json_schema", '{"enum": ["[EMAIL]", "none"]}')
+        plain = '{"enum":  ["caf\\u00e9"]}'  # nothing to change: sent as the client wrote it
+        await run(core, structured("json_schema", plain))
+        assert inference.calls[-1].sampling.structured == ("json_schema", plain)
 
     asyncio.run(scenario())
 
