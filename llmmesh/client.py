@@ -145,6 +145,7 @@ def build_request(
     min_p: float | None = None,
     stop_token_ids: list[int] | None = None,
     include_stop_str_in_output: bool = False,
+    allowed_token_ids: list[int] | None = None,
     seed: int | None = None,
     stop: list[str] | None = None,
     session_id: str = "",
@@ -168,6 +169,7 @@ def build_request(
         min_p=min_p,
         stop_token_ids=stop_token_ids or [],
         include_stop_str_in_output=include_stop_str_in_output,
+        allowed_token_ids=allowed_token_ids or [],
     )
     if temperature is not None:
         sampling.temperature = temperature

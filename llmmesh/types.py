@@ -79,6 +79,8 @@ class Sampling:
     # vLLM's stop_token_ids: the generation ends with any of these (ascending, no repeats)
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the output, in it
+    # vLLM's allowed_token_ids: only these may be generated (ascending, no repeats); (): any
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -102,7 +104,7 @@ class Sampling:
         for name, none in _SENT_UNLESS:
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
             if getattr(self, name):
                 doc[name] = list(getattr(self, name))
         if self.logit_bias:
@@ -237,6 +239,7 @@ MAX_TOP_K = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM take them
 MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out anyway
 MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100], as OpenAI takes it
@@ -257,31 +260,13 @@ def check_sampling(
         raise InvalidArgument(
             "sampling.max_tokens", f"must be at most {max_tokens_limit}, got {sampling.max_tokens}"
         )
-    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
-        raise InvalidArgument(
-            "sampling.temperature",
-            f"must be a number in [0, {MAX_TEMPERATURE:g}], got {sampling.temperature}",
-        )
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
-    if not 0.0 <= sampling.min_p <= 1.0:
-        raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
-    if not 0 <= sampling.top_k <= MAX_TOP_K:
-        raise InvalidArgument(
-            "sampling.top_k", f"must be in [0, {MAX_TOP_K}], got {sampling.top_k}"
-        )
+    _check_draw(sampling)
     if sampling.seed is not None and not 0 <= sampling.seed < SEED_LIMIT:
         raise InvalidArgument(
             "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
         )
     _check_stop(sampling.stop)
-    if (
-        len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS
-        or min(sampling.stop_token_ids, default=0) < 0
-    ):
-        raise InvalidArgument(
-            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, each >= 0"
-        )
+    _check_token_lists(sampling)
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
     if sampling.structured is not None:
@@ -337,6 +322,35 @@ def _check_logit_bias(biases: tuple[tuple[int, float], ...]) -> None:
                 f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}], got {bias}",
             )
+
+
+def _check_draw(sampling: Sampling) -> None:
+    """How a token is drawn: temperature, top-p, min-p and top-k in their ranges."""
+    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(
+            "sampling.temperature",
+            f"must be a number in [0, {MAX_TEMPERATURE:g}], got {sampling.temperature}",
+        )
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+    if not 0.0 <= sampling.min_p <= 1.0:
+        raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {sampling.min_p}")
+    if not 0 <= sampling.top_k <= MAX_TOP_K:
+        raise InvalidArgument(
+            "sampling.top_k", f"must be in [0, {MAX_TOP_K}], got {sampling.top_k}"
+        )
+
+
+def _check_token_lists(sampling: Sampling) -> None:
+    """Stop and allowed token ids: bounded lists of ids (the model's vocabulary is the
+    router's and the engine's to check)."""
+    for name, most in (
+        ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+        ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
+    ):
+        tokens = getattr(sampling, name)
+        if len(tokens) > most or min(tokens, default=0) < 0:
+            raise InvalidArgument(f"sampling.{name}", f"at most {most} token ids, each >= 0")
 
 
 def _check_stop(stop: tuple[str, ...]) -> None:

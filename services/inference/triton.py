@@ -484,5 +484,6 @@ def _stream_error(message: str, model: str) -> MeshError:
         return InvalidArgument("model", f"model '{model}' is not served by Triton")
     field, sep, reason = message.partition(": ")
     if sep and re.split(r"[.\[]", field, maxsplit=1)[0] in _FIELDS:
-        return InvalidArgument(field, reason)
+        # The engine's sampling_parameters.x is the mesh's sampling.x, as clients name it.
+        return InvalidArgument(re.sub(r"^sampling_parameters\.", "sampling.", field), reason)
     return Unavailable(f"Triton failed the request: {message}")

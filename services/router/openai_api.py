@@ -78,6 +78,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "logit_bias": body.biases(),
         "min_tokens": body.min_tokens,
         "stop_token_ids": tuple(sorted(set(body.stop_token_ids or ()))),
+        "allowed_token_ids": tuple(sorted(set(body.allowed_token_ids or ()))),
         "structured": tools.structure() if tools else body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", *PENALTIES):

@@ -61,6 +61,7 @@ _SAMPLING_NAMES = {
         "logit_bias",
         "min_tokens",
         "stop_token_ids",
+        "allowed_token_ids",
         *PENALTIES,
     )
 } | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
@@ -197,6 +198,12 @@ class Body(_Strict):
         max_length=64,
         description="vLLM's extension: the model's token ids that end the generation (a "
         "token's text is kept unless it is a control token)",
+    )
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        max_length=4096,
+        description="vLLM's extension: only these of the model's tokens may be generated "
+        "(the end of sequence too only if listed)",
     )
     min_p: float | None = Field(
         default=None,

@@ -166,12 +166,13 @@ class ModelSpeech:
         return cls(count, layout, card.max_context, controls, codec)
 
     def check_tokens(self, sampling: Sampling) -> None:
-        """INVALID_ARGUMENT naming ``sampling.logit_bias`` or ``sampling.stop_token_ids``
-        for a token this model lacks."""
+        """INVALID_ARGUMENT naming the sampling field (``logit_bias``, ``stop_token_ids``,
+        ``allowed_token_ids``) that has a token this model lacks."""
         size = self.codec.vocab_size
         for name, tokens in (
             ("logit_bias", [token for token, _ in sampling.logit_bias]),
             ("stop_token_ids", sampling.stop_token_ids),
+            ("allowed_token_ids", sampling.allowed_token_ids),
         ):
             for token in tokens:
                 if token >= size:

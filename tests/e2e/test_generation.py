@@ -68,6 +68,12 @@ def test_a_stop_token_ends_the_stream_with_its_text(router_channel: grpc.Channel
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
+def test_only_allowed_tokens_are_generated(router_channel: grpc.Channel) -> None:
+    allowed = [ord(c) for c in "xyz"]
+    text = text_of(collect(router_channel, "allowed", max_tokens=16, allowed_token_ids=allowed))
+    assert len(text) == 16 and set(text) <= set("xyz")
+
+
 def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
     free = text_of(collect(router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True))
     stop = free[30:33]

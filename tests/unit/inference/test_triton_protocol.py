@@ -75,7 +75,7 @@ def test_intermediate_response_has_no_finish_reason() -> None:
         (
             "sampling_parameters.top_p: must be in (0, 1], got 2",
             InvalidArgument,
-            "sampling_parameters.top_p",
+            "sampling.top_p",
         ),
         (
             "text_input: prompt is 3000 tokens; the model's context is 2048",

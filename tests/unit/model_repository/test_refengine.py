@@ -95,6 +95,7 @@ class TestSamplingParameters:
             (b'{"stop_token_ids": 5}', "stop_token_ids: must be a list"),
             (b'{"stop_token_ids": [1, -1]}', "stop_token_ids: each must be a token id"),
             (b'{"stop_token_ids": [true]}', "stop_token_ids: each must be a token id"),
+            (b'{"allowed_token_ids": [1.5]}', "allowed_token_ids: each must be a token id"),
             (b'{"min_p": -0.1}', "min_p: must be >= 0"),
             (b'{"min_p": "0.1"}', "min_p: must be a finite number"),
             (b'{"stop": [""]}', "stop"),
@@ -751,6 +752,17 @@ class TestEngine:
         )
         assert cut.final is not None and cut.final[2] == "stop"
         assert cut.text == free[: free.index(stop)]
+
+    def test_only_allowed_tokens_are_generated(self) -> None:
+        """vLLM's allowed_token_ids: the output has only them (the end of sequence only if
+        listed); a list the output mask leaves empty is refused, not sampled from."""
+        allowed = [ord(c) for c in "ab "]
+        for seed in range(3):
+            out = run(make_engine(), "only", max_tokens=30, seed=seed, allowed_token_ids=allowed)
+            assert out.text and set(out.text) <= set("ab ")
+            assert out.final is not None and out.final[2] == "length"  # EOS not listed
+        with pytest.raises(RequestError, match="allowed_token_ids: none of them"):
+            run(make_engine(), "only", max_tokens=4, allowed_token_ids=[BOS])
 
     def test_a_stop_string_kept_in_the_text_when_asked(self) -> None:
         kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}

@@ -71,6 +71,7 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(min_p=-0.5), 400, "min_p"),
         ("/v1/completions", body(stop_token_ids=[10, 258]), 400, "stop_token_ids"),
         ("/v1/completions", body(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
+        ("/v1/completions", body(allowed_token_ids=[65, 300]), 400, "allowed_token_ids"),
         ("/v1/completions", body(seed=-1), 400, "seed"),
         ("/v1/completions", body(stop=[""]), 400, "stop"),
         ("/v1/completions", body(presence_penalty=2.5), 400, "presence_penalty"),
@@ -175,6 +176,7 @@ def body(**fields: Any) -> bytes:
         "min_p-negative",
         "stop_token_ids-not-the-models",
         "stop_token_ids-negative",
+        "allowed_token_ids-not-the-models",
         "seed-negative",
         "stop-empty",
         "presence_penalty-over-2",
@@ -353,6 +355,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "repetition_penalty": 1.3,
         "min_p": 0.25,
         "stop_token_ids": [33, 10, 33],
+        "allowed_token_ids": [66, 65],
         "logit_bias": {"66": -100, "65": 2.5},
         "min_tokens": 1,
         "response_format": {
@@ -375,6 +378,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
     assert sent["min_p"] == 0.25 and sent["stop_token_ids"] == [10, 33]
+    assert sent["allowed_token_ids"] == [65, 66]
     assert "include_stop_str_in_output" not in sent
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 

@@ -73,6 +73,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # vLLM's include_stop_str_in_output: the stop string that ends the output is in it.
     include_stop_str_in_output: bool = False
+    # vLLM's allowed_token_ids: only these may be drawn (the end of sequence too only if
+    # it is among them); empty: any. Ascending.
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +214,7 @@ _KNOWN_KEYS = {
     "min_p",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "allowed_token_ids",
     "seed",
     "stop",
     "ignore_eos",
@@ -279,7 +283,8 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         min_tokens=_min_tokens(doc),
         structured=_structured(doc),
         min_p=_min_p(doc),
-        stop_token_ids=_stop_token_ids(doc),
+        stop_token_ids=_token_ids(doc, "stop_token_ids", MAX_STOP_TOKEN_IDS),
+        allowed_token_ids=_token_ids(doc, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
         include_stop_str_in_output=_bool(doc, "include_stop_str_in_output", False),
     )
 
@@ -408,15 +413,17 @@ def _top_p(doc: dict[str, Any]) -> float:
 
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 4096
 
 
-def _stop_token_ids(doc: dict[str, Any]) -> tuple[int, ...]:
-    value = doc.get("stop_token_ids")
+def _token_ids(doc: dict[str, Any], key: str, most: int) -> tuple[int, ...]:
+    """A list of token ids (at most ``most``), ascending without repeats."""
+    value = doc.get(key)
     if value is None:
         return ()
-    field = "sampling_parameters.stop_token_ids"
-    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(f"{field}: must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+    field = f"sampling_parameters.{key}"
+    if not isinstance(value, list) or len(value) > most:
+        raise RequestError(f"{field}: must be a list of at most {most} token ids")
     if not all(type(token) is int and token >= 0 for token in value):
         raise RequestError(f"{field}: each must be a token id (an integer >= 0)")
     return tuple(sorted(set(value)))

@@ -207,12 +207,18 @@ class Engine:
         for name, tokens in (
             ("logit_bias", [token for token, _ in sampling.logit_bias]),
             ("stop_token_ids", sampling.stop_token_ids),
+            ("allowed_token_ids", sampling.allowed_token_ids),
         ):
             for token in tokens:
                 if token >= vocab:
                     raise RequestError(
                         f"sampling_parameters.{name}: {token} is not a token (0-{vocab - 1})"
                     )
+        allowed = list(sampling.allowed_token_ids)
+        if allowed and np.isneginf(self._masks.of(sampling)[allowed]).all():
+            raise RequestError(
+                "sampling_parameters.allowed_token_ids: none of them is a token the output may have"
+            )
         prompt = self._prompt_tokens(request)
         context = self.model.shape.max_context
         if len(prompt) >= context:

@@ -110,10 +110,10 @@ class Sampler:
             # one draw per token, so the output before took that many from the sequence.
             bits.advance(len(output))
         self._rng = np.random.Generator(bits)
-        self.mask = _biased(masks.of(params), params)
+        self.mask = _allowed(_biased(masks.of(params), params), params)
         early = masks.early(params)
         # Until it has min_tokens, a sequence may not end (vLLM's min_tokens).
-        self._early_mask = None if early is None else _biased(early, params)
+        self._early_mask = None if early is None else _allowed(_biased(early, params), params)
         self.drawn = 0  # tokens this sampler has chosen
         self.constraint = constraint  # a structured output's grammar
         self.penalties = (
@@ -179,6 +179,16 @@ def _min_p(probs: npt.NDArray[np.float64], p: float) -> npt.NDArray[np.float64]:
     if p <= 0.0:
         return probs
     return np.where(probs >= p * probs.max(), probs, 0.0)
+
+
+def _allowed(mask: npt.NDArray[np.float64], params: SamplingParams) -> npt.NDArray[np.float64]:
+    """``mask`` with only the request's allowed tokens left (vLLM's allowed_token_ids)."""
+    if not params.allowed_token_ids:
+        return mask
+    ids = list(params.allowed_token_ids)
+    allowed = np.full_like(mask, -np.inf)
+    allowed[ids] = mask[ids]
+    return allowed
 
 
 def _top_k(probs: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.float64]:
