@@ -146,6 +146,7 @@ def build_request(
     stop_token_ids: list[int] | None = None,
     include_stop_str_in_output: bool = False,
     allowed_token_ids: list[int] | None = None,
+    bad_words: list[str] | None = None,
     seed: int | None = None,
     stop: list[str] | None = None,
     session_id: str = "",
@@ -170,6 +171,7 @@ def build_request(
         stop_token_ids=stop_token_ids or [],
         include_stop_str_in_output=include_stop_str_in_output,
         allowed_token_ids=allowed_token_ids or [],
+        bad_words=bad_words or [],
     )
     if temperature is not None:
         sampling.temperature = temperature

@@ -40,6 +40,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         stop_token_ids=list(sampling.stop_token_ids),
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         allowed_token_ids=list(sampling.allowed_token_ids),
+        bad_words=list(sampling.bad_words),
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -75,6 +76,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         stop_token_ids=tuple(sorted(set(message.stop_token_ids))),
         include_stop_str_in_output=message.include_stop_str_in_output,
         allowed_token_ids=tuple(sorted(set(message.allowed_token_ids))),
+        bad_words=tuple(message.bad_words),
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,

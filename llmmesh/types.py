@@ -81,6 +81,7 @@ class Sampling:
     include_stop_str_in_output: bool = False  # vLLM's: a stop string ends the output, in it
     # vLLM's allowed_token_ids: only these may be generated (ascending, no repeats); (): any
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the output never has
 
     @property
     def penalized(self) -> bool:
@@ -104,7 +105,7 @@ class Sampling:
         for name, none in _SENT_UNLESS:
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
-        for name in ("stop", "stop_token_ids", "allowed_token_ids"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if getattr(self, name):
                 doc[name] = list(getattr(self, name))
         if self.logit_bias:
@@ -240,6 +241,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 64
 MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM take them
 MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out anyway
 MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100], as OpenAI takes it
@@ -266,6 +268,7 @@ def check_sampling(
             "sampling.seed", f"must be an integer in [0, 2^63), got {sampling.seed}"
         )
     _check_stop(sampling.stop)
+    _check_bad_words(sampling.bad_words)
     _check_token_lists(sampling)
     _check_penalties(sampling)
     _check_logit_bias(sampling.logit_bias)
@@ -362,6 +365,17 @@ def _check_stop(stop: tuple[str, ...]) -> None:
         if len(text) > MAX_STOP_CHARS:
             raise InvalidArgument(
                 "sampling.stop", f"stop string {index} is longer than {MAX_STOP_CHARS} characters"
+            )
+
+
+def _check_bad_words(words: tuple[str, ...]) -> None:
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidArgument("sampling.bad_words", f"at most {MAX_BAD_WORDS} words")
+    for index, word in enumerate(words):
+        if not word.strip() or len(word) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                "sampling.bad_words",
+                f"word {index} is blank or longer than {MAX_STOP_CHARS} characters",
             )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/common.proto\x12\nllmmesh.v1\"\xe4\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).llmmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x37\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1c.llmmesh.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_p\"\x89\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.llmmesh.v1.StructuredChoiceH\x00\x42\x06\n\x04kind\"#\n\x10StructuredChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"o\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.llmmesh.v1.TopLogprob\":\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x18\n\x14\x46INISH_REASON_POLICY\x10\x04\x12\x18\n\x14\x46INISH_REASON_BUDGET\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/common.proto\x12\nllmmesh.v1\"\xf7\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).llmmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x37\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1c.llmmesh.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12\x11\n\tbad_words\x18\x14 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_p\"\x89\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1c.llmmesh.v1.StructuredChoiceH\x00\x42\x06\n\x04kind\"#\n\x10StructuredChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"o\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.llmmesh.v1.TopLogprob\":\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05*\xb0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x18\n\x14\x46INISH_REASON_POLICY\x10\x04\x12\x18\n\x14\x46INISH_REASON_BUDGET\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1215
-  _globals['_FINISHREASON']._serialized_end=1391
+  _globals['_FINISHREASON']._serialized_start=1234
+  _globals['_FINISHREASON']._serialized_end=1410
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=780
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=588
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=636
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=783
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=920
-  _globals['_STRUCTUREDCHOICE']._serialized_start=922
-  _globals['_STRUCTUREDCHOICE']._serialized_end=957
-  _globals['_TOKENLOGPROB']._serialized_start=959
-  _globals['_TOKENLOGPROB']._serialized_end=1070
-  _globals['_TOPLOGPROB']._serialized_start=1072
-  _globals['_TOPLOGPROB']._serialized_end=1130
-  _globals['_USAGE']._serialized_start=1132
-  _globals['_USAGE']._serialized_end=1212
+  _globals['_SAMPLINGPARAMS']._serialized_end=799
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=607
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=655
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=802
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=939
+  _globals['_STRUCTUREDCHOICE']._serialized_start=941
+  _globals['_STRUCTUREDCHOICE']._serialized_end=976
+  _globals['_TOKENLOGPROB']._serialized_start=978
+  _globals['_TOKENLOGPROB']._serialized_end=1089
+  _globals['_TOPLOGPROB']._serialized_start=1091
+  _globals['_TOPLOGPROB']._serialized_end=1149
+  _globals['_USAGE']._serialized_start=1151
+  _globals['_USAGE']._serialized_end=1231
 # @@protoc_insertion_point(module_scope)

@@ -79,6 +79,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "min_tokens": body.min_tokens,
         "stop_token_ids": tuple(sorted(set(body.stop_token_ids or ()))),
         "allowed_token_ids": tuple(sorted(set(body.allowed_token_ids or ()))),
+        "bad_words": tuple(body.bad_words or ()),
         "structured": tools.structure() if tools else body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", *PENALTIES):

@@ -62,6 +62,7 @@ _SAMPLING_NAMES = {
         "min_tokens",
         "stop_token_ids",
         "allowed_token_ids",
+        "bad_words",
         *PENALTIES,
     )
 } | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
@@ -204,6 +205,11 @@ class Body(_Strict):
         max_length=4096,
         description="vLLM's extension: only these of the model's tokens may be generated "
         "(the end of sequence too only if listed)",
+    )
+    bad_words: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description="vLLM's extension: words the output never has (each 1-256 characters)",
     )
     min_p: float | None = Field(
         default=None,

@@ -26,6 +26,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("hi", {"stop_token_ids": [10, 258]}, "sampling.stop_token_ids"),  # the model has 258
     ("hi", {"stop_token_ids": [-1]}, "sampling.stop_token_ids"),
     ("hi", {"allowed_token_ids": [65, 258]}, "sampling.allowed_token_ids"),
+    ("hi", {"bad_words": ["ok", ""]}, "sampling.bad_words"),
     # The model's own check: BOS is a token, but never one the output may have.
     ("hi", {"allowed_token_ids": [256]}, "sampling.allowed_token_ids"),
     ("hi", {"session_id": "no spaces allowed"}, "session_id"),

@@ -74,6 +74,14 @@ def test_only_allowed_tokens_are_generated(router_channel: grpc.Channel) -> None
     assert len(text) == 16 and set(text) <= set("xyz")
 
 
+def test_bad_words_never_come_out(router_channel: grpc.Channel) -> None:
+    asked = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    free = text_of(collect(router_channel, "bad words", **asked))
+    word = free[20:23]
+    held = text_of(collect(router_channel, "bad words", bad_words=[word], **asked))
+    assert word in free and word not in held and len(held) == 40
+
+
 def test_stop_string_ends_the_stream(router_channel: grpc.Channel) -> None:
     free = text_of(collect(router_channel, "stop", max_tokens=48, temperature=0.0, ignore_eos=True))
     stop = free[30:33]

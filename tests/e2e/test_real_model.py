@@ -388,6 +388,18 @@ def test_a_choice_gets_the_models_own_pick(sdk: openai.OpenAI) -> None:
         assert reply.choices[0].text == f" {city}" and reply.choices[0].finish_reason == "stop"
 
 
+def test_a_bad_word_is_not_said_however_it_would_begin(sdk: openai.OpenAI) -> None:
+    """vLLM's bad_words: the answer the model knows is banned, alone and after a space, in
+    the model's own tokens; it answers otherwise."""
+    asked: dict[str, Any] = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
+    free = sdk.completions.create(prompt="The capital of France is", **asked)
+    held = sdk.completions.create(
+        prompt="The capital of France is", extra_body={"bad_words": ["Paris"]}, **asked
+    )
+    assert "Paris" in free.choices[0].text
+    assert "Paris" not in held.choices[0].text and held.choices[0].text.strip()
+
+
 def test_an_answer_under_way_is_continued_as_vllms_clients_prefill_it(
     sdk: openai.OpenAI,
 ) -> None:

@@ -96,6 +96,8 @@ class TestSamplingParameters:
             (b'{"stop_token_ids": [1, -1]}', "stop_token_ids: each must be a token id"),
             (b'{"stop_token_ids": [true]}', "stop_token_ids: each must be a token id"),
             (b'{"allowed_token_ids": [1.5]}', "allowed_token_ids: each must be a token id"),
+            (b'{"bad_words": "x"}', "bad_words: a list of at most 64"),
+            (b'{"bad_words": ["ok", " "]}', "bad_words: each must be a word"),
             (b'{"min_p": -0.1}', "min_p: must be >= 0"),
             (b'{"min_p": "0.1"}', "min_p: must be a finite number"),
             (b'{"stop": [""]}', "stop"),
@@ -752,6 +754,22 @@ class TestEngine:
         )
         assert cut.final is not None and cut.final[2] == "stop"
         assert cut.text == free[: free.index(stop)]
+
+    def test_bad_words_never_come_out(self) -> None:
+        """vLLM's bad_words: a word's last token is masked where the output's tokens
+        before it spell the rest of it, so the output never has it; a one-token word is
+        never drawn at all. The rest of the text goes on as the model would."""
+        kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+        free = run(make_engine(), "words", **kw).text
+        word, single = free[10:13], free[5]
+        assert word in free and single in free
+        held = run(make_engine(), "words", bad_words=[word, single], **kw).text
+        assert word not in held and single not in held
+        assert held[:5] == free[:5]  # the same until the first ban bites
+        seeded = run(
+            make_engine(), "words", bad_words=[word], seed=3, max_tokens=60, ignore_eos=True
+        )
+        assert word not in seeded.text
 
     def test_only_allowed_tokens_are_generated(self) -> None:
         """vLLM's allowed_token_ids: the output has only them (the end of sequence only if

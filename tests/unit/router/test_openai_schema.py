@@ -72,6 +72,7 @@ def body(**fields: Any) -> bytes:
         ("/v1/completions", body(stop_token_ids=[10, 258]), 400, "stop_token_ids"),
         ("/v1/completions", body(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
         ("/v1/completions", body(allowed_token_ids=[65, 300]), 400, "allowed_token_ids"),
+        ("/v1/completions", body(bad_words=["fine", "  "]), 400, "bad_words"),
         ("/v1/completions", body(seed=-1), 400, "seed"),
         ("/v1/completions", body(stop=[""]), 400, "stop"),
         ("/v1/completions", body(presence_penalty=2.5), 400, "presence_penalty"),
@@ -177,6 +178,7 @@ def body(**fields: Any) -> bytes:
         "stop_token_ids-not-the-models",
         "stop_token_ids-negative",
         "allowed_token_ids-not-the-models",
+        "bad_words-blank",
         "seed-negative",
         "stop-empty",
         "presence_penalty-over-2",
@@ -356,6 +358,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
         "min_p": 0.25,
         "stop_token_ids": [33, 10, 33],
         "allowed_token_ids": [66, 65],
+        "bad_words": ["no way"],
         "logit_bias": {"66": -100, "65": 2.5},
         "min_tokens": 1,
         "response_format": {
@@ -378,7 +381,7 @@ def test_penalties_reach_the_engine_as_sent() -> None:
     assert sampling.structured == ("json_schema", '{"type": "object"}')
     sent = json.loads(sampling.to_vllm_json())
     assert sent["min_p"] == 0.25 and sent["stop_token_ids"] == [10, 33]
-    assert sent["allowed_token_ids"] == [65, 66]
+    assert sent["allowed_token_ids"] == [65, 66] and sent["bad_words"] == ["no way"]
     assert "include_stop_str_in_output" not in sent
     assert sent["frequency_penalty"] == 2.0 and sent["logit_bias"] == {"65": 2.5, "66": -100}
 

@@ -76,6 +76,9 @@ class SamplingParams:
     # vLLM's allowed_token_ids: only these may be drawn (the end of sequence too only if
     # it is among them); empty: any. Ascending.
     allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words: words the output may not have (a word's last token is masked where
+    # the output's tokens before it spell the rest of the word).
+    bad_words: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -215,6 +218,7 @@ _KNOWN_KEYS = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "allowed_token_ids",
+    "bad_words",
     "seed",
     "stop",
     "ignore_eos",
@@ -286,6 +290,7 @@ def parse_sampling_parameters(raw: bytes | str | None) -> SamplingParams:
         stop_token_ids=_token_ids(doc, "stop_token_ids", MAX_STOP_TOKEN_IDS),
         allowed_token_ids=_token_ids(doc, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
         include_stop_str_in_output=_bool(doc, "include_stop_str_in_output", False),
+        bad_words=_bad_words(doc),
     )
 
 
@@ -462,6 +467,20 @@ def _stop(doc: dict[str, Any]) -> tuple[str, ...]:
         raise RequestError(
             "sampling_parameters.stop: must be a string or a list of non-empty strings"
         )
+    return tuple(value)
+
+
+MAX_BAD_WORDS = 64
+
+
+def _bad_words(doc: dict[str, Any]) -> tuple[str, ...]:
+    value = doc.get("bad_words")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_BAD_WORDS:
+        raise RequestError(f"sampling_parameters.bad_words: a list of at most {MAX_BAD_WORDS}")
+    if not all(isinstance(word, str) and word.strip() for word in value):
+        raise RequestError("sampling_parameters.bad_words: each must be a word (not blank)")
     return tuple(value)
 
 

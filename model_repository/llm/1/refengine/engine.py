@@ -244,12 +244,26 @@ class Engine:
             self._masks,
             resumed_output_tokens=self._resumed_output_tokens(request, len(prompt)),
             constraint=self._grammars.matcher(structured) if structured else None,
+            banned=self._bad_word_tokens(request.sampling.bad_words),
         )
         if request.sampling.prompt_logprobs is not None and request.prompt_ids is None:
             sequence.prompt_from = len(prompt) - self.tokenizer.count(request.prompt)
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
+
+    def _bad_word_tokens(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as the model would write it, alone and after a space when
+        that is the same number of tokens with another first one (vLLM's rule)."""
+        bos = len(self.tokenizer.encode(""))
+        found: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip())[bos:])
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip())[bos:])
+            found.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                found.append(spaced)
+        return tuple(found)
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The prompt's tokens: its ids as given, or its text's (BOS first where the

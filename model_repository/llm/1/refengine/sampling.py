@@ -102,6 +102,8 @@ class Sampler:
         prompt: Sequence[int] = (),
         output: Sequence[int] = (),
         constraint: Constraint | None = None,
+        *,
+        banned: Sequence[tuple[int, ...]] = (),
     ) -> None:
         self.params = params
         bits = np.random.PCG64(params.seed)  # numpy's default generator
@@ -119,14 +121,44 @@ class Sampler:
         self.penalties = (
             Penalties(params, len(self.mask), prompt, output) if params.penalized else None
         )
+        # Bad words' token sequences, and the output they are matched against.
+        self._banned = tuple(banned)
+        self._output = list(output) if banned else []
 
     def current_mask(self) -> npt.NDArray[np.float64]:
         mask = self.mask
         if self._early_mask is not None and self.drawn < self.params.min_tokens:
             mask = self._early_mask
+        if self._banned:
+            mask = self._without_bad_words(mask)
         if self.constraint is not None:
             return mask + self.constraint.mask()
         return mask
+
+    def _without_bad_words(self, mask: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``mask`` with each bad word's last token out where the output ends with the
+        rest of that word (vLLM's bad_words; a one-token word is always out)."""
+        output = self._output
+        last = [
+            word[-1]
+            for word in self._banned
+            if len(word) == 1 or tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
+        ]
+        if not last:
+            return mask
+        banned = mask.copy()
+        banned[last] = -np.inf
+        return banned
+
+    def accepted(self, token: int) -> None:
+        """Notes a token drawn for this sequence."""
+        self.drawn += 1
+        if self.penalties is not None:
+            self.penalties.observe(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        if self._banned:
+            self._output.append(token)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         return sample_batch([self], logits[None, :])[0]
@@ -155,11 +187,7 @@ def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> li
         for row, sampler in enumerate(samplers)
     ]
     for sampler, token in zip(samplers, tokens, strict=True):
-        sampler.drawn += 1
-        if sampler.penalties is not None:
-            sampler.penalties.observe(token)
-        if sampler.constraint is not None:
-            sampler.constraint.accept(token)
+        sampler.accepted(token)
     return tokens
 
 

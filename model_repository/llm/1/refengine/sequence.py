@@ -130,6 +130,7 @@ class Sequence:
     # elsewhere): its penalties count them as output.
     resumed_output_tokens: int = 0
     constraint: Constraint | None = None  # a structured output's grammar
+    banned: tuple[tuple[int, ...], ...] = ()  # bad words' token sequences
     sampler: Sampler = field(init=False)
     stops: StopMatcher = field(init=False)
 
@@ -138,7 +139,9 @@ class Sequence:
         resumed = prompt[len(prompt) - self.resumed_output_tokens :]
         if self.constraint is not None and resumed:
             self.constraint.accept_all(resumed)
-        self.sampler = Sampler(self.request.sampling, self.masks, prompt, resumed, self.constraint)
+        self.sampler = Sampler(
+            self.request.sampling, self.masks, prompt, resumed, self.constraint, banned=self.banned
+        )
         sampling = self.request.sampling
         self.stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
 
