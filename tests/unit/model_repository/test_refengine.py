@@ -770,6 +770,14 @@ class TestEngine:
             make_engine(), "words", bad_words=[word], seed=3, max_tokens=60, ignore_eos=True
         )
         assert word not in seeded.text
+        # The allowed tokens all banned after the first: the output ends there, nothing
+        # forced out of the mask.
+        cornered = run(
+            make_engine(), "words", allowed_token_ids=[ord("a"), ord("b")],
+            bad_words=["aa", "ab", "ba", "bb"], max_tokens=8, ignore_eos=True,
+        )  # fmt: skip
+        assert cornered.final is not None and cornered.final[2] == "stop"
+        assert len(cornered.text) == 1 and cornered.text in "ab"
 
     def test_only_allowed_tokens_are_generated(self) -> None:
         """vLLM's allowed_token_ids: the output has only them (the end of sequence only if

@@ -586,6 +586,9 @@ class Engine:
             )
 
     def _advance(self, seq: Sequence, token: int) -> None:
+        if seq.sampler.exhausted:  # no token was left to draw (bad words took the last)
+            self._finish(seq, STOP)
+            return
         seq.tokens.append(token)
         seq.unsent_tokens += 1
         self.stats.generation_tokens += 1

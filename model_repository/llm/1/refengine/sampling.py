@@ -124,6 +124,9 @@ class Sampler:
         # Bad words' token sequences, and the output they are matched against.
         self._banned = tuple(banned)
         self._output = list(output) if banned else []
+        # Whether the last mask left no token at all (the allowed ones all banned): the
+        # output ends there, its draw not taken.
+        self.exhausted = False
 
     def current_mask(self) -> npt.NDArray[np.float64]:
         mask = self.mask
@@ -148,7 +151,8 @@ class Sampler:
             return mask
         banned = mask.copy()
         banned[last] = -np.inf
-        return banned
+        self.exhausted = not np.isfinite(banned).any()
+        return mask if self.exhausted else banned  # exhausted: a draw the engine drops
 
     def accepted(self, token: int) -> None:
         """Notes a token drawn for this sequence."""
