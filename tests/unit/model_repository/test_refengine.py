@@ -789,6 +789,10 @@ class TestEngine:
             assert out.final is not None and out.final[2] == "length"  # EOS not listed
         with pytest.raises(RequestError, match="allowed_token_ids: none of them"):
             run(make_engine(), "only", max_tokens=4, allowed_token_ids=[BOS])
+        with pytest.raises(RequestError, match="allowed_token_ids: none of them"):
+            run(make_engine(), "only", max_tokens=4, allowed_token_ids=[EOS], min_tokens=2)
+        ended = run(make_engine(), "only", max_tokens=4, allowed_token_ids=[EOS])
+        assert ended.text == "" and ended.final is not None and ended.final[2] == "stop"
 
     def test_a_stop_string_kept_in_the_text_when_asked(self) -> None:
         kw: dict[str, Any] = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}

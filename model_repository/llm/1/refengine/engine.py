@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refengine.attention import Segment
-from refengine.contract import GenerationRequest, RequestError
+from refengine.contract import GenerationRequest, RequestError, SamplingParams
 from refengine.kvcache import BlockPool, block_hash
 from refengine.prompt_scores import logit_rows, score_prompts
 from refengine.sampling import OutputMasks, sample_batch, score_token
@@ -214,11 +214,7 @@ class Engine:
                     raise RequestError(
                         f"sampling_parameters.{name}: {token} is not a token (0-{vocab - 1})"
                     )
-        allowed = list(sampling.allowed_token_ids)
-        if allowed and np.isneginf(self._masks.of(sampling)[allowed]).all():
-            raise RequestError(
-                "sampling_parameters.allowed_token_ids: none of them is a token the output may have"
-            )
+        self._check_allowed(sampling)
         prompt = self._prompt_tokens(request)
         context = self.model.shape.max_context
         if len(prompt) >= context:
@@ -251,6 +247,17 @@ class Engine:
         sequence.order = next(self._arrivals)
         self._incoming.put(sequence)
         self._wake.set()
+
+    def _check_allowed(self, sampling: SamplingParams) -> None:
+        """RequestError unless some allowed token may come at every step (before
+        min_tokens too, when the end of sequence and stop tokens may not)."""
+        allowed = list(sampling.allowed_token_ids)
+        masks = [self._masks.of(sampling), self._masks.early(sampling)]
+        if allowed and any(m is not None and np.isneginf(m[allowed]).all() for m in masks):
+            raise RequestError(
+                "sampling_parameters.allowed_token_ids: none of them is a token the output "
+                "may have (before min_tokens: but for the end and stop tokens)"
+            )
 
     def _bad_word_tokens(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens as the model would write it, alone and after a space when
