@@ -30,8 +30,13 @@ def _anchor(layout: ChatLayout) -> str:
 
 def _after_anchor(layout: ChatLayout, turns: list[Turn], generation_prompt: bool) -> str:
     """What ``turns`` add to a conversation already under way."""
-    before = _anchor(layout)
     whole = layout.render([_ANCHOR, *turns], generation_prompt=generation_prompt)
+    return _past_anchor(layout, whole)
+
+
+def _past_anchor(layout: ChatLayout, whole: str) -> str:
+    """``whole``, a conversation rendered after the anchor message, without it."""
+    before = _anchor(layout)
     return whole[len(before) :] if whole.startswith(before) else whole
 
 
@@ -51,9 +56,7 @@ def summary_overhead(count_tokens: Callable[[str], int]) -> int:
 def user_tail(user_text: str, layout: ChatLayout = MESH_LAYOUT, role: Role = Role.USER) -> str:
     """What follows the history: the new message and the assistant's cue (or, the
     assistant's, the start of its answer, left open)."""
-    before = _anchor(layout)
-    whole = render_last(layout, [_ANCHOR], Turn(role, user_text))
-    return whole[len(before) :] if whole.startswith(before) else whole
+    return _past_anchor(layout, render_last(layout, [_ANCHOR], Turn(role, user_text)))
 
 
 def render_last(layout: ChatLayout, turns: list[Turn], last: Turn) -> str:
