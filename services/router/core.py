@@ -411,7 +411,17 @@ class RouterCore:
         """The prompt of the history and the new text within the context, and its tokens."""
         budget = speech.max_context - request.sampling.max_tokens - speech.bos_tokens
         layout, role = speech.layout, request.prompt_role
-        prompt, dropped = build_prompt(history, user_text, budget, speech.count, layout, role=role)
+        try:
+            prompt, dropped = build_prompt(
+                history, user_text, budget, speech.count, layout, role=role
+            )
+        except InvalidArgument as err:  # the prompt builder's name: the request's field
+            if err.field != "prompt":
+                raise
+            whole = request.inline_history is not None
+            raise InvalidArgument(
+                request.inline_field if whole else request.prompt_field, err.reason
+            ) from None
         dropped += history.dropped_turns if history else 0
         cut = dropped or (history is not None and history.system_prompt_dropped)
         if cut and not request.session_use.may_truncate:

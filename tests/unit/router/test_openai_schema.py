@@ -509,6 +509,22 @@ def continued(fields: dict[str, Any], headers: dict[str, str] | None = None) -> 
     return status, reply, inference.calls
 
 
+def test_a_conversation_over_the_context_is_refused_naming_the_messages() -> None:
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "x" * 3000}]}
+    got, reply = asyncio.run(post("/v1/chat/completions", json.dumps(chat).encode()))
+    assert (got, reply["error"]["param"]) == (400, "messages")
+    assert "leave no room for generation" in reply["error"]["message"]
+    status, reply, calls = continued(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "y" * 3000},
+            ]
+        }
+    )
+    assert (status, reply["error"]["param"], calls) == (400, "messages", [])
+
+
 def test_an_answer_under_way_is_continued_as_vllm_does() -> None:
     """vLLM's continue_final_message: the prompt ends with the assistant's text, left
     open; with echo, the answer's content begins with it; the structure holds what the
