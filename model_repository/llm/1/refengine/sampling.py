@@ -122,7 +122,7 @@ class Sampler:
             Penalties(params, len(self.mask), prompt, output) if params.penalized else None
         )
         # Bad words' token sequences, and the output they are matched against.
-        self._banned = tuple(banned)
+        self.banned = tuple(banned)
         self._output = list(output) if banned else []
         # Whether the last mask left no token at all (the allowed ones all banned): the
         # output ends there, its draw not taken.
@@ -132,27 +132,29 @@ class Sampler:
         mask = self.mask
         if self._early_mask is not None and self.drawn < self.params.min_tokens:
             mask = self._early_mask
-        if self._banned:
-            mask = self._without_bad_words(mask)
         if self.constraint is not None:
             return mask + self.constraint.mask()
         return mask
 
-    def _without_bad_words(self, mask: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        """``mask`` with each bad word's last token out where the output ends with the
-        rest of that word (vLLM's bad_words; a one-token word is always out)."""
+    def ban_bad_words(self, scores: npt.NDArray[np.float64]) -> None:
+        """Takes out of one row of scores, in place, each bad word's last token where the
+        output ends with the rest of that word (vLLM's bad_words; a one-token word is
+        always out). If that leaves no token, the row stays as it was and the sequence is
+        ``exhausted``: the engine ends it and drops the draw. (In place: a copy of the
+        mask per step would cost more than the rest of the row's sampling.)"""
         output = self._output
         last = [
             word[-1]
-            for word in self._banned
+            for word in self.banned
             if len(word) == 1 or tuple(output[len(output) - len(word) + 1 :]) == word[:-1]
         ]
         if not last:
-            return mask
-        banned = mask.copy()
-        banned[last] = -np.inf
-        self.exhausted = not np.isfinite(banned).any()
-        return mask if self.exhausted else banned  # exhausted: a draw the engine drops
+            return
+        kept = scores[last].copy()
+        scores[last] = -np.inf
+        if not np.isfinite(scores).any():
+            self.exhausted = True
+            scores[last] = kept
 
     def accepted(self, token: int) -> None:
         """Notes a token drawn for this sequence."""
@@ -161,7 +163,7 @@ class Sampler:
             self.penalties.observe(token)
         if self.constraint is not None:
             self.constraint.accept(token)
-        if self._banned:
+        if self.banned:
             self._output.append(token)
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
@@ -183,6 +185,8 @@ def sample_batch(samplers: list[Sampler], logits: npt.NDArray[np.float32]) -> li
     for row, sampler in enumerate(samplers):
         if sampler.penalties is not None:
             sampler.penalties.apply(scores[row])
+        if sampler.banned:
+            sampler.ban_bad_words(scores[row])
     temperatures = np.array([s.params.temperature or 1.0 for s in samplers])[:, None]
     scaled = scores / temperatures
     probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
