@@ -250,10 +250,11 @@ class RouterCore:
         estimate = _estimated_tokens(request, history, speech)
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
-            verdict = await self._verdict(request, history, rule_set)
+            structure = _structure_part(request)  # read once: a schema's JSON is written again
+            verdict = await self._verdict(request, history, rule_set, structure)
             texts = verdict.texts
-            if _structure_part(request):
-                request = await self._with_structure(request, texts[0])
+            if structure:
+                request = await self._with_structure(request, texts[0], structure[0].text)
                 texts = texts[1:]
             history, user_text = with_texts(history, texts)
             _check_not_reused(history, user_text)
@@ -564,13 +565,17 @@ class RouterCore:
         return replace(history, tools=use.tools)
 
     async def _verdict(
-        self, request: GenerateInput, history: History | None, rule_set: str
+        self,
+        request: GenerateInput,
+        history: History | None,
+        rule_set: str,
+        structure: list[Part],
     ) -> Verdict:
         """Policy's verdict on everything the model will read (PERMISSION_DENIED naming
         the rule and where it matched, if a rule denies it); if policy is unreachable,
         the tenant's fail mode decides: ``closed`` refuses (UNAVAILABLE), ``open`` lets
         the prompt through, flagged."""
-        parts = [*_structure_part(request), *_input_parts(request, history)]
+        parts = [*structure, *_input_parts(request, history)]
         try:
             with tracing.step("policy.check_input"):
                 verdict = await self._policy.check_input(
@@ -586,13 +591,15 @@ class RouterCore:
             raise Unavailable("policy returned a verdict on a different number of parts")
         return verdict
 
-    async def _with_structure(self, request: GenerateInput, checked: str) -> GenerateInput:
+    async def _with_structure(
+        self, request: GenerateInput, checked: str, read: str
+    ) -> GenerateInput:
         """The request with its structure as policy let it through: a redaction rewrites
         the schema's or the pattern's text (the model can then write only the mark), which
         must still compile."""
         assert request.sampling.structured is not None
-        kind, spec = request.sampling.structured
-        if checked == readable(kind, spec):
+        kind, _ = request.sampling.structured
+        if checked == read:  # as policy read it (``readable``): the spec goes on as sent
             return request
         partition = self._structure_partition(request)
         await compile_structure((kind, checked), partition)
