@@ -348,6 +348,7 @@ class OpenAiApi:
                         if shown is None
                         else [vllm_prompt_logprobs(c, shown) for c in started.choices]
                     ),
+                    tokens_as_ids=body.return_tokens_as_token_ids,
                 )
                 headers = {REQUEST_ID: request_id}
                 if body.stream:

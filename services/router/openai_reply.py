@@ -53,36 +53,49 @@ class _Sample:
     tools: ToolStream | None = None  # the answer's decoder, with tools
 
 
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _named(token: int, text: str, as_ids: bool) -> str:
+    """A token as a log probability names it: its text, or with vLLM's
+    ``return_tokens_as_token_ids`` its id (``token_id:-1`` for what a redaction replaced)."""
+    return f"token_id:{token}" if as_ids else text
 
 
-def chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """Chat completions' ``logprobs``: per token, its text, bytes and log probability, and
-    the likeliest tokens at its position."""
+def _token(token: int, text: str, logprob: float, as_ids: bool) -> dict[str, Any]:
+    return {
+        "token": _named(token, text, as_ids),
+        "logprob": logprob,
+        "bytes": list(text.encode("utf-8")),
+    }
+
+
+def chat_logprobs(tokens: Sequence[TokenLogprob], as_ids: bool = False) -> dict[str, Any]:
+    """Chat completions' ``logprobs``: per token, its text (or id), bytes and log
+    probability, and the likeliest tokens at its position."""
     content = [
         {
-            **_token(t.text, t.logprob),
-            "top_logprobs": [_token(text, logprob) for _, text, logprob in t.top],
+            **_token(t.token, t.text, t.logprob, as_ids),
+            "top_logprobs": [_token(*top, as_ids) for top in t.top],
         }
         for t in tokens
     ]
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokens: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokens: Sequence[TokenLogprob], offset: int, as_ids: bool = False
+) -> dict[str, Any]:
     """Completions' ``logprobs``: parallel lists, each token's offset in the text counted
-    from ``offset``."""
+    from ``offset`` (by its text, also where it is named by its id)."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t.text)
     return {
-        "tokens": [t.text for t in tokens],
+        "tokens": [_named(t.token, t.text, as_ids) for t in tokens],
         # An echoed prompt's first token has none (nothing precedes it: rank 0).
         "token_logprobs": [t.logprob if t.rank else None for t in tokens],
         "top_logprobs": [
-            {text: logprob for _, text, logprob in t.top} if t.rank else None for t in tokens
+            {_named(i, text, as_ids): logprob for i, text, logprob in t.top} if t.rank else None
+            for t in tokens
         ],
         "text_offset": offsets,
     }
@@ -152,15 +165,18 @@ class Reply:
         usage: bool,
         tools: ToolUse | None = None,
         prompt_logprobs: list[list[dict[str, Any] | None]] | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         """``prompt_logprobs``: each choice's in vLLM's form, when asked (whole replies
-        only: a completion's in each choice, a chat's beside them)."""
+        only: a completion's in each choice, a chat's beside them). ``tokens_as_ids``:
+        vLLM's ``return_tokens_as_token_ids``, the log probabilities' tokens named by id."""
         self.id = response_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
         self.include_usage = usage
         self._logprobs = logprobs
+        self._as_ids = tokens_as_ids
         self._tools = tools
         self._samples = [_Sample(tools=ToolStream() if tools else None) for _ in range(n)]
         self._prompt_logprobs = prompt_logprobs
@@ -177,7 +193,9 @@ class Reply:
     def _logprobs_of(self, tokens: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
-        return chat_logprobs(tokens) if self.chat else completion_logprobs(tokens, offset)
+        if self.chat:
+            return chat_logprobs(tokens, self._as_ids)
+        return completion_logprobs(tokens, offset, self._as_ids)
 
     def usage(self, prompt_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {

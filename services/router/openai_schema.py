@@ -274,6 +274,11 @@ class Body(_Strict):
     prompt_cache_key: str | None = Field(
         default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
     )
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="vLLM's extension: the log probabilities name each token 'token_id:N' "
+        "(N its id in the model's vocabulary; its bytes are still its text's)",
+    )
     prompt_logprobs: int | None = Field(
         default=None,
         ge=0,

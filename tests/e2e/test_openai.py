@@ -237,6 +237,30 @@ def test_echo_returns_the_prompt_the_model_read_and_its_tokens_log_probabilities
     assert alone.usage is not None and alone.usage.completion_tokens == 0
 
 
+def test_vllms_tokens_as_token_ids_name_the_byte_models_tokens(client: openai.OpenAI) -> None:
+    """With ``return_tokens_as_token_ids`` (how RL trainers read back exactly what was
+    sampled) each token is ``token_id:N``: for the byte model N is its byte, in completions
+    (the echoed prompt's too, after the BOS) and chat, the bytes still the token's text."""
+    reply = client.completions.create(
+        model="llm", prompt="Once", echo=True, logprobs=1, max_tokens=4, seed=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    (choice,) = reply.choices
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    named = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert bytes(named) == choice.text.encode() and choice.text.startswith("Once")
+    assert choice.logprobs.text_offset == list(range(len(choice.text)))
+    chat = client.chat.completions.create(
+        model="llm", messages=HI, logprobs=True, top_logprobs=2, max_tokens=4, seed=2,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    for entry in [*content, *(top for e in content for top in e.top_logprobs)]:
+        byte = entry.bytes or [257]  # the end of sequence has no text
+        assert entry.token == f"token_id:{byte[0]}", entry
+
+
 def test_a_prompt_of_token_ids_is_read_as_given(client: openai.OpenAI) -> None:
     """The byte model's BOS and the text's bytes are the text's own prompt: the same
     seed gives the same output; without the BOS it is another prompt."""

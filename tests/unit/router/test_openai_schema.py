@@ -894,6 +894,27 @@ def test_logprobs_in_openais_chat_and_completions_shapes() -> None:
     }
 
 
+def test_tokens_as_token_ids_name_each_token_by_its_id_and_keep_its_text() -> None:
+    from llmmesh.types import TokenLogprob
+    from services.router.openai_reply import chat_logprobs, completion_logprobs
+    from services.router.token_release import REDACTED_TOKEN
+
+    tokens = [
+        TokenLogprob(9, "Pa", -0.1, 1, ((9, "Pa", -0.1), (4, "Lo", -2.5))),
+        TokenLogprob(REDACTED_TOKEN, "[EMAIL]", -3.0, 0),
+    ]
+    chat = chat_logprobs(tokens, as_ids=True)["content"]
+    assert [(t["token"], t["bytes"]) for t in chat] == [
+        ("token_id:9", [80, 97]),
+        ("token_id:-1", list(b"[EMAIL]")),
+    ]
+    assert [t["token"] for t in chat[0]["top_logprobs"]] == ["token_id:9", "token_id:4"]
+    whole = completion_logprobs(tokens, 0, as_ids=True)
+    assert whole["tokens"] == ["token_id:9", "token_id:-1"]
+    assert whole["top_logprobs"][0] == {"token_id:9": -0.1, "token_id:4": -2.5}
+    assert whole["text_offset"] == [0, 2]  # counted on the text, not on the names
+
+
 def test_n_samples_come_back_as_n_choices_whole_and_streamed() -> None:
     async def scenario() -> tuple[Any, list[Any]]:
         async with TestClient(TestServer(api().app())) as client:
