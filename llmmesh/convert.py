@@ -41,6 +41,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         allowed_token_ids=list(sampling.allowed_token_ids),
         bad_words=list(sampling.bad_words),
+        return_token_ids=sampling.return_token_ids,
     )
     if sampling.seed is not None:
         message.seed = sampling.seed
@@ -77,6 +78,7 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> Sampling:
         include_stop_str_in_output=message.include_stop_str_in_output,
         allowed_token_ids=tuple(sorted(set(message.allowed_token_ids))),
         bad_words=tuple(message.bad_words),
+        return_token_ids=message.return_token_ids,
         seed=message.seed if message.HasField("seed") else None,
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,

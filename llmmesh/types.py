@@ -82,6 +82,20 @@ class Sampling:
     # vLLM's allowed_token_ids: only these may be generated (ascending, no repeats); (): any
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()  # vLLM's: words the output never has
+    # vLLM's return_token_ids: the prompt's ids (first chunk) and each token's (the log
+    # probability entries', which the engine then sends, ``logprobs`` or not)
+    return_token_ids: bool = False
+
+    @property
+    def scores_tokens(self) -> bool:
+        """Whether the engine sends an entry per generated token (log probabilities)."""
+        return self.logprobs is not None or self.return_token_ids
+
+    def without_prompt_reports(self) -> Sampling:
+        """This sampling for an engine that is not to report on the prompt again (a stream
+        resumed elsewhere, a shadow): the tokens' entries still come when asked."""
+        logprobs = 0 if self.logprobs is None and self.return_token_ids else self.logprobs
+        return replace(self, prompt_logprobs=None, return_token_ids=False, logprobs=logprobs)
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +119,8 @@ class Sampling:
         for name, none in _SENT_UNLESS:
             if getattr(self, name) != none:
                 doc[name] = getattr(self, name)
+        if self.return_token_ids and self.logprobs is None:
+            doc["logprobs"] = 0  # the sampled tokens' entries, which carry their ids
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if getattr(self, name):
                 doc[name] = list(getattr(self, name))
@@ -156,6 +172,9 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of this chunk, when asked
     cached_tokens: int = 0  # on the first chunk: prompt tokens read from the prefix cache
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first chunk, when asked
+    prompt_token_ids: tuple[int, ...] = ()  # on the first chunk, when asked
+    # With return_token_ids: this chunk's tokens' ids (its released entries' tokens)
+    token_ids: tuple[int, ...] = ()
 
     def after(self, held: Chunk | None) -> Chunk:
         """This chunk preceded by what ``held`` (earlier chunks whose text the output check
@@ -168,6 +187,7 @@ class Chunk:
             logprobs=held.logprobs + self.logprobs,
             cached_tokens=held.cached_tokens + self.cached_tokens,
             prompt_logprobs=held.prompt_logprobs + self.prompt_logprobs,
+            prompt_token_ids=held.prompt_token_ids + self.prompt_token_ids,
         )
 
     def with_text(self, text: str) -> Chunk:

@@ -279,6 +279,8 @@ class GenerateResponse(_message.Message):
     CONTEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -318,6 +320,18 @@ class GenerateResponse(_message.Message):
         included).
         """
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With SamplingParams.return_token_ids: the ids of this response's tokens (the
+        logprobs entries' tokens, whether or not those are asked).
+        """
+
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With SamplingParams.return_token_ids, on the first response: the prompt's ids as the
+        model read it (a BOS it adds included; a session's history too).
+        """
+
     def __init__(
         self,
         *,
@@ -330,10 +344,12 @@ class GenerateResponse(_message.Message):
         context: Global___SessionContext | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "served", b"served", "text", b"text", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "served", b"served", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -305,6 +305,7 @@ class InferenceResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text generated since the previous response."""
     num_output_tokens: _builtins.int
@@ -325,6 +326,12 @@ class InferenceResponse(_message.Message):
         BOS the engine adds is not among them).
         """
 
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """On the first response, with SamplingParams.return_token_ids: the prompt's token ids
+        as the engine read it (a BOS it adds included).
+        """
+
     def __init__(
         self,
         *,
@@ -334,10 +341,11 @@ class InferenceResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         cached_tokens: _builtins.int = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "prompt_logprobs", b"prompt_logprobs", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_output_tokens", b"num_output_tokens", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

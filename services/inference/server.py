@@ -135,6 +135,8 @@ def _response(chunk: Chunk, total_tokens: int) -> inference_pb2.InferenceRespons
         response.logprobs.extend(logprobs_to_pb(chunk.logprobs))
     if chunk.prompt_logprobs:
         response.prompt_logprobs.extend(logprobs_to_pb(chunk.prompt_logprobs))
+    if chunk.prompt_token_ids:
+        response.prompt_token_ids.extend(chunk.prompt_token_ids)
     return response
 
 

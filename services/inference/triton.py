@@ -49,6 +49,8 @@ TRITON_CHANNEL_OPTIONS = [
 _TRUE = b"\x01"
 CACHED_TOKENS_FLAG = "return_num_cached_tokens"
 PROMPT_LOGPROBS = "prompt_logprobs"  # an output the reference engine's models declare
+PROMPT_IDS_FLAG = "return_prompt_token_ids"  # an input they declare, and its output:
+PROMPT_IDS = "prompt_token_ids"
 INPUT_IDS = "input_ids"  # an input they declare (TensorRT-LLM's name): the prompt's ids
 PRIORITY_PARAMETER = "scheduling_priority"
 RESUMED_OUTPUT_PARAMETER = "resumed_output_chars"
@@ -61,11 +63,12 @@ GAP_AFTER_PARAMETER = "stream_gap_after"
 class ModelReports:
     """What a model takes and reports beyond the vLLM backend's contract (the reference
     engine's models do): the prompt's tokens read from the prefix cache, the prompt's log
-    probabilities, a prompt of token ids."""
+    probabilities, a prompt of token ids, the prompt's token ids."""
 
     cached_tokens: bool
     prompt_logprobs: bool
     input_ids: bool
+    prompt_token_ids: bool
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,12 @@ def build_request(
         ("exclude_input_in_output", "BOOL", _TRUE),
     )
     outputs: tuple[str, ...] = OUTPUTS
-    if call.sampling.logprobs is not None:  # the vLLM backend's optional output
+    if call.sampling.scores_tokens:  # the vLLM backend's optional output
         inputs = (*inputs, ("return_logprobs", "BOOL", _TRUE))
         outputs = (*outputs, "logprobs")
+    if call.sampling.return_token_ids:
+        inputs = (*inputs, (PROMPT_IDS_FLAG, "BOOL", _TRUE))
+        outputs = (*outputs, PROMPT_IDS)
     if cached_tokens:
         inputs = (*inputs, (CACHED_TOKENS_FLAG, "BOOL", _TRUE))
         outputs = (*outputs, "num_cached_tokens")
@@ -142,6 +148,10 @@ def _check_reported(call: InferenceCall, reports: ModelReports | None) -> None:
         raise InvalidArgument(
             "sampling.prompt_logprobs",
             f"model '{call.model}' does not report its prompts' log probabilities",
+        )
+    if call.sampling.return_token_ids and not reports.prompt_token_ids:
+        raise InvalidArgument(
+            "sampling.return_token_ids", f"model '{call.model}' does not report its prompts' ids"
         )
     if call.prompt_ids and not reports.input_ids:
         raise InvalidArgument("prompt", f"model '{call.model}' takes no token ids: send text")
@@ -193,6 +203,7 @@ def parse_response(
         logprobs=parse_logprobs(_bytes(raw, "logprobs"), top or 0),
         cached_tokens=_uint32(raw.get("num_cached_tokens", b"")),
         prompt_logprobs=parse_logprobs(_bytes(raw, PROMPT_LOGPROBS), prompt_top or 0),
+        prompt_token_ids=_int32s(raw.get(PROMPT_IDS, b"")),
     )
 
 
@@ -202,6 +213,11 @@ def _bytes(raw: dict[str, bytes], name: str) -> bytes:
 
 def _uint32(raw: bytes) -> int:
     return _LENGTH.unpack_from(raw)[0] if len(raw) >= _LENGTH.size else 0
+
+
+def _int32s(raw: bytes) -> tuple[int, ...]:
+    """An INT32 tensor's values (raw little-endian)."""
+    return tuple(struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
 
 
 def parse_logprobs(raw: bytes, top: int) -> tuple[TokenLogprob, ...]:
@@ -335,6 +351,7 @@ class TritonBackend:
             cached_tokens=any(i.name == CACHED_TOKENS_FLAG for i in meta.inputs),
             prompt_logprobs=any(o.name == PROMPT_LOGPROBS for o in meta.outputs),
             input_ids=any(i.name == INPUT_IDS for i in meta.inputs),
+            prompt_token_ids=any(i.name == PROMPT_IDS_FLAG for i in meta.inputs),
         )
         self._reports_of[model] = known
         return known

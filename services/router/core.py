@@ -39,6 +39,7 @@ from llmmesh.types import (
     InferenceCall,
     PolicyAction,
     Role,
+    Sampling,
     Turn,
     Verdict,
     check_prompt_logprobs,
@@ -443,8 +444,8 @@ class RouterCore:
         completion_tokens, outcome, first_token_at = 0, "cancelled", None
         guard = prepared.guard
         held: Chunk | None = None  # chunks the output check held back whole
-        asked_logprobs = prepared.request.sampling.logprobs is not None
-        tokens = GuardedTokens() if guard is not None and asked_logprobs else None
+        sampling = prepared.request.sampling
+        tokens = GuardedTokens() if guard is not None and sampling.scores_tokens else None
         ttft_s: float | None = None  # observed once the first text is on its way
         try:
             async for relayed in prepared.stream.chunks():
@@ -455,6 +456,7 @@ class RouterCore:
                     held = chunk  # all held back: nothing to send yet
                     continue
                 held = None
+                chunk = _with_token_ids(chunk, sampling)
                 if first_token_at is None and chunk.text:
                     first_token_at = time.monotonic()
                     ttft_s = time.perf_counter() - prepared.received_at
@@ -622,6 +624,16 @@ class RouterCore:
             )
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "turn not recorded")
+
+
+def _with_token_ids(chunk: Chunk, sampling: Sampling) -> Chunk:
+    """With return_token_ids, the chunk's tokens' ids: its entries' as released (one id,
+    -1, for what a redaction replaced); the entries go on only if log probabilities were
+    asked."""
+    if not sampling.return_token_ids:
+        return chunk
+    entries = chunk.logprobs if sampling.logprobs is not None else ()
+    return replace(chunk, token_ids=tuple(t.token for t in chunk.logprobs), logprobs=entries)
 
 
 def _excerpt_for(history: History, message: str, count: Callable[[str], int]) -> History:

@@ -277,13 +277,12 @@ async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk:
 def _continuation(call: InferenceCall, sent_text: str, sent_tokens: int) -> InferenceCall:
     """The call that continues a broken stream: the text already sent becomes prompt, and
     the engine's penalties count it as output (all of it, over several resumes). The
-    prompt's log probabilities went with the first chunk: not asked again. A prompt of
-    token ids goes on as text (the sent text's ids are not known here)."""
+    prompt's log probabilities and ids went with the first chunk: not asked again. A
+    prompt of token ids goes on as text (the sent text's ids are not known here)."""
     sampling = replace(
-        call.sampling,
+        call.sampling.without_prompt_reports(),
         max_tokens=call.sampling.max_tokens - sent_tokens,
         min_tokens=max(0, call.sampling.min_tokens - sent_tokens),
-        prompt_logprobs=None,
     )
     return replace(
         call,

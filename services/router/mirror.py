@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from llmmesh.analysis.pairs import compare
 from llmmesh.runtime.errors import MeshError
-from llmmesh.types import SEED_LIMIT, Chunk, InferenceCall, ModelCard, TokenLogprob
+from llmmesh.types import SEED_LIMIT, Chunk, InferenceCall, ModelCard, Sampling, TokenLogprob
 from services.router.admission import SHADOW_PRIORITY
 from services.router.canary_watch import CanaryWatch
 from services.router.dispatch import Dispatcher
@@ -67,12 +67,14 @@ class _Answer:
         return (time.monotonic() - self.first_at) / (self.tokens - 1)
 
 
-def _as_asked(chunk: Chunk, asked: int | None) -> Chunk:
-    """The chunk with only the log probabilities its client asked for."""
+def _as_asked(chunk: Chunk, sampling: Sampling) -> Chunk:
+    """The chunk with only the log probabilities its client asked for (the tokens' own
+    entries, which carry their ids, when it asked for those)."""
     if not chunk.logprobs:
         return chunk
-    if asked is None:
+    if not sampling.scores_tokens:
         return replace(chunk, logprobs=())
+    asked = sampling.logprobs or 0
     return replace(chunk, logprobs=tuple(replace(t, top=t.top[:asked]) for t in chunk.logprobs))
 
 
@@ -128,7 +130,7 @@ class Mirror:
                         self._finished(call.model, answer)
                     if spec is not None:
                         self._mirror(spec, sent, answer)
-                yield _as_asked(chunk, call.sampling.logprobs)
+                yield _as_asked(chunk, call.sampling)
 
     def _finished(self, model: str, answer: _Answer) -> None:
         if answer.subset and answer.first_at is not None:
@@ -154,7 +156,7 @@ class Mirror:
         model, outcome = call.model, "failed"
         # What the two say is compared, not how each scores the prompt: computing it whole
         # again on the canary would be wasted.
-        unscored = replace(call.sampling, prompt_logprobs=None)
+        unscored = call.sampling.without_prompt_reports()
         shadow = replace(call, request_id=f"{call.request_id}.shadow", sampling=unscored)
         if call.priority is not None:  # never before a client's request in the engine
             shadow = replace(shadow, priority=SHADOW_PRIORITY)

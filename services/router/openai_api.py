@@ -80,6 +80,7 @@ def _sampling(body: ChatBody | CompletionBody, tools: ToolUse | None) -> Samplin
         "stop_token_ids": tuple(sorted(set(body.stop_token_ids or ()))),
         "allowed_token_ids": tuple(sorted(set(body.allowed_token_ids or ()))),
         "bad_words": tuple(body.bad_words or ()),
+        "return_token_ids": body.return_token_ids,
         "structured": tools.structure() if tools else body.structure(),
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", *PENALTIES):
@@ -349,6 +350,7 @@ class OpenAiApi:
                         else [vllm_prompt_logprobs(c, shown) for c in started.choices]
                     ),
                     tokens_as_ids=body.return_tokens_as_token_ids,
+                    token_ids=body.return_token_ids,
                 )
                 headers = {REQUEST_ID: request_id}
                 if body.stream:

@@ -51,6 +51,8 @@ class _Sample:
     finish: str | None = None
     offset: int = 0  # characters streamed so far
     tools: ToolStream | None = None  # the answer's decoder, with tools
+    ids: list[int] = field(default_factory=list)  # its tokens', with return_token_ids
+    prompt_ids: tuple[int, ...] = ()  # its prompt's, with return_token_ids
 
 
 def _named(token: int, text: str, as_ids: bool) -> str:
@@ -123,6 +125,7 @@ async def prompt_alone(first: Chunk, rest: AsyncIterator[Chunk]) -> Chunk:
         finish_reason=FinishReason.LENGTH,
         cached_tokens=first.cached_tokens,
         prompt_logprobs=first.prompt_logprobs,
+        prompt_token_ids=first.prompt_token_ids,
     )
 
 
@@ -166,10 +169,14 @@ class Reply:
         tools: ToolUse | None = None,
         prompt_logprobs: list[list[dict[str, Any] | None]] | None = None,
         tokens_as_ids: bool = False,
+        token_ids: bool = False,
     ) -> None:
         """``prompt_logprobs``: each choice's in vLLM's form, when asked (whole replies
         only: a completion's in each choice, a chat's beside them). ``tokens_as_ids``:
-        vLLM's ``return_tokens_as_token_ids``, the log probabilities' tokens named by id."""
+        vLLM's ``return_tokens_as_token_ids``, the log probabilities' tokens named by id.
+        ``token_ids``: vLLM's ``return_token_ids``, each choice's ``token_ids`` and the
+        prompt's ``prompt_token_ids`` (a completion's in each choice, a chat's beside
+        them), streamed too: each event's tokens, the prompt's in a choice's first."""
         self.id = response_id
         self.model = model
         self.chat = chat
@@ -177,6 +184,7 @@ class Reply:
         self.include_usage = usage
         self._logprobs = logprobs
         self._as_ids = tokens_as_ids
+        self._token_ids = token_ids
         self._tools = tools
         self._samples = [_Sample(tools=ToolStream() if tools else None) for _ in range(n)]
         self._prompt_logprobs = prompt_logprobs
@@ -186,6 +194,9 @@ class Reply:
         sample = self._samples[index]
         sample.parts.append(chunk.text)
         sample.tokens += chunk.logprobs
+        sample.ids += chunk.token_ids
+        if chunk.prompt_token_ids:
+            sample.prompt_ids = chunk.prompt_token_ids
         self.completion_tokens += chunk.num_tokens
         if chunk.finish_reason is not None:
             sample.finish = FINISH[chunk.finish_reason]
@@ -226,12 +237,24 @@ class Reply:
                 choice["text"] = text
                 if self._prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs[index]
-            choices.append(choice)
+            choices.append(self._with_ids(choice, sample.ids, sample.prompt_ids))
         whole = "chat.completion" if self.chat else "text_completion"
         reply = {**self._envelope(choices, whole), "usage": usage}
         if self.chat and self._prompt_logprobs is not None:  # the choices share the prompt
             reply["prompt_logprobs"] = self._prompt_logprobs[0]
+        if self.chat and self._token_ids:
+            reply["prompt_token_ids"] = list(self._samples[0].prompt_ids)
         return reply
+
+    def _with_ids(
+        self, choice: dict[str, Any], ids: Sequence[int], prompt_ids: Sequence[int]
+    ) -> dict[str, Any]:
+        """The choice with its tokens' ids and (a completion's) its prompt's, when asked."""
+        if self._token_ids:
+            choice["token_ids"] = list(ids)
+            if not self.chat:
+                choice["prompt_token_ids"] = list(prompt_ids) or None
+        return choice
 
     def _tool_events(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         """A chunk's events with tools: the answer's deltas as the decoder lets them out,
@@ -269,7 +292,10 @@ class Reply:
             choice["delta"] = delta
         else:
             choice["text"] = chunk.text
-        return self._envelope([choice])
+        event = self._envelope([self._with_ids(choice, chunk.token_ids, chunk.prompt_token_ids)])
+        if self.chat and self._token_ids and first:
+            event["prompt_token_ids"] = list(chunk.prompt_token_ids)
+        return event
 
     def _envelope(self, choices: list[dict[str, Any]], kind: str = "") -> dict[str, Any]:
         """The fields every reply has; ``kind``: its object type (default: a chunk's)."""
@@ -294,7 +320,13 @@ class Reply:
                     for event in self._tool_events(index, chunk, not started[index]):
                         yield sse(event)
                     started[index] = True
-                elif chunk.text or chunk.finish_reason or chunk.logprobs or not started[index]:
+                elif (
+                    chunk.text
+                    or chunk.finish_reason
+                    or chunk.logprobs
+                    or chunk.token_ids
+                    or not started[index]
+                ):
                     yield sse(self._event(index, chunk, not started[index]))
                     started[index] = True
         if self.include_usage:

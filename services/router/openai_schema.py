@@ -63,6 +63,7 @@ _SAMPLING_NAMES = {
         "stop_token_ids",
         "allowed_token_ids",
         "bad_words",
+        "return_token_ids",
         *PENALTIES,
     )
 } | {"sampling.structured_output": "response_format", "sampling.prompt_logprobs": "prompt_logprobs"}
@@ -273,6 +274,12 @@ class Body(_Strict):
     )
     prompt_cache_key: str | None = Field(
         default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
+    )
+    return_token_ids: bool = Field(
+        default=False,
+        description="vLLM's extension: each choice's token_ids (the output's, as the model "
+        "sampled them) and prompt_token_ids (the prompt's as the model read it: a "
+        "completion's in each choice, a chat's beside the choices); streamed too",
     )
     return_tokens_as_token_ids: bool = Field(
         default=False,

@@ -160,6 +160,10 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
             response.logprobs.extend(logprobs_to_pb(chunk.logprobs))
         if chunk.prompt_logprobs:
             response.prompt_logprobs.extend(logprobs_to_pb(chunk.prompt_logprobs))
+        if chunk.token_ids:
+            response.token_ids.extend(chunk.token_ids)
+        if chunk.prompt_token_ids:
+            response.prompt_token_ids.extend(chunk.prompt_token_ids)
         if first:
             response.request_id = generation.request.request_id
             response.model = generation.request.model

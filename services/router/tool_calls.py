@@ -134,8 +134,9 @@ def tool_use(body: ChatBody) -> ToolUse | None:
     structured = body.structure_fields()
     if structured:
         raise InvalidArgument(structured[0], "not with tools: the answer is the tools' JSON")
-    if body.logprobs:
-        raise InvalidArgument("logprobs", "not with tools")
+    for name in ("logprobs", "return_token_ids"):
+        if getattr(body, name):
+            raise InvalidArgument(name, "not with tools")
     return use
 
 

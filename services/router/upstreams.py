@@ -438,6 +438,8 @@ class ChunkReader:
         )
         if reply.prompt_logprobs:  # the first response's, when asked (a call less on others)
             chunk = replace(chunk, prompt_logprobs=logprobs_from_pb(reply.prompt_logprobs))
+        if reply.prompt_token_ids:
+            chunk = replace(chunk, prompt_token_ids=tuple(reply.prompt_token_ids))
         self._seen = reply.num_output_tokens
         return chunk
 
@@ -456,6 +458,7 @@ class ChunkReader:
             prompt_logprobs=tuple(
                 lp for r in replies for lp in logprobs_from_pb(r.prompt_logprobs)
             ),
+            prompt_token_ids=tuple(i for r in replies for i in r.prompt_token_ids),
         )
         self._seen = last.num_output_tokens
         return chunk

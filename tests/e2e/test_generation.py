@@ -145,6 +145,20 @@ def test_prompt_logprobs_come_on_the_first_response(router_channel: grpc.Channel
     assert "sampling.prompt_logprobs" in (refused.value.details() or "")
 
 
+def test_token_ids_come_with_each_response_and_the_prompts_with_the_first(
+    router_channel: grpc.Channel,
+) -> None:
+    request = build_request("Once upon", max_tokens=6, seed=2, ignore_eos=True)
+    request.sampling.return_token_ids = True
+    responses = list(
+        generation_pb2_grpc.GenerationStub(router_channel).Generate(request, timeout=60)
+    )
+    assert list(responses[0].prompt_token_ids) == [256, *b"Once upon"]
+    assert all(not r.prompt_token_ids for r in responses[1:])
+    assert bytes(i for r in responses for i in r.token_ids) == text_of(responses).encode()
+    assert all(not r.logprobs for r in responses)  # not asked
+
+
 def test_a_prompt_of_token_ids_is_read_as_given(router_channel: grpc.Channel) -> None:
     """The byte model's BOS and the text's bytes are the text's own prompt."""
     by_text = collect(router_channel, "Once upon", max_tokens=6, seed=4, ignore_eos=True)

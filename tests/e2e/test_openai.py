@@ -261,6 +261,52 @@ def test_vllms_tokens_as_token_ids_name_the_byte_models_tokens(client: openai.Op
         assert entry.token == f"token_id:{byte[0]}", entry
 
 
+def test_vllms_return_token_ids_give_the_output_and_prompt_ids(client: openai.OpenAI) -> None:
+    """``return_token_ids``: a completion's choice has its tokens' ids and its prompt's as
+    the engine read them (the byte model's BOS, then the bytes); a chat's prompt ids are
+    beside its choices, as many as its prompt tokens; streamed, each event has its
+    tokens' ids and a choice's first the prompt's. Not with tools."""
+    ids_asked = {"return_token_ids": True, "ignore_eos": True}
+    reply = client.completions.create(
+        model="llm", prompt="Once", max_tokens=5, seed=3, n=2, extra_body=ids_asked
+    )
+    for choice in reply.choices:
+        extra = choice.model_extra or {}
+        assert extra["prompt_token_ids"] == [256, *b"Once"]
+        assert bytes(extra["token_ids"]) == choice.text.encode() and len(choice.text) == 5
+    assert reply.choices[0].logprobs is None  # the ids need no log probabilities
+    stream = client.completions.create(
+        model="llm", prompt="Once", max_tokens=5, seed=3, stream=True, extra_body=ids_asked
+    )
+    events = [(c.choices[0].model_extra or {}) for c in stream if c.choices]
+    assert events[0]["prompt_token_ids"] == [256, *b"Once"]
+    assert [e["token_ids"] for e in events[1:] if e["prompt_token_ids"]] == []
+    streamed = [i for e in events for i in e["token_ids"]]
+    assert streamed == (reply.choices[0].model_extra or {})["token_ids"]
+    chat = client.chat.completions.create(
+        model="llm", messages=HI, max_tokens=3, seed=3, extra_body=ids_asked
+    )
+    assert chat.usage is not None
+    prompt_ids = (chat.model_extra or {})["prompt_token_ids"]
+    assert len(prompt_ids) == chat.usage.prompt_tokens and prompt_ids[0] == 256
+    content = chat.choices[0].message.content or ""
+    assert bytes((chat.choices[0].model_extra or {})["token_ids"]) == content.encode()
+    chunks = client.chat.completions.create(
+        model="llm", messages=HI, max_tokens=3, seed=3, stream=True, extra_body=ids_asked
+    )
+    first, *rest = [c for c in chunks if c.choices]
+    assert (first.model_extra or {})["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in rest)
+    ids = [i for c in (first, *rest) for i in (c.choices[0].model_extra or {})["token_ids"]]
+    assert bytes(ids) == content.encode()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="llm", messages=HI, max_tokens=3, extra_body={"return_token_ids": True},
+            tools=[{"type": "function", "function": {"name": "lookup"}}],
+        )  # fmt: skip
+    assert refused.value.body["param"] == "return_token_ids"  # type: ignore[index]
+
+
 def test_a_prompt_of_token_ids_is_read_as_given(client: openai.OpenAI) -> None:
     """The byte model's BOS and the text's bytes are the text's own prompt: the same
     seed gives the same output; without the BOS it is another prompt."""

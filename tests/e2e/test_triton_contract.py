@@ -21,6 +21,7 @@ EXTRA_OUTPUTS = (
     "num_input_tokens",
     "num_cached_tokens",
     "prompt_logprobs",
+    "prompt_token_ids",
 )
 
 
@@ -190,6 +191,20 @@ def test_the_first_response_says_what_the_prefix_cache_held(stack: Stack) -> Non
 
     assert cached()[:1] == [0]
     assert cached()[:1] == [128]  # 133 tokens with BOS: 8 blocks, one token left to compute
+
+
+def test_the_first_response_has_the_prompts_ids_when_asked(stack: Stack) -> None:
+    """The engine's own optional output (vLLM's return_token_ids): an INT32 tensor of the
+    prompt's ids as the engine read it, BOS first, on the first response only."""
+    sampling = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    outputs = (*BASIC_OUTPUTS, "prompt_token_ids")
+    items = _stream(stack, "Hi!", sampling, ("return_prompt_token_ids",), outputs)
+    assert all(not isinstance(i, Exception) for i in items)
+    reported = [i.as_numpy("prompt_token_ids") for i in items]
+    assert reported[0] is not None and reported[0].tolist() == [256, *b"Hi!"]
+    assert all(r is None for r in reported[1:])
+    plain = _stream(stack, "Hi!", sampling, (), outputs)
+    assert all(i.as_numpy("prompt_token_ids") is None for i in plain)
 
 
 def test_prompt_logprobs_come_with_the_first_response_and_read_no_cache(stack: Stack) -> None:

@@ -385,6 +385,7 @@ def _parse(request: Any) -> GenerationRequest:
         return_cumulative_logprob=_flag(request, "return_cumulative_logprob"),
         return_num_input_tokens=_flag(request, "return_num_input_tokens"),
         return_num_cached_tokens=_flag(request, "return_num_cached_tokens"),
+        return_prompt_token_ids=_flag(request, "return_prompt_token_ids"),
     )
 
 
@@ -445,8 +446,9 @@ def _detail_tensors(details: Details) -> list[Any]:
     """The vLLM backend's optional outputs: ``logprobs`` as JSON, one entry per token of
     this response ({token id: {logprob, rank, decoded_token}}, the sampled token and the
     most likely ones), ``cumulative_logprob``, ``num_input_tokens``; and the engine's
-    ``num_cached_tokens`` and ``prompt_logprobs`` (first response; an entry per prompt
-    token, as ``logprobs``'s, when sampling_parameters has vLLM's prompt_logprobs)."""
+    ``num_cached_tokens``, ``prompt_logprobs`` (first response; an entry per prompt
+    token, as ``logprobs``'s, when sampling_parameters has vLLM's prompt_logprobs) and
+    ``prompt_token_ids`` (first response, with ``return_prompt_token_ids``)."""
     tensors = []
     if details.logprobs is not None:
         entries = [logprob_entry(t) for t in details.logprobs]
@@ -465,4 +467,7 @@ def _detail_tensors(details: Details) -> list[Any]:
         entries = [logprob_entry(t) for t in details.prompt_logprobs]
         raw = json.dumps(entries, ensure_ascii=False).encode("utf-8")
         tensors.append(pb_utils.Tensor("prompt_logprobs", np.array([raw], dtype=np.object_)))
+    if details.prompt_token_ids is not None:
+        ids = np.array(details.prompt_token_ids, dtype=np.int32)
+        tensors.append(pb_utils.Tensor("prompt_token_ids", ids))
     return tensors

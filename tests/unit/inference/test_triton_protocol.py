@@ -283,6 +283,24 @@ def test_prompt_logprobs_are_asked_as_vllms_and_read_from_their_output() -> None
     )
 
 
+def test_token_ids_ask_for_the_tokens_entries_and_the_prompts_ids() -> None:
+    """vLLM's return_token_ids: each token's entry (logprobs 0: its own, which carries its
+    id) and the engine's prompt_token_ids output, read as INT32s."""
+    call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, return_token_ids=True))
+    request = build_request(call)
+    assert {"return_logprobs", "return_prompt_token_ids"} <= {i.name for i in request.inputs}
+    assert {"logprobs", "prompt_token_ids"} <= {o.name for o in request.outputs}
+    assert json.loads(first_bytes_element(request.raw_input_contents[2]))["logprobs"] == 0
+    response = service_pb2.ModelInferResponse()
+    response.outputs.add(name="prompt_token_ids")
+    response.raw_output_contents.append(struct.pack("<3i", 256, 104, 105))
+    assert parse_response(response, call.sampling).prompt_token_ids == (256, 104, 105)
+    resumed = call.sampling.without_prompt_reports()  # a stream resumed elsewhere
+    again = build_request(replace(call, sampling=resumed))
+    assert "return_prompt_token_ids" not in {i.name for i in again.inputs}
+    assert "return_logprobs" in {i.name for i in again.inputs}
+
+
 def test_a_prompt_of_ids_is_sent_as_the_input_ids_tensor() -> None:
     call = InferenceCall("r", "llm", "hi", Sampling(max_tokens=2), prompt_ids=(256, 104, 105))
     request = build_request(call)
@@ -304,6 +322,10 @@ def test_a_prompt_of_ids_is_sent_as_the_input_ids_tensor() -> None:
             "sampling.prompt_logprobs",
         ),
         (InferenceCall("r", "llm", "hi", Sampling(max_tokens=2), prompt_ids=(1, 2)), "prompt"),
+        (
+            InferenceCall("r", "llm", "hi", Sampling(max_tokens=2, return_token_ids=True)),
+            "sampling.return_token_ids",
+        ),
     ],
 )
 def test_what_a_model_does_not_take_is_refused_by_name(call: InferenceCall, field: str) -> None:

@@ -930,6 +930,21 @@ class TestEngine:
         plain = run(engine, prefix + "third", max_tokens=2)  # not asked: not reported
         assert all(d is None or d.num_cached_tokens is None for d in plain.details)
 
+    def test_the_first_response_has_the_prompts_ids_once_and_only_when_asked(self) -> None:
+        """vLLM's return_token_ids, the prompt's side: the ids as the engine read them (BOS
+        first), on the first response alone."""
+        engine = make_engine()
+        sink = RecordingSink()
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        engine.submit(
+            GenerationRequest("Hi!", sampling=sampling, return_prompt_token_ids=True), sink
+        )
+        drain(engine)
+        reported = [d.prompt_token_ids for d in sink.details if d and d.prompt_token_ids]
+        assert reported == [(BOS, *b"Hi!")]
+        plain = run(engine, "Hi!", max_tokens=2)
+        assert all(d is None or d.prompt_token_ids is None for d in plain.details)
+
     def test_idle_cached_blocks_are_evicted_when_needed(self) -> None:
         engine = make_engine(kv_blocks=12, block_size=4)
         for i in range(10):

@@ -214,7 +214,7 @@ class Inference:
 
     @staticmethod
     def _scored(call: InferenceCall, text: str) -> tuple[TokenLogprob, ...]:
-        if call.sampling.logprobs is None:
+        if not call.sampling.scores_tokens:
             return ()
         return (TokenLogprob(ord(text), text, -0.5, 1),)
 
@@ -618,6 +618,29 @@ def test_logprobs_follow_the_output_check_and_show_nothing_it_redacted() -> None
         assert [t.text for t in entries] == ["#", "#", "#", "9", "0", "!"]
         assert entries[0].token == REDACTED_TOKEN and entries[0].logprob == -1.5
         assert entries[-3:] == [TokenLogprob(ord(x), x, -0.5, 1) for x in "90!"]
+        await policy.close()
+
+    asyncio.run(scenario())
+
+
+def test_token_ids_are_the_released_entries_and_need_no_logprobs() -> None:
+    """return_token_ids without logprobs: the ids of what was let out (one -1 for what a
+    redaction replaced), and no log probability entries go out."""
+
+    async def scenario() -> None:
+        sampling = Sampling(max_tokens=12, return_token_ids=True)
+        asked = replace(request(max_tokens=12), sampling=sampling)
+        chunks = await run(make_core(gate(), Context(), Inference()), asked)
+        assert bytes(i for c in chunks for i in c.token_ids) == b"01234567890!"
+        assert all(not c.logprobs for c in chunks)
+        rules = output_rules(
+            "{id: digits, stage: output, action: redact, regex: ['\\d{3}'], placeholder: '#'}"
+        )
+        policy = gate(PolicyService(rules))
+        chunks = await run(make_core(policy, Context(), Inference()), asked)
+        ids = [i for c in chunks for i in c.token_ids]
+        assert ids == [REDACTED_TOKEN] * 3 + [ord(x) for x in "90!"]
+        assert all(not c.logprobs for c in chunks)
         await policy.close()
 
     asyncio.run(scenario())

@@ -88,6 +88,19 @@ def test_a_failure_before_the_first_token_is_retried_on_another_replica() -> Non
     run(scenario)
 
 
+def test_a_resumed_stream_asks_its_tokens_ids_again_but_not_its_prompts() -> None:
+    async def scenario() -> None:
+        f = fleet()
+        f["a:1"].fail_next(7)
+        asked = call(20)
+        await collect(f, replace(asked, sampling=replace(asked.sampling, return_token_ids=True)))
+        [resumed_call] = f["b:1"].calls
+        again = resumed_call.sampling
+        assert not again.return_token_ids and again.scores_tokens and again.logprobs == 0
+
+    run(scenario)
+
+
 def test_a_stream_broken_mid_way_resumes_elsewhere_with_nothing_lost_or_repeated() -> None:
     async def scenario() -> None:
         f = fleet()

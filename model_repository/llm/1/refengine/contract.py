@@ -128,6 +128,9 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     # The engine's own: the prompt tokens read from the prefix cache (first response).
     return_num_cached_tokens: bool = False
+    # The engine's own: the prompt's token ids as it read them, BOS included (first
+    # response; vLLM's return_token_ids).
+    return_prompt_token_ids: bool = False
     # The request parameter ``scheduling_priority``: lower is more urgent (vLLM's and
     # Triton's order); a request without one is 0.
     priority: int = 0

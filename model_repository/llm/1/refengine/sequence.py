@@ -42,6 +42,7 @@ class Details:
     num_cached_tokens: int | None = None
     # The prompt's tokens' (first response; see SamplingParams.prompt_logprobs).
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # the prompt's ids (first response)
 
     def then(self, later: Details | None) -> Details:
         """This response's details followed by a later one's, as one response."""
@@ -54,7 +55,10 @@ class Details:
         if cached is None:
             cached = self.num_cached_tokens
         prompt = self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs
-        return Details(logprobs, later.cumulative_logprob, later.num_input_tokens, cached, prompt)
+        ids = self.prompt_token_ids if later.prompt_token_ids is None else later.prompt_token_ids
+        return Details(
+            logprobs, later.cumulative_logprob, later.num_input_tokens, cached, prompt, ids
+        )
 
 
 def logprob_entry(token: TokenLogprob) -> dict[str, dict[str, object]]:
@@ -119,6 +123,7 @@ class Sequence:
     prompt_reported: bool = False
     cached_tokens: int = -1  # prompt tokens its first admission found cached (-1: not yet)
     cached_reported: bool = False
+    prompt_ids_reported: bool = False
     order: int = 0  # its place in arrival order (the engine numbers its requests)
     preemptions: int = 0
     preempted_at: float | None = None  # when it was last preempted (None: running, or new)
@@ -178,12 +183,16 @@ class Sequence:
         if r.return_num_cached_tokens and not self.cached_reported and self.cached_tokens >= 0:
             cached, self.cached_reported = self.cached_tokens, True
         prompt = self._prompt_logprobs()
+        ids = None  # reported once, on the first response
+        if r.return_prompt_token_ids and not self.prompt_ids_reported:
+            ids, self.prompt_ids_reported = tuple(self.tokens[: self.prompt_len]), True
         if not (
             r.return_logprobs
             or r.return_cumulative_logprob
             or r.return_num_input_tokens
             or cached is not None
             or prompt is not None
+            or ids is not None
         ):
             return None
         logprobs = tuple(self.unsent_logprobs) if r.return_logprobs else None
@@ -194,6 +203,7 @@ class Sequence:
             self.prompt_len if r.return_num_input_tokens else None,
             cached,
             prompt,
+            ids,
         )
 
     def _prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
