@@ -241,6 +241,8 @@ class Body(_Strict):
     # What routers in front of vLLM and SGLang servers (vllm-router, for one) forward at
     # their defaults: each asks for nothing here, and anything else is refused by name.
     skip_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
+    spaces_between_special_tokens: bool = _no_op(True, "vLLM's; special tokens are never shown")
+    priority: int = _no_op(0, "vLLM's request priority; the tenant's tier decides")
     no_stop_trim: bool = Field(
         default=False, description="SGLang's name of include_stop_str_in_output"
     )
@@ -314,8 +316,13 @@ class Body(_Strict):
             if getattr(self, name) != default:
                 raise InvalidArgument(name, f"not supported (only {default!r})")
 
-    def _forwarded_defaults(self) -> dict[str, bool]:
-        return {"skip_special_tokens": True, "return_hidden_states": False}
+    def _forwarded_defaults(self) -> dict[str, object]:
+        return {
+            "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
+            "priority": 0,
+            "return_hidden_states": False,
+        }
 
     def structure(self) -> tuple[str, str] | None:
         """The core's structured output (None: text), from ``response_format`` or vLLM's
@@ -525,7 +532,7 @@ class ChatBody(Body):
                 "store", "not supported: chat completions are not stored (/v1/responses are)"
             )
 
-    def _forwarded_defaults(self) -> dict[str, bool]:
+    def _forwarded_defaults(self) -> dict[str, object]:
         return {
             **super()._forwarded_defaults(),
             "separate_reasoning": True,

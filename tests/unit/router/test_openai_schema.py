@@ -311,6 +311,8 @@ def test_field_paths_leave_union_tags_out() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"priority": -5}, "priority"),
     ],
 )
 def test_a_parameter_the_mesh_does_not_implement_is_refused_by_name(
@@ -570,7 +572,10 @@ def test_parameters_at_the_value_that_asks_for_nothing_are_served() -> None:
         "min_tokens": 0,
         "response_format": {"type": "text"},
     }
-    got, reply = asyncio.run(post("/v1/completions", body(**no_ops, user="u-1", top_k=5)))
+    vllm_defaults = {"spaces_between_special_tokens": True, "priority": 0}
+    got, reply = asyncio.run(
+        post("/v1/completions", body(**no_ops, **vllm_defaults, user="u-1", top_k=5))
+    )
     assert got == 200 and reply["usage"]["completion_tokens"] == 2
 
 
