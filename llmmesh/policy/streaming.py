@@ -10,8 +10,8 @@ checking the whole text at once gives.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from llmmesh.policy.matching import Hit, Views
 from llmmesh.policy.normalize import MAX_IGNORED_RUN
@@ -43,18 +43,24 @@ class OutputStep:
 
 
 class OutputScanner:
-    def __init__(self, rules: StageRules) -> None:
+    """``lead``: text the answer begins with that is not the model's (a continued
+    message): the rules read it before the output, so that a match begun in it and ended
+    by the model is found, but it is never released (a redaction spanning its end
+    replaces the output's part of the match)."""
+
+    def __init__(self, rules: StageRules, lead: str = "") -> None:
         self._rules = rules
         # The end of the released text: word boundaries need the character before new
         # text, and that character may be followed by ignored ones (zero-width, marks).
         self._context = ""
-        self._pending = ""
+        self._pending = lead
+        self._hidden = len(lead)  # the lead's characters still held, first in _pending
         self.matched: list[str] = []  # every rule that matched so far, first match first
         self.denied_by: str | None = None
-        self._fed = 0  # characters fed so far
+        self._fed = len(lead)  # characters fed so far
         self._tokens = 0  # tokens fed so far
         # Per chunk still (partly) held: where it ends, and the tokens fed with it.
-        self._chunks: deque[tuple[int, int]] = deque()
+        self._chunks: deque[tuple[int, int]] = deque([(len(lead), 0)] if lead else ())
 
     def feed(self, text: str, tokens: int = 1) -> OutputStep:
         """The check of ``text`` (``tokens`` generated tokens) after what came before; with
@@ -89,14 +95,16 @@ class OutputScanner:
         if self.denied_by is not None:
             return OutputStep("", denied_by=self.denied_by)
         if not self._rules:
-            self._pending = ""
-            return OutputStep(pending)
+            visible = pending[self._hidden :]
+            self._pending, self._hidden = "", 0
+            return OutputStep(visible)
         scan, pos = self._context + pending, len(self._context)
         matcher, views = self._rules.matcher, Views(scan)
         hits = matcher.hits(views, pos)
         settled = len(scan) if final else matcher.settled_until(views, pos, hits)
+        shown = pos + min(self._hidden, settled - pos)  # where released text is shown from
         if not hits:  # most chunks: the settled text goes out as it came
-            return OutputStep(scan[pos:settled], held=self._settle(scan, pos, settled))
+            return OutputStep(scan[shown:settled], held=self._settle(scan, pos, settled))
         # A deny match that is certain stops the stream at once, even while held back.
         decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
         decision = self._rules.decide(scan[pos:settled], decided, pos)
@@ -105,16 +113,24 @@ class OutputScanner:
         if decision.denied_by is not None:
             self.denied_by, self._pending = decision.denied_by, ""
             return OutputStep("", new, decision.denied_by)
+        if shown > pos:  # the lead's part goes unreleased: only what follows is redacted
+            decision = self._rules.decide(scan[shown:settled], _after(decided, shown), shown)
         held = self._settle(scan, pos, settled)
         return OutputStep(decision.text, new, None, held, decision.redacted)
 
     def _settle(self, scan: str, pos: int, settled: int) -> int:
-        """Keeps the text after ``settled`` back and the context before it; how much is
-        held."""
+        """Keeps the text after ``settled`` back and the context before it; how much of
+        the output is held."""
         if settled > pos:
             self._context = scan[max(settled - MAX_IGNORED_RUN - 1, 0) : settled]
+        self._hidden = max(0, self._hidden - (settled - pos))
         self._pending = scan[settled:]
-        return len(self._pending)
+        return len(self._pending) - self._hidden
+
+
+def _after(hits: Sequence[Hit], start: int) -> list[Hit]:
+    """The parts of ``hits`` from ``start`` on."""
+    return [replace(h, start=max(h.start, start)) for h in hits if h.end > start]
 
 
 @dataclass(frozen=True)
@@ -135,8 +151,11 @@ class StreamCheck:
         rules: StageRules,
         on_decision: Callable[[OutputDecision], None],
         keep_text: bool = False,
+        lead: str = "",
     ) -> None:
-        self._scanner = OutputScanner(rules)
+        """``lead``: the answer's beginning that is not the model's (OutputScanner's); the
+        decision's text is the model's alone."""
+        self._scanner = OutputScanner(rules, lead)
         self._on_decision = on_decision
         self._text: list[str] | None = [] if keep_text else None
         self._redacted = False

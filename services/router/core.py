@@ -283,9 +283,11 @@ class RouterCore:
             raise
         await self._fold_if_asked(request, history, rule_set, verdict, call)
         started = StartedStream(self._inference.generate(call, self._hints(request)))
+        # A continued message is the answer's beginning: the output rules read it first.
+        lead = user_text if request.prompt_role is Role.ASSISTANT else ""
         guard = (
             self._policy.guard_output(
-                request.request_id, request.tenant, rule_set, verdict.rule_set_version
+                request.request_id, request.tenant, rule_set, verdict.rule_set_version, lead
             )
             if verdict.checks_output
             else None

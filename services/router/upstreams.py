@@ -70,8 +70,11 @@ class PolicyClient(Protocol):
         ...
 
     def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str
-    ) -> OutputGuard: ...
+        self, request_id: str, tenant: str, rule_set: str, version: str, lead: str = ""
+    ) -> OutputGuard:
+        """``lead``: the answer's beginning that is not the model's (a continued message):
+        read by the rules before the output, never released."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -646,6 +646,26 @@ def test_token_ids_are_the_released_entries_and_need_no_logprobs() -> None:
     asyncio.run(scenario())
 
 
+def test_output_rules_read_a_continued_message_before_the_models_words() -> None:
+    """A continued message is the answer's beginning: a match that it begins and the
+    model ends is found (here a deny rule on "x0" after "pick x"); the same words from
+    the user leave the model's words alone to the output rules."""
+
+    async def scenario() -> None:
+        rules = output_rules("{id: x-zero, stage: output, action: deny, regex: ['x0']}")
+        continued = replace(request("pick x", max_tokens=12), prompt_role=Role.ASSISTANT)
+        policy = gate(PolicyService(rules))
+        chunks = await run(make_core(policy, Context(), Inference()), continued)
+        assert chunks[-1].finish_reason is FinishReason.POLICY
+        assert "".join(c.text for c in chunks) == ""
+        asked = replace(continued, prompt_role=Role.USER, request_id="r-user")
+        chunks = await run(make_core(policy, Context(), Inference()), asked)
+        assert "".join(c.text for c in chunks) == "01234567890!"
+        await policy.close()
+
+    asyncio.run(scenario())
+
+
 def test_an_output_deny_rule_stops_the_generation() -> None:
     async def scenario() -> None:
         rules = output_rules("{id: no-345, stage: output, action: deny, regex: ['345']}")

@@ -3,6 +3,8 @@ whole, only a possible match's tail is held back, and a deny rule stops the stre
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -98,6 +100,52 @@ def test_streaming_any_split_equals_the_one_shot_check(text: str, cuts: list[int
     edges = sorted({c for c in cuts if c < len(text)})
     bounds = list(zip([0, *edges], [*edges, len(text)], strict=True))
     assert_same_as_one_shot(text, [text[a:b] for a, b in bounds])
+
+
+def with_lead(lead: str, chunks: list[str]) -> tuple[str, OutputScanner, list[int]]:
+    """The output released after ``lead`` (a continued message), and each step's held."""
+    scanner = OutputScanner(RULES.output, lead)
+    steps = [scanner.feed(chunk) for chunk in chunks]
+    steps.append(scanner.finish())
+    return "".join(s.text for s in steps), scanner, [s.held for s in steps]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(PIECES, min_size=1, max_size=30).map("".join),
+    st.integers(0, 400),
+    st.lists(st.integers(0, 400), max_size=8),
+)
+def test_a_lead_is_read_before_the_output_and_never_released(
+    text: str, at: int, cuts: list[int]
+) -> None:
+    """The rules read lead + output as one text (the one-shot check's rules and denial);
+    what is released is the output alone, a redaction spanning the lead's end replacing
+    the output's part of its match; any split of the output gives the same."""
+    lead, output = text[: at % (len(text) + 1)], text[at % (len(text) + 1) :]
+    edges = sorted({c for c in cuts if c < len(output)})
+    bounds = list(zip([0, *edges], [*edges, len(output)], strict=True))
+    released, scanner, held = with_lead(lead, [output[a:b] for a, b in bounds])
+    whole = RULES.check_output(text)
+    assert sorted(scanner.matched) == sorted(whole.rule_ids), (lead, output)
+    if whole.action is PolicyAction.DENY:
+        assert scanner.denied_by in whole.rule_ids
+        return
+    hits = [replace(h, start=max(h.start, len(lead))) for h in RULES.output.matcher.hits(text)]
+    shown = [h for h in hits if h.end > len(lead)]
+    assert released == RULES.output.decide(output, shown, len(lead)).text, (lead, output)
+    assert all(0 <= h <= len(output) for h in held) and held[-1] == 0
+    if not hits:  # nothing redacted: what is held is the output's unreleased end
+        assert released == output
+
+
+def test_a_match_begun_in_the_lead_is_denied_or_redacted_in_the_output() -> None:
+    released, scanner, _ = with_lead("Sure: this is forbid", ["den", " now"])
+    assert (released, scanner.denied_by) == ("", "stop-word")
+    released, scanner, _ = with_lead("the secret", [" plan is", " ready"])
+    assert released == "[REDACTED] is ready" and scanner.matched == ["plan"]
+    released, _, _ = with_lead("the secret plan", [" is ready"])  # the lead's alone: kept out
+    assert released == " is ready"
 
 
 def test_only_a_possible_match_is_held_back() -> None:
