@@ -43,16 +43,20 @@ class OutputStep:
 
 
 class OutputScanner:
-    """``lead``: text the answer begins with that is not the model's (a continued
-    message): the rules read it before the output, so that a match begun in it and ended
-    by the model is found, but it is never released (a redaction spanning its end
-    replaces the output's part of the match)."""
+    """``lead``: text the model's output continues that is not the model's (a continued
+    message, a completion's prompt): the rules read it before the output, so that a match
+    it begins and the model ends is found; a match within it is not the model's, and it
+    is never released (a redaction spanning its end replaces the output's part). Only its
+    last characters count, as many as the check may hold back: a longer match is not
+    found in a stream either."""
 
     def __init__(self, rules: StageRules, lead: str = "") -> None:
         self._rules = rules
+        cut = max(0, len(lead) - rules.matcher.holdback_cap) if rules else len(lead)
         # The end of the released text: word boundaries need the character before new
         # text, and that character may be followed by ignored ones (zero-width, marks).
-        self._context = ""
+        self._context = lead[max(0, cut - MAX_IGNORED_RUN - 1) : cut]
+        lead = lead[cut:]
         self._pending = lead
         self._hidden = len(lead)  # the lead's characters still held, first in _pending
         self.matched: list[str] = []  # every rule that matched so far, first match first
@@ -101,6 +105,8 @@ class OutputScanner:
         scan, pos = self._context + pending, len(self._context)
         matcher, views = self._rules.matcher, Views(scan)
         hits = matcher.hits(views, pos)
+        if self._hidden:  # a match within the lead is not the model's
+            hits = [h for h in hits if h.end > pos + self._hidden]
         settled = len(scan) if final else matcher.settled_until(views, pos, hits)
         shown = pos + min(self._hidden, settled - pos)  # where released text is shown from
         if not hits:  # most chunks: the settled text goes out as it came
@@ -153,8 +159,8 @@ class StreamCheck:
         keep_text: bool = False,
         lead: str = "",
     ) -> None:
-        """``lead``: the answer's beginning that is not the model's (OutputScanner's); the
-        decision's text is the model's alone."""
+        """``lead``: text the output continues (OutputScanner's); the decision's text is
+        the model's alone."""
         self._scanner = OutputScanner(rules, lead)
         self._on_decision = on_decision
         self._text: list[str] | None = [] if keep_text else None

@@ -244,10 +244,11 @@ class CheckOutputRequest(_message.Message):
     output_holdback_tokens bounds how long text may be held back.
     """
     lead: _builtins.str
-    """First message only: text the answer begins with that is not the model's (a continued
-    assistant message). The rules read it before the generated text, so that a match it
-    begins and the generation ends is found; it is never released (a redaction spanning
-    its end replaces the generated part of the match).
+    """First message only: text the generation continues that is not the model's (a plain
+    completion's prompt, a continued assistant message). The rules read its end before
+    the generated text, so that a match it begins and the generation ends is found (a
+    match within it alone is not the model's); it is never released (a redaction
+    spanning its end replaces the generated part of the match).
     """
     def __init__(
         self,

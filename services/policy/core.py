@@ -87,7 +87,7 @@ class PolicyCore:
         self, tenant: str, request_id: str, rule_set: str, lead: str = ""
     ) -> OutputCheck:
         """A streamed check of one generation, with the set in force now to its end;
-        ``lead``: the answer's beginning that is not the model's (StreamCheck's)."""
+        ``lead``: text the output continues (StreamCheck's)."""
         rules = self.library.get(rule_set)
         return OutputCheck(self, rules.output, tenant, request_id, rules.version, lead=lead)
 

@@ -119,23 +119,23 @@ def with_lead(lead: str, chunks: list[str]) -> tuple[str, OutputScanner, list[in
 def test_a_lead_is_read_before_the_output_and_never_released(
     text: str, at: int, cuts: list[int]
 ) -> None:
-    """The rules read lead + output as one text (the one-shot check's rules and denial);
-    what is released is the output alone, a redaction spanning the lead's end replacing
-    the output's part of its match; any split of the output gives the same."""
+    """The rules read lead + output as one text, and the matches that end in the output
+    decide (those within the lead are not the model's); what is released is the output
+    alone, a redaction spanning the lead's end replacing the output's part of its match;
+    any split of the output gives the same."""
     lead, output = text[: at % (len(text) + 1)], text[at % (len(text) + 1) :]
     edges = sorted({c for c in cuts if c < len(output)})
     bounds = list(zip([0, *edges], [*edges, len(output)], strict=True))
     released, scanner, held = with_lead(lead, [output[a:b] for a, b in bounds])
-    whole = RULES.check_output(text)
-    assert sorted(scanner.matched) == sorted(whole.rule_ids), (lead, output)
-    if whole.action is PolicyAction.DENY:
-        assert scanner.denied_by in whole.rule_ids
-        return
-    hits = [replace(h, start=max(h.start, len(lead))) for h in RULES.output.matcher.hits(text)]
-    shown = [h for h in hits if h.end > len(lead)]
-    assert released == RULES.output.decide(output, shown, len(lead)).text, (lead, output)
+    ending = [h for h in RULES.output.matcher.hits(text) if h.end > len(lead)]
+    shown = [replace(h, start=max(h.start, len(lead))) for h in ending]
+    expected = RULES.output.decide(output, shown, len(lead))
+    assert sorted(scanner.matched) == sorted(expected.rule_ids), (lead, output)
+    assert scanner.denied_by == expected.denied_by, (lead, output)
+    if expected.denied_by is None:
+        assert released == expected.text, (lead, output)
     assert all(0 <= h <= len(output) for h in held) and held[-1] == 0
-    if not hits:  # nothing redacted: what is held is the output's unreleased end
+    if not ending:  # no match of the model's: all of the output goes out as it came
         assert released == output
 
 
@@ -144,8 +144,11 @@ def test_a_match_begun_in_the_lead_is_denied_or_redacted_in_the_output() -> None
     assert (released, scanner.denied_by) == ("", "stop-word")
     released, scanner, _ = with_lead("the secret", [" plan is", " ready"])
     assert released == "[REDACTED] is ready" and scanner.matched == ["plan"]
-    released, _, _ = with_lead("the secret plan", [" is ready"])  # the lead's alone: kept out
-    assert released == " is ready"
+    released, scanner, _ = with_lead("the secret plan", [" is ready"])  # the lead's own match
+    assert (released, scanner.matched) == (" is ready", [])
+    long_lead = "x" * 5000 + " the secret"  # only its end counts, as in a stream
+    released, _, _ = with_lead(long_lead, [" plan is", " ready"])
+    assert released == "[REDACTED] is ready"
 
 
 def test_only_a_possible_match_is_held_back() -> None:
