@@ -10,8 +10,8 @@ checking the whole text at once gives.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmmesh.policy.matching import Hit, Views
 from llmmesh.policy.normalize import MAX_IGNORED_RUN
@@ -43,28 +43,18 @@ class OutputStep:
 
 
 class OutputScanner:
-    """``lead``: text the model's output continues that is not the model's (a continued
-    message, a completion's prompt): the rules read it before the output, so that a match
-    it begins and the model ends is found; a match within it is not the model's, and it
-    is never released (a redaction spanning its end replaces the output's part). Only its
-    last characters count, as many as the check may hold back: a longer match is not
-    found in a stream either."""
-
-    def __init__(self, rules: StageRules, lead: str = "") -> None:
+    def __init__(self, rules: StageRules) -> None:
         self._rules = rules
-        cut = max(0, len(lead) - rules.matcher.holdback_cap) if rules else len(lead)
         # The end of the released text: word boundaries need the character before new
         # text, and that character may be followed by ignored ones (zero-width, marks).
-        self._context = lead[max(0, cut - MAX_IGNORED_RUN - 1) : cut]
-        lead = lead[cut:]
-        self._pending = lead
-        self._hidden = len(lead)  # the lead's characters still held, first in _pending
+        self._context = ""
+        self._pending = ""
         self.matched: list[str] = []  # every rule that matched so far, first match first
         self.denied_by: str | None = None
-        self._fed = len(lead)  # characters fed so far
+        self._fed = 0  # characters fed so far
         self._tokens = 0  # tokens fed so far
         # Per chunk still (partly) held: where it ends, and the tokens fed with it.
-        self._chunks: deque[tuple[int, int]] = deque([(len(lead), 0)] if lead else ())
+        self._chunks: deque[tuple[int, int]] = deque()
 
     def feed(self, text: str, tokens: int = 1) -> OutputStep:
         """The check of ``text`` (``tokens`` generated tokens) after what came before; with
@@ -99,18 +89,14 @@ class OutputScanner:
         if self.denied_by is not None:
             return OutputStep("", denied_by=self.denied_by)
         if not self._rules:
-            visible = pending[self._hidden :]
-            self._pending, self._hidden = "", 0
-            return OutputStep(visible)
+            self._pending = ""
+            return OutputStep(pending)
         scan, pos = self._context + pending, len(self._context)
         matcher, views = self._rules.matcher, Views(scan)
         hits = matcher.hits(views, pos)
-        if self._hidden:  # a match within the lead is not the model's
-            hits = [h for h in hits if h.end > pos + self._hidden]
         settled = len(scan) if final else matcher.settled_until(views, pos, hits)
-        shown = pos + min(self._hidden, settled - pos)  # where released text is shown from
         if not hits:  # most chunks: the settled text goes out as it came
-            return OutputStep(scan[shown:settled], held=self._settle(scan, pos, settled))
+            return OutputStep(scan[pos:settled], held=self._settle(scan, pos, settled))
         # A deny match that is certain stops the stream at once, even while held back.
         decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
         decision = self._rules.decide(scan[pos:settled], decided, pos)
@@ -119,24 +105,16 @@ class OutputScanner:
         if decision.denied_by is not None:
             self.denied_by, self._pending = decision.denied_by, ""
             return OutputStep("", new, decision.denied_by)
-        if shown > pos:  # the lead's part goes unreleased: only what follows is redacted
-            decision = self._rules.decide(scan[shown:settled], _after(decided, shown), shown)
         held = self._settle(scan, pos, settled)
         return OutputStep(decision.text, new, None, held, decision.redacted)
 
     def _settle(self, scan: str, pos: int, settled: int) -> int:
-        """Keeps the text after ``settled`` back and the context before it; how much of
-        the output is held."""
+        """Keeps the text after ``settled`` back and the context before it; how much is
+        held."""
         if settled > pos:
             self._context = scan[max(settled - MAX_IGNORED_RUN - 1, 0) : settled]
-        self._hidden = max(0, self._hidden - (settled - pos))
         self._pending = scan[settled:]
-        return len(self._pending) - self._hidden
-
-
-def _after(hits: Sequence[Hit], start: int) -> list[Hit]:
-    """The parts of ``hits`` from ``start`` on."""
-    return [replace(h, start=max(h.start, start)) for h in hits if h.end > start]
+        return len(self._pending)
 
 
 @dataclass(frozen=True)
@@ -157,11 +135,8 @@ class StreamCheck:
         rules: StageRules,
         on_decision: Callable[[OutputDecision], None],
         keep_text: bool = False,
-        lead: str = "",
     ) -> None:
-        """``lead``: text the output continues (OutputScanner's); the decision's text is
-        the model's alone."""
-        self._scanner = OutputScanner(rules, lead)
+        self._scanner = OutputScanner(rules)
         self._on_decision = on_decision
         self._text: list[str] | None = [] if keep_text else None
         self._redacted = False

@@ -83,13 +83,10 @@ class PolicyCore:
     def has_output_rules(self, rule_set: str) -> bool:
         return bool(self.library.get(rule_set).output)
 
-    def open_output(
-        self, tenant: str, request_id: str, rule_set: str, lead: str = ""
-    ) -> OutputCheck:
-        """A streamed check of one generation, with the set in force now to its end;
-        ``lead``: text the output continues (StreamCheck's)."""
+    def open_output(self, tenant: str, request_id: str, rule_set: str) -> OutputCheck:
+        """A streamed check of one generation, with the set in force now to its end."""
         rules = self.library.get(rule_set)
-        return OutputCheck(self, rules.output, tenant, request_id, rules.version, lead=lead)
+        return OutputCheck(self, rules.output, tenant, request_id, rules.version)
 
     def record_decision(
         self,
@@ -134,14 +131,7 @@ class OutputCheck:
     """One generation's streamed check, timed; ``close`` records the decision once."""
 
     def __init__(
-        self,
-        core: PolicyCore,
-        rules: StageRules,
-        tenant: str,
-        request_id: str,
-        version: str,
-        *,
-        lead: str = "",
+        self, core: PolicyCore, rules: StageRules, tenant: str, request_id: str, version: str
     ) -> None:
         self.version = version
 
@@ -156,7 +146,7 @@ class OutputCheck:
                 version=version,
             )
 
-        self._check = StreamCheck(rules, record, keep_text=core.audits_text, lead=lead)
+        self._check = StreamCheck(rules, record, keep_text=core.audits_text)
 
     def feed(self, text: str, final: bool = False, tokens: int = 1) -> OutputStep:
         check_text("text", text)

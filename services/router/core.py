@@ -283,12 +283,9 @@ class RouterCore:
             raise
         await self._fold_if_asked(request, history, rule_set, verdict, call)
         started = StartedStream(self._inference.generate(call, self._hints(request)))
-        # What the output continues, the output rules read first: a plain completion's
-        # prompt, or a continued message (a chat's other messages end before the answer).
-        lead = user_text if history is None or request.prompt_role is Role.ASSISTANT else ""
         guard = (
             self._policy.guard_output(
-                request.request_id, request.tenant, rule_set, verdict.rule_set_version, lead
+                request.request_id, request.tenant, rule_set, verdict.rule_set_version
             )
             if verdict.checks_output
             else None

@@ -70,11 +70,8 @@ class PolicyClient(Protocol):
         ...
 
     def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str, lead: str = ""
-    ) -> OutputGuard:
-        """``lead``: the client's text the output continues (a plain completion's prompt,
-        a continued message): read by the rules before the output, never released."""
-        ...
+        self, request_id: str, tenant: str, rule_set: str, version: str
+    ) -> OutputGuard: ...
 
 
 @dataclass(frozen=True)

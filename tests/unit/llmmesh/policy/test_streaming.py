@@ -3,8 +3,6 @@ whole, only a possible match's tail is held back, and a deny rule stops the stre
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -100,55 +98,6 @@ def test_streaming_any_split_equals_the_one_shot_check(text: str, cuts: list[int
     edges = sorted({c for c in cuts if c < len(text)})
     bounds = list(zip([0, *edges], [*edges, len(text)], strict=True))
     assert_same_as_one_shot(text, [text[a:b] for a, b in bounds])
-
-
-def with_lead(lead: str, chunks: list[str]) -> tuple[str, OutputScanner, list[int]]:
-    """The output released after ``lead`` (a continued message), and each step's held."""
-    scanner = OutputScanner(RULES.output, lead)
-    steps = [scanner.feed(chunk) for chunk in chunks]
-    steps.append(scanner.finish())
-    return "".join(s.text for s in steps), scanner, [s.held for s in steps]
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    st.lists(PIECES, min_size=1, max_size=30).map("".join),
-    st.integers(0, 400),
-    st.lists(st.integers(0, 400), max_size=8),
-)
-def test_a_lead_is_read_before_the_output_and_never_released(
-    text: str, at: int, cuts: list[int]
-) -> None:
-    """The rules read lead + output as one text, and the matches that end in the output
-    decide (those within the lead are not the model's); what is released is the output
-    alone, a redaction spanning the lead's end replacing the output's part of its match;
-    any split of the output gives the same."""
-    lead, output = text[: at % (len(text) + 1)], text[at % (len(text) + 1) :]
-    edges = sorted({c for c in cuts if c < len(output)})
-    bounds = list(zip([0, *edges], [*edges, len(output)], strict=True))
-    released, scanner, held = with_lead(lead, [output[a:b] for a, b in bounds])
-    ending = [h for h in RULES.output.matcher.hits(text) if h.end > len(lead)]
-    shown = [replace(h, start=max(h.start, len(lead))) for h in ending]
-    expected = RULES.output.decide(output, shown, len(lead))
-    assert sorted(scanner.matched) == sorted(expected.rule_ids), (lead, output)
-    assert scanner.denied_by == expected.denied_by, (lead, output)
-    if expected.denied_by is None:
-        assert released == expected.text, (lead, output)
-    assert all(0 <= h <= len(output) for h in held) and held[-1] == 0
-    if not ending:  # no match of the model's: all of the output goes out as it came
-        assert released == output
-
-
-def test_a_match_begun_in_the_lead_is_denied_or_redacted_in_the_output() -> None:
-    released, scanner, _ = with_lead("Sure: this is forbid", ["den", " now"])
-    assert (released, scanner.denied_by) == ("", "stop-word")
-    released, scanner, _ = with_lead("the secret", [" plan is", " ready"])
-    assert released == "[REDACTED] is ready" and scanner.matched == ["plan"]
-    released, scanner, _ = with_lead("the secret plan", [" is ready"])  # the lead's own match
-    assert (released, scanner.matched) == (" is ready", [])
-    long_lead = "x" * 5000 + " the secret"  # only its end counts, as in a stream
-    released, _, _ = with_lead(long_lead, [" plan is", " ready"])
-    assert released == "[REDACTED] is ready"
 
 
 def test_only_a_possible_match_is_held_back() -> None:
