@@ -115,12 +115,16 @@ def find(text: str, names: list[str]) -> list[tuple[int, int, str]]:
 
 
 def disjoint(spans: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    """Earliest first, the longest at a position; later spans that overlap are dropped."""
+    """Earliest first, the longest at a position; a later span that overlaps one kept
+    extends it (under the kept one's placeholder): no part of any match is let out."""
     ordered = sorted(spans, key=lambda s: (s[0], -(s[1] - s[0])))
     kept: list[tuple[int, int, str]] = []
-    for span in ordered:
-        if not kept or span[0] >= kept[-1][1]:
-            kept.append(span)
+    for start, end, placeholder in ordered:
+        if kept and start < kept[-1][1]:
+            first, last, shown = kept[-1]
+            kept[-1] = (first, max(last, end), shown)
+        else:
+            kept.append((start, end, placeholder))
     return kept
 
 
