@@ -360,13 +360,16 @@ class Matcher:
             start = index.pending_start(views, pos)
             if start is not None and start < settled:
                 settled = start
-        settled = max(settled, size - self.holdback_cap, pos)
-        # A match straddling the edge is held whole: cutting there would change what the
-        # next scan finds.
-        moved = True
-        while moved:
-            moved = False
-            for hit in hits:
-                if hit.start < settled < hit.end:
-                    settled, moved = hit.start, True
-        return settled
+        return held_whole(max(settled, size - self.holdback_cap, pos), hits)
+
+
+def held_whole(settled: int, hits: Sequence[Hit]) -> int:
+    """``settled``, moved back before any of ``hits`` that straddles it: cutting a match
+    would change what the next scan finds."""
+    moved = True
+    while moved:
+        moved = False
+        for hit in hits:
+            if hit.start < settled < hit.end:
+                settled, moved = hit.start, True
+    return settled

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from llmmesh.policy.matching import Hit, Views
+from llmmesh.policy.matching import Hit, Views, held_whole
 from llmmesh.policy.normalize import MAX_IGNORED_RUN
 from llmmesh.policy.rules import StageRules
 from llmmesh.types import PolicyAction
@@ -42,9 +42,38 @@ class OutputStep:
         )
 
 
+class _Junction:
+    """The matches that the client's text before an output (its ``lead``: a continued
+    message, a completion's prompt) begins and the output ends: the lead's last
+    characters and the output's first, read as one text."""
+
+    def __init__(self, rules: StageRules, lead: str) -> None:
+        self._matcher = rules.matcher
+        # As much of the lead as a streamed match can span, and the context before it.
+        self._lead = lead[-(self._matcher.holdback_cap + MAX_IGNORED_RUN + 1) :]
+
+    def step(self, output: str, final: bool) -> tuple[list[Hit], int, bool]:
+        """For ``output`` so far: the matches that span the junction, as their parts in the
+        output; how much of the output is settled for them; and whether none can be found
+        any more once those are applied."""
+        text, at = self._lead + output, len(self._lead)
+        views = Views(text)
+        hits = self._matcher.hits(views, 0)
+        settled = len(text) if final else self._matcher.settled_until(views, 0, hits)
+        spanning = [replace(h, start=0, end=h.end - at) for h in hits if h.start < at < h.end]
+        return spanning, max(settled - at, 0), settled >= at
+
+
 class OutputScanner:
-    def __init__(self, rules: StageRules) -> None:
+    """``lead``: text the output continues that is not the model's (a continued message,
+    a completion's prompt). The output is checked as without it, and a match that the lead
+    begins and the output ends decides too (a deny; a redaction of its part in the
+    output): the lead only adds matches, and it is never released."""
+
+    def __init__(self, rules: StageRules, lead: str = "") -> None:
         self._rules = rules
+        self._junction = _Junction(rules, lead) if lead and rules else None
+        self._head = ""  # the output so far, while the junction may still hold a match
         # The end of the released text: word boundaries need the character before new
         # text, and that character may be followed by ignored ones (zero-width, marks).
         self._context = ""
@@ -60,6 +89,8 @@ class OutputScanner:
         """The check of ``text`` (``tokens`` generated tokens) after what came before; with
         the rules' holdback_tokens, text that has waited that many tokens goes out as it
         is."""
+        if self._junction is not None:
+            self._head += text
         limit = self._rules.holdback_tokens
         if limit is None:  # no bound in tokens: nothing to count
             return self._step(self._pending + text, final=False)
@@ -95,6 +126,10 @@ class OutputScanner:
         matcher, views = self._rules.matcher, Views(scan)
         hits = matcher.hits(views, pos)
         settled = len(scan) if final else matcher.settled_until(views, pos, hits)
+        if self._junction is not None:
+            hits, settled = self._with_junction(
+                self._junction, hits, pos, settled, len(pending), final=final
+            )
         if not hits:  # most chunks: the settled text goes out as it came
             return OutputStep(scan[pos:settled], held=self._settle(scan, pos, settled))
         # A deny match that is certain stops the stream at once, even while held back.
@@ -107,6 +142,33 @@ class OutputScanner:
             return OutputStep("", new, decision.denied_by)
         held = self._settle(scan, pos, settled)
         return OutputStep(decision.text, new, None, held, decision.redacted)
+
+    def _with_junction(
+        self,
+        junction: _Junction,
+        hits: list[Hit],
+        pos: int,
+        settled: int,
+        pending: int,
+        *,
+        final: bool,
+    ) -> tuple[list[Hit], int]:
+        """The step's matches with those spanning the lead's end (in the scanned text's
+        positions), and what is settled for both; the junction is dropped once it can
+        find no more. ``pending``: the characters held and new in this step."""
+        spanning, junction_settled, over = junction.step(self._head, final)
+        released = len(self._head) - pending  # output characters before ``pos``
+        shift = pos - released
+        found = [
+            replace(h, start=max(h.start + shift, pos), end=h.end + shift)
+            for h in spanning
+            if h.end > released
+        ]
+        hits = [*hits, *found]
+        settled = held_whole(min(settled, max(junction_settled + shift, pos)), hits)
+        if over and all(h.end <= settled for h in found):
+            self._junction, self._head = None, ""
+        return hits, settled
 
     def _settle(self, scan: str, pos: int, settled: int) -> int:
         """Keeps the text after ``settled`` back and the context before it; how much is
@@ -135,8 +197,11 @@ class StreamCheck:
         rules: StageRules,
         on_decision: Callable[[OutputDecision], None],
         keep_text: bool = False,
+        lead: str = "",
     ) -> None:
-        self._scanner = OutputScanner(rules)
+        """``lead``: text the output continues (OutputScanner's); the decision's text is
+        the model's alone."""
+        self._scanner = OutputScanner(rules, lead)
         self._on_decision = on_decision
         self._text: list[str] | None = [] if keep_text else None
         self._redacted = False

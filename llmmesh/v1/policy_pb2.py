@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"(\n\tInputPart\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"}\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08rule_set\x18\x04 \x01(\t\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.llmmesh.v1.InputPart\"+\n\tRuleMatch\x12\x0f\n\x07rule_id\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\xe5\x01\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x15\n\rchecks_output\x18\x05 \x01(\x08\x12\x16\n\x0eredacted_parts\x18\x06 \x03(\t\x12\x11\n\tdenied_at\x18\x07 \x01(\t\x12&\n\x07matches\x18\x08 \x03(\x0b\x32\x15.llmmesh.v1.RuleMatch\"w\n\x12\x43heckOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08rule_set\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x0e\n\x06tokens\x18\x06 \x01(\r\"\x87\x01\n\x13\x43heckOutputResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x03 \x03(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x12\n\nheld_chars\x18\x05 \x01(\r\"#\n\x0fGetRulesRequest\x12\x10\n\x08rule_set\x18\x01 \x01(\t\"\xa9\x01\n\x0cRuleSetRules\x12\x10\n\x08rule_set\x18\x01 \x01(\t\x12\x18\n\x10rule_set_version\x18\x02 \x01(\t\x12\x12\n\nrules_json\x18\x03 \x01(\t\x12\x14\n\x0choldback_cap\x18\x04 \x01(\r\x12\x12\n\naudit_text\x18\x05 \x01(\x08\x12\x16\n\x0eschema_version\x18\x06 \x01(\r\x12\x17\n\x0fholdback_tokens\x18\x07 \x01(\r\"=\n\x12WatchRulesResponse\x12\'\n\x05rules\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.RuleSetRules\"\xae\x01\n\x08\x44\x65\x63ision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.llmmesh.v1.Stage\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x06 \x03(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\"A\n\x16RecordDecisionsRequest\x12\'\n\tdecisions\x18\x01 \x03(\x0b\x32\x14.llmmesh.v1.Decision\"\x19\n\x17RecordDecisionsResponse*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03*A\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTAGE_INPUT\x10\x01\x12\x10\n\x0cSTAGE_OUTPUT\x10\x02\x32\x95\x03\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponse\x12R\n\x0b\x43heckOutput\x12\x1e.llmmesh.v1.CheckOutputRequest\x1a\x1f.llmmesh.v1.CheckOutputResponse(\x01\x30\x01\x12\x41\n\x08GetRules\x12\x1b.llmmesh.v1.GetRulesRequest\x1a\x18.llmmesh.v1.RuleSetRules\x12K\n\nWatchRules\x12\x1b.llmmesh.v1.GetRulesRequest\x1a\x1e.llmmesh.v1.WatchRulesResponse0\x01\x12Z\n\x0fRecordDecisions\x12\".llmmesh.v1.RecordDecisionsRequest\x1a#.llmmesh.v1.RecordDecisionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/policy.proto\x12\nllmmesh.v1\"(\n\tInputPart\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"}\n\x11\x43heckInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08rule_set\x18\x04 \x01(\t\x12$\n\x05parts\x18\x05 \x03(\x0b\x32\x15.llmmesh.v1.InputPart\"+\n\tRuleMatch\x12\x0f\n\x07rule_id\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\"\xe5\x01\n\x12\x43heckInputResponse\x12\"\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x02 \x03(\t\x12\x15\n\rredacted_text\x18\x03 \x01(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x15\n\rchecks_output\x18\x05 \x01(\x08\x12\x16\n\x0eredacted_parts\x18\x06 \x03(\t\x12\x11\n\tdenied_at\x18\x07 \x01(\t\x12&\n\x07matches\x18\x08 \x03(\x0b\x32\x15.llmmesh.v1.RuleMatch\"\x85\x01\n\x12\x43heckOutputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08rule_set\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x0e\n\x06tokens\x18\x06 \x01(\r\x12\x0c\n\x04lead\x18\x07 \x01(\t\"\x87\x01\n\x13\x43heckOutputResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x03 \x03(\t\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\x12\n\nheld_chars\x18\x05 \x01(\r\"#\n\x0fGetRulesRequest\x12\x10\n\x08rule_set\x18\x01 \x01(\t\"\xa9\x01\n\x0cRuleSetRules\x12\x10\n\x08rule_set\x18\x01 \x01(\t\x12\x18\n\x10rule_set_version\x18\x02 \x01(\t\x12\x12\n\nrules_json\x18\x03 \x01(\t\x12\x14\n\x0choldback_cap\x18\x04 \x01(\r\x12\x12\n\naudit_text\x18\x05 \x01(\x08\x12\x16\n\x0eschema_version\x18\x06 \x01(\r\x12\x17\n\x0fholdback_tokens\x18\x07 \x01(\r\"=\n\x12WatchRulesResponse\x12\'\n\x05rules\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.RuleSetRules\"\xae\x01\n\x08\x44\x65\x63ision\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12 \n\x05stage\x18\x03 \x01(\x0e\x32\x11.llmmesh.v1.Stage\x12\x18\n\x10rule_set_version\x18\x04 \x01(\t\x12\"\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x12.llmmesh.v1.Action\x12\x10\n\x08rule_ids\x18\x06 \x03(\t\x12\x0c\n\x04text\x18\x07 \x01(\t\"A\n\x16RecordDecisionsRequest\x12\'\n\tdecisions\x18\x01 \x03(\x0b\x32\x14.llmmesh.v1.Decision\"\x19\n\x17RecordDecisionsResponse*V\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x41\x43TION_ALLOW\x10\x01\x12\x0f\n\x0b\x41\x43TION_DENY\x10\x02\x12\x11\n\rACTION_REDACT\x10\x03*A\n\x05Stage\x12\x15\n\x11STAGE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSTAGE_INPUT\x10\x01\x12\x10\n\x0cSTAGE_OUTPUT\x10\x02\x32\x95\x03\n\x06Policy\x12K\n\nCheckInput\x12\x1d.llmmesh.v1.CheckInputRequest\x1a\x1e.llmmesh.v1.CheckInputResponse\x12R\n\x0b\x43heckOutput\x12\x1e.llmmesh.v1.CheckOutputRequest\x1a\x1f.llmmesh.v1.CheckOutputResponse(\x01\x30\x01\x12\x41\n\x08GetRules\x12\x1b.llmmesh.v1.GetRulesRequest\x1a\x18.llmmesh.v1.RuleSetRules\x12K\n\nWatchRules\x12\x1b.llmmesh.v1.GetRulesRequest\x1a\x1e.llmmesh.v1.WatchRulesResponse0\x01\x12Z\n\x0fRecordDecisions\x12\".llmmesh.v1.RecordDecisionsRequest\x1a#.llmmesh.v1.RecordDecisionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTION']._serialized_start=1287
-  _globals['_ACTION']._serialized_end=1373
-  _globals['_STAGE']._serialized_start=1375
-  _globals['_STAGE']._serialized_end=1440
+  _globals['_ACTION']._serialized_start=1302
+  _globals['_ACTION']._serialized_end=1388
+  _globals['_STAGE']._serialized_start=1390
+  _globals['_STAGE']._serialized_end=1455
   _globals['_INPUTPART']._serialized_start=39
   _globals['_INPUTPART']._serialized_end=79
   _globals['_CHECKINPUTREQUEST']._serialized_start=81
@@ -43,22 +43,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RULEMATCH']._serialized_end=251
   _globals['_CHECKINPUTRESPONSE']._serialized_start=254
   _globals['_CHECKINPUTRESPONSE']._serialized_end=483
-  _globals['_CHECKOUTPUTREQUEST']._serialized_start=485
-  _globals['_CHECKOUTPUTREQUEST']._serialized_end=604
-  _globals['_CHECKOUTPUTRESPONSE']._serialized_start=607
-  _globals['_CHECKOUTPUTRESPONSE']._serialized_end=742
-  _globals['_GETRULESREQUEST']._serialized_start=744
-  _globals['_GETRULESREQUEST']._serialized_end=779
-  _globals['_RULESETRULES']._serialized_start=782
-  _globals['_RULESETRULES']._serialized_end=951
-  _globals['_WATCHRULESRESPONSE']._serialized_start=953
-  _globals['_WATCHRULESRESPONSE']._serialized_end=1014
-  _globals['_DECISION']._serialized_start=1017
-  _globals['_DECISION']._serialized_end=1191
-  _globals['_RECORDDECISIONSREQUEST']._serialized_start=1193
-  _globals['_RECORDDECISIONSREQUEST']._serialized_end=1258
-  _globals['_RECORDDECISIONSRESPONSE']._serialized_start=1260
-  _globals['_RECORDDECISIONSRESPONSE']._serialized_end=1285
-  _globals['_POLICY']._serialized_start=1443
-  _globals['_POLICY']._serialized_end=1848
+  _globals['_CHECKOUTPUTREQUEST']._serialized_start=486
+  _globals['_CHECKOUTPUTREQUEST']._serialized_end=619
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_start=622
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_end=757
+  _globals['_GETRULESREQUEST']._serialized_start=759
+  _globals['_GETRULESREQUEST']._serialized_end=794
+  _globals['_RULESETRULES']._serialized_start=797
+  _globals['_RULESETRULES']._serialized_end=966
+  _globals['_WATCHRULESRESPONSE']._serialized_start=968
+  _globals['_WATCHRULESRESPONSE']._serialized_end=1029
+  _globals['_DECISION']._serialized_start=1032
+  _globals['_DECISION']._serialized_end=1206
+  _globals['_RECORDDECISIONSREQUEST']._serialized_start=1208
+  _globals['_RECORDDECISIONSREQUEST']._serialized_end=1273
+  _globals['_RECORDDECISIONSRESPONSE']._serialized_start=1275
+  _globals['_RECORDDECISIONSRESPONSE']._serialized_end=1300
+  _globals['_POLICY']._serialized_start=1458
+  _globals['_POLICY']._serialized_end=1863
 # @@protoc_insertion_point(module_scope)

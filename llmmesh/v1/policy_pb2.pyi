@@ -229,6 +229,7 @@ class CheckOutputRequest(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
+    LEAD_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The first message names the stream (later ones may leave these empty)."""
     tenant: _builtins.str
@@ -242,6 +243,13 @@ class CheckOutputRequest(_message.Message):
     """Generated tokens behind this text (0 counts as 1): for a set whose
     output_holdback_tokens bounds how long text may be held back.
     """
+    lead: _builtins.str
+    """First message only: text the generation continues that is not the model's (a plain
+    completion's prompt, a continued assistant message). The generated text is checked
+    as without it, and a match that it begins and the generated text ends decides too
+    (a deny; a redaction of the generated part): it only adds matches, and it is never
+    released.
+    """
     def __init__(
         self,
         *,
@@ -251,10 +259,11 @@ class CheckOutputRequest(_message.Message):
         text: _builtins.str = ...,
         final: _builtins.bool = ...,
         tokens: _builtins.int = ...,
+        lead: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "lead", b"lead", "request_id", b"request_id", "rule_set", b"rule_set", "tenant", b"tenant", "text", b"text", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

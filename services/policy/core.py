@@ -83,10 +83,13 @@ class PolicyCore:
     def has_output_rules(self, rule_set: str) -> bool:
         return bool(self.library.get(rule_set).output)
 
-    def open_output(self, tenant: str, request_id: str, rule_set: str) -> OutputCheck:
-        """A streamed check of one generation, with the set in force now to its end."""
+    def open_output(
+        self, tenant: str, request_id: str, rule_set: str, lead: str = ""
+    ) -> OutputCheck:
+        """A streamed check of one generation, with the set in force now to its end;
+        ``lead``: text the output continues (StreamCheck's)."""
         rules = self.library.get(rule_set)
-        return OutputCheck(self, rules.output, tenant, request_id, rules.version)
+        return OutputCheck(self, rules.output, tenant, request_id, rules.version, lead=lead)
 
     def record_decision(
         self,
@@ -131,7 +134,14 @@ class OutputCheck:
     """One generation's streamed check, timed; ``close`` records the decision once."""
 
     def __init__(
-        self, core: PolicyCore, rules: StageRules, tenant: str, request_id: str, version: str
+        self,
+        core: PolicyCore,
+        rules: StageRules,
+        tenant: str,
+        request_id: str,
+        version: str,
+        *,
+        lead: str = "",
     ) -> None:
         self.version = version
 
@@ -146,7 +156,7 @@ class OutputCheck:
                 version=version,
             )
 
-        self._check = StreamCheck(rules, record, keep_text=core.audits_text)
+        self._check = StreamCheck(rules, record, keep_text=core.audits_text, lead=lead)
 
     def feed(self, text: str, final: bool = False, tokens: int = 1) -> OutputStep:
         check_text("text", text)

@@ -111,8 +111,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
             async for request in request_iterator:
                 if check is None:
                     bind_request_id(context, request.request_id)
+                    check_text("lead", request.lead)
                     check = self._core.open_output(
-                        request.tenant, request.request_id, request.rule_set
+                        request.tenant, request.request_id, request.rule_set, request.lead
                     )
                 step = check.feed(request.text, request.final, request.tokens or 1)
                 yield _output_response(step, check.version)

@@ -283,9 +283,13 @@ class RouterCore:
             raise
         await self._fold_if_asked(request, history, rule_set, verdict, call)
         started = StartedStream(self._inference.generate(call, self._hints(request)))
+        # The client's text the output continues (a plain completion's prompt, a continued
+        # message; a chat's other messages end before the answer): a match it begins and
+        # the model's words end is the model's too.
+        lead = user_text if history is None or request.prompt_role is Role.ASSISTANT else ""
         guard = (
             self._policy.guard_output(
-                request.request_id, request.tenant, rule_set, verdict.rule_set_version
+                request.request_id, request.tenant, rule_set, verdict.rule_set_version, lead
             )
             if verdict.checks_output
             else None

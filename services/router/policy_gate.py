@@ -275,10 +275,10 @@ class PolicyGate:
         return verdict
 
     def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str
+        self, request_id: str, tenant: str, rule_set: str, version: str, lead: str = ""
     ) -> LocalOutputGuard:
         generation = Generation(request_id, tenant, rule_set, version)
-        return LocalOutputGuard(self.rule_sets, self._record_output, generation)
+        return LocalOutputGuard(self.rule_sets, self._record_output, generation, lead)
 
     def _record_output(
         self, generation: Generation, version: str, decision: OutputDecision
@@ -321,10 +321,12 @@ class LocalOutputGuard:
         rule_sets: RuleSets,
         record: Callable[[Generation, str, OutputDecision], None],
         generation: Generation,
+        lead: str = "",
     ) -> None:
         self._rule_sets = rule_sets
         self._record = record
         self._generation = generation
+        self._lead = lead
         self._check: StreamCheck | None = None
 
     async def check(self, text: str, final: bool, tokens: int = 1) -> GuardedText:
@@ -344,4 +346,6 @@ class LocalOutputGuard:
         def record(decision: OutputDecision) -> None:
             self._record(generation, followed.version, decision)
 
-        return StreamCheck(followed.rules.output, record, keep_text=followed.audit_text)
+        return StreamCheck(
+            followed.rules.output, record, keep_text=followed.audit_text, lead=self._lead
+        )

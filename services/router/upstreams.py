@@ -70,8 +70,12 @@ class PolicyClient(Protocol):
         ...
 
     def guard_output(
-        self, request_id: str, tenant: str, rule_set: str, version: str
-    ) -> OutputGuard: ...
+        self, request_id: str, tenant: str, rule_set: str, version: str, lead: str = ""
+    ) -> OutputGuard:
+        """``lead``: the client's text the output continues (a plain completion's prompt,
+        a continued message): a match it begins and the output ends decides too; never
+        released."""
+        ...
 
 
 @dataclass(frozen=True)

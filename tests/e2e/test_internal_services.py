@@ -224,6 +224,12 @@ def test_policy_output_stream_redacts_and_refuses_bad_chunks(stack: Stack) -> No
         assert "".join(r.text for r in replies) == "write to [EMAIL] soon"
         assert [list(r.rule_ids) for r in replies] == [[], ["redact-pii"], []]
         assert replies[1].action == policy_pb2.ACTION_REDACT
+        # A lead (a continued message) is read first and never released.
+        lead = policy_pb2.CheckOutputRequest(request_id="r2", tenant="t", lead="mail ada@exa")
+        replies = check_output(
+            [lead, policy_pb2.CheckOutputRequest(text="mple.com ok", final=True)]
+        )
+        assert "".join(r.text for r in replies) == "[EMAIL] ok"
         with pytest.raises(grpc.RpcError) as info:
             check_output([policy_pb2.CheckOutputRequest(rule_set="nope", text="x")])
         assert bad_request_fields(info.value) == ["rule_set"]

@@ -646,6 +646,52 @@ def test_token_ids_are_the_released_entries_and_need_no_logprobs() -> None:
     asyncio.run(scenario())
 
 
+def test_output_rules_read_the_text_the_model_continues_before_its_words() -> None:
+    """A plain completion's prompt and a continued message are text the model's words
+    continue: a match that it begins and the model ends is found (here a deny rule on
+    "x0" after "pick x"); a chat's user message ends before the answer, which the rules
+    read alone."""
+
+    async def scenario() -> None:
+        rules = output_rules("{id: x-zero, stage: output, action: deny, regex: ['x0']}")
+        policy = gate(PolicyService(rules))
+        completion = request("pick x", max_tokens=12)
+        continued = replace(
+            completion, request_id="r-continued", prompt_role=Role.ASSISTANT,
+            inline_history=History(turns=(Turn(Role.USER, "pick one"),)),
+        )  # fmt: skip
+        for asked in (completion, continued):
+            chunks = await run(make_core(policy, Context(), Inference()), asked)
+            assert chunks[-1].finish_reason is FinishReason.POLICY, asked
+            assert "".join(c.text for c in chunks) == ""
+        chat = replace(continued, request_id="r-chat", prompt_role=Role.USER)
+        chunks = await run(make_core(policy, Context(), Inference()), chat)
+        assert "".join(c.text for c in chunks) == "01234567890!"
+        await policy.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_redaction_begun_in_a_completions_prompt_takes_the_models_part() -> None:
+    """ "x01" begun by the prompt's "x": the model's "01" is the redacted part, one entry."""
+
+    async def scenario() -> None:
+        rules = output_rules(
+            "{id: x01, stage: output, action: redact, regex: ['x01'], placeholder: '#'}"
+        )
+        policy = gate(PolicyService(rules))
+        scored = Sampling(max_tokens=12, logprobs=0, return_token_ids=True)
+        asked = replace(request("pick x"), sampling=scored)
+        chunks = await run(make_core(policy, Context(), Inference()), asked)
+        assert "".join(c.text for c in chunks) == "#234567890!"
+        entries = [t for c in chunks for t in c.logprobs]
+        assert [t.text for t in entries] == list("#234567890!")
+        assert entries[0].token == REDACTED_TOKEN == next(i for c in chunks for i in c.token_ids)
+        await policy.close()
+
+    asyncio.run(scenario())
+
+
 def test_an_output_deny_rule_stops_the_generation() -> None:
     async def scenario() -> None:
         rules = output_rules("{id: no-345, stage: output, action: deny, regex: ['345']}")

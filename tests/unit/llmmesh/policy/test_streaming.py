@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmmesh.policy import RuleLibrary
@@ -108,6 +108,65 @@ def test_overlapping_redactions_hide_both_matches_whole() -> None:
     assert RULES.check_output(text).text == "the [REDACTED] now"
     for cut in range(len(text) + 1):
         assert stream([text[:cut], text[cut:]])[0] == "the [REDACTED] now", cut
+
+
+def with_lead(lead: str, chunks: list[str]) -> tuple[str, OutputScanner, list[int]]:
+    """The output released after ``lead`` (text it continues), and each step's held."""
+    scanner = OutputScanner(RULES.output, lead)
+    steps = [scanner.feed(chunk) for chunk in chunks]
+    steps.append(scanner.finish())
+    return "".join(s.text for s in steps), scanner, [s.held for s in steps]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(PIECES, min_size=1, max_size=30).map("".join),
+    st.integers(0, 400),
+    st.lists(st.integers(0, 400), max_size=8),
+)
+@example(text="ada@example.comada@example.com", at=18, cuts=[])
+@example(text="04111 1111 1111 11114111 1111 1111 1111", at=1, cuts=[7])
+@example(text="x\u200bab cd", at=1, cuts=[1])
+def test_a_lead_only_adds_matches_and_is_never_released(
+    text: str, at: int, cuts: list[int]
+) -> None:
+    """The output is checked as without the lead, and a match the lead begins and the
+    output ends decides too: the same denial or more, the same rules or more, and where
+    no match spans the lead's end, the same text out."""
+    lead, output = text[: at % (len(text) + 1)], text[at % (len(text) + 1) :]
+    edges = sorted({c for c in cuts if c < len(output)})
+    chunks = [output[a:b] for a, b in zip([0, *edges], [*edges, len(output)], strict=True)]
+    released, scanner, held = with_lead(lead, chunks)
+    without, alone, _ = with_lead("", chunks)
+    if alone.denied_by is not None:
+        assert scanner.denied_by is not None, (lead, output)
+    elif scanner.denied_by is None:  # a denial stops the reading: later rules go unread
+        assert set(alone.matched) <= set(scanner.matched), (lead, output)
+    spanning = [h for h in RULES.output.matcher.hits(text) if h.start < len(lead) < h.end]
+    if not spanning:
+        assert (released, scanner.denied_by) == (without, alone.denied_by), (lead, output)
+    if scanner.denied_by is None:  # what the output alone hides stays hidden
+        hidden = [output[h.start : h.end] for h in RULES.output.matcher.hits(output) if h.valid]
+        assert all(secret in without for secret in hidden if secret in released)
+    if scanner.denied_by is None:
+        assert all(0 <= h <= len(output) for h in held) and held[-1] == 0
+
+
+def test_a_match_begun_in_the_lead_is_denied_or_redacted_in_the_output() -> None:
+    released, scanner, _ = with_lead("Sure: this is forbid", ["den", " now"])
+    assert (released, scanner.denied_by) == ("", "stop-word")
+    released, scanner, _ = with_lead("the secret", [" plan is", " ready"])
+    assert released == "[REDACTED] is ready" and scanner.matched == ["plan"]
+    released, scanner, _ = with_lead("mail ada@exa", ["mple.com", " ok"])
+    assert released == "[EMAIL] ok"
+    released, scanner, _ = with_lead("the secret plan", [" is ready"])  # the lead's own match
+    assert (released, scanner.matched) == (" is ready", [])
+    # A letter glued before the output's first word hides none of its own matches.
+    released, _, _ = with_lead("x", ["ab cd"])
+    assert released == "[REDACTED] cd"
+    long_lead = "x" * 5000 + " the secret"  # only its end counts, as in a stream
+    released, _, _ = with_lead(long_lead, [" plan is", " ready"])
+    assert released == "[REDACTED] is ready"
 
 
 def test_only_a_possible_match_is_held_back() -> None:
