@@ -337,8 +337,9 @@ class Body(_Strict):
             return ("json_schema", json.dumps(fmt.json_schema.json_schema or {}))
         if fields[0] in ("response_format", "structured_outputs.json_object"):
             return ("json_object", "")
-        if vllm is not None:
+        if fields[0].startswith("structured_outputs.") and vllm is not None:
             return _structure(vllm.json_spec, vllm.regex, vllm.choice)
+        # The older names (beside a structured_outputs that asks for nothing, if any).
         return _structure(self.guided_json, self.guided_regex, self.guided_choice)
 
     def structure_fields(self) -> list[str]:

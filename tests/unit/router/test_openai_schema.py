@@ -434,6 +434,9 @@ def sampled(path: str, fields: dict[str, Any]) -> tuple[int, Any, Any]:
         ({"structured_outputs": {"json_object": True}}, "json_object", True),
         ({"structured_outputs": {"json_object": False}}, None, None),
         ({"structured_outputs": {"disable_any_whitespace": False}}, None, None),
+        # structured_outputs that asks for nothing, beside an older name (found by fuzzing:
+        # it was read as the structure and failed)
+        ({"structured_outputs": {}, "guided_choice": ["0"]}, "choice", ["0"]),
     ],
 )
 def test_vllms_structured_outputs_reach_the_engine_as_vllm_has_them(
