@@ -136,6 +136,10 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
     output = "".join(texts)
     chunks = iter([output[i : i + CHUNK_CHARS] for i in range(0, len(output), CHUNK_CHARS)])
     chunk_check = _timed(lambda: scanner.feed(next(chunks)), len(output) // CHUNK_CHARS)
+    # A plain completion's first chunk: the prompt it continues is read at the join too.
+    leads = iter(texts * 2)
+    first = output[:CHUNK_CHARS]
+    joined = _timed(lambda: OutputScanner(rules.output, next(leads)).feed(first), len(texts))
     return [
         Latency("input check, 4 KB prompt (in process)", input_check),
         *(
@@ -143,6 +147,11 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
             for name, v in by_set.items()
         ),
         Latency(f"output chunk of {CHUNK_CHARS} chars (in process)", chunk_check),
+        Latency(
+            f"first output chunk of {CHUNK_CHARS} chars after a 4 KB prompt it continues "
+            "(in process)",
+            joined,
+        ),
     ]
 
 
