@@ -166,3 +166,17 @@ def test_rules_reload_while_streams_run(mesh: PolicyMesh) -> None:
     # A new stream checks with the new set.
     after = mesh.generate("strict", 96)
     assert after[-1].finish_reason == common_pb2.FINISH_REASON_POLICY
+
+
+def test_a_phrase_the_prompt_begins_and_the_model_ends_is_stopped(mesh: PolicyMesh) -> None:
+    """A plain completion's prompt is text the model's words continue: a deny phrase of
+    the prompt's last characters and the answer's first stops the stream before any of
+    it goes out, though the answer alone never has the phrase."""
+    full = text_of(mesh.generate("plain"))
+    phrase = PROMPT[-3:] + full[:3]
+    assert phrase not in full and phrase not in PROMPT
+    mesh.rules.joinpath("strict.yaml").write_text(strict_rules("j1", phrase))
+    wait_for(lambda: mesh.version("strict").startswith("j1+"), 10, "set j1")
+    responses = mesh.generate("strict")
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_POLICY
+    assert text_of(responses) == ""
