@@ -51,9 +51,9 @@ from services.router.openai_schema import (
     DetokenizeBody,
     Message,
     TokenizeBody,
-    openapi_document,
     parse_body,
 )
+from services.router.openapi_doc import openapi_document
 from services.router.prompt import render_last
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi

@@ -1,5 +1,6 @@
-"""The HTTP API's request bodies: one set of pydantic models that both validates every
-request and is published as the OpenAPI document (``GET /openapi.json``).
+"""The HTTP API's request bodies (chat, completions, tokenize; the Responses API's are in
+``responses_schema``): pydantic models that both validate every request and are published
+as the OpenAPI document (``openapi_doc``).
 
 Bodies are parsed strictly, in one pass by pydantic's JSON parser: ``application/json``
 only; no coercion (``"stream": "yes"`` and ``"max_tokens": true`` are refused); nesting
@@ -40,8 +41,6 @@ CACHE_KEY_DOC = (
     "and canary subset, as a session's turns do (the key, when given, instead of the "
     "session's or the conversation's)"
 )
-LOGPROBS_INCLUDED = "message.output_text.logprobs"  # the Responses API's include for them
-MAX_INPUT_ITEMS = 62  # with the answer, what one append to a session may hold
 JSON_TYPES = ("application/json",)
 # A path element naming a field or a key (not a union member's type tag, e.g. "str").
 _FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -50,7 +49,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 # The sampling fields the core checks, by the names these bodies give them where the
 # name is the same (max_tokens and logprobs differ between the APIs).
-_SAMPLING_NAMES = {
+SAMPLING_NAMES = {
     f"sampling.{name}": name
     for name in (
         "temperature",
@@ -77,7 +76,7 @@ class RequestTimeout(FieldError):
     code, http_status, http_type = "DEADLINE_EXCEEDED", 408, "invalid_request_error"
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # A parameter this API does not implement is refused by name (never ignored: a
     # client that asks for tools or a JSON format must not get plain text as if it had
     # them); those it takes must have their documented JSON types.
@@ -89,15 +88,15 @@ def _no_op(default: Any, description: str) -> Any:
     return Field(default=default, description=f"{description}; only {default!r} is supported")
 
 
-class PlainFormat(_Strict):
+class PlainFormat(Strict):
     type: Literal["text"] = Field(description="plain text: the only format supported")
 
 
-class JsonObjectFormat(_Strict):
+class JsonObjectFormat(Strict):
     type: Literal["json_object"] = Field(description="any JSON object")
 
 
-class JsonSchema(_Strict):
+class JsonSchema(Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = Field(
         default=None, description="empty only: the schema is not shown to the model"
@@ -111,7 +110,7 @@ class JsonSchema(_Strict):
     )
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     type: Literal["json_schema"] = Field(description="JSON that is an instance of the schema")
     json_schema: JsonSchema
 
@@ -119,7 +118,7 @@ class JsonSchemaFormat(_Strict):
 _FORMAT_TAGS = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
 
 
-def _format_tag(value: Any) -> str | None:
+def format_tag(value: Any) -> str | None:
     """The member of ResponseFormat a body's ``type`` picks. The tags are capitalised: in
     an error's location they are not field names, and field_path leaves them out."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
@@ -131,14 +130,14 @@ ResponseFormat = Annotated[
     | Annotated[JsonObjectFormat, Tag("JsonObject")]
     | Annotated[JsonSchemaFormat, Tag("JsonSchema")],
     Discriminator(
-        _format_tag,
+        format_tag,
         custom_error_type="invalid_format",
         custom_error_message="type must be text, json_object or json_schema",
     ),
 ]
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs``: what the output must be, one kind at most."""
 
     # "json" would shadow BaseModel's own attribute: the body's key is its alias.
@@ -173,11 +172,11 @@ class StructuredOutputs(_Strict):
         )
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Body(_Strict):
+class Body(Strict):
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -363,7 +362,7 @@ class Body(_Strict):
     def field_names(self) -> dict[str, str]:
         """The core's names of the fields this body sets, and the body's own."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-        names = {**_SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+        names = {**SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
         structured = self.structure_fields()
         if structured:
             names["sampling.structured_output"] = structured[0]
@@ -402,17 +401,17 @@ def _structure(
     return ("choice", choice_spec(choice))
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments as the text of a JSON object")
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """A call an earlier assistant message made, sent back with the conversation."""
 
     id: str = Field(min_length=1, max_length=128)
@@ -420,7 +419,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = ""
     tool_calls: list[ToolCall] | None = Field(
@@ -440,7 +439,7 @@ class Message(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str = Field(default="", description="shown to the model with the tool")
     parameters: dict[str, Any] | None = Field(
@@ -451,16 +450,16 @@ class FunctionSpec(_Strict):
     )
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -630,209 +629,7 @@ def _ids(prompt: list[Any]) -> bool:
     return bool(prompt) and isinstance(prompt[0], int)
 
 
-class InputText(_Strict):
-    # output_text: an earlier response's output item sent back as input, as clients do.
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: list[dict[str, Any]] | None = None  # an output item's, sent back
-    logprobs: list[dict[str, Any]] | None = None
-
-
-class InputMessage(_Strict):
-    """A message item of the Responses API's ``input``."""
-
-    type: Literal["message"] = "message"
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputText]
-    id: str | None = None  # an output item's, sent back
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class FunctionCallItem(_Strict):
-    """A call an earlier response made, sent back as an input item."""
-
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=128)
-    name: str
-    arguments: str = Field(description="the arguments as the text of a JSON object")
-    id: str | None = None  # an output item's, sent back
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-
-class FunctionCallOutputItem(_Strict):
-    """A call's result: ``call_id`` names a call among the items or the previous
-    response's."""
-
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=128)
-    output: str | list[InputText]
-    id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
-
-
-_ITEM_TAGS = {
-    "message": "Message",
-    "function_call": "FunctionCall",
-    "function_call_output": "FunctionCallOutput",
-}
-
-
-def _item_tag(value: Any) -> str | None:
-    """The member of InputItem an item's ``type`` picks (a message may leave it out)."""
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
-
-
-InputItem = Annotated[
-    Annotated[InputMessage, Tag("Message")]
-    | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
-    Discriminator(
-        _item_tag,
-        custom_error_type="invalid_item",
-        custom_error_message="type must be message, function_call or function_call_output",
-    ),
-]
-
-
-class FunctionTool(FunctionSpec):
-    """The Responses API's function tool: the function's fields beside its type."""
-
-    type: Literal["function"] = Field(description="function tools only")
-
-
-class NamedFunctionChoice(_Strict):
-    type: Literal["function"]
-    name: str
-
-
-class TextJsonSchemaFormat(JsonSchema):
-    """The Responses API's JSON schema format: the schema's fields beside its type."""
-
-    type: Literal["json_schema"] = Field(description="JSON that is an instance of the schema")
-
-
-TextFormat = Annotated[
-    Annotated[PlainFormat, Tag("Text")]
-    | Annotated[JsonObjectFormat, Tag("JsonObject")]
-    | Annotated[TextJsonSchemaFormat, Tag("JsonSchema")],
-    Discriminator(
-        _format_tag,
-        custom_error_type="invalid_format",
-        custom_error_message="type must be text, json_object or json_schema",
-    ),
-]
-
-
-class TextConfig(_Strict):
-    format: TextFormat | None = Field(
-        default=None,
-        description="text; a JSON object; or JSON of a schema (as chat's response_format)",
-    )
-
-
-class ResponseBody(_Strict):
-    """``POST /v1/responses``; the conversation continues by ``previous_response_id``."""
-
-    model: str = ""
-    input: str | list[InputItem] = Field(
-        description="text, or items: messages, function calls and their outputs"
-    )
-    instructions: str | None = Field(
-        default=None, description="a system message for this response (not carried over)"
-    )
-    previous_response_id: str | None = None
-    store: bool = Field(default=True, description="false: nothing of it is kept")
-    stream: bool = False
-    truncation: Literal["auto", "disabled"] = Field(
-        default="disabled",
-        description="auto: a conversation longer than the context is cut by the tenant's "
-        "strategy; disabled: refused",
-    )
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, ge=0, description="the mesh's extension")
-    seed: int | None = Field(default=None, description="the mesh's extension")
-    top_logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="with the logprobs included: the k likeliest too"
-    )
-    include: list[Literal["message.output_text.logprobs"]] | None = Field(
-        default=None, description="each output token's log probability"
-    )
-    cache_salt: str | None = Field(
-        default=None, max_length=MAX_CACHE_SALT, description="as in chat completions"
-    )
-    prompt_cache_key: str | None = Field(
-        default=None, max_length=MAX_CACHE_KEY, description=CACHE_KEY_DOC
-    )
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
-    user: str | None = Field(default=None, max_length=512, description="kept with the response")
-    text: TextConfig | None = None
-    tools: list[FunctionTool] | None = Field(
-        default=None, max_length=MAX_TOOLS, description="functions the model may call"
-    )
-    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = Field(
-        default=None, description="default: auto with tools, none without"
-    )
-    parallel_tool_calls: bool = Field(default=True, description="more than one call at once")
-
-    @field_validator("input")
-    @classmethod
-    def _some_items(cls, value: str | list[InputItem]) -> str | list[InputItem]:
-        if isinstance(value, list) and not 1 <= len(value) <= MAX_INPUT_ITEMS:
-            raise ValueError(f"1 to {MAX_INPUT_ITEMS} items")
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _small_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        for key, text in (value or {}).items():
-            if not 1 <= len(key) <= 64 or len(text) > 512:
-                raise ValueError("keys of 1-64 characters, values of at most 512")
-        return value
-
-    def field_names(self) -> dict[str, str]:
-        """The core's names of the fields this body sets, and the body's own."""
-        names = {**_SAMPLING_NAMES, "sampling.max_tokens": "max_output_tokens"}
-        names["sampling.logprobs"] = "top_logprobs"
-        # The structure is the tools' grammar, or the text's format.
-        names["sampling.structured_output"] = "tools" if self.tools else "text.format"
-        return names
-
-    def logprobs_wanted(self) -> int | None:
-        """The likeliest tokens to give at each output token (None: no log probabilities)."""
-        included = LOGPROBS_INCLUDED in (self.include or [])
-        if self.top_logprobs is not None and not included:
-            raise InvalidArgument("top_logprobs", f"needs include [{LOGPROBS_INCLUDED!r}]")
-        return (self.top_logprobs or 0) if included else None
-
-    def structure(self) -> tuple[str, str] | None:
-        """``text.format`` as the core's structured output (None: text)."""
-        fmt = self.text.format if self.text is not None else None
-        if isinstance(fmt, JsonObjectFormat):
-            return ("json_object", "")
-        if isinstance(fmt, TextJsonSchemaFormat):
-            if fmt.description:
-                raise InvalidArgument(
-                    "text.format.description",
-                    "not supported: the schema is not shown to the model (say it in the input)",
-                )
-            return ("json_schema", json.dumps(fmt.json_schema or {}))
-        return None
-
-
-class TokenizeBody(_Strict):
+class TokenizeBody(Strict):
     """vLLM's ``/tokenize``: a prompt, or messages rendered with the model's template."""
 
     model: str = ""
@@ -875,7 +672,7 @@ class TokenizeBody(_Strict):
         return self.prompt is not None
 
 
-class DetokenizeBody(_Strict):
+class DetokenizeBody(Strict):
     model: str = ""
     tokens: list[int]
 
@@ -916,187 +713,3 @@ def field_path(loc: tuple[int | str, ...]) -> str:
         elif _FIELD_NAME.match(part) and part not in _TYPE_TAGS:
             path += f".{part}" if path else part
     return path or "body"
-
-
-def openapi_document(version: str) -> dict[str, Any]:
-    """The HTTP API as OpenAPI 3.1, its request bodies the models above."""
-    schemas: dict[str, Any] = {}
-    for model in (ChatBody, CompletionBody, ResponseBody, TokenizeBody, DetokenizeBody):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-    error = {"$ref": "#/components/schemas/Error"}
-    schemas["Error"] = _ERROR_SCHEMA
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "llm-mesh router", "version": version},
-        "paths": {
-            "/v1/chat/completions": _generation("ChatBody", "A chat completion", error),
-            "/v1/completions": _generation("CompletionBody", "A text completion", error),
-            "/v1/responses": _generation("ResponseBody", "A response (Responses API)", error),
-            "/v1/responses/{response_id}": _stored_response(error),
-            "/v1/responses/{response_id}/input_items": _input_items(error),
-            "/v1/models": {
-                "get": {
-                    "summary": "The models the caller may use",
-                    "security": [{"bearer": []}],
-                    "responses": {"200": {"description": "A list of models"}, "401": _err(error)},
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "summary": "A model the caller may use",
-                    "security": [{"bearer": []}],
-                    "parameters": [
-                        {
-                            "name": "model",
-                            "in": "path",
-                            "required": True,
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        "200": {"description": "The model"},
-                        "401": _err(error),
-                        "404": _err(error),
-                    },
-                }
-            },
-            "/tokenize": _json_call("TokenizeBody", "A prompt's or messages' tokens", error),
-            "/detokenize": _json_call("DetokenizeBody", "Tokens' text", error),
-            "/health": _probe("200 while some replica of some model can serve", error),
-            "/ping": _probe("As /health", error),
-            "/version": _probe("The mesh's version", error),
-            "/metrics": {
-                "get": {
-                    "summary": "The router's Prometheus metrics (with the mesh's token)",
-                    "responses": {"200": {"description": "Prometheus text"}, "401": _err(error)},
-                }
-            },
-        },
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-    }
-
-
-def _err(schema: dict[str, str]) -> dict[str, Any]:
-    return {
-        "description": "OpenAI's error JSON",
-        "content": {"application/json": {"schema": schema}},
-    }
-
-
-def _stored_response(error: dict[str, str]) -> dict[str, Any]:
-    path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-    statuses = {"401": _err(error), "404": _err(error), "503": _err(error)}
-    call = {"security": [{"bearer": []}], "parameters": path}
-    return {
-        "get": {
-            "summary": "A stored response",
-            **call,
-            "responses": {"200": {"description": "The response object"}, **statuses},
-        },
-        "delete": {
-            "summary": "Deletes a stored response",
-            **call,
-            "responses": {"200": {"description": "Deleted"}, **statuses},
-        },
-    }
-
-
-def _input_items(error: dict[str, str]) -> dict[str, Any]:
-    path = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
-    query = [
-        {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
-        {
-            "name": "limit",
-            "in": "query",
-            "schema": {"type": "integer", "minimum": 1, "maximum": 100},
-        },
-        {"name": "after", "in": "query", "schema": {"type": "string"}},
-    ]
-    statuses = {code: _err(error) for code in ("400", "401", "404", "503")}
-    return {
-        "get": {
-            "summary": "The input items of a stored response, a page at a time",
-            "security": [{"bearer": []}],
-            "parameters": [path, *query],
-            "responses": {"200": {"description": "A list of items"}, **statuses},
-        }
-    }
-
-
-def _probe(summary: str, error: dict[str, str]) -> dict[str, Any]:
-    return {
-        "get": {
-            "summary": summary,
-            "responses": {"200": {"description": summary}, "503": _err(error)},
-        }
-    }
-
-
-def _json_call(body: str, summary: str, error: dict[str, str]) -> dict[str, Any]:
-    statuses = ("400", "401", "403", "404", "408", "413", "415", "503")
-    return {
-        "post": {
-            "summary": summary,
-            "security": [{"bearer": []}],
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
-                },
-            },
-            "responses": {
-                "200": {"description": summary, "content": {"application/json": {}}},
-                **{status: _err(error) for status in statuses},
-            },
-        }
-    }
-
-
-def _generation(body: str, summary: str, error: dict[str, str]) -> dict[str, Any]:
-    statuses = ("400", "401", "403", "404", "408", "409", "413", "415", "429", "503", "504")
-    return {
-        "post": {
-            "summary": summary,
-            "security": [{"bearer": []}],
-            "parameters": [
-                {"name": name, "in": "header", "required": False, "schema": {"type": "string"}}
-                for name in ("x-request-id", "x-session-id", "x-llm-color")
-            ],
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
-                },
-            },
-            "responses": {
-                "200": {
-                    "description": "The completion: JSON, or server-sent events with stream",
-                    "content": {"application/json": {}, "text/event-stream": {}},
-                },
-                **{status: _err(error) for status in statuses},
-            },
-        }
-    }
-
-
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "integer", "null"]},
-            },
-        }
-    },
-}

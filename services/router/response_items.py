@@ -12,15 +12,15 @@ from typing import Any
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import History, Role, Sampling, Turn
-from services.router.openai_schema import (
+from services.router.request import SessionUse
+from services.router.response_object import MAX_RECORD_CHARS
+from services.router.responses_schema import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputMessage,
     NamedFunctionChoice,
     ResponseBody,
 )
-from services.router.request import SessionUse
-from services.router.response_object import MAX_RECORD_CHARS
 from services.router.tool_calls import (
     RESULT,
     ToolUse,

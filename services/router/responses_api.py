@@ -29,7 +29,7 @@ from services.router.config import HttpSettings
 from services.router.core import RouterCore
 from services.router.http_errors import error_response
 from services.router.openai_reply import Choice
-from services.router.openai_schema import ResponseBody, parse_body
+from services.router.openai_schema import parse_body
 from services.router.request import GenerateInput, Generation, SessionUse
 from services.router.response_items import (
     ItemPage,
@@ -44,6 +44,7 @@ from services.router.response_items import (
     unknown_outputs,
 )
 from services.router.response_object import ResponseDraft
+from services.router.responses_schema import ResponseBody
 from services.router.tenants import Tenants
 from services.router.tool_calls import ToolUse
 from services.router.tool_stream import ToolStream

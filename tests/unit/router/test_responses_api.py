@@ -17,7 +17,6 @@ from pydantic import TypeAdapter
 
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Chunk, FinishReason, Role, TokenLogprob, Turn
-from services.router.openai_schema import ResponseBody
 from services.router.response_items import (
     ItemPage,
     affinity_of,
@@ -31,6 +30,7 @@ from services.router.response_items import (
     unknown_outputs,
 )
 from services.router.response_object import ENTRY_CHARS, RECORD_KEY, ResponseDraft
+from services.router.responses_schema import ResponseBody
 from services.router.tool_stream import ToolStream
 
 WEATHER = {
