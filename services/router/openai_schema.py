@@ -26,6 +26,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
 from llmmesh.structures import choice_spec
@@ -699,9 +700,16 @@ async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> 
         unknown = [e for e in errors if e["type"] == "extra_forbidden"]
         if unknown:
             raise InvalidArgument(field_path(unknown[0]["loc"]), "not supported") from None
-        # For a union, each member's error: the one that got deepest says most.
-        deepest = max(errors, key=lambda e: len(field_path(e["loc"])))
+        # For a union, each member's error: the one that got deepest says most, and of
+        # those a rule the value broke says more than its not being another member's type.
+        deepest = max(errors, key=lambda e: (len(field_path(e["loc"])), _broke_a_rule(e)))
         raise InvalidArgument(field_path(deepest["loc"]), deepest["msg"]) from None
+
+
+def _broke_a_rule(error: ErrorDetails) -> bool:
+    """Whether pydantic's error is a rule of the value's type (not that the type is wrong)."""
+    kind = error["type"]
+    return not (kind.endswith("_type") or kind.endswith("_parsing"))
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:

@@ -215,6 +215,25 @@ def test_a_bad_body_is_the_clients_error_naming_the_field(
     assert reply["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("data", "param", "message"),
+    [
+        (body(prompt=[-5]), "prompt[0]", "greater than or equal to 0"),
+        (body(prompt=[[]]), "prompt[0]", "at least 1 item"),
+        (body(prompt=[[1, -2]]), "prompt[0][1]", "greater than or equal to 0"),
+        (body(prompt="hi", stop=[3]), "stop[0]", "valid string"),
+    ],
+)
+def test_a_union_field_is_refused_for_the_rule_its_value_broke(
+    data: bytes, param: str, message: str
+) -> None:
+    """A value of one of a field's types that breaks that type's rule is refused for the
+    rule, not as not being one of the other types."""
+    got, reply = asyncio.run(post("/v1/completions", data))
+    assert (got, reply["error"]["param"]) == (400, param)
+    assert message in reply["error"]["message"]
+
+
 def test_a_body_that_is_not_json_by_its_content_type_is_415() -> None:
     got, reply = asyncio.run(post("/v1/completions", body(), "text/plain"))
     assert (got, reply["error"]["param"]) == (415, "Content-Type")
