@@ -12,7 +12,7 @@ import hmac
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -55,6 +55,7 @@ from services.router.openai_schema import (
 )
 from services.router.openapi_doc import openapi_document
 from services.router.prompt import render_last
+from services.router.rate_limits import rate_limit_headers
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
 from services.router.tenants import Tenants
@@ -142,6 +143,7 @@ class _Started:
     prompt_tokens: int
     choices: list[Choice]
     cached_tokens: int = 0  # of the prompts' tokens, read from the engine's prefix cache
+    rate_limits: dict[str, str] = field(default_factory=dict)  # as the last admission left them
 
 
 class OpenAiApi:
@@ -352,7 +354,7 @@ class OpenAiApi:
                     tokens_as_ids=body.return_tokens_as_token_ids,
                     token_ids=body.return_token_ids,
                 )
-                headers = {REQUEST_ID: request_id}
+                headers = {REQUEST_ID: request_id, **started.rate_limits}
                 if body.stream:
                     return await self._stream(request, started, reply, headers)
                 return await self._whole(started, reply, headers)
@@ -379,6 +381,7 @@ class OpenAiApi:
         prompt alone."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
+        limits: dict[str, str] = {}
         many = len(prompts) * n > 1
         for number, prompt in enumerate(prompts):
             scored: tuple[TokenLogprob, ...] = ()  # the prompt's, from its first sample
@@ -399,7 +402,8 @@ class OpenAiApi:
                         first = await prompt_alone(first, chunks)
                     first = echoed(first, generation.prepared.user_text, echo.top)
                 choices.append(Choice(first, chunks, generation.prompt_tokens))
-        return _Started(model, prompt_tokens, choices, cached_tokens)
+                limits = rate_limit_headers(generation.prepared.lease)
+        return _Started(model, prompt_tokens, choices, cached_tokens, limits)
 
     def _decode(
         self,

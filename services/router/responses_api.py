@@ -30,6 +30,7 @@ from services.router.core import RouterCore
 from services.router.http_errors import error_response
 from services.router.openai_reply import Choice
 from services.router.openai_schema import parse_body
+from services.router.rate_limits import rate_limit_headers
 from services.router.request import GenerateInput, Generation, SessionUse
 from services.router.response_items import (
     ItemPage,
@@ -175,7 +176,7 @@ class ResponsesApi:
             async with self._core.generation(decoded) as generation:
                 first = Choice(await anext(generation.chunks), generation.chunks)
                 draft.model = generation.request.model
-                headers = {REQUEST_ID: request_id}
+                headers = {REQUEST_ID: request_id, **rate_limit_headers(generation.prepared.lease)}
                 if body.stream:
                     return await self._stream(request, generation, first, draft, headers)
                 return await self._whole(generation, first, draft, headers)

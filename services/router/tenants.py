@@ -129,11 +129,13 @@ class Lease:
         store: Budgets,
         tokens_left: float | None,
         charge_interval_s: float = 0.0,
+        requests_left: float | None = None,
     ) -> None:
         self._spec = spec
         self._limits = limits_of(spec)
         self._store = store
         self._left = tokens_left
+        self.requests_left = requests_left  # as the admission left it
         self._interval = charge_interval_s
         self._pending = 0
         self._charged_at = time.monotonic()
@@ -143,6 +145,11 @@ class Lease:
     @property
     def tenant(self) -> TenantSpec:
         return self._spec
+
+    @property
+    def tokens_left(self) -> float | None:
+        """The tenant's tokens left as this stream knows them (None: no token budget)."""
+        return self._left
 
     def charge(self, tokens: int) -> bool:
         """Charges generated tokens; False when the stream must finish for the budget."""
@@ -349,7 +356,8 @@ class Tenants:
             raise _exhausted(spec, outcome)
         if outcome.tokens_left is not None:
             BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
-        return Lease(spec, store, outcome.tokens_left, self._budgets.charge_interval_s)
+        interval = self._budgets.charge_interval_s
+        return Lease(spec, store, outcome.tokens_left, interval, outcome.requests_left)
 
     def usable(self, tenant: str, models: Sequence[str]) -> list[str]:
         """Those of ``models`` the tenant may use, in order."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import uuid
 from collections.abc import Iterator
@@ -527,11 +528,13 @@ def test_errors_surface_as_the_sdks_exception_types(stack: Stack, client: openai
 def limited(
     stack: Stack, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """A router with a tenant allowed one request a minute, and one allowed one model."""
+    """A router with a tenant allowed one request a minute, one allowed one model, and one
+    metered by requests and tokens."""
     tmp = tmp_path_factory.mktemp("openai-limits")
     tenants: dict[str, dict[str, object]] = {
         "hasty": {"id": "hasty", "requests_per_minute": 1},
         "narrow": {"id": "narrow", "models": ["llm"]},
+        "metered": {"id": "metered", "requests_per_minute": 3, "tokens_per_minute": 5000},
     }
     with http_tenant_router(stack, tmp, tenants) as got:
         yield got
@@ -543,7 +546,35 @@ def test_rate_limits_are_429_with_retry_after(limited: tuple[str, dict[str, str]
     client.completions.create(model="llm", prompt="one", max_tokens=1)
     with pytest.raises(openai.RateLimitError) as info:
         client.completions.create(model="llm", prompt="two", max_tokens=1)
-    assert int(info.value.response.headers["Retry-After"]) >= 1
+    headers = info.value.response.headers
+    assert int(headers["Retry-After"]) >= 1
+    # To the millisecond for the SDKs, which read it first: the same wait.
+    assert math.ceil(int(headers["retry-after-ms"]) / 1000) == int(headers["Retry-After"])
+
+
+def test_each_answer_tells_the_tenant_what_its_budgets_have_left(
+    limited: tuple[str, dict[str, str]],
+) -> None:
+    base, keys = limited
+    client = openai.OpenAI(base_url=base, api_key=keys["metered"], max_retries=0)
+    whole = client.completions.with_raw_response.create(model="llm", prompt="one", max_tokens=2)
+    streamed = client.chat.completions.with_raw_response.create(
+        model="llm", messages=[{"role": "user", "content": "two"}], max_tokens=2, stream=True
+    )
+    for _ in streamed.parse():  # the stream read to its end
+        pass
+    first, second = whole.headers, streamed.headers
+    assert (first["x-ratelimit-limit-requests"], first["x-ratelimit-limit-tokens"]) == (
+        "3",
+        "5000",
+    )
+    assert (first["x-ratelimit-remaining-requests"], second["x-ratelimit-remaining-requests"]) == (
+        "2",
+        "1",
+    )
+    tokens = [int(h["x-ratelimit-remaining-tokens"]) for h in (first, second)]
+    assert 5000 > tokens[0] > tokens[1]  # each prompt's tokens taken at admission
+    assert second["x-ratelimit-reset-requests"].endswith("s")
 
 
 def test_a_tenant_sees_the_models_it_may_use(limited: tuple[str, dict[str, str]]) -> None:

@@ -47,6 +47,8 @@ def test_two_routers_hold_one_request_budget_and_one_stream_cap(
         per_minute = Limits(requests_per_minute=4)
         outcomes = [await r.admit("t", per_minute, 1) for r in (a, b, a, b, a)]
         assert [isinstance(o, Admitted) for o in outcomes] == [True] * 4 + [False]
+        left = [o.requests_left for o in outcomes if isinstance(o, Admitted)]
+        assert left == pytest.approx([3, 2, 1, 0], abs=0.1)  # whichever router admitted
         refused = outcomes[-1]
         assert isinstance(refused, Refusal) and refused.limit == "requests"
         assert 10 < refused.retry_after_s <= 15  # a request refills every 15 s
@@ -170,6 +172,13 @@ def test_allowances_admit_without_a_round_trip_and_never_past_the_bucket(
         before = await script_calls(client)
         outcomes = [await r.admit("t", limits, 10) for _ in range(20) for r in (one, two)]
         assert all(isinstance(o, Admitted) for o in outcomes)
+        # The bucket's requests as of each router's last grant, with what it holds: 20
+        # left of 60 after 40 (and what refilled meanwhile), less at most what the other
+        # router holds (5 s of the rate, topped up at half).
+        first, last = outcomes[0], outcomes[-1]
+        assert isinstance(first, Admitted) and isinstance(last, Admitted)
+        assert first.requests_left == pytest.approx(59, abs=1)
+        assert last.requests_left is not None and 20 - 10 <= last.requests_left <= 20 + 2
         calls = await script_calls(client) - before
         assert calls <= len(outcomes) / 3, f"{calls} round trips for {len(outcomes)} admissions"
         for _ in range(30):

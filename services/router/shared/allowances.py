@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from services.router.shared.budgets import Admitted, Grant, Limits, Refusal
+from services.router.shared.budgets import Admitted, Grant, Granted, Limits, Refusal
 from services.router.shared.redis_budgets import RedisBudgets
 from services.router.shared.resilient import REDIS_ERRORS
 
@@ -36,6 +36,7 @@ class _Allowance:
     requests: float = 0.0
     tokens: float = 0.0
     bucket_left: float = 0.0  # tokens the shared bucket held after the last grant
+    bucket_requests: float = 0.0  # and requests
     used_at: float = 0.0
     topping_up: asyncio.Task[None] | None = None
 
@@ -50,6 +51,15 @@ class _Allowance:
         if self.limits.tokens_per_minute is None:
             return None
         return self.tokens + self.bucket_left
+
+    def requests_left(self) -> float | None:
+        if self.limits.requests_per_minute is None:
+            return None
+        return self.requests + self.bucket_requests
+
+    def granted(self, granted: Granted) -> None:
+        self.add(granted.grant)
+        self.bucket_left, self.bucket_requests = granted.tokens_left, granted.requests_left
 
 
 class AllowanceBudgets:
@@ -80,11 +90,10 @@ class AllowanceBudgets:
             granted = await self._shared.grant(tenant, limits, need, self._ahead(limits))
             if isinstance(granted, Refusal):
                 return granted
-            allowance.add(granted.grant)
-            allowance.bucket_left = granted.tokens_left
+            allowance.granted(granted)
         allowance.add(need, -1.0)
         self._top_up_if_low(tenant, allowance)
-        return Admitted(allowance.tokens_left())
+        return Admitted(allowance.tokens_left(), allowance.requests_left())
 
     async def charge(self, tenant: str, limits: Limits, tokens: int) -> float | None:
         if limits.max_streams is not None:
@@ -166,8 +175,7 @@ class AllowanceBudgets:
         if isinstance(granted, Refusal):
             return  # the bucket is empty: requests will ask for themselves
         if self._allowances.get(tenant) is allowance:
-            allowance.add(granted.grant)
-            allowance.bucket_left = granted.tokens_left
+            allowance.granted(granted)
         else:  # given back meanwhile
             await self._shared.give_back(tenant, allowance.limits, granted.grant)
 

@@ -43,10 +43,11 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Admitted:
-    """The request was charged; ``tokens_left`` in its tenant's bucket (None: no token
-    budget)."""
+    """The request was charged; the tokens and requests left in its tenant's buckets after
+    it (None: no such budget). With allowances, ``requests_left`` is as of the last grant."""
 
     tokens_left: float | None
+    requests_left: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,11 @@ class Grant:
 
 @dataclass(frozen=True)
 class Granted:
-    """What a router was granted, and the tokens left in the bucket after it."""
+    """What a router was granted, and the tokens and requests left in the buckets after it."""
 
     grant: Grant
     tokens_left: float
+    requests_left: float = 0.0
 
 
 class Budgets(Protocol):
@@ -122,6 +124,10 @@ class _TenantBudget:
         self.tokens = _fit(self.tokens, limits.tokens_per_minute)
 
 
+def _level(bucket: TokenBucket | None) -> float | None:
+    return bucket.level if bucket is not None else None
+
+
 def _fit(bucket: TokenBucket | None, capacity: float | None) -> TokenBucket | None:
     if capacity is None:
         return None
@@ -158,7 +164,7 @@ class MemoryBudgets:
         if budget.tokens is not None:
             budget.tokens.level -= prompt_tokens
         budget.streams += 1
-        return Admitted(budget.tokens.level if budget.tokens is not None else None)
+        return Admitted(_level(budget.tokens), _level(budget.requests))
 
     async def charge(self, tenant: str, limits: Limits, tokens: int) -> float | None:
         return self.charge_now(tenant, limits, tokens)

@@ -60,7 +60,7 @@ if rl then redis.call('HSET', KEYS[1], 'r:l', tostring(rl - 1), 'r:u', tostring(
 if tl then redis.call('HSET', KEYS[1], 't:l', tostring(tl - prompt), 't:u', tostring(now)) end
 redis.call('HINCRBY', KEYS[1], 's:' .. me, 1)
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return {'ok', tl and tostring(tl - prompt) or '', ''}
+return {'ok', tl and tostring(tl - prompt) or '', rl and tostring(rl - 1) or ''}
 """
 # KEYS: the tenant's hash. ARGV: tokens/min, tokens generated.
 _CHARGE = """
@@ -132,11 +132,11 @@ end
 local rl, tl = 0, 0
 if rpm > 0 then
   rl = level('r', rpm)
-  if rl < need_r then return {'requests', tostring((need_r - rl) * 60 / rpm), '', ''} end
+  if rl < need_r then return {'requests', tostring((need_r - rl) * 60 / rpm), '', '', ''} end
 end
 if tpm > 0 then
   tl = level('t', tpm)
-  if tl < need_t then return {'tokens', tostring((need_t - tl) * 60 / tpm), '', ''} end
+  if tl < need_t then return {'tokens', tostring((need_t - tl) * 60 / tpm), '', '', ''} end
 end
 local gr, gt = 0, 0
 if rpm > 0 then
@@ -148,7 +148,7 @@ if tpm > 0 then
   redis.call('HSET', KEYS[1], 't:l', tostring(tl - gt), 't:u', tostring(now))
 end
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return {'ok', tostring(gr), tostring(gt), tostring(tl - gt)}
+return {'ok', tostring(gr), tostring(gt), tostring(tl - gt), tostring(rl - gr)}
 """
 # KEYS: the tenant's hash. ARGV: requests/min, tokens/min (0: none), requests and tokens
 # a router held and did not spend.
@@ -213,7 +213,7 @@ class RedisBudgets:
         )
         outcome, value = _text(outcome), _text(value)
         if outcome == "ok":
-            return Admitted(float(value) if value else None)
+            return Admitted(_number(value), _number(_text(detail)))
         detail = _text(detail)
         return Refusal(outcome, float(value), f"{detail} streams open" if detail else "")
 
@@ -236,7 +236,7 @@ class RedisBudgets:
     ) -> Granted | Refusal:
         """Takes ``need`` and up to ``want`` more from the tenant's buckets, for this router
         to spend locally; or nothing, and how long until ``need`` is there."""
-        outcome, requests, tokens, left = await self._grant(
+        outcome, requests, tokens, left, requests_left = await self._grant(
             keys=[self._key(tenant)],
             args=[
                 limits.requests_per_minute or 0,
@@ -250,7 +250,8 @@ class RedisBudgets:
         outcome = _text(outcome)
         if outcome != "ok":
             return Refusal(outcome, float(_text(requests)))
-        return Granted(Grant(float(_text(requests)), float(_text(tokens))), float(_text(left)))
+        grant = Grant(float(_text(requests)), float(_text(tokens)))
+        return Granted(grant, float(_text(left)), float(_text(requests_left)))
 
     async def give_back(self, tenant: str, limits: Limits, unspent: Grant) -> None:
         """Returns what a router held and did not spend (its requests and tokens)."""
@@ -258,6 +259,10 @@ class RedisBudgets:
         await self._give_back(
             keys=[self._key(tenant)], args=[rpm, tpm, unspent.requests, unspent.tokens]
         )
+
+
+def _number(text: str) -> float | None:
+    return float(text) if text else None
 
 
 def _text(value: bytes | str) -> str:

@@ -1,0 +1,44 @@
+"""OpenAI's rate-limit headers, from the tenant's budgets as its request's admission left
+them: what a client (or a gateway in front of the mesh) paces itself by.
+
+A budget is a bucket refilled continuously, so its reset is the time until it is full
+again at its rate. With several routers sharing budgets through allowances, the requests
+left are as of this router's last grant: a pace to go by, not a promise.
+"""
+
+from __future__ import annotations
+
+from services.router.tenants import Lease
+
+
+def rate_limit_headers(lease: Lease) -> dict[str, str]:
+    """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the budgets the tenant
+    has (none for a budget it has not)."""
+    spec = lease.tenant
+    budgets = (
+        ("requests", spec.requests_per_minute, lease.requests_left),
+        ("tokens", spec.tokens_per_minute, lease.tokens_left),
+    )
+    headers: dict[str, str] = {}
+    for kind, per_minute, left in budgets:
+        if per_minute is None or left is None:
+            continue
+        held = min(max(left, 0.0), per_minute)  # a stream may overdraw the bucket
+        headers[f"x-ratelimit-limit-{kind}"] = _number(per_minute)
+        headers[f"x-ratelimit-remaining-{kind}"] = f"{int(held)}"
+        headers[f"x-ratelimit-reset-{kind}"] = duration((per_minute - held) * 60.0 / per_minute)
+    return headers
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if value.is_integer() else f"{value:.3f}".rstrip("0")
+
+
+def duration(seconds: float) -> str:
+    """A duration as OpenAI's headers write it: ``17ms``, ``1.5s``, ``6m0s``."""
+    milliseconds = round(seconds * 1000)
+    if milliseconds < 1000:
+        return f"{milliseconds}ms"
+    minutes, rest = divmod(round(seconds, 2), 60.0)
+    text = f"{rest:.2f}".rstrip("0").rstrip(".") + "s"
+    return f"{minutes:.0f}m{text}" if minutes else text
