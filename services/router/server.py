@@ -43,6 +43,7 @@ from services.router.http_errors import HttpRunner
 from services.router.mirror import Mirror
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
+from services.router.rate_limits import rate_limit_headers
 from services.router.replicas import ReplicaSet
 from services.router.request import GenerateInput, Generation
 from services.router.responses_api import ResponsesApi
@@ -83,6 +84,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async with self._core.generation(decoded) as generation:
             async for response in _responses(generation):
                 yield response
+            # The tenant's budgets as the answer left them, also in the trailers.
+            limits = rate_limit_headers(generation.prepared.lease)
+            context.set_trailing_metadata(((REQUEST_ID, request_id), *limits.items()))
 
     @takes_malformed
     async def GenerateStream(  # noqa: N802 (gRPC method name)

@@ -138,9 +138,15 @@ def test_over_requests_per_minute_is_refused_with_a_retry_delay(
     tenant_router: tuple[str, dict[str, str]],
 ) -> None:
     address, keys = tenant_router
+    left = []
     with authorized_channel(address, keys["hasty"]) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
         for _ in range(3):
-            collect(channel, "hi", max_tokens=1)
+            call = stub.Generate(build_request("hi", max_tokens=1), timeout=60)
+            list(call)
+            trailers = dict(call.trailing_metadata() or ())
+            left.append(trailers["x-ratelimit-remaining-requests"])
+    assert left == ["2", "1", "0"]  # also in the trailers, as OpenAI's headers
     err = refusal(address, keys["hasty"], max_tokens=1)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert 0 < retry_delay_s(err) <= 20  # one request refills in 60 s / 3
