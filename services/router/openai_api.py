@@ -7,6 +7,7 @@ identically. Errors are OpenAI's error JSON with the matching status.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -100,8 +101,14 @@ def _sample(prompt: GenerateInput, choice: int, index: int) -> GenerateInput:
     return replace(prompt, request_id=f"{prompt.request_id}.{choice}", sampling=sampling)
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llm-mesh"}
+CARD_WAIT_S = 2.0  # how long the models' list waits for a model's card (cached after)
+
+
+def _model_object(name: str, max_model_len: int | None) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's ``max_model_len`` (its context, in tokens) when
+    a replica has described the model."""
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "llm-mesh"}
+    return card if max_model_len is None else {**card, "max_model_len": max_model_len}
 
 
 def _inline_history(messages: list[Message], role: Role) -> tuple[History, str]:
@@ -294,7 +301,9 @@ class OpenAiApi:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
         except MeshError as err:
             return error_response(err)
-        data = [_model_object(m) for m in self._usable(tenant)]
+        usable = self._usable(tenant)
+        contexts = await asyncio.gather(*(self._context_of(m, tenant) for m in usable))
+        data = [_model_object(m, context) for m, context in zip(usable, contexts, strict=True)]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -307,10 +316,20 @@ class OpenAiApi:
                 raise ModelNotFound("model", f"no model '{name}' for this API key")
         except MeshError as err:
             return error_response(err)
-        return web.json_response(_model_object(name))
+        return web.json_response(_model_object(name, await self._context_of(name, tenant)))
 
     def _usable(self, tenant: str) -> list[str]:
         return self._tenants.usable(tenant, self._models)
+
+    async def _context_of(self, model: str, tenant: str) -> int | None:
+        """The model's context in tokens; None while no replica can describe it (the list
+        of models does not wait long for one)."""
+        try:
+            async with asyncio.timeout(CARD_WAIT_S):
+                _, speech = await self._core.model_speech(model, tenant)
+        except (MeshError, TimeoutError):
+            return None
+        return speech.max_context
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)

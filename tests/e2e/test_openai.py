@@ -197,8 +197,19 @@ def test_text_completion_and_models(client: openai.OpenAI) -> None:
     reply = client.completions.create(model="llm", prompt="Once upon a", max_tokens=5, seed=2)
     assert reply.object == "text_completion"
     assert reply.usage is not None and reply.usage.prompt_tokens == len("Once upon a") + 1
-    assert [m.id for m in client.models.list()] == ["llm", "llm_canary"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["llm", "llm_canary"]
     assert client.models.retrieve("llm_canary").id == "llm_canary"
+    # vLLM's max_model_len: the context the model's replicas describe, as /tokenize says.
+    context = httpx.post(
+        f"{str(client.base_url).rstrip('/').removesuffix('/v1')}/tokenize",
+        json={"prompt": "hi"},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+        timeout=30,
+    ).json()["max_model_len"]
+    assert context > 0
+    assert [(m.model_extra or {}).get("max_model_len") for m in models] == [context, context]
+    assert (client.models.retrieve("llm").model_extra or {})["max_model_len"] == context
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-17")
     assert missing.value.code == "model_not_found"

@@ -11,12 +11,17 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import BaseModel, ConfigDict
 
-from llmmesh.types import Sampling
-from services.router.config import HttpSettings
+from llmmesh.runtime.errors import Unavailable
+from llmmesh.types import ModelCard, Sampling
+from services.router import openai_api
+from services.router.config import HttpSettings, RouterConfig
+from services.router.core import RouterCore
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, field_path
+from services.router.speech import CardSpeeches
 from services.router.tenants import Tenants
 from tests.unit.router.test_core import (
+    CONTEXT,
     DENY_BOMB,
     REDACT_EMAIL,
     Context,
@@ -1017,3 +1022,43 @@ def test_a_prompt_cache_key_keeps_the_tenants_requests_together() -> None:
     keyed, plain, keyed_session, session = [hints.session_key for hints in inference.hints]
     assert keyed == keyed_session and keyed.endswith("/prompt_cache_key:shared")
     assert plain == "" and session.endswith("/s1")
+
+
+class _Cards:
+    """A card source whose replicas are all away: one that fails, or one that hangs."""
+
+    def __init__(self, hang: bool) -> None:
+        self._hang = hang
+
+    async def describe(self, model: str) -> ModelCard:
+        if self._hang:
+            await asyncio.Event().wait()
+        raise Unavailable(f"no replica serves {model}")
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_the_models_list_leaves_a_context_out_while_no_replica_describes_it(
+    hang: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(openai_api, "CARD_WAIT_S", 0.05)
+    core = RouterCore(RouterConfig(), gate(), Context(), Inference(), CardSpeeches(_Cards(hang)))
+
+    async def listed() -> Any:
+        async with TestClient(TestServer(OpenAiApi(core, Tenants(), ["llm"]).app())) as client:
+            response = await client.get("/v1/models")
+            return response.status, await response.json()
+
+    status, models = asyncio.run(listed())
+    assert status == 200
+    assert models["data"] == [
+        {"id": "llm", "object": "model", "created": 0, "owned_by": "llm-mesh"}
+    ]
+
+
+def test_the_models_list_names_each_models_context() -> None:
+    async def listed() -> Any:
+        async with TestClient(TestServer(api().app())) as client:
+            return await (await client.get("/v1/models")).json()
+
+    (card,) = asyncio.run(listed())["data"]
+    assert card["max_model_len"] == CONTEXT
