@@ -183,6 +183,11 @@ class KeywordIndex:
                     found.append(Hit(rule, start, end, "", certain=known))
         return found
 
+    def spanning(self, views: Views, join: int) -> list[Hit]:
+        """Every match that contains the text's position ``join`` (the automaton finds
+        overlapping matches)."""
+        return [hit for hit in self.hits(views, 0) if hit.start < join < hit.end]
+
     def pending_start(self, views: Views, pos: int) -> int | None:
         """Where the longest tail of ``text[pos:]`` that could still become a keyword
         starts, if any."""
@@ -254,30 +259,38 @@ class PatternIndex:
         return bool(self._patterns)
 
     def hits(self, views: Views, pos: int) -> list[Hit]:
-        if not self._patterns:
-            return []
         view = views.get(self._kind)
         at = view.position(pos)
-        # One pass over the text says which patterns match at all: only those are run.
-        if self._any is None:
-            found: Sequence[int] = range(len(self._patterns))
-        else:
-            matching = self._any.Match(view.text)  # None when none does
-            if matching is None:
-                return []
-            found = sorted(matching)
         return [
-            Hit(
-                p.rule,
-                view.start(m.start()),
-                view.end(m.end()),
-                p.placeholder,
-                p.valid is None or p.valid(m.group(0)),
-                certain=p.valid is None,
-            )
-            for p in (self._patterns[i] for i in found)
+            _pattern_hit(p, m, view)
+            for p in self._matching(view)
             for m in p.compiled.finditer(view.text, at)
         ]
+
+    def spanning(self, views: Views, join: int) -> list[Hit]:
+        """Every match that contains the text's position ``join``, overlapping ones too:
+        finditer's matches do not overlap, so one that ends before ``join`` would hide one
+        that begins inside it and goes on past ``join``."""
+        view = views.get(self._kind)
+        found = []
+        for pattern in self._matching(view):
+            start = 0
+            while (m := pattern.compiled.search(view.text, start)) is not None:
+                hit = _pattern_hit(pattern, m, view)
+                if hit.start >= join:
+                    break
+                if hit.end > join:
+                    found.append(hit)
+                start = m.start() + 1
+        return found
+
+    def _matching(self, view: View) -> list[_Pattern]:
+        """The patterns that match the view somewhere: one pass over it says which, and
+        only those are run."""
+        if self._any is None:
+            return self._patterns
+        matching = self._any.Match(view.text)  # None when none does
+        return [self._patterns[i] for i in sorted(matching)] if matching is not None else []
 
     def pending_start(self, views: Views, pos: int) -> int | None:
         if not self._patterns:
@@ -290,6 +303,17 @@ class PatternIndex:
             if tail is not None and (start is None or tail < start):
                 start = tail
         return None if start is None else view.start(start)  # start() keeps the order
+
+
+def _pattern_hit(pattern: _Pattern, match: Any, view: View) -> Hit:
+    return Hit(
+        pattern.rule,
+        view.start(match.start()),
+        view.end(match.end()),
+        pattern.placeholder,
+        pattern.valid is None or pattern.valid(match.group(0)),
+        certain=pattern.valid is None,
+    )
 
 
 def _search(compiled: Any, text: str, pos: int) -> int | None:
@@ -348,6 +372,11 @@ class Matcher:
     def hits(self, text: str | Views, pos: int = 0) -> list[Hit]:
         views = text if isinstance(text, Views) else Views(text)
         return [hit for index in self._indexes for hit in index.hits(views, pos)]
+
+    def spanning(self, views: Views, join: int) -> list[Hit]:
+        """The matches that begin before ``join`` and end after it, each found even where a
+        match of the text before ``join`` overlaps it."""
+        return [hit for index in self._indexes for hit in index.spanning(views, join)]
 
     def settled_until(self, text: str | Views, pos: int, hits: Sequence[Hit]) -> int:
         """How far ``text`` (of which ``[pos:]`` is new) is settled: no match can start

@@ -58,9 +58,9 @@ class _Junction:
         any more once those are applied."""
         text, at = self._lead + output, len(self._lead)
         views = Views(text)
-        hits = self._matcher.hits(views, 0)
+        hits = self._matcher.spanning(views, at)
         settled = len(text) if final else self._matcher.settled_until(views, 0, hits)
-        spanning = [replace(h, start=0, end=h.end - at) for h in hits if h.start < at < h.end]
+        spanning = [replace(h, start=0, end=h.end - at) for h in hits]
         return spanning, max(settled - at, 0), settled >= at
 
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmmesh.policy import RuleLibrary
+from llmmesh.policy.matching import Views
 from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 from llmmesh.policy.schema import SCHEMA_VERSION, dump_rules, load_rules
 from llmmesh.policy.streaming import OutputScanner
@@ -142,7 +143,7 @@ def test_a_lead_only_adds_matches_and_is_never_released(
         assert scanner.denied_by is not None, (lead, output)
     elif scanner.denied_by is None:  # a denial stops the reading: later rules go unread
         assert set(alone.matched) <= set(scanner.matched), (lead, output)
-    spanning = [h for h in RULES.output.matcher.hits(text) if h.start < len(lead) < h.end]
+    spanning = RULES.output.matcher.spanning(Views(text), len(lead))  # overlapping ones too
     if not spanning:
         assert (released, scanner.denied_by) == (without, alone.denied_by), (lead, output)
     if scanner.denied_by is None:  # what the output alone hides stays hidden
@@ -167,6 +168,15 @@ def test_a_match_begun_in_the_lead_is_denied_or_redacted_in_the_output() -> None
     long_lead = "x" * 5000 + " the secret"  # only its end counts, as in a stream
     released, _, _ = with_lead(long_lead, [" plan is", " ready"])
     assert released == "[REDACTED] is ready"
+
+
+def test_a_match_of_the_leads_own_hides_no_match_that_spans_its_end() -> None:
+    """A regular expression's matches do not overlap: "code code" of the lead would hide
+    "code blue", which the lead begins and the output ends."""
+    released, scanner, _ = with_lead("the code code ", ["blue", " sky"])
+    assert (released, scanner.matched) == ("[REDACTED] sky", ["code"])
+    released, _, _ = with_lead("the code code", [" blue sky"])
+    assert released == "[REDACTED] sky"  # the match's part in the output: " blue"
 
 
 def test_only_a_possible_match_is_held_back() -> None:
