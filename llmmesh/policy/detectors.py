@@ -4,7 +4,7 @@ IBANs, octet ranges for IPv4)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,13 +12,14 @@ import re2
 
 from llmmesh.policy.partial import prefix_pattern
 
+_DOUBLED = (0, 2, 4, 6, 8, 1, 3, 5, 7, 9)  # a digit doubled, its digits summed
+
 
 def _luhn(text: str) -> bool:
     digits = [int(c) for c in text if c.isdigit()]
     if not 13 <= len(digits) <= 19:
         return False
-    doubled = [(d * 2 - 9 if d > 4 else d * 2) if i % 2 else d for i, d in enumerate(digits[::-1])]
-    return sum(doubled) % 10 == 0
+    return (sum(digits[-1::-2]) + sum(_DOUBLED[d] for d in digits[-2::-2])) % 10 == 0
 
 
 def _iban(text: str) -> bool:
@@ -49,6 +50,33 @@ class Detector:
     partial: str | None
     valid: Callable[[str], bool]
 
+    def accepts(self, match: str) -> bool:
+        """Whether a match of the pattern is the thing, or begins with it: the pattern is
+        greedy, so a card number with its security code after it is matched as one
+        number that fails Luhn (the whole match is then taken for the thing)."""
+        if self.valid(match) or self.valid is any_match:
+            return self.valid(match)
+        return any(
+            self.valid(match[:end]) and self.pattern.fullmatch(match[:end]) is not None
+            for end in range(len(match) - 1, 0, -1)
+            if match[end - 1].isalnum() and not match[end].isalnum()
+        )
+
+
+def matches(detector: Detector, text: str, pos: int = 0) -> Iterator[tuple[int, int, bool]]:
+    """Where each match of the detector's pattern in ``text`` from ``pos`` starts and ends,
+    and whether it is the thing (``Detector.accepts``). One that is not hides nothing: the
+    search goes on from inside it (a card number after other digits, an address after an
+    octet out of range)."""
+    # ASCII goes to RE2 as bytes (the same positions): the wrapper maps a position in a
+    # str by walking the text, on every search.
+    subject = text.encode("ascii") if text.isascii() else text
+    while (match := detector.pattern.search(subject, pos)) is not None:
+        start, end = match.start(), match.end()
+        accepted = detector.accepts(text[start:end])
+        yield start, end, accepted
+        pos = end if accepted else start + 1
+
 
 DETECTORS: dict[str, Detector] = {}
 
@@ -68,12 +96,12 @@ def register_detector(
             re2.compile(derived)
         except re2.error:
             derived = None  # held back by the pattern's longest width instead
-    detector = Detector(name, placeholder, re2.compile(pattern), derived, valid or _any)
+    detector = Detector(name, placeholder, re2.compile(pattern), derived, valid or any_match)
     DETECTORS[name] = detector
     return detector
 
 
-def _any(_: str) -> bool:
+def any_match(_: str) -> bool:
     return True
 
 
@@ -108,9 +136,9 @@ def find(text: str, names: list[str]) -> list[tuple[int, int, str]]:
     spans: list[tuple[int, int, str]] = []
     for name in names:
         detector = DETECTORS[name]
-        for match in detector.pattern.finditer(text):
-            if detector.valid(match.group(0)):
-                spans.append((match.start(), match.end(), detector.placeholder))
+        for start, end, accepted in matches(detector, text):
+            if accepted:
+                spans.append((start, end, detector.placeholder))
     return disjoint(spans)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import re._parser as sre_parse  # type: ignore[import-not-found]  # widths of patterns
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,8 @@ import ahocorasick
 import numpy as np
 import re2
 
-from llmmesh.policy.detectors import DETECTORS, Detector
+from llmmesh.policy.detectors import DETECTORS, Detector, any_match
+from llmmesh.policy.detectors import matches as detector_matches
 from llmmesh.policy.normalize import (
     View,
     is_word,
@@ -216,7 +217,7 @@ class _Pattern:
     rule: int
     compiled: Any
     placeholder: str
-    valid: Callable[[str], bool] | None  # a detector's validator
+    detector: Detector | None  # one with a validator, which a match may fail
 
 
 class PatternIndex:
@@ -240,8 +241,9 @@ class PatternIndex:
                     partials.append(partial)
             for name in rule.detectors:
                 detector: Detector = DETECTORS[name]
+                checked = detector if detector.valid is not any_match else None
                 self._patterns.append(
-                    _Pattern(index, detector.pattern, detector.placeholder, detector.valid)
+                    _Pattern(index, detector.pattern, detector.placeholder, checked)
                 )
                 if detector.partial is None:
                     regex_width = max(regex_width, _width(detector.pattern.pattern)[1])
@@ -261,11 +263,7 @@ class PatternIndex:
     def hits(self, views: Views, pos: int) -> list[Hit]:
         view = views.get(self._kind)
         at = view.position(pos)
-        return [
-            _pattern_hit(p, m, view)
-            for p in self._matching(view)
-            for m in p.compiled.finditer(view.text, at)
-        ]
+        return [hit for p in self._matching(view) for hit in _pattern_hits(p, view, at)]
 
     def spanning(self, views: Views, join: int) -> list[Hit]:
         """Every match that contains the text's position ``join``, overlapping ones too:
@@ -276,7 +274,8 @@ class PatternIndex:
         for pattern in self._matching(view):
             start = 0
             while (m := pattern.compiled.search(view.text, start)) is not None:
-                hit = _pattern_hit(pattern, m, view)
+                accepted = pattern.detector is None or pattern.detector.accepts(m.group(0))
+                hit = _pattern_hit(pattern, m.start(), m.end(), view, valid=accepted)
                 if hit.start >= join:
                     break
                 if hit.end > join:
@@ -305,15 +304,22 @@ class PatternIndex:
         return None if start is None else view.start(start)  # start() keeps the order
 
 
-def _pattern_hit(pattern: _Pattern, match: Any, view: View) -> Hit:
-    return Hit(
-        pattern.rule,
-        view.start(match.start()),
-        view.end(match.end()),
-        pattern.placeholder,
-        pattern.valid is None or pattern.valid(match.group(0)),
-        certain=pattern.valid is None,
-    )
+def _pattern_hits(pattern: _Pattern, view: View, at: int) -> Iterator[Hit]:
+    """The pattern's matches in the view from ``at``; a detector's, each with whether it
+    is the thing (one that is not hides nothing)."""
+    if pattern.detector is None:
+        for match in pattern.compiled.finditer(view.text, at):
+            yield _pattern_hit(pattern, match.start(), match.end(), view, valid=True)
+        return
+    for start, end, accepted in detector_matches(pattern.detector, view.text, at):
+        yield _pattern_hit(pattern, start, end, view, valid=accepted)
+
+
+def _pattern_hit(pattern: _Pattern, start: int, end: int, view: View, valid: bool) -> Hit:
+    """A match of the view's ``[start:end]``, as a hit on the text."""
+    certain = pattern.detector is None
+    shown = view.start(start), view.end(end)
+    return Hit(pattern.rule, *shown, pattern.placeholder, valid, certain=certain)
 
 
 def _search(compiled: Any, text: str, pos: int) -> int | None:

@@ -385,13 +385,14 @@ def test_personal_data_in_any_message_never_reaches_a_replica(stack: Stack, reco
         {"role": "system", "content": f"The user's card is {CARD_NBSP}."},
         {"role": "user", "content": f"Write to {EMAIL_CYRILLIC} please"},
         {"role": "assistant", "content": f"Noted, and the other card {CARD_FULLWIDTH}."},
-        {"role": "user", "content": "Thanks"},
+        # A card with its code after it reads as one number that fails Luhn.
+        {"role": "user", "content": "Thanks: 4111 1111 1111 1111 737"},
     ]
     client.chat.completions.create(model="llm", messages=messages, max_tokens=2)
     [prompt] = replica.prompts
-    for raw in (CARD_NBSP, EMAIL_CYRILLIC, CARD_FULLWIDTH, "1111", "example.com"):
+    for raw in (CARD_NBSP, EMAIL_CYRILLIC, CARD_FULLWIDTH, "1111", "example.com", "737"):
         assert raw not in prompt
-    assert prompt.count("[CREDIT_CARD]") == 2 and "[EMAIL]" in prompt
+    assert prompt.count("[CREDIT_CARD]") == 3 and "[EMAIL]" in prompt
 
 
 def test_personal_data_in_token_ids_never_reaches_a_replica(stack: Stack, recorded: Any) -> None:

@@ -35,6 +35,26 @@ def test_detectors_find_and_type_what_they_redact(text: str, expected: str) -> N
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("card 4111 1111 1111 1111 123 exp", "card [CREDIT_CARD] exp"),  # its code after it
+        ("ids 12 4111 1111 1111 1111 end", "ids 12 [CREDIT_CARD] end"),
+        ("card 4111-1111-1111-1111-2 ok", "card [CREDIT_CARD] ok"),
+        ("iban GB82 WEST 1234 5698 7654 32 99 ok", "iban [IBAN] ok"),
+        ("ip 300.1.2.3.4 ok", "ip 300.[IP_ADDRESS] ok"),  # the first octet out of range
+    ],
+)
+def test_a_match_that_fails_its_check_hides_no_valid_one_in_or_after_it(
+    text: str, expected: str
+) -> None:
+    """A detector's pattern is greedy: a card number with more digits around it matched as
+    one number that fails Luhn, and the card went out as it was."""
+    assert scrub(text) == expected
+    verdict = RuleSet.from_file(DEFAULT_RULES).check_input(text)
+    assert (verdict.action, verdict.text) == (PolicyAction.REDACT, expected)
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "card 4111 1111 1111 1112 fails Luhn",

@@ -75,6 +75,8 @@ MATCHING = [
     "card 4111\u00a01111\u00a01111\u00a0\uff11\uff11\uff11\uff11 ok",
     "mail \u0430da@example.com now",
     "the code ada@example.com now",
+    "card 4111 1111 1111 1111 123 ok",
+    "ip 300.1.2.3.4 ok",
 ]
 
 
