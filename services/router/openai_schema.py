@@ -680,6 +680,8 @@ class DetokenizeBody(Strict):
 
 async def parse_body(request: web.Request, model: type[B], timeout_s: float) -> B:
     """The request's body as ``model``, or the client's error naming the field."""
+    for name in request.query:  # the body says it all: a parameter here would be ignored
+        raise InvalidArgument(name.removesuffix("[]"), "not supported as a query parameter")
     if request.content_type not in JSON_TYPES:
         raise UnsupportedMediaType("Content-Type", "must be application/json")
     try:

@@ -239,6 +239,14 @@ def test_a_union_field_is_refused_for_the_rule_its_value_broke(
     assert message in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_query_parameter_beside_a_body_is_refused_by_name(path: str) -> None:
+    """Nothing reads a POST's query: a parameter sent there would be ignored."""
+    got, reply = asyncio.run(post(f"{path}?temperature=0", body()))
+    assert (got, reply["error"]["param"]) == (400, "temperature")
+    assert "query parameter" in reply["error"]["message"]
+
+
 def test_a_body_that_is_not_json_by_its_content_type_is_415() -> None:
     got, reply = asyncio.run(post("/v1/completions", body(), "text/plain"))
     assert (got, reply["error"]["param"]) == (415, "Content-Type")
