@@ -574,18 +574,19 @@ def test_each_answer_tells_the_tenant_what_its_budgets_have_left(
     )
     for _ in streamed.parse():  # the stream read to its end
         pass
-    first, second = whole.headers, streamed.headers
-    assert (first["x-ratelimit-limit-requests"], first["x-ratelimit-limit-tokens"]) == (
+    response = client.responses.with_raw_response.create(
+        model="llm", input="three", max_output_tokens=2, store=False
+    )
+    answers = [whole.headers, streamed.headers, response.headers]
+    assert (answers[0]["x-ratelimit-limit-requests"], answers[0]["x-ratelimit-limit-tokens"]) == (
         "3",
         "5000",
     )
-    assert (first["x-ratelimit-remaining-requests"], second["x-ratelimit-remaining-requests"]) == (
-        "2",
-        "1",
-    )
-    tokens = [int(h["x-ratelimit-remaining-tokens"]) for h in (first, second)]
-    assert 5000 > tokens[0] > tokens[1]  # each prompt's tokens taken at admission
-    assert second["x-ratelimit-reset-requests"].endswith("s")
+    left = [h["x-ratelimit-remaining-requests"] for h in answers]
+    assert left == ["2", "1", "0"]
+    tokens = [int(h["x-ratelimit-remaining-tokens"]) for h in answers]
+    assert 5000 > tokens[0] > tokens[1] > tokens[2]  # each prompt's tokens taken at admission
+    assert answers[1]["x-ratelimit-reset-requests"].endswith("s")
 
 
 def test_a_tenant_sees_the_models_it_may_use(limited: tuple[str, dict[str, str]]) -> None:
