@@ -9,7 +9,8 @@ relies on it), and a match in the view maps back to a span of the original:
   (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), format
   characters (zero-width space and joiners, soft hyphen) and combining marks removed,
   and every other non-ASCII character replaced by its confusable skeleton (Unicode's
-  UTS #39 data, through ICU), so Cyrillic a (U+0430) reads as Latin a. Case is kept: a pattern
+  UTS #39 data, through ICU), so Cyrillic a (U+0430) reads as Latin a; every script's
+  decimal digits read as ASCII digits (Arabic-Indic, Devanagari). Case is kept: a pattern
   says itself whether case matters.
 - the **keyword view**: the pattern view case-folded, with separators (whitespace,
   dashes, underscores, dots, asterisks) removed, so "b-o-m-b", "b o m b" and "b_o_m_b"
@@ -63,6 +64,9 @@ def pattern_char(char: str) -> str:
         return char
     if unicodedata.category(char) in _IGNORED_CATEGORIES:
         return ""
+    digit = unicodedata.decimal(char, None)
+    if digit is not None:  # any script's digit: a card in Arabic-Indic digits is a card
+        return str(digit)
     folded = _strip_marks(unicodedata.normalize("NFKC", char))
     if folded.isascii():
         return folded

@@ -62,6 +62,9 @@ def test_ordinary_text_is_allowed_unchanged(text: str) -> None:
         ("mail ada@exa\u200bmple.com now", "mail [EMAIL] now"),
         ("mail jos\u00e9@example.com", "mail [EMAIL]"),
         ("ip \uff11\uff19\uff12.168.0.1 here", "ip [IP_ADDRESS] here"),
+        # Any script's decimal digits: Arabic-Indic, Devanagari.
+        ("card \u0664\u0661\u0661\u0661 " + "\u0661" * 12 + " ok", "card [CREDIT_CARD] ok"),
+        ("ip \u0967\u096f\u0968.168.0.1 here", "ip [IP_ADDRESS] here"),
     ],
 )
 def test_detectors_see_the_normalized_text_and_redact_the_original_span(

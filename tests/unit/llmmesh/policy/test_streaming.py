@@ -91,8 +91,12 @@ def test_every_pair_of_chunk_splits_gives_the_one_shot_result(text: str) -> None
 WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "Code", "  "]
 PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
 # Characters the normalized views fold or drop: zero-width space, soft hyphen, a
-# combining mark, no-break space, Cyrillic a and o, fullwidth b and 4.
-EVASIONS = ["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"]
+# combining mark, no-break space, Cyrillic a and o, fullwidth b and 4, Arabic-Indic 4,
+# Devanagari 1.
+EVASIONS = [
+    *["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"],
+    *["\u0664", "\u0967"],
+]
 PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII, *EVASIONS])
 
 
