@@ -293,7 +293,7 @@ class MultiplexSession:
         timeout_s = wire.timeout_s(start)
         deadline = asyncio.timeout(timeout_s) if timeout_s is not None else None
         try:
-            with trace.use_span(span, end_on_exit=True) if span else contextlib.nullcontext():
+            with tracing.using(span, end_on_exit=True) if span else contextlib.nullcontext():
                 async with deadline or contextlib.nullcontext():
                     await self._relay(number, start, request_id, generation)
         except asyncio.CancelledError:

@@ -124,8 +124,7 @@ def _traced(
                 async for response in behaviour(request, context):
                     yield response
             except Exception as err:
-                span.record_exception(err)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+                tracing.failed(span, err)
                 raise
             finally:
                 span.end()
@@ -135,7 +134,7 @@ def _traced(
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         _bind_callers_request_id(context)
         parent = tracing.incoming(context.invocation_metadata() or ())
-        with tracing.tracer.start_as_current_span(name, context=parent, kind=kind):
+        with tracing.current_span(name, parent, kind):
             return await behaviour(request, context)
 
     return unary

@@ -10,7 +10,7 @@ request's steps start no span at all (``step``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 
 from opentelemetry import propagate, trace
@@ -54,8 +54,38 @@ def step(name: str) -> AbstractContextManager[trace.Span | None]:
     which stays current anyway, and on a path gone cold it costs as much as a small step
     (docs/benchmarks.md, "One call set-up less")."""
     if recording():
-        return tracer.start_as_current_span(name)
+        return current_span(name)
     return contextlib.nullcontext()
+
+
+def current_span(
+    name: str, context: Context | None = None, kind: trace.SpanKind = trace.SpanKind.INTERNAL
+) -> AbstractContextManager[trace.Span]:
+    """A new span, current while the block runs and ended after it (``using``)."""
+    return using(tracer.start_span(name, context, kind), end_on_exit=True)
+
+
+@contextlib.contextmanager
+def using(span: trace.Span, end_on_exit: bool) -> Iterator[trace.Span]:
+    """``span`` current while the block runs; an error that ends the block is recorded by
+    its kind only (``failed``), not as OpenTelemetry records an exception."""
+    with trace.use_span(
+        span, end_on_exit=end_on_exit, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield span
+        except Exception as err:
+            failed(span, err)
+            raise
+
+
+def failed(span: trace.Span, err: BaseException) -> None:
+    """Marks ``span`` as failed by ``err``'s kind (its gRPC code, for the mesh's errors):
+    an error's message may quote what the tenant sent (a field's bad value), which a trace
+    backend must not hold, and its stack says nothing an operator needs from a trace."""
+    kind = str(getattr(err, "code", "") or type(err).__name__)
+    span.set_attribute("error.type", kind)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
 
 
 def shutdown() -> None:

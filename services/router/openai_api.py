@@ -340,7 +340,7 @@ class OpenAiApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         parent = tracing.incoming(request.headers)
         kind = trace.SpanKind.SERVER
-        with tracing.tracer.start_as_current_span(f"POST {request.path}", parent, kind=kind):
+        with tracing.current_span(f"POST {request.path}", parent, kind):
             return await self._serve_traced(request, chat)
 
     async def _serve_traced(self, request: web.Request, chat: bool) -> web.StreamResponse:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from opentelemetry import trace
-
 from llmmesh.runtime import tracing
 from llmmesh.types import Chunk, History, Role, Sampling, Turn
 from services.router.admission import Slot
@@ -96,7 +94,7 @@ class StartedStream:
             first = await anext(self._chunks)
         else:
             try:
-                with trace.use_span(self._span, end_on_exit=False):
+                with tracing.using(self._span, end_on_exit=False):
                     first = await anext(self._chunks)
             finally:
                 self._end_span()

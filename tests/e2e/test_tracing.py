@@ -27,6 +27,7 @@ class Span:
     trace_id: str
     span_id: str
     parent_id: str
+    recorded: str  # everything else the span holds: status, events, attributes
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -51,6 +52,7 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                             s.trace_id.hex(),
                             s.span_id.hex(),
                             s.parent_span_id.hex(),
+                            f"{s.status} {list(s.events)} {list(s.attributes)}",
                         )
                         for s in scope.spans
                     ]
@@ -132,3 +134,27 @@ def test_one_trace_spans_the_mesh(stack: Stack, traced: tuple[str, Collector]) -
         "llm-mesh-context",
         "llm-mesh-inference",
     }
+
+
+def test_a_failed_call_records_what_failed_never_what_was_sent(
+    stack: Stack, traced: tuple[str, Collector]
+) -> None:
+    """An error's message may quote the request (a bad field's value): a span records the
+    error's kind, and a trace backend never holds what the tenant sent unchecked."""
+    address, collector = traced
+    secret = "4111 1111 1111 1111"
+    with (
+        authorized_channel(address, stack.api_key) as channel,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        collect(channel, "hello", model=secret, max_tokens=2)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert secret in str(refused.value.details())  # the caller is told which value
+
+    def failed() -> list[Span]:
+        name = "/llmmesh.v1.Generation/Generate"
+        return [s for s in collector.spans if s.name == name and "ERROR" in s.recorded]
+
+    wait_for(lambda: bool(failed()), 15, "the failed call's span exported")
+    assert "NOT_FOUND" in failed()[0].recorded and "error.type" in failed()[0].recorded
+    assert not [s.recorded for s in collector.spans if secret in s.recorded]
