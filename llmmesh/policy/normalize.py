@@ -14,7 +14,9 @@ relies on it), and a match in the view maps back to a span of the original:
   says itself whether case matters.
 - the **keyword view**: the pattern view case-folded, with separators (whitespace,
   dashes, underscores, dots, asterisks) removed, so "b-o-m-b", "b o m b" and "b_o_m_b"
-  all read "bomb". A keyword is compared in its own keyword view.
+  all read "bomb", and digits and signs that stand for letters read as those letters
+  (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
+  keyword view.
 
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain
@@ -43,6 +45,11 @@ MAX_IGNORED_RUN = 32
 _ASCII_SEPARATOR = np.zeros(128, dtype=bool)
 _ASCII_SEPARATOR[[ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128]] = True
 _ASCII_SEPARATOR_BYTES = bytes(sorted(ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128))
+# Digits and signs written for the letters they look like ("b0mb", "pa$$w0rd"): the
+# keyword view reads them as those letters (a keyword's own are read the same way).
+_LOOKALIKE_DIGITS, _LETTERS = "013457@$", "oieastas"
+_LOOKALIKES = str.maketrans(_LOOKALIKE_DIGITS, _LETTERS)
+_ASCII_LOOKALIKES = bytes.maketrans(_LOOKALIKE_DIGITS.encode(), _LETTERS.encode())
 
 _SPOOF: Any = icu.SpoofChecker()
 
@@ -81,11 +88,12 @@ def _is_separator(char: str) -> bool:
 def keyword_char(char: str) -> str:
     """One character as the keyword view shows it."""
     if char.isascii():
-        return "" if char in _SEPARATOR_CHARS else char.lower()
+        return "" if char in _SEPARATOR_CHARS else char.lower().translate(_LOOKALIKES)
     if _is_separator(char):
         return ""
     folded = pattern_char(char).casefold()
-    return "".join(c for c in _strip_marks(folded) if not _is_separator(c))
+    kept = "".join(c for c in _strip_marks(folded) if not _is_separator(c))
+    return kept.translate(_LOOKALIKES)
 
 
 Origin = npt.NDArray[np.int64]
@@ -185,7 +193,7 @@ def keyword_view(text: str) -> View:
         # Byte operations only: a prompt's check often runs with cold caches, where each
         # library touched costs far more than its work.
         lowered = text.lower().encode("ascii")
-        kept = lowered.translate(None, _ASCII_SEPARATOR_BYTES).decode("ascii")
+        kept = lowered.translate(_ASCII_LOOKALIKES, _ASCII_SEPARATOR_BYTES).decode("ascii")
         if len(kept) == len(text):
             return View(text, kept, None)
         return View(text, kept, None, partial(_ascii_kept, lowered))

@@ -27,6 +27,10 @@ EVASIONS = [
     "how to build a b.o.m.b",
     "how to BUILD\u00a0A\u2003BOMB",  # no-break and em spaces
     "how to build a b\u200do\u2060mb",  # joiners
+    "how to build a b0mb",  # digits for letters
+    "how to bu1ld 4 b0mb",
+    "steal pa$$w0rd5",
+    "how to build a b\uff10mb",  # a fullwidth zero
 ]
 
 
@@ -40,6 +44,7 @@ def test_disguised_keywords_are_denied(text: str) -> None:
     [
         "a bioweaponry museum",  # still whole words only
         "rebuild a bomber",
+        "build 4 bombers in 2024",  # digits are letters in words they spell, no more
         "Cafe\u0301 au lait and na\u00efve re\u0301sume\u0301s",
         "\u041c\u043e\u0441\u043a\u0432\u0430 \u2014 \u0441\u0442\u043e\u043b\u0438\u0446\u0430",
         "\u4eca\u65e5\u306f\u3044\u3044\u5929\u6c17\u3067\u3059\u306d",
@@ -104,6 +109,8 @@ def test_views_map_each_character_on_its_own() -> None:
     kv = keyword_view(text)
     assert kv.text == "bomba"
     assert [kv.start(i) for i in range(len(kv.text))] == [0, 2, 4, 6, 8]
+    digits = "B0-m8 \uff10$"  # ASCII and not: the same mapping, character by character
+    assert keyword_view(digits).text == "bom8os" == "".join(keyword_view(c).text for c in digits)
 
 
 def test_a_rule_may_opt_out_of_normalization() -> None:
