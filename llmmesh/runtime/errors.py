@@ -94,13 +94,17 @@ class NotFound(MeshError):
 
 
 class ResourceExhausted(MeshError):
-    """Shed or over budget; the client may retry after ``retry_after_s``."""
+    """Shed or over budget; the client may retry after ``retry_after_s``. ``rate_limits``:
+    the refused budget's state, as OpenAI's rate-limit headers."""
 
     code, http_status, http_type = "RESOURCE_EXHAUSTED", 429, "rate_limit_error"
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(
+        self, message: str, retry_after_s: float, rate_limits: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.rate_limits = dict(rate_limits or {})
 
 
 class DeadlineExceeded(MeshError):

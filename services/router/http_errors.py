@@ -62,6 +62,7 @@ def error_response(err: MeshError, names: Mapping[str, str] | None = None) -> we
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
         # The OpenAI SDKs wait this long, to the millisecond, before they try again.
         headers["retry-after-ms"] = str(max(1, math.ceil(err.retry_after_s * 1000)))
+        headers.update(err.rate_limits)
     body = error_body(clip(err.message), kind, param and clip(param), err.http_code)
     return web.json_response(body, status=status, headers=headers)
 

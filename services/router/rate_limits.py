@@ -8,26 +8,45 @@ left are as of this router's last grant: a pace to go by, not a promise.
 
 from __future__ import annotations
 
-from services.router.tenants import Lease
+from typing import TYPE_CHECKING
+
+from services.router.shared.budgets import Refusal
+
+if TYPE_CHECKING:  # the tenants module builds refusals' headers with this one
+    from services.router.tenants import Lease, TenantSpec
 
 
 def rate_limit_headers(lease: Lease) -> dict[str, str]:
     """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the budgets the tenant
     has (none for a budget it has not)."""
     spec = lease.tenant
-    budgets = (
-        ("requests", spec.requests_per_minute, lease.requests_left),
-        ("tokens", spec.tokens_per_minute, lease.tokens_left),
-    )
-    headers: dict[str, str] = {}
-    for kind, per_minute, left in budgets:
-        if per_minute is None or left is None:
-            continue
-        held = min(max(left, 0.0), per_minute)  # a stream may overdraw the bucket
-        headers[f"x-ratelimit-limit-{kind}"] = _number(per_minute)
-        headers[f"x-ratelimit-remaining-{kind}"] = f"{int(held)}"
-        headers[f"x-ratelimit-reset-{kind}"] = duration((per_minute - held) * 60.0 / per_minute)
-    return headers
+    return {
+        **_budget("requests", spec.requests_per_minute, lease.requests_left),
+        **_budget("tokens", spec.tokens_per_minute, lease.tokens_left),
+    }
+
+
+def refused_headers(spec: TenantSpec, refusal: Refusal, prompt_tokens: int) -> dict[str, str]:
+    """The headers of the budget that refused a request (what it holds is what the request
+    needs less what the wait refills); none for a refusal by open streams."""
+    per_minute, need = {
+        "requests": (spec.requests_per_minute, 1),
+        "tokens": (spec.tokens_per_minute, prompt_tokens),
+    }.get(refusal.limit, (None, 0))
+    if per_minute is None:
+        return {}
+    return _budget(refusal.limit, per_minute, need - refusal.retry_after_s * per_minute / 60.0)
+
+
+def _budget(kind: str, per_minute: float | None, left: float | None) -> dict[str, str]:
+    if per_minute is None or left is None:
+        return {}
+    held = min(max(left, 0.0), per_minute)  # a stream may overdraw the bucket
+    return {
+        f"x-ratelimit-limit-{kind}": _number(per_minute),
+        f"x-ratelimit-remaining-{kind}": f"{int(held)}",
+        f"x-ratelimit-reset-{kind}": duration((per_minute - held) * 60.0 / per_minute),
+    }
 
 
 def _number(value: float) -> str:

@@ -31,6 +31,7 @@ from llmmesh.runtime.errors import (
 )
 from llmmesh.types import Truncation
 from services.router.admission import ADMISSION_OUTCOMES
+from services.router.rate_limits import refused_headers
 from services.router.shared.budgets import Admitted, Budgets, Limits, Refusal
 from services.router.shared.resilient import SharedBudgets
 
@@ -323,7 +324,7 @@ class Tenants:
         """The budgets' answer for a request that passed the checks."""
         with _counted(spec):
             store, outcome = await self._budgets.admit(spec.id, limits_of(spec), prompt_tokens)
-            return self._lease(spec, store, outcome)
+            return self._lease(spec, store, outcome, prompt_tokens)
 
     def admit_soon(self, tenant: str, model: str, prompt_tokens: int) -> asyncio.Future[Lease]:
         """``admit`` under way: already done (the lease, or the refusal) when the budgets
@@ -337,7 +338,7 @@ class Tenants:
                 answered = self._budgets.admit_now(spec.id, limits_of(spec), prompt_tokens)
                 if answered is None:
                     return asyncio.ensure_future(self._charged(spec, prompt_tokens))
-                admitted.set_result(self._lease(spec, *answered))
+                admitted.set_result(self._lease(spec, *answered, prompt_tokens))
         except (PermissionDenied, ResourceExhausted, InvalidArgument) as refused:
             admitted.set_exception(refused)
         return admitted
@@ -351,9 +352,11 @@ class Tenants:
                 f"{spec.tokens_per_minute:g} tokens per minute",
             )
 
-    def _lease(self, spec: TenantSpec, store: Budgets, outcome: Admitted | Refusal) -> Lease:
+    def _lease(
+        self, spec: TenantSpec, store: Budgets, outcome: Admitted | Refusal, prompt_tokens: int
+    ) -> Lease:
         if isinstance(outcome, Refusal):
-            raise _exhausted(spec, outcome)
+            raise _exhausted(spec, outcome, prompt_tokens)
         if outcome.tokens_left is not None:
             BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
         interval = self._budgets.charge_interval_s
@@ -384,12 +387,15 @@ def _counted(spec: TenantSpec) -> Iterator[None]:
         raise
 
 
-def _exhausted(spec: TenantSpec, refusal: Refusal) -> ResourceExhausted:
+def _exhausted(spec: TenantSpec, refusal: Refusal, prompt_tokens: int) -> ResourceExhausted:
     wait = refusal.retry_after_s
     if refusal.limit == "streams":
         return ResourceExhausted(f"tenant '{spec.id}' has {refusal.detail}, its limit", wait)
     per_minute = "requests" if refusal.limit == "requests" else "tokens"
-    return ResourceExhausted(f"tenant '{spec.id}' is over its {per_minute} per minute", wait)
+    limits = refused_headers(spec, refusal, prompt_tokens)
+    return ResourceExhausted(
+        f"tenant '{spec.id}' is over its {per_minute} per minute", wait, limits
+    )
 
 
 class SignedIn:

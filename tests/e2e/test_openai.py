@@ -561,6 +561,11 @@ def test_rate_limits_are_429_with_retry_after(limited: tuple[str, dict[str, str]
     assert int(headers["Retry-After"]) >= 1
     # To the millisecond for the SDKs, which read it first: the same wait.
     assert math.ceil(int(headers["retry-after-ms"]) / 1000) == int(headers["Retry-After"])
+    # And the budget that refused it, as OpenAI's headers show it.
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == (
+        "1",
+        "0",
+    )
 
 
 def test_each_answer_tells_the_tenant_what_its_budgets_have_left(

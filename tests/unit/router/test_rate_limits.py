@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from llmmesh.runtime.errors import ResourceExhausted
 from services.router.rate_limits import duration, rate_limit_headers
 from services.router.tenants import Lease, Tenants, TenantsDocument, TenantSpec
 
@@ -54,3 +55,21 @@ def test_a_budget_the_tenant_does_not_have_has_no_headers() -> None:
 )
 def test_durations_are_written_as_openai_writes_them(seconds: float, text: str) -> None:
     assert duration(seconds) == text
+
+
+def test_a_refusal_shows_the_budget_that_refused_it() -> None:
+    tenants, _ = admitted(900, requests_per_minute=3, tokens_per_minute=1000)
+    with pytest.raises(ResourceExhausted) as over_tokens:
+        asyncio.run(tenants.admit("t", "llm", 200))  # 100 left of 1,000 a minute
+    shown = over_tokens.value.rate_limits
+    assert (shown["x-ratelimit-limit-tokens"], shown["x-ratelimit-remaining-tokens"]) == (
+        "1000",
+        "100",
+    )
+    assert shown["x-ratelimit-reset-tokens"] in ("54s", "53.99s")  # 900 refill in 54 s
+    assert not any("requests" in name for name in shown)  # only the budget that refused
+    for _ in range(2):
+        asyncio.run(tenants.admit("t", "llm", 1))
+    with pytest.raises(ResourceExhausted) as over_requests:
+        asyncio.run(tenants.admit("t", "llm", 1))
+    assert over_requests.value.rate_limits["x-ratelimit-remaining-requests"] == "0"
