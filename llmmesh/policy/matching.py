@@ -19,7 +19,7 @@ import ahocorasick
 import numpy as np
 import re2
 
-from llmmesh.policy.detectors import DETECTORS, Detector, any_match
+from llmmesh.policy.detectors import DETECTORS, Detector
 from llmmesh.policy.detectors import matches as detector_matches
 from llmmesh.policy.normalize import (
     View,
@@ -217,7 +217,7 @@ class _Pattern:
     rule: int
     compiled: Any
     placeholder: str
-    detector: Detector | None  # one with a validator, which a match may fail
+    detector: Detector | None  # None: a regex rule's
 
 
 class PatternIndex:
@@ -241,9 +241,8 @@ class PatternIndex:
                     partials.append(partial)
             for name in rule.detectors:
                 detector: Detector = DETECTORS[name]
-                checked = detector if detector.valid is not any_match else None
                 self._patterns.append(
-                    _Pattern(index, detector.pattern, detector.placeholder, checked)
+                    _Pattern(index, detector.pattern, detector.placeholder, detector)
                 )
                 if detector.partial is None:
                     regex_width = max(regex_width, _width(detector.pattern.pattern)[1])
