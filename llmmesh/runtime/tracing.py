@@ -16,6 +16,8 @@ from contextlib import AbstractContextManager
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
+from llmmesh.runtime.errors import MeshError
+
 tracer = trace.get_tracer("llm-mesh")
 # The names a caller's trace context and baggage come under (W3C): a call without them
 # has nothing to extract, and the propagators need not run.
@@ -83,7 +85,7 @@ def failed(span: trace.Span, err: BaseException) -> None:
     """Marks ``span`` as failed by ``err``'s kind (its gRPC code, for the mesh's errors):
     an error's message may quote what the tenant sent (a field's bad value), which a trace
     backend must not hold, and its stack says nothing an operator needs from a trace."""
-    kind = str(getattr(err, "code", "") or type(err).__name__)
+    kind = err.code if isinstance(err, MeshError) else type(err).__name__
     span.set_attribute("error.type", kind)
     span.set_status(trace.Status(trace.StatusCode.ERROR, kind))
 
