@@ -59,7 +59,7 @@ from services.router.prompt import render_last
 from services.router.rate_limits import rate_limit_headers
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
-from services.router.tenants import Tenants
+from services.router.tenants import Lease, Tenants
 from services.router.tool_calls import ToolUse, conversation, tool_use, tools_asked
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class OpenAiApi:
         prompt alone."""
         choices: list[Choice] = []
         model, prompt_tokens, cached_tokens = "", 0, 0
-        limits: dict[str, str] = {}
+        last: Lease | None = None  # the last admission's: what the budgets have left
         many = len(prompts) * n > 1
         for number, prompt in enumerate(prompts):
             scored: tuple[TokenLogprob, ...] = ()  # the prompt's, from its first sample
@@ -421,7 +421,8 @@ class OpenAiApi:
                         first = await prompt_alone(first, chunks)
                     first = echoed(first, generation.prepared.user_text, echo.top)
                 choices.append(Choice(first, chunks, generation.prompt_tokens))
-                limits = rate_limit_headers(generation.prepared.lease)
+                last = generation.prepared.lease
+        limits = rate_limit_headers(last) if last is not None else {}
         return _Started(model, prompt_tokens, choices, cached_tokens, limits)
 
     def _decode(
