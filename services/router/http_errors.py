@@ -78,7 +78,22 @@ async def http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return web.json_response(error_body(exc.reason, kind), status=exc.status)
+        headers = {}
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            headers["Allow"] = exc.headers["Allow"]
+        return web.json_response(
+            error_body(_refusal(exc), kind), status=exc.status, headers=headers
+        )
+
+
+def _refusal(exc: web.HTTPException) -> str:
+    """What the client did wrong, without quoting the request (its path may hold a key)."""
+    if isinstance(exc, web.HTTPNotFound):
+        return "no such endpoint (GET /openapi.json lists them)"
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return f"method not allowed on this endpoint; it takes {allowed}"
+    return exc.reason
 
 
 def _reason(exc: BaseException | None, status: int) -> str:

@@ -44,14 +44,18 @@ def _parsed(reply: bytes) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-async def _exchange(raw: bytes) -> tuple[int, bytes]:
+async def _reply(raw: bytes) -> bytes:
     async with serving() as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(raw)
         await writer.drain()
         reply = await asyncio.wait_for(reader.read(), 10)
         writer.close()
-    return _parsed(reply)
+    return reply
+
+
+async def _exchange(raw: bytes) -> tuple[int, bytes]:
+    return _parsed(await _reply(raw))
 
 
 @pytest.mark.parametrize(
@@ -75,6 +79,23 @@ def test_refused_requests_are_not_quoted(raw: bytes, caplog: pytest.LogCaptureFi
 def test_a_good_request_is_served() -> None:
     status, body = asyncio.run(_exchange(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
     assert (status, json.loads(body)) == (200, {"ok": True})
+
+
+def test_an_unknown_endpoint_is_named_as_such_without_quoting_it() -> None:
+    raw = f"POST /v1/{SECRET[:40]} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    status, body = asyncio.run(_exchange(raw.encode()))
+    error = json.loads(body)["error"]
+    assert (status, error["type"]) == (404, "not_found_error")
+    assert "no such endpoint" in error["message"]
+    assert b"s3cr3t" not in body
+
+
+def test_a_wrong_method_names_the_ones_the_endpoint_takes() -> None:
+    raw = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    head, _, body = asyncio.run(_reply(raw)).partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 405
+    assert b"\r\nAllow: GET,HEAD" in head
+    assert json.loads(body)["error"]["message"].endswith("it takes GET, HEAD")
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed() -> None:
