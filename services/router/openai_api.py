@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -104,10 +105,10 @@ def _sample(prompt: GenerateInput, choice: int, index: int) -> GenerateInput:
 CARD_WAIT_S = 2.0  # how long the models' list waits for a model's card (cached after)
 
 
-def _model_object(name: str, max_model_len: int | None) -> dict[str, Any]:
+def _model_object(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's ``max_model_len`` (its context, in tokens) when
-    a replica has described the model."""
-    card = {"id": name, "object": "model", "created": 0, "owned_by": "llm-mesh"}
+    a replica has described the model; ``created``: when this router began serving it."""
+    card = {"id": name, "object": "model", "created": created, "owned_by": "llm-mesh"}
     return card if max_model_len is None else {**card, "max_model_len": max_model_len}
 
 
@@ -178,6 +179,7 @@ class OpenAiApi:
         self._metrics_token = metrics_token
         self._responses = responses
         self._canary = canary
+        self._started = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -303,7 +305,10 @@ class OpenAiApi:
             return error_response(err)
         usable = self._usable(tenant)
         contexts = await asyncio.gather(*(self._context_of(m, tenant) for m in usable))
-        data = [_model_object(m, context) for m, context in zip(usable, contexts, strict=True)]
+        data = [
+            _model_object(m, self._started, context)
+            for m, context in zip(usable, contexts, strict=True)
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -316,7 +321,8 @@ class OpenAiApi:
                 raise ModelNotFound("model", f"no model '{name}' for this API key")
         except MeshError as err:
             return error_response(err)
-        return web.json_response(_model_object(name, await self._context_of(name, tenant)))
+        context = await self._context_of(name, tenant)
+        return web.json_response(_model_object(name, self._started, context))
 
     def _usable(self, tenant: str) -> list[str]:
         return self._tenants.usable(tenant, self._models)
