@@ -148,9 +148,7 @@ class KeywordIndex:
         entries: dict[str, list[tuple[int, bool]]] = {}
         for index, rule in rules:
             for keyword in rule.keywords:
-                key = _VIEWS[self._kind](keyword.strip()).text
-                if not key:
-                    raise PatternError(f"keyword {keyword!r} has no letter or digit to match")
+                key = _keyword_key(self._kind, keyword)
                 entries.setdefault(key, []).append((index, rule.whole_word))
         if not entries:
             return
@@ -200,6 +198,21 @@ class KeywordIndex:
             if view.text[-length:] in self._prefixes:
                 return view.start(size - length)
         return None
+
+
+def _keyword_key(kind: str, keyword: str) -> str:
+    """What a keyword matches in its view; refused when that leaves nothing, or one
+    character of a keyword written with more (``c++`` would match every word "c")."""
+    written = keyword.strip()
+    key = _VIEWS[kind](written).text
+    if not key:
+        raise PatternError(f"keyword {keyword!r} has no letter or digit to match")
+    if len(key) == 1 and len(written) > 1:
+        raise PatternError(
+            f"keyword {keyword!r} reads as {key!r} (punctuation and symbols separate a"
+            " keyword's letters): write it as a regex, or set normalize: false"
+        )
+    return key
 
 
 def _stands_alone(text: str, start: int, last: int, end: int) -> tuple[bool, bool]:

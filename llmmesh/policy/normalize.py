@@ -12,11 +12,11 @@ relies on it), and a match in the view maps back to a span of the original:
   UTS #39 data, through ICU), so Cyrillic a (U+0430) reads as Latin a; every script's
   decimal digits read as ASCII digits (Arabic-Indic, Devanagari). Case is kept: a pattern
   says itself whether case matters.
-- the **keyword view**: the pattern view case-folded, with separators (whitespace,
-  dashes, underscores, dots, asterisks) removed, so "b-o-m-b", "b o m b" and "b_o_m_b"
-  all read "bomb", and digits and signs that stand for letters read as those letters
-  (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
-  keyword view.
+- the **keyword view**: the pattern view case-folded, with separators removed
+  (whitespace, control characters, and every punctuation mark and symbol but the two
+  below), so "b-o-m-b", "b o m b", "b/o/m/b" and a quoted "bomb" all read "bomb"; and
+  digits and signs that stand for letters read as those letters (0 o, 1 i, 3 e, 4 a,
+  5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own keyword view.
 
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain
@@ -35,19 +35,25 @@ import numpy as np
 import numpy.typing as npt
 
 _IGNORED_CATEGORIES = frozenset({"Cf", "Mn", "Me"})  # format characters, combining marks
-_SEPARATOR_CATEGORIES = frozenset({"Zs", "Zl", "Zp", "Pd", "Pc"})
-_SEPARATOR_CHARS = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85-_.*·")
+# What a keyword's letters may be spaced or wrapped with and still read as the keyword:
+# spaces, control characters, punctuation and symbols (b/o/m/b, "bomb", (bomb)).
+_SEPARATOR_CATEGORIES = frozenset(
+    {"Zs", "Zl", "Zp", "Cc", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "Sm", "Sc", "Sk", "So"}
+)
 # A whole-word check looks past at most this many ignored characters on either side (and
 # the streamed check keeps as much released text as context), so that checking a stream
 # piece by piece sees what checking it whole sees.
 MAX_IGNORED_RUN = 32
 
-_ASCII_SEPARATOR = np.zeros(128, dtype=bool)
-_ASCII_SEPARATOR[[ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128]] = True
-_ASCII_SEPARATOR_BYTES = bytes(sorted(ord(c) for c in _SEPARATOR_CHARS if ord(c) < 128))
 # Digits and signs written for the letters they look like ("b0mb", "pa$$w0rd"): the
 # keyword view reads them as those letters (a keyword's own are read the same way).
 _LOOKALIKE_DIGITS, _LETTERS = "013457@$", "oieastas"
+_LOOKALIKE_SIGNS = frozenset("@$")
+_ASCII_SEPARATOR_BYTES = bytes(
+    code for code in range(128) if not chr(code).isalnum() and chr(code) not in _LOOKALIKE_SIGNS
+)
+_ASCII_SEPARATOR = np.zeros(128, dtype=bool)
+_ASCII_SEPARATOR[list(_ASCII_SEPARATOR_BYTES)] = True
 _LOOKALIKES = str.maketrans(_LOOKALIKE_DIGITS, _LETTERS)
 _ASCII_LOOKALIKES = bytes.maketrans(_LOOKALIKE_DIGITS.encode(), _LETTERS.encode())
 
@@ -82,15 +88,17 @@ def pattern_char(char: str) -> str:
 
 
 def _is_separator(char: str) -> bool:
-    return char in _SEPARATOR_CHARS or unicodedata.category(char) in _SEPARATOR_CATEGORIES
+    if char in _LOOKALIKE_SIGNS:
+        return False
+    return unicodedata.category(char) in _SEPARATOR_CATEGORIES
 
 
 def keyword_char(char: str) -> str:
     """One character as the keyword view shows it."""
     if char.isascii():
-        return "" if char in _SEPARATOR_CHARS else char.lower().translate(_LOOKALIKES)
-    if _is_separator(char):
-        return ""
+        return "" if _ASCII_SEPARATOR[ord(char)] else char.lower().translate(_LOOKALIKES)
+    # Folded first: a symbol may be a letter in disguise (circled and other letter-like
+    # symbols fold to their letter), and a fullwidth sign to a look-alike one.
     folded = pattern_char(char).casefold()
     kept = "".join(c for c in _strip_marks(folded) if not _is_separator(c))
     return kept.translate(_LOOKALIKES)

@@ -92,12 +92,12 @@ WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "
 PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
 # Characters the normalized views fold or drop: zero-width space, soft hyphen, a
 # combining mark, no-break space, Cyrillic a and o, fullwidth b and 4, Arabic-Indic 4,
-# Devanagari 1.
+# Devanagari 1, a bullet and an emoji (separators), a circled b (a symbol that is a letter).
 EVASIONS = [
     *["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"],
-    *["\u0664", "\u0967"],
+    *["\u0664", "\u0967", "\u2022", "\U0001f4a3", "\u24d1"],
 ]
-PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n", *WORDS, *PII, *EVASIONS])
+PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n/\"'\x00", *WORDS, *PII, *EVASIONS])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
