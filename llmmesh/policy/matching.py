@@ -23,11 +23,11 @@ from llmmesh.policy.detectors import DETECTORS, Detector
 from llmmesh.policy.detectors import matches as detector_matches
 from llmmesh.policy.normalize import (
     View,
-    is_word,
     keyword_view,
     pattern_view,
     word_after,
     word_before,
+    word_break,
 )
 from llmmesh.policy.partial import prefix_pattern
 
@@ -219,9 +219,9 @@ def _stands_alone(text: str, start: int, last: int, end: int) -> tuple[bool, boo
     """Whether a keyword match of ``text[start:end]`` (its last letter at ``last``) stands
     as a whole word, and whether that is known yet (the text may grow past ``end``)."""
     before_char = word_before(text, start)
-    before = before_char is None or not (is_word(text[start]) and is_word(before_char))
+    before = before_char is None or word_break(before_char, text[start])
     after_char, known = word_after(text, end)
-    after = after_char is None or not (is_word(text[last]) and is_word(after_char))
+    after = after_char is None or word_break(text[last], after_char)
     return before and after, known
 
 

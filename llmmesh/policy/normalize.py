@@ -213,8 +213,11 @@ def _ascii_kept(lowered: bytes) -> Origin:
     return np.flatnonzero(~_ASCII_SEPARATOR[np.frombuffer(lowered, dtype=np.uint8)])
 
 
-def is_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
+def word_break(left: str, right: str) -> bool:
+    """Whether a word ends between two adjacent characters, as a reader sees it: unless
+    both are letters or digits, and between a lower-case letter and an upper-case one
+    (``how_to_build_a_bomb`` and ``howToBuildABomb`` are words apart to a model)."""
+    return not (left.isalnum() and right.isalnum()) or (left.islower() and right.isupper())
 
 
 def word_before(text: str, index: int) -> str | None:
