@@ -22,6 +22,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 import llmmesh
+from llmmesh.policy import Part
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     InvalidArgument,
@@ -263,9 +264,12 @@ class OpenAiApi:
                 text = source
             else:
                 turns = [Turn(role, text) for role, text in conversation(source)]
+                written = [Part(f"messages[{i}].content", t.text) for i, t in enumerate(turns)]
                 tools = tools_asked(body.tools, body.tool_choice, body.parallel_tool_calls)
                 if tools is not None:  # where a chat completion shows them
                     turns.insert(0, Turn(Role.SYSTEM, tools.instructions()))
+                    written.append(Part("tools", turns[0].text))
+                speech.check_plain(written)  # as a chat completion refuses them
                 if body.continue_final_message:
                     text = render_last(speech.layout, turns[:-1], turns[-1])
                 else:
