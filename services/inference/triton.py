@@ -37,6 +37,8 @@ OUTPUTS = ("text_output", "finish_reason", "num_output_tokens")
 # Inputs whose name starts a model's refusal ("input_ids[3]: ...", "sampling_parameters.x:
 # ..."): the request's fault, never the replica's.
 _FIELDS = ("text_input", "stream", "sampling_parameters", "input_ids")
+# Where the vLLM contract's name of a field is not the mesh's.
+_MESH_FIELDS = {"sampling.structured_outputs": "sampling.structured_output"}
 _LENGTH = struct.Struct("<I")
 # Triton runs beside this service: after an outage, reconnect within a second of it being
 # back, not after gRPC's default backoff (which grows to minutes).
@@ -502,5 +504,6 @@ def _stream_error(message: str, model: str) -> MeshError:
     field, sep, reason = message.partition(": ")
     if sep and re.split(r"[.\[]", field, maxsplit=1)[0] in _FIELDS:
         # The engine's sampling_parameters.x is the mesh's sampling.x, as clients name it.
-        return InvalidArgument(re.sub(r"^sampling_parameters\.", "sampling.", field), reason)
+        field = re.sub(r"^sampling_parameters\.", "sampling.", field)
+        return InvalidArgument(_MESH_FIELDS.get(field, field), reason)
     return Unavailable(f"Triton failed the request: {message}")

@@ -242,6 +242,9 @@ class RouterCore:
         # What the client wrote (a session's stored turns were checked on their way in, or
         # are the model's own words).
         written = _input_parts(request, history)
+        # A structure's text is what the model is made to write, and then reads again in a
+        # session's next turn.
+        written += _structure_part(request)
         speech.check_plain(p for p in written if not p.field.startswith(STORED_PARTS))
         rule_set = self._tenants.spec(request.tenant).policy_set
         # The budget check (a round trip to Redis when routers share their state) runs

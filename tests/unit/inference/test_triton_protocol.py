@@ -87,6 +87,11 @@ def test_intermediate_response_has_no_finish_reason() -> None:
             InvalidArgument,
             "input_ids[1]",
         ),
+        (  # a structure the model cannot write: under the mesh's name of the field
+            "sampling_parameters.structured_outputs: no token the model may write continues",
+            InvalidArgument,
+            "sampling.structured_output",
+        ),
         ("Request for unknown model: 'x' is not found", InvalidArgument, "model"),
         ("generation failed: out of memory", Unavailable, None),
     ],

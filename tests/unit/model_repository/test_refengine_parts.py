@@ -24,6 +24,7 @@ from refengine.contract import (
     StructuredOutput,
     parse_sampling_parameters,
 )
+from refengine.engine import STRUCTURE_DEAD_END
 from refengine.kvcache import BlockPool
 from refengine.rowstable import (
     CACHED_PLAN_ROWS,
@@ -352,6 +353,13 @@ class TestStructuredOutputs:
     def test_a_bad_structure_is_refused_naming_it(self, raw: bytes, message: str) -> None:
         with pytest.raises(RequestError, match=message):
             parse_sampling_parameters(raw)
+
+    def test_a_structure_the_model_cannot_write_fails_as_the_requests_fault(self) -> None:
+        """A control byte is outside what the byte-level model may write: the grammar
+        leaves no token, and the failure names the field without quoting the grammar."""
+        sink = self.structured("choice", json.dumps(["a\x01b"]), max_tokens=20)
+        assert sink.error == STRUCTURE_DEAD_END
+        assert sink.error.startswith("sampling_parameters.structured_outputs: ")
 
     def test_a_schema_that_does_not_compile_is_refused_at_submit(self) -> None:
         bad = StructuredOutput("json", json.dumps({"type": "nonsense"}))

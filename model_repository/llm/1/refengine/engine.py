@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 # Asking Triton whether a request was cancelled is an IPC round trip; do it at most this
 # often per sequence.
 CANCEL_CHECK_INTERVAL_S = 0.025
+# A generation whose structure no token the model may write continues (its control tokens
+# are never written; bad words and allowed tokens take others away): the request's fault.
+STRUCTURE_DEAD_END = (
+    "sampling_parameters.structured_outputs: no token the model may write continues the"
+    " output within it"
+)
 # Statistics are published at least this often while busy (load reports read them).
 STATS_INTERVAL_S = 0.05
 IDLE_RECHECK_S = 0.05
@@ -593,6 +599,9 @@ class Engine:
             )
 
     def _advance(self, seq: Sequence, token: int) -> None:
+        if seq.sampler.dead_end:  # the grammar left no token the model may write
+            self._fail(seq, STRUCTURE_DEAD_END)
+            return
         if seq.sampler.exhausted:  # no token was left to draw (bad words took the last)
             self._finish(seq, STOP)
             return
@@ -605,8 +614,9 @@ class Engine:
         constraint = seq.sampler.constraint
         if constraint is not None and constraint.failed:
             # No token could follow the output within the grammar (the model's own output
-            # mask and the grammar left none).
-            self._fail(seq, f"structured output: {constraint.failed}")
+            # mask and the grammar left none): the request's structure, not this engine,
+            # and the grammar's own message quotes it.
+            self._fail(seq, STRUCTURE_DEAD_END)
             return
         text = seq.decoder.push(token)
         # Stop strings count once the output has more than min_tokens (vLLM's rule).

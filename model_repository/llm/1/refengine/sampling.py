@@ -127,13 +127,17 @@ class Sampler:
         # Whether the last mask left no token at all (the allowed ones all banned): the
         # output ends there, its draw not taken.
         self.exhausted = False
+        # Whether the grammar's last mask left no token the model may write: its draw is
+        # not a token, and the generation fails (the structure is the request's).
+        self.dead_end = False
 
     def current_mask(self) -> npt.NDArray[np.float64]:
         mask = self.mask
         if self._early_mask is not None and self.drawn < self.params.min_tokens:
             mask = self._early_mask
         if self.constraint is not None:
-            return mask + self.constraint.mask()
+            mask = mask + self.constraint.mask()
+            self.dead_end = not np.isfinite(mask).any()
         return mask
 
     def ban_bad_words(self, scores: npt.NDArray[np.float64]) -> None:
