@@ -1,7 +1,9 @@
 """A fuzz pass over every RPC of every service, through the real stack: requests built
 from each method's request type (every field, its whole range), and raw bytes that may
-not even parse. No input may be answered INTERNAL or UNKNOWN, and every service must
-still serve afterwards. Counts go to bench/results/fuzz.json."""
+not even parse. No input may be answered INTERNAL or UNKNOWN, nor UNAVAILABLE: every
+service is up, so that would be a client's input taken for an outage (counted against a
+replica, and retried by clients); and every service must still serve afterwards. Counts
+go to bench/results/fuzz.json."""
 
 from __future__ import annotations
 
@@ -28,7 +30,12 @@ from tests.conftest import wait_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "fuzz.json"
 EXAMPLES = 120  # per method, of each kind (typed and raw)
-FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+FORBIDDEN = {
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNAVAILABLE,
+}
 SERVICES = {
     "router": generation_pb2.DESCRIPTOR.services_by_name["Generation"],
     "context": context_pb2.DESCRIPTOR.services_by_name["Context"],

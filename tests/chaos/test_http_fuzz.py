@@ -1,7 +1,8 @@
 """The HTTP API fuzzed from its own OpenAPI document (schemathesis): valid and invalid
-bodies for every operation, through the real router. No request may be a 5xx other
-than what the mesh documents (503 when a dependency is down, 504 past a deadline), and
-every refusal is OpenAI's error JSON. The count goes to bench/results/http_fuzz.json."""
+bodies for every operation, through the real router. No request may be a 5xx but a 504
+past a deadline: every dependency is up, so a 503 would be a client's input taken for an
+outage (counted against a replica, and retried by clients); and every refusal is
+OpenAI's error JSON. The count goes to bench/results/http_fuzz.json."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_no_request_is_a_server_error(api: Any, stack: Stack) -> None:
             TALLY[f"{case.method} {case.path} {response.status_code}"] += 1
             if response.status_code >= 500:
                 TALLY[f"{response.status_code}: {response.json()['error']['message']}"] += 1
-            assert response.status_code < 500 or response.status_code in (503, 504), response.text
+            assert response.status_code < 500 or response.status_code == 504, response.text
             if response.status_code >= 400:
                 error = response.json()["error"]
                 assert isinstance(error["message"], str) and isinstance(error["type"], str)

@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from llmmesh.runtime.errors import InvalidArgument
 from services.router.scheduling.plugins import Filter, NoCandidates, register
 from services.router.scheduling.types import Candidate, PickContext, PickRequest
 
@@ -39,6 +40,23 @@ def split_point(session_key: str, rng: random.Random) -> float:
         return rng.random()
     digest = hashlib.blake2b(session_key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
+
+
+def check_color(
+    request: PickRequest, policy: RoutingPolicy, candidates: Sequence[Candidate]
+) -> None:
+    """InvalidArgument naming the color header when its subset is none the routing
+    document names and none of the model's replicas (healthy or not) is: the client's
+    mistake, not an outage (a client would retry a 503)."""
+    if not request.color:
+        return
+    subset = policy.colors.get(request.color, request.color)
+    known = {*policy.split, *policy.colors.values(), *policy.fallback}
+    known.update(c.endpoint.version for c in candidates if c.endpoint.serves(request.model))
+    if subset not in known:
+        raise InvalidArgument(
+            "x-llm-color", f"{request.color!r} names no subset of model '{request.model}'"
+        )
 
 
 def subset_order(

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from llmmesh.runtime.errors import Unavailable
 from services.router.affinity import PrefixIndex, SessionTable
+from services.router.scheduling.filters import check_color
 from services.router.scheduling.plugins import NoCandidates
 from services.router.scheduling.profile import (
     Profile,
@@ -57,6 +58,7 @@ class Scheduler:
         self, request: PickRequest, candidates: Sequence[Candidate], policy: RoutingPolicy
     ) -> Decision:
         profile = self.profile(policy)
+        check_color(request, policy, candidates)
         ctx = PickContext(
             request, self.state, policy.saturation.waiting, policy.saturation.kv_utilization
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from llmmesh.runtime.errors import Unavailable
+from llmmesh.runtime.errors import InvalidArgument, Unavailable
 from services.router.affinity import PrefixIndex, prefix_hashes
 from services.router.endpoints import Endpoint
 from services.router.replicas import reports_alive
@@ -85,6 +85,10 @@ def test_color_pins_its_subset_and_never_leaks() -> None:
             [pool[0], cand("c:1", "canary", healthy=False)],
             policy,
         )
+    # A color that names no subset at all is the client's mistake, named as such.
+    with pytest.raises(InvalidArgument, match="'purple' names no subset") as info:
+        p.pick(PickRequest("llm", color="purple"), pool, policy)
+    assert info.value.field == "x-llm-color"
 
 
 def test_split_follows_weights() -> None:
