@@ -18,24 +18,30 @@ if TYPE_CHECKING:  # the tenants module builds refusals' headers with this one
 
 def rate_limit_headers(lease: Lease) -> dict[str, str]:
     """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the budgets the tenant
-    has (none for a budget it has not)."""
-    spec = lease.tenant
+    has (none for a budget it has not); the limits of the buckets that admitted it (a
+    router's share of them while the shared store is out of reach)."""
+    spec, share = lease.tenant, lease.share
     return {
-        **_budget("requests", spec.requests_per_minute, lease.requests_left),
-        **_budget("tokens", spec.tokens_per_minute, lease.tokens_left),
+        **_budget("requests", _scaled(spec.requests_per_minute, share), lease.requests_left),
+        **_budget("tokens", _scaled(spec.tokens_per_minute, share), lease.tokens_left),
     }
 
 
 def refused_headers(spec: TenantSpec, refusal: Refusal, prompt_tokens: int) -> dict[str, str]:
     """The headers of the budget that refused a request (what it holds is what the request
     needs less what the wait refills); none for a refusal by open streams."""
-    per_minute, need = {
+    limit, need = {
         "requests": (spec.requests_per_minute, 1),
         "tokens": (spec.tokens_per_minute, prompt_tokens),
     }.get(refusal.limit, (None, 0))
+    per_minute = _scaled(limit, refusal.share)
     if per_minute is None:
         return {}
     return _budget(refusal.limit, per_minute, need - refusal.retry_after_s * per_minute / 60.0)
+
+
+def _scaled(per_minute: float | None, share: float) -> float | None:
+    return None if per_minute is None else per_minute * share
 
 
 def _budget(kind: str, per_minute: float | None, left: float | None) -> dict[str, str]:

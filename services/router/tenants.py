@@ -130,13 +130,16 @@ class Lease:
         store: Budgets,
         tokens_left: float | None,
         charge_interval_s: float = 0.0,
+        *,
         requests_left: float | None = None,
+        share: float = 1.0,
     ) -> None:
         self._spec = spec
         self._limits = limits_of(spec)
         self._store = store
         self._left = tokens_left
         self.requests_left = requests_left  # as the admission left it
+        self.share = share  # of the tenant's limits the admitting buckets hold
         self._interval = charge_interval_s
         self._pending = 0
         self._charged_at = time.monotonic()
@@ -360,7 +363,14 @@ class Tenants:
         if outcome.tokens_left is not None:
             BUDGET_REMAINING.labels(spec.id).set(max(outcome.tokens_left, 0.0))
         interval = self._budgets.charge_interval_s
-        return Lease(spec, store, outcome.tokens_left, interval, outcome.requests_left)
+        return Lease(
+            spec,
+            store,
+            outcome.tokens_left,
+            interval,
+            requests_left=outcome.requests_left,
+            share=outcome.share,
+        )
 
     def usable(self, tenant: str, models: Sequence[str]) -> list[str]:
         """Those of ``models`` the tenant may use, in order."""

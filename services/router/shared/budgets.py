@@ -39,6 +39,7 @@ class Refusal:
     limit: str
     retry_after_s: float
     detail: str = ""
+    share: float = 1.0  # of the tenant's limits the refusing bucket holds (SharedBudgets)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Admitted:
 
     tokens_left: float | None
     requests_left: float | None = None
+    # Of the tenant's limits, the part these buckets hold: a router on its own while the
+    # shared store is out of reach holds 1/N of them (SharedBudgets).
+    share: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import redis.exceptions
 from prometheus_client import Counter, Gauge
@@ -100,4 +101,5 @@ class SharedBudgets:
             except REDIS_ERRORS as err:
                 self._health.down(err)
         share = 1.0 / max(1, self._fleet_size()) if self._shared is not None else 1.0
-        return self._local, await self._local.admit(tenant, limits.scaled(share), prompt_tokens)
+        outcome = await self._local.admit(tenant, limits.scaled(share), prompt_tokens)
+        return self._local, replace(outcome, share=share)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis.exceptions
 
 from llmmesh.runtime.errors import ResourceExhausted
 from services.router.rate_limits import duration, rate_limit_headers
+from services.router.shared.budgets import Admitted, Limits, MemoryBudgets
+from services.router.shared.resilient import SharedBudgets
 from services.router.tenants import Lease, Tenants, TenantsDocument, TenantSpec
 
 
@@ -73,3 +76,31 @@ def test_a_refusal_shows_the_budget_that_refused_it() -> None:
     with pytest.raises(ResourceExhausted) as over_requests:
         asyncio.run(tenants.admit("t", "llm", 1))
     assert over_requests.value.rate_limits["x-ratelimit-remaining-requests"] == "0"
+
+
+class OutOfReach:
+    """A shared store (Redis) that cannot be reached."""
+
+    async def admit(self, tenant: str, limits: Limits, prompt_tokens: int) -> Admitted:
+        raise redis.exceptions.ConnectionError("refused")
+
+
+def test_a_router_on_its_own_shows_its_share_of_the_limits() -> None:
+    """With the shared store out of reach and two routers in the fleet, this router admits
+    on half of each limit: the headers say so, and what is left is of that half."""
+    budgets = SharedBudgets(MemoryBudgets(), OutOfReach(), fleet_size=lambda: 2)  # type: ignore[arg-type]
+    tenants = Tenants(enabled=True, budgets=budgets)
+    spec = TenantSpec(id="t", requests_per_minute=10, tokens_per_minute=1000)
+    tenants.apply(TenantsDocument(tenants=(spec,)))
+    headers = rate_limit_headers(asyncio.run(tenants.admit("t", "llm", 100)))
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == (
+        "5",
+        "4",
+    )
+    assert (headers["x-ratelimit-limit-tokens"], headers["x-ratelimit-remaining-tokens"]) == (
+        "500",
+        "400",
+    )
+    with pytest.raises(ResourceExhausted) as refused:
+        asyncio.run(tenants.admit("t", "llm", 450))
+    assert refused.value.rate_limits["x-ratelimit-limit-tokens"] == "500"
