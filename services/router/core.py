@@ -568,6 +568,7 @@ class RouterCore:
         except Unavailable as err:
             fail_open(err, spec.context_fail_mode, "context", request.tenant, "no history")
             stored = History()
+        stored = speech.defused_history(stored)  # the model's words, read again as words
         history = continued(
             _excerpt_for(stored, request.prompt, count), new_turns, use.instructions
         )

@@ -9,17 +9,19 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenizers import Tokenizer
 
 from llmmesh.policy import Part
 from llmmesh.runtime.errors import InvalidArgument, MeshError
-from llmmesh.types import ModelCard, Sampling, count_tokens
+from llmmesh.types import History, ModelCard, Sampling, Turn, count_tokens
 from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
 
 log = logging.getLogger(__name__)
+
+WORD_JOINER = "\u2060"  # invisible, and no tokenizer reads a control token across it
 
 
 class Codec(Protocol):
@@ -179,6 +181,36 @@ class ModelSpeech:
                     raise InvalidArgument(
                         f"sampling.{name}", f"{token} is not a token of this model (0-{size - 1})"
                     )
+
+    def defused(self, text: str) -> str:
+        """``text`` with no control token left in it, for what the model reads again of
+        its own words (a session's stored answers, its summaries): a word joiner after
+        each one's first character, so that the model reads the characters it wrote and
+        never a role marker (refusing them would end the session)."""
+        for token in self.control_tokens:
+            if token in text:
+                text = text.replace(token, token[0] + WORD_JOINER + token[1:])
+        return text
+
+    def defused_history(self, history: History) -> History:
+        """A stored history's turns and summary ``defused``, and those it asks the model
+        to fold into a new summary."""
+        if not self.control_tokens:
+            return history
+        fold = history.fold
+        if fold is not None:
+            fold = replace(
+                fold, turns=self._defused_turns(fold.turns), summary=self.defused(fold.summary)
+            )
+        return replace(
+            history,
+            turns=self._defused_turns(history.turns),
+            summary=self.defused(history.summary),
+            fold=fold,
+        )
+
+    def _defused_turns(self, turns: tuple[Turn, ...]) -> tuple[Turn, ...]:
+        return tuple(replace(t, text=self.defused(t.text)) for t in turns)
 
     def check_plain(self, parts: Iterable[Part]) -> None:
         """INVALID_ARGUMENT naming the first part that writes one of the model's control
