@@ -8,6 +8,7 @@ import re
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from refengine import (
     ByteTokenizer,
@@ -24,7 +25,7 @@ from refengine.contract import (
     StructuredOutput,
     parse_sampling_parameters,
 )
-from refengine.engine import STRUCTURE_DEAD_END
+from refengine.engine import STRUCTURE_FIELD
 from refengine.kvcache import BlockPool
 from refengine.rowstable import (
     CACHED_PLAN_ROWS,
@@ -150,6 +151,18 @@ class TestSampler:
         sampler = Sampler(SamplingParams(seed=1, ignore_eos=True))
         tokens = {sampler.sample(rng.normal(size=258).astype(np.float32)) for _ in range(500)}
         assert all(t == 10 or 32 <= t < 127 for t in tokens)
+
+    def test_a_grammar_that_leaves_no_writable_token_is_a_dead_end(self) -> None:
+        class OnlyControlBytes:  # a grammar that allows only what the model never writes
+            def mask(self) -> npt.NDArray[np.float64]:
+                mask = np.full(258, -np.inf)
+                mask[1] = 0.0
+                return mask
+
+        sampler = Sampler(SamplingParams(), constraint=OnlyControlBytes())  # type: ignore[arg-type]
+        assert not sampler.dead_end
+        sampler.current_mask()
+        assert sampler.dead_end
 
     def test_same_seed_same_tokens(self) -> None:
         logits = np.random.default_rng(1).normal(size=258).astype(np.float32)
@@ -358,8 +371,11 @@ class TestStructuredOutputs:
         """A control byte is outside what the byte-level model may write: the grammar
         leaves no token, and the failure names the field without quoting the grammar."""
         sink = self.structured("choice", json.dumps(["a\x01b"]), max_tokens=20)
-        assert sink.error == STRUCTURE_DEAD_END
-        assert sink.error.startswith("sampling_parameters.structured_outputs: ")
+        assert sink.error.startswith(STRUCTURE_FIELD + ": ")
+        assert "\n" not in sink.error and len(sink.error) < 300  # not the grammar's state
+        # One the grammar cannot build (a million characters in a row): said so.
+        huge = self.structured("regex", "(a{1000}){1000}", max_tokens=4)
+        assert huge.error.startswith(STRUCTURE_FIELD + ": the output cannot go on within it (")
 
     def test_a_schema_that_does_not_compile_is_refused_at_submit(self) -> None:
         bad = StructuredOutput("json", json.dumps({"type": "nonsense"}))

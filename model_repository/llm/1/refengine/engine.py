@@ -45,10 +45,11 @@ log = logging.getLogger(__name__)
 CANCEL_CHECK_INTERVAL_S = 0.025
 # A generation whose structure no token the model may write continues (its control tokens
 # are never written; bad words and allowed tokens take others away): the request's fault.
+STRUCTURE_FIELD = "sampling_parameters.structured_outputs"
 STRUCTURE_DEAD_END = (
-    "sampling_parameters.structured_outputs: no token the model may write continues the"
-    " output within it"
+    f"{STRUCTURE_FIELD}: no token the model may write continues the output within it"
 )
+MAX_GRAMMAR_REASON = 160  # characters of the grammar's own account of a failure
 # Statistics are published at least this often while busy (load reports read them).
 STATS_INTERVAL_S = 0.05
 IDLE_RECHECK_S = 0.05
@@ -613,10 +614,11 @@ class Engine:
             return
         constraint = seq.sampler.constraint
         if constraint is not None and constraint.failed:
-            # No token could follow the output within the grammar (the model's own output
-            # mask and the grammar left none): the request's structure, not this engine,
-            # and the grammar's own message quotes it.
-            self._fail(seq, STRUCTURE_DEAD_END)
+            # The grammar could not follow the output (the model's own output mask and the
+            # grammar left no common token, or the grammar outgrew its limits): the
+            # request's structure, not this engine.
+            why = constraint.failed.splitlines()[0][:MAX_GRAMMAR_REASON]
+            self._fail(seq, f"{STRUCTURE_FIELD}: the output cannot go on within it ({why})")
             return
         text = seq.decoder.push(token)
         # Stop strings count once the output has more than min_tokens (vLLM's rule).
