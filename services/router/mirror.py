@@ -173,7 +173,8 @@ class Mirror:
                 self._watch.pair(model, subset, diff)
                 outcome = "compared"
         except MeshError as err:
-            log.info("a shadow failed", extra={"fields": {"subset": subset, "error": err.message}})
+            # Its kind, not its message: a refusal's message may quote the request.
+            log.info("a shadow failed", extra={"fields": {"subset": subset, "error": err.code}})
         finally:
             self._running[model, subset] -= 1
             self._watch.shadow(model, subset, outcome)
