@@ -93,6 +93,8 @@ def _refusal(exc: web.HTTPException) -> str:
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
         return f"method not allowed on this endpoint; it takes {allowed}"
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):  # aiohttp's text: the two sizes
+        return f"request body too large: {exc.text}"
     return exc.reason
 
 

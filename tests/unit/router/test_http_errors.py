@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from services.router.config import HttpSettings
 from services.router.http_errors import HttpRunner, http_errors
@@ -96,6 +97,23 @@ def test_a_wrong_method_names_the_ones_the_endpoint_takes() -> None:
     assert int(head.split()[1]) == 405
     assert b"\r\nAllow: GET,HEAD" in head
     assert json.loads(body)["error"]["message"].endswith("it takes GET, HEAD")
+
+
+def test_a_body_over_the_limit_is_refused_with_the_limit() -> None:
+    async def scenario() -> tuple[int, dict[str, str]]:
+        async def read(request: web.Request) -> web.Response:
+            await request.read()
+            return web.json_response({})
+
+        app = web.Application(client_max_size=1024, middlewares=[http_errors])
+        app.router.add_post("/", read)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.post("/", data=b"x" * 4096)
+            return response.status, (await response.json())["error"]
+
+    status, error = asyncio.run(scenario())
+    assert status == 413 and error["message"].startswith("request body too large: ")
+    assert "1024" in error["message"]
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed() -> None:
