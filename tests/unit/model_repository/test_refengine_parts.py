@@ -373,6 +373,9 @@ class TestStructuredOutputs:
         sink = self.structured("choice", json.dumps(["a\x01b"]), max_tokens=20)
         assert sink.error.startswith(STRUCTURE_FIELD + ": ")
         assert "\n" not in sink.error and len(sink.error) < 300  # not the grammar's state
+        # A pattern it cannot finish: failed too, never ended early as if it were whole.
+        unfinished = self.structured("regex", "ok\x01", max_tokens=20)
+        assert unfinished.final is None and unfinished.error.startswith(STRUCTURE_FIELD)
         # One the grammar cannot build (a million characters in a row): said so.
         huge = self.structured("regex", "(a{1000}){1000}", max_tokens=4)
         assert huge.error.startswith(STRUCTURE_FIELD + ": the output cannot go on within it (")

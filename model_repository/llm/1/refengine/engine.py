@@ -609,16 +609,19 @@ class Engine:
         seq.tokens.append(token)
         seq.unsent_tokens += 1
         self.stats.generation_tokens += 1
-        if token in self.tokenizer.eos_ids:
-            self._finish(seq, STOP)
-            return
         constraint = seq.sampler.constraint
         if constraint is not None and constraint.failed:
             # The grammar could not follow the output (the model's own output mask and the
-            # grammar left no common token, or the grammar outgrew its limits): the
-            # request's structure, not this engine.
+            # grammar left no common token, or the grammar outgrew its limits; an end
+            # before the structure is whole is one): the request's structure, not this
+            # engine.
             why = constraint.failed.splitlines()[0][:MAX_GRAMMAR_REASON]
+            if token in self.tokenizer.eos_ids:
+                why = "no token the model may write continues it; the model could only end"
             self._fail(seq, f"{STRUCTURE_FIELD}: the output cannot go on within it ({why})")
+            return
+        if token in self.tokenizer.eos_ids:
+            self._finish(seq, STOP)
             return
         text = seq.decoder.push(token)
         # Stop strings count once the output has more than min_tokens (vLLM's rule).
