@@ -374,6 +374,7 @@ class OpenAiApi:
                     n=len(started.choices),
                     logprobs=prompts[0].sampling.logprobs is not None,
                     usage=bool(body.stream_options and body.stream_options.include_usage),
+                    obfuscated=body.stream and body.obfuscated(),
                     tools=tools,
                     prompt_logprobs=(
                         None

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import Chunk, FinishReason, TokenLogprob
+from services.router.obfuscation import padded
 from services.router.tool_calls import ToolUse, finish_of
 from services.router.tool_stream import ToolStream, whole_answer
 
@@ -149,9 +150,12 @@ def _vllm_logprob(logprob: float, rank: int, text: str) -> dict[str, Any]:
     return {"logprob": logprob, "rank": rank, "decoded_token": text}
 
 
-def sse(doc: dict[str, Any] | str) -> bytes:
-    data = doc if isinstance(doc, str) else json.dumps(doc, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+def sse(doc: dict[str, Any] | str, obfuscated: bool = False) -> bytes:
+    """A server-sent event; ``obfuscated``: an object's padded (services/router/obfuscation.py)."""
+    if isinstance(doc, str):
+        return f"data: {doc}\n\n".encode()
+    data = json.dumps(doc, separators=(",", ":"))
+    return f"data: {padded(data) if obfuscated else data}\n\n".encode()
 
 
 class Reply:
@@ -170,18 +174,21 @@ class Reply:
         prompt_logprobs: list[list[dict[str, Any] | None]] | None = None,
         tokens_as_ids: bool = False,
         token_ids: bool = False,
+        obfuscated: bool = False,
     ) -> None:
         """``prompt_logprobs``: each choice's in vLLM's form, when asked (whole replies
         only: a completion's in each choice, a chat's beside them). ``tokens_as_ids``:
         vLLM's ``return_tokens_as_token_ids``, the log probabilities' tokens named by id.
         ``token_ids``: vLLM's ``return_token_ids``, each choice's ``token_ids`` and the
         prompt's ``prompt_token_ids`` (a completion's in each choice, a chat's beside
-        them), streamed too: each event's tokens, the prompt's in a choice's first."""
+        them), streamed too: each event's tokens, the prompt's in a choice's first.
+        ``obfuscated``: each streamed chunk padded (OpenAI's stream obfuscation)."""
         self.id = response_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
         self.include_usage = usage
+        self.obfuscated = obfuscated
         self._logprobs = logprobs
         self._as_ids = tokens_as_ids
         self._token_ids = token_ids
@@ -318,7 +325,7 @@ class Reply:
                 self.add(index, chunk)
                 if self._tools:
                     for event in self._tool_events(index, chunk, not started[index]):
-                        yield sse(event)
+                        yield sse(event, self.obfuscated)
                     started[index] = True
                 elif (
                     chunk.text
@@ -327,11 +334,11 @@ class Reply:
                     or chunk.token_ids
                     or not started[index]
                 ):
-                    yield sse(self._event(index, chunk, not started[index]))
+                    yield sse(self._event(index, chunk, not started[index]), self.obfuscated)
                     started[index] = True
         if self.include_usage:
             usage = self.usage(prompt_tokens, cached_tokens)
-            yield sse({**self._envelope([]), "usage": usage})
+            yield sse({**self._envelope([]), "usage": usage}, self.obfuscated)
         yield sse("[DONE]")
 
 

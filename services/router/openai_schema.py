@@ -175,6 +175,9 @@ class StructuredOutputs(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool = Field(
+        default=True, description="each chunk padded to hide its text's length (as OpenAI)"
+    )
 
 
 class Body(Strict):
@@ -341,6 +344,10 @@ class Body(Strict):
             return _structure(vllm.json_spec, vllm.regex, vllm.choice)
         # The older names (beside a structured_outputs that asks for nothing, if any).
         return _structure(self.guided_json, self.guided_regex, self.guided_choice)
+
+    def obfuscated(self) -> bool:
+        """Whether streamed chunks are padded: unless ``stream_options`` says not."""
+        return self.stream_options is None or self.stream_options.include_obfuscation
 
     def structure_fields(self) -> list[str]:
         """The fields that ask for a structured output, in the order they are read."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import Chunk, FinishReason, TokenLogprob
+from services.router.obfuscation import padded
 from services.router.openai_reply import chat_logprobs
 from services.router.tool_calls import CALLS, call_id
 from services.router.tool_stream import Delta, ToolStream
@@ -91,6 +92,7 @@ class ResponseDraft:
     items: list[OutputItem] = field(default_factory=list)
     input: list[list[str]] = field(default_factory=list)  # each input item's type and detail
     streaming: bool = False  # False: no events are written (a whole reply, a stored one)
+    obfuscated: bool = False  # delta events padded (services/router/obfuscation.py)
     status: str = "in_progress"
     incomplete_reason: str | None = None
     usage: dict[str, Any] | None = None
@@ -284,6 +286,8 @@ class ResponseDraft:
         doc = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         data = json.dumps(doc, separators=(",", ":"))
+        if self.obfuscated and kind.endswith(".delta"):
+            data = padded(data)
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def _at(self, item: OutputItem) -> dict[str, Any]:

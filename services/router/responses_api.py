@@ -157,6 +157,7 @@ class ResponsesApi:
             request_id = request.headers.get(REQUEST_ID) or response_id
             tools, settings = tool_use(body), echoed(body)
             check_storable(body, settings)
+            obfuscated = body.obfuscated()
             decoded = await self._decode(request, body, tenant, tools, (request_id, response_id))
         except MeshError as err:
             return error_response(err)
@@ -168,6 +169,7 @@ class ResponsesApi:
             body.instructions,
             tools=ToolStream() if tools else None,
             streaming=body.stream,
+            obfuscated=obfuscated,
         )
         draft.metadata = dict(body.metadata or {})
         draft.input = input_record(body)

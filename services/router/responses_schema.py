@@ -138,6 +138,12 @@ class TextConfig(Strict):
     )
 
 
+class ResponseStreamOptions(Strict):
+    include_obfuscation: bool = Field(
+        default=True, description="each delta event padded to hide its text's length"
+    )
+
+
 class ResponseBody(Strict):
     """``POST /v1/responses``; the conversation continues by ``previous_response_id``."""
 
@@ -151,6 +157,7 @@ class ResponseBody(Strict):
     previous_response_id: str | None = None
     store: bool = Field(default=True, description="false: nothing of it is kept")
     stream: bool = False
+    stream_options: ResponseStreamOptions | None = None
     truncation: Literal["auto", "disabled"] = Field(
         default="disabled",
         description="auto: a conversation longer than the context is cut by the tenant's "
@@ -206,6 +213,14 @@ class ResponseBody(Strict):
         # The structure is the tools' grammar, or the text's format.
         names["sampling.structured_output"] = "tools" if self.tools else "text.format"
         return names
+
+    def obfuscated(self) -> bool:
+        """Whether streamed delta events are padded (services/router/obfuscation.py)."""
+        if self.stream_options is None:
+            return self.stream
+        if not self.stream:
+            raise InvalidArgument("stream_options", "only with stream: true")
+        return self.stream_options.include_obfuscation
 
     def logprobs_wanted(self) -> int | None:
         """The likeliest tokens to give at each output token (None: no log probabilities)."""

@@ -73,6 +73,16 @@ def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
     assert len(text.encode()) <= chunks[-1].usage.completion_tokens
     whole = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=8, seed=1)
     assert whole.choices[0].message.content == text  # same seed, same text
+    # Stream obfuscation, as OpenAI's: on unless asked not to (the SDK reads the field).
+    assert all(c.obfuscation is not None for c in chunks)
+    plain = client.chat.completions.create(
+        model="llm",
+        messages=CHAT,
+        max_completion_tokens=8,
+        stream=True,
+        stream_options={"include_obfuscation": False},
+    )
+    assert all(c.obfuscation is None for c in plain)
 
 
 def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:

@@ -103,6 +103,9 @@ def test_a_streamed_response_is_the_sdks_event_sequence(tenants: Tenants) -> Non
         "response.incomplete",
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Each delta padded to hide its text's length (stream obfuscation, on by default).
+    padded = [getattr(e, "obfuscation", None) for e in events if e.type.endswith(".delta")]
+    assert None not in padded
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     last = events[-1]
     assert last.type == "response.incomplete"

@@ -17,6 +17,7 @@ from llmmesh.types import ModelCard, Sampling
 from services.router import openai_api
 from services.router.config import HttpSettings, RouterConfig
 from services.router.core import RouterCore
+from services.router.obfuscation import BUCKET, padded
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, field_path
 from services.router.speech import CardSpeeches
@@ -1072,3 +1073,29 @@ def test_the_models_list_names_each_models_context() -> None:
 
     (card,) = asyncio.run(listed())["data"]
     assert card["max_model_len"] == CONTEXT
+
+
+def test_streamed_chunks_are_padded_to_hide_their_texts_length_unless_asked_not_to() -> None:
+    """OpenAI's stream obfuscation, on by default: every chunk's JSON is a multiple of
+    BUCKET bytes, whatever its text; ``include_obfuscation: false`` leaves it out."""
+
+    async def streamed(options: dict[str, Any]) -> list[str]:
+        async with TestClient(TestServer(api().app())) as client:
+            doc = OK | {"stream": True, "stream_options": options} if options else OK
+            response = await client.post("/v1/completions", json=doc | {"stream": True})
+            lines = (await response.text()).split("\n\n")
+            return [line[6:] for line in lines if line.startswith("data: {")]
+
+    chunks = asyncio.run(streamed({"include_usage": True}))
+    assert len(chunks) >= 3 and all(len(data) % BUCKET == 0 for data in chunks)
+    assert all(len(json.loads(data)["obfuscation"]) < BUCKET for data in chunks)
+    assert len({len(data) for data in asyncio.run(streamed({}))}) == 1  # texts of one size
+    plain = asyncio.run(streamed({"include_obfuscation": False}))
+    assert not any("obfuscation" in json.loads(data) for data in plain)
+
+
+@pytest.mark.parametrize("size", range(0, 200, 7))
+def test_padding_brings_any_object_to_a_multiple_of_the_bucket(size: int) -> None:
+    data = json.dumps({"text": "x" * size}, separators=(",", ":"))
+    out = padded(data)
+    assert len(out) % BUCKET == 0 and json.loads(out)["text"] == "x" * size
