@@ -422,3 +422,12 @@ def test_a_prompt_cache_key_is_the_affinity_before_the_conversation() -> None:
     assert affinity_of(body(prompt_cache_key="k"), "c0ffee") == "prompt_cache_key:k"
     assert affinity_of(body(), "c0ffee") == "c0ffee"
     assert affinity_of(body(), "") == ""
+
+
+def test_stream_options_ask_for_obfuscation_or_not_and_only_with_a_stream() -> None:
+    assert body(stream=True).obfuscated() and not body().obfuscated()
+    options = {"include_obfuscation": False}
+    assert not body(stream=True, stream_options=options).obfuscated()
+    with pytest.raises(InvalidArgument, match="only with stream: true") as info:
+        body(stream_options=options).obfuscated()
+    assert info.value.field == "stream_options"
