@@ -52,6 +52,7 @@ def check_color(
         return
     subset = policy.colors.get(request.color, request.color)
     known = {*policy.split, *policy.colors.values(), *policy.fallback}
+    known.update(subset for order in policy.fallback.values() for subset in order)
     known.update(c.endpoint.version for c in candidates if c.endpoint.serves(request.model))
     if subset not in known:
         raise InvalidArgument(
