@@ -13,10 +13,11 @@ relies on it), and a match in the view maps back to a span of the original:
   decimal digits read as ASCII digits (Arabic-Indic, Devanagari). Case is kept: a pattern
   says itself whether case matters.
 - the **keyword view**: the pattern view case-folded, with separators removed
-  (whitespace, control characters, and every punctuation mark and symbol but the two
-  below), so "b-o-m-b", "b o m b", "b/o/m/b" and a quoted "bomb" all read "bomb"; and
-  digits and signs that stand for letters read as those letters (0 o, 1 i, 3 e, 4 a,
-  5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own keyword view.
+  (whitespace, control, private-use and unassigned characters, and every punctuation mark
+  and symbol but the two below), so "b-o-m-b", "b o m b", "b/o/m/b" and a quoted "bomb"
+  all read "bomb"; and digits and signs that stand for letters read as those letters
+  (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
+  keyword view.
 
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain
@@ -36,9 +37,11 @@ import numpy.typing as npt
 
 _IGNORED_CATEGORIES = frozenset({"Cf", "Mn", "Me"})  # format characters, combining marks
 # What a keyword's letters may be spaced or wrapped with and still read as the keyword:
-# spaces, control characters, punctuation and symbols (b/o/m/b, "bomb", (bomb)).
+# spaces, control, private-use and unassigned characters, punctuation and symbols
+# (b/o/m/b, "bomb", (bomb)).
 _SEPARATOR_CATEGORIES = frozenset(
-    {"Zs", "Zl", "Zp", "Cc", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po", "Sm", "Sc", "Sk", "So"}
+    {"Zs", "Zl", "Zp", "Cc", "Co", "Cn", "Pc", "Pd", "Ps", "Pe", "Pi", "Pf", "Po"}
+    | {"Sm", "Sc", "Sk", "So"}
 )
 # A whole-word check looks past at most this many ignored characters on either side (and
 # the streamed check keeps as much released text as context), so that checking a stream
