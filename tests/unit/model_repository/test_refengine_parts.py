@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,7 +26,7 @@ from refengine.contract import (
     StructuredOutput,
     parse_sampling_parameters,
 )
-from refengine.engine import STRUCTURE_FIELD
+from refengine.engine import STRUCTURE_DEAD_END, STRUCTURE_FIELD
 from refengine.kvcache import BlockPool
 from refengine.rowstable import (
     CACHED_PLAN_ROWS,
@@ -373,6 +374,12 @@ class TestStructuredOutputs:
         sink = self.structured("choice", json.dumps(["a\x01b"]), max_tokens=20)
         assert sink.error.startswith(STRUCTURE_FIELD + ": ")
         assert "\n" not in sink.error and len(sink.error) < 300  # not the grammar's state
+        # A grammar and allowed tokens with nothing in common: no draw from no token (its
+        # probabilities would be NaN).
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            none_left = self.structured("choice", '["b"]', allowed_token_ids=[ord("a")])
+        assert none_left.error == STRUCTURE_DEAD_END and not none_left.deltas
         # A pattern it cannot finish: failed too, never ended early as if it were whole.
         unfinished = self.structured("regex", "ok\x01", max_tokens=20)
         assert unfinished.final is None and unfinished.error.startswith(STRUCTURE_FIELD)

@@ -136,8 +136,10 @@ class Sampler:
         if self._early_mask is not None and self.drawn < self.params.min_tokens:
             mask = self._early_mask
         if self.constraint is not None:
-            mask = mask + self.constraint.mask()
-            self.dead_end = not np.isfinite(mask).any()
+            combined = mask + self.constraint.mask()
+            self.dead_end = not np.isfinite(combined).any()
+            if not self.dead_end:  # else a draw the engine drops (never from no token)
+                return combined
         return mask
 
     def ban_bad_words(self, scores: npt.NDArray[np.float64]) -> None:
