@@ -217,6 +217,7 @@ class GenerateRequest(_message.Message):
     TRUNCATION_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OBFUSCATE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name, as served by the mesh (e.g. "llm"). Empty selects the default model."""
     prompt: _builtins.str
@@ -233,6 +234,11 @@ class GenerateRequest(_message.Message):
     """Partitions the prefix cache further within the tenant's own (vLLM's cache_salt):
     the prompt shares cached prefixes only with requests of the same tenant (or
     prefix_cache_group) and the same salt. At most 256 characters. Empty: the tenant's.
+    """
+    obfuscate: _builtins.bool
+    """Pads each response (GenerateResponse.obfuscation) to a multiple of 64 bytes, so that
+    its size on the wire does not tell how long its text is (OpenAI's stream obfuscation,
+    which the HTTP API does by default).
     """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
@@ -257,10 +263,11 @@ class GenerateRequest(_message.Message):
         truncation: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        obfuscate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "obfuscate", b"obfuscate", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id", "truncation", b"truncation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,6 +288,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    OBFUSCATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlation id of this request (echoes x-request-id or the generated one). Set on the
     first response only; also sent as x-request-id in the trailing metadata.
@@ -291,6 +299,10 @@ class GenerateResponse(_message.Message):
     """Set on the last response only."""
     model: _builtins.str
     """Name of the model that served the request. Set on the first response only."""
+    obfuscation: _builtins.str
+    """With GenerateRequest.obfuscate: random characters that bring the response's size to
+    a multiple of 64 bytes.
+    """
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Set on the last response only."""
@@ -346,10 +358,11 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        obfuscation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "served", b"served", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "served", b"served", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "obfuscation", b"obfuscation", "prompt_logprobs", b"prompt_logprobs", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "served", b"served", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -41,6 +41,7 @@ from services.router.dispatch import Dispatcher
 from services.router.endpoints import Discovery, DnsDiscovery, FileDiscovery, FixedDiscovery
 from services.router.http_errors import HttpRunner
 from services.router.mirror import Mirror
+from services.router.obfuscation import pad_message
 from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import PolicyGate
 from services.router.rate_limits import rate_limit_headers
@@ -82,7 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             remaining_s=context.time_remaining(),
         )
         async with self._core.generation(decoded) as generation:
-            async for response in _responses(generation):
+            async for response in _responses(generation, request.obfuscate):
                 yield response
             # The tenant's budgets as the answer left them, also in the trailers.
             limits = rate_limit_headers(generation.prepared.lease)
@@ -122,7 +123,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             remaining_s=start.timeout_ms / 1000 or None,
         )
         async with self._core.generation(decoded) as generation:
-            async for response in _responses(generation):
+            async for response in _responses(generation, start.request.obfuscate):
                 yield response
 
 
@@ -153,8 +154,11 @@ def _decoded(
     )
 
 
-async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.GenerateResponse]:
-    """Chunks as public responses: ids on the first, finish reason and usage on the last."""
+async def _responses(
+    generation: Generation, obfuscate: bool = False
+) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    """Chunks as public responses: ids on the first, finish reason and usage on the last;
+    each padded when ``obfuscate``."""
     first, completion_tokens, cached_tokens = True, 0, 0
     async for chunk in generation.chunks:
         completion_tokens += chunk.num_tokens
@@ -193,6 +197,8 @@ async def _responses(generation: Generation) -> AsyncIterator[generation_pb2.Gen
                         fallback=chunk.route.fallback,
                     )
                 )
+        if obfuscate:
+            pad_message(response)
         yield response
 
 

@@ -180,3 +180,18 @@ def test_a_prompt_of_token_ids_is_read_as_given(router_channel: grpc.Channel) ->
             list(stub.Generate(bad, timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         assert "prompt_token_ids" in (refused.value.details() or ""), name
+
+
+def test_asked_to_each_response_is_padded_to_hide_its_texts_length(
+    router_channel: grpc.Channel,
+) -> None:
+    """GenerateRequest.obfuscate: every response a multiple of 64 bytes; not asked, none
+    padded (the text itself is the same)."""
+    stub = generation_pb2_grpc.GenerationStub(router_channel)
+    request = build_request("Once upon a time", max_tokens=24, seed=3, ignore_eos=True)
+    plain = list(stub.Generate(request, timeout=60))
+    request.obfuscate = True
+    padded = list(stub.Generate(request, timeout=60))
+    assert text_of(padded) == text_of(plain) and len(padded) >= 2
+    assert all(r.ByteSize() % 64 == 0 and r.obfuscation for r in padded)
+    assert not any(r.obfuscation for r in plain)

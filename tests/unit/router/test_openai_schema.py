@@ -17,7 +17,7 @@ from llmmesh.types import ModelCard, Sampling
 from services.router import openai_api
 from services.router.config import HttpSettings, RouterConfig
 from services.router.core import RouterCore
-from services.router.obfuscation import BUCKET, padded
+from services.router.obfuscation import BUCKET
 from services.router.openai_api import OpenAiApi
 from services.router.openai_schema import ChatBody, field_path
 from services.router.speech import CardSpeeches
@@ -1092,10 +1092,3 @@ def test_streamed_chunks_are_padded_to_hide_their_texts_length_unless_asked_not_
     assert len({len(data) for data in asyncio.run(streamed({}))}) == 1  # texts of one size
     plain = asyncio.run(streamed({"include_obfuscation": False}))
     assert not any("obfuscation" in json.loads(data) for data in plain)
-
-
-@pytest.mark.parametrize("size", range(0, 200, 7))
-def test_padding_brings_any_object_to_a_multiple_of_the_bucket(size: int) -> None:
-    data = json.dumps({"text": "x" * size}, separators=(",", ":"))
-    out = padded(data)
-    assert len(out) % BUCKET == 0 and json.loads(out)["text"] == "x" * size
