@@ -243,9 +243,11 @@ class RouterCore:
         # are the model's own words).
         written = _input_parts(request, history)
         # A structure's text is what the model is made to write, and then reads again in a
-        # session's next turn.
-        written += _structure_part(request)
-        speech.check_plain(p for p in written if not p.field.startswith(STORED_PARTS))
+        # session's next turn (read once: a schema's JSON is written again).
+        structure = _structure_part(request)
+        speech.check_plain(
+            p for p in (*written, *structure) if not p.field.startswith(STORED_PARTS)
+        )
         rule_set = self._tenants.spec(request.tenant).policy_set
         # The budget check (a round trip to Redis when routers share their state) runs
         # while policy looks at the prompt, on an estimate of the prompt's tokens: the
@@ -254,7 +256,6 @@ class RouterCore:
         estimate = _estimated_tokens(request, history, speech)
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
-            structure = _structure_part(request)  # read once: a schema's JSON is written again
             verdict = await self._verdict(request, history, rule_set, structure)
             texts = verdict.texts
             if structure:

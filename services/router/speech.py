@@ -195,9 +195,12 @@ class ModelSpeech:
     def defused_history(self, history: History) -> History:
         """A stored history's turns and summary ``defused``, and those it asks the model
         to fold into a new summary."""
-        if not self.control_tokens:
-            return history
         fold = history.fold
+        stored = [history.summary, *(t.text for t in history.turns)]
+        if fold is not None:
+            stored += [fold.summary, *(t.text for t in fold.turns)]
+        if not any(token in text for text in stored for token in self.control_tokens):
+            return history  # nearly every history, left as it is
         if fold is not None:
             fold = replace(
                 fold, turns=self._defused_turns(fold.turns), summary=self.defused(fold.summary)

@@ -137,7 +137,7 @@ class Sampler:
             mask = self._early_mask
         if self.constraint is not None:
             combined = mask + self.constraint.mask()
-            self.dead_end = not np.isfinite(combined).any()
+            self.dead_end = bool(combined.max() == -np.inf)  # one pass, no array made
             if not self.dead_end:  # else a draw the engine drops (never from no token)
                 return combined
         return mask
