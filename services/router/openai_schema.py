@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument
+from llmmesh.runtime.metadata import SESSION_ID
 from llmmesh.structures import choice_spec
 from llmmesh.types import PENALTIES
 from services.router.request import MAX_CACHE_SALT
@@ -371,6 +372,7 @@ class Body(Strict):
         """The core's names of the fields this body sets, and the body's own."""
         max_tokens = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         names = {**SAMPLING_NAMES, "sampling.max_tokens": max_tokens, "sampling.stop": "stop"}
+        names["session_id"] = SESSION_ID  # over HTTP a session is named by its header
         structured = self.structure_fields()
         if structured:
             names["sampling.structured_output"] = structured[0]

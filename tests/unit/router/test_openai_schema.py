@@ -992,6 +992,15 @@ def test_n_is_bounded_and_one_in_a_session(n: int, headers: dict[str, str]) -> N
     assert (status, reply["error"]["param"]) == (400, "n")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bad_session_id_is_refused_by_its_header_name(path: str) -> None:
+    chat = {"model": "llm", "messages": [{"role": "user", "content": "hi"}]}
+    doc = OK if path == "/v1/completions" else chat
+    status, reply = asyncio.run(post_json(path, doc, **{"x-session-id": "../other"}))
+    assert (status, reply["error"]["param"]) == (400, "x-session-id")
+    assert reply["error"]["message"].startswith("x-session-id: 1-128 characters")
+
+
 def test_a_list_of_prompts_gives_n_choices_each_in_order() -> None:
     async def scenario() -> tuple[Any, int, Any]:
         async with TestClient(TestServer(api().app())) as client:
