@@ -23,7 +23,7 @@ import uuid
 from aiohttp import web
 
 from llmmesh.runtime.errors import FieldError, InvalidArgument, MeshError
-from llmmesh.runtime.metadata import COLOR, REQUEST_ID
+from llmmesh.runtime.metadata import COLOR, REQUEST_ID, SESSION_ID
 from llmmesh.types import Role, Turn
 from services.router.config import HttpSettings
 from services.router.core import RouterCore
@@ -51,6 +51,9 @@ from services.router.tool_calls import ToolUse
 from services.router.tool_stream import ToolStream
 from services.router.upstreams import SessionRecords
 
+SESSION_HEADER_REFUSED = (
+    "not taken here: a response continues a conversation with previous_response_id"
+)
 RESPONSE_ID = re.compile(r"^resp_([0-9a-f]{16})([0-9a-f]{16})$")
 
 
@@ -150,6 +153,8 @@ class ResponsesApi:
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await parse_body(request, ResponseBody, self._settings.body_timeout_s)
+            if request.headers.get(SESSION_ID):  # asks for a session it would not get
+                raise InvalidArgument(SESSION_ID, SESSION_HEADER_REFUSED)
             previous = body.previous_response_id
             conversation = _conversation(previous, "previous_response_id") if previous else ""
             conversation = conversation or uuid.uuid4().hex[:16]

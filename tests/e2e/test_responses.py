@@ -248,6 +248,8 @@ def test_refusals_name_the_parameter_and_store_nothing(tenants: Tenants) -> None
         # The core's own checks, named as this API names the field.
         "max_output_tokens": {"max_output_tokens": 5000},
         "temperature": {"temperature": -1.0},
+        # Chat's session header: a response's conversation is its previous_response_id.
+        "x-session-id": {"extra_headers": {"x-session-id": "s-1"}},
     }
     nonsense = {"type": "json_schema", "name": "s", "schema": {"type": "nonsense"}}
     asked = [*refusals.items(), ("text.format", {"text": {"format": nonsense}})]
