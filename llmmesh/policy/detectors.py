@@ -110,7 +110,16 @@ register_detector(
     "[EMAIL]",
     r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
 )
-register_detector("credit_card", "[CREDIT_CARD]", r"\b\d(?:[ -]?\d){12,18}\b", _luhn)
+register_detector(
+    "credit_card",
+    "[CREDIT_CARD]",
+    # A run of 13-19 digits, single spaces or dashes between any two; or in the groups
+    # cards are printed in (4-4-4-4, 4-4-4-4-3, 4-6-5 and 4-6-4) between dots, slashes or
+    # underscores too, which taken anywhere would read decimals and dates as cards.
+    r"\b(?:\d(?:[ -]?\d){12,18}"
+    r"|\d{4}(?:[./_]\d{4}){3}(?:[./_]\d{3})?|\d{4}[./_]\d{6}[./_]\d{4,5})\b",
+    _luhn,
+)
 register_detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban)
 register_detector("ip_address", "[IP_ADDRESS]", r"\b(?:\d{1,3}\.){3}\d{1,3}\b", _ipv4)
 register_detector("ip_address_v6", "[IP_ADDRESS]", r"\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b")

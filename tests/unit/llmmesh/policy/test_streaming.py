@@ -63,6 +63,7 @@ def assert_same_as_one_shot(text: str, chunks: list[str]) -> None:
 MATCHING = [
     "mail ada@example.com now",
     "card 4111 1111 1111 1111 ok",
+    "card 4111.1111.1111.1111 ok",
     "call +44 20 7946 0958 today",
     "iban GB82 WEST 1234 5698 7654 32 end",
     "host 192.168.10.1 and ::1",
@@ -89,7 +90,7 @@ def test_every_pair_of_chunk_splits_gives_the_one_shot_result(text: str) -> None
 
 
 WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "Code", "  "]
-PII = ["ada@example.com", "4111 1111 1111 1111", "192.168.1.1"]
+PII = ["ada@example.com", "4111 1111 1111 1111", "4111/1111/1111/1111", "192.168.1.1"]
 # Characters the normalized views fold or drop: zero-width space, soft hyphen, a
 # combining mark, no-break space, Cyrillic a and o, fullwidth b and 4, Arabic-Indic 4,
 # Devanagari 1, a bullet and an emoji (separators), a circled b (a symbol that is a letter).
