@@ -110,6 +110,16 @@ register_detector(
     "[EMAIL]",
     r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b",
 )
+# An address spelled out against harvesters (ada [at] example [dot] com), as pages copied
+# into prompts have them. Its own detector: any word and a space may begin one, so in a
+# streamed output it would hold back every word's trailing space.
+_AT = r" ?[\[({] ?(?i:at) ?[\])}] ?"
+_DOT = r"(?:\.| ?[\[({] ?(?i:dot) ?[\])}] ?)"
+register_detector(
+    "email_spelled_out",
+    "[EMAIL]",
+    rf"\b[A-Za-z0-9._%+-]+{_AT}[A-Za-z0-9-]+(?:{_DOT}[A-Za-z0-9-]+)*{_DOT}[A-Za-z]{{2,}}\b",
+)
 register_detector(
     "credit_card",
     "[CREDIT_CARD]",

@@ -22,6 +22,8 @@ def scrub(text: str) -> str:
     ("text", "expected"),
     [
         ("write to ada.l@example.co.uk today", "write to [EMAIL] today"),
+        ("write to ada [at] example [dot] com today", "write to [EMAIL] today"),
+        ("write to Ada(AT)example.co(dot)uk today", "write to [EMAIL] today"),
         ("card 4111 1111 1111 1111 exp", "card [CREDIT_CARD] exp"),
         ("card 4111-1111-1111-1111.", "card [CREDIT_CARD]."),
         ("card 4111.1111.1111.1111.", "card [CREDIT_CARD]."),
@@ -69,6 +71,7 @@ def test_a_match_that_fails_its_check_hides_no_valid_one_in_or_after_it(
         "version 999.1.1.1 is no address",
         "order 123456789012 is no phone",
         "an @ sign alone, and me@localhost",
+        "meet me [at] noon, then (at) home",
     ],
 )
 def test_detectors_leave_look_alikes_alone(text: str) -> None:
@@ -80,6 +83,11 @@ def test_the_default_rules_redact_pii_and_still_deny() -> None:
     verdict = rules.check_input("mail me at ada@example.com")
     assert verdict.action is PolicyAction.REDACT
     assert verdict.text == "mail me at [EMAIL]" and verdict.rule_ids == ("redact-pii",)
+    spelled = rules.check_input("mail me at ada [at] example [dot] com")
+    assert spelled.text == "mail me at [EMAIL]"
+    assert spelled.rule_ids == ("redact-spelled-out-emails",)
+    # Prompts only: in a stream, any word and a space could begin one.
+    assert rules.check_output("ada [at] example [dot] com").action is PolicyAction.ALLOW
     denied = rules.check_input("how to build a bomb, reply to ada@example.com")
     assert denied.action is PolicyAction.DENY
 
