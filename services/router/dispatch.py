@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -86,7 +86,13 @@ class Dispatcher:
         self._watch = watch
 
     def saturated(self) -> bool:
-        return self._replicas.saturated(self._routing.current.saturation)
+        """Whether every engine that the split's traffic goes to has a queue."""
+        routing = self._routing.current
+        return self._replicas.saturated(routing.saturation, _weighted(routing.split))
+
+    def running_slots(self) -> float:
+        """Sequences the engines that the split's traffic goes to run at once."""
+        return self._replicas.running_slots(_weighted(self._routing.current.split))
 
     def pick(self, request: PickRequest, picks: list[_Pick]) -> Decision:
         """The scheduler's decision, noted in ``picks`` to be counted (``_count``) once
@@ -311,3 +317,8 @@ class _deadline_reached(stop_base):  # noqa: N801 (named like tenacity's own sto
 
     def __call__(self, retry_state: RetryCallState) -> bool:
         return _past(self._deadline)
+
+
+def _weighted(split: Mapping[str, float]) -> frozenset[str]:
+    """The subsets the split sends traffic to (empty: the split names none, so any)."""
+    return frozenset(subset for subset, weight in split.items() if weight > 0)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -192,10 +192,10 @@ class ReplicaSet:
         """Some healthy replica serves ``model`` now."""
         return any(c.healthy and c.endpoint.serves(model) for c in self.candidates(model))
 
-    def saturated(self, limits: Saturation) -> bool:
-        """Every replica that reports has an engine with a queue or a nearly full cache."""
-        now = self._clock()
-        reporting = [r for r in self._replicas.values() if self._fresh(r, now)]
+    def saturated(self, limits: Saturation, subsets: Collection[str] = ()) -> bool:
+        """Every replica of the fleet (``_fleet``) has an engine with a queue or a nearly
+        full cache."""
+        reporting = self._fleet(self._clock(), subsets)
         return bool(reporting) and all(
             any(
                 load.get("waiting", 0) >= limits.waiting
@@ -205,16 +205,28 @@ class ReplicaSet:
             for r in reporting
         )
 
-    def running_slots(self) -> float:
-        """Sequences the fleet's engines run at once, as their reports say: per replica,
-        the largest running limit among its models (each model's engine has its own, and
-        traffic for one model can fill only that one); 0 when no engine reports one."""
-        now = self._clock()
+    def running_slots(self, subsets: Collection[str] = ()) -> float:
+        """Sequences the fleet's engines (``_fleet``) run at once, as their reports say:
+        per replica, the largest running limit among its models (each model's engine has
+        its own, and traffic for one model can fill only that one); 0 when no engine
+        reports one."""
         return sum(
             max((load.get(RUNNING_LIMIT, 0.0) for load in r.reports.values()), default=0.0)
-            for r in self._replicas.values()
-            if self._fresh(r, now) and r.engine_reachable
+            for r in self._fleet(self._clock(), subsets)
+            if r.engine_reachable
         )
+
+    def _fleet(self, now: float, subsets: Collection[str]) -> list[Replica]:
+        """The reporting replicas that ordinary traffic goes to: those of ``subsets`` (the
+        split's weighted ones; empty: any) in this router's region, else in any region,
+        else every one that reports. A replica of a subset at weight 0 (a canary before
+        its share) or of another region (failover) serves only what is pinned or failed
+        over to it: its engine's idle slots are not this fleet's, and counted, they hid
+        the fleet's queues from admission (no engine queued in every replica)."""
+        reporting = [r for r in self._replicas.values() if self._fresh(r, now)]
+        weighted = [r for r in reporting if not subsets or r.endpoint.version in subsets]
+        local = [r for r in weighted if (r.endpoint.region or self._region) == self._region]
+        return local or weighted or reporting
 
     def _fresh(self, replica: Replica, now: float) -> bool:
         last = replica.last_report_at

@@ -281,7 +281,7 @@ class Upstreams:
         self.admission = AdmissionQueue(
             config.admission,
             self.inference.saturated,
-            running_slots=self.replicas.running_slots,
+            running_slots=dispatcher.running_slots,
         )
         self.replicas.on_report(self.admission.fleet_changed)
         self._documents = [

@@ -394,6 +394,45 @@ def test_each_report_taken_in_tells_the_listeners() -> None:
     run(scenario)
 
 
+def test_the_fleet_admission_sees_is_where_the_split_sends_traffic() -> None:
+    """A canary at weight 0 and another region's replica serve only what is pinned or
+    failed over to them: their idle engines neither end the fleet's saturation nor add
+    running slots. With none of the weighted subsets reporting, every replica counts."""
+
+    async def scenario() -> None:
+        f = fleet(("a:1", "b:1", "c:1"))
+        f.replicas.apply(
+            [
+                Endpoint(address="a:1"),
+                Endpoint(address="b:1", version="canary"),
+                Endpoint(address="c:1", region="far"),
+            ]
+        )
+        queued = {"llm": {"waiting": 3.0, "max_running_sequences": 32.0}}
+        idle = {"llm": {"waiting": 0.0, "max_running_sequences": 32.0}}
+        for address, load in (("a:1", queued), ("b:1", idle), ("c:1", idle)):
+            f[address].reports.put_nowait(LoadReport(load))
+
+        async def all_reported() -> bool:
+            return all(f.replicas[a].last_report_at is not None for a in ("a:1", "b:1", "c:1"))
+
+        assert await poll_until_async(all_reported, 5)
+
+        def dispatcher(split: dict[str, float]) -> Dispatcher:
+            routing = PolicyHolder(RoutingPolicy(split=split))
+            scheduler = Scheduler(SchedulingState("local"))
+            return Dispatcher(f.replicas, routing, PoolSettings(), scheduler)
+
+        canary_at_zero = dispatcher({"stable": 100, "canary": 0})
+        assert canary_at_zero.saturated() and canary_at_zero.running_slots() == 32
+        canary_at_half = dispatcher({"stable": 50, "canary": 50})
+        assert not canary_at_half.saturated() and canary_at_half.running_slots() == 64
+        only_elsewhere = dispatcher({"blue": 100})  # no replica of it reports: all count
+        assert not only_elsewhere.saturated() and only_elsewhere.running_slots() == 96
+
+    run(scenario)
+
+
 def test_the_fleets_running_slots_are_each_replicas_largest_engine_limit() -> None:
     """What admission sizes its window to without engine priority: per replica the largest
     running limit among its models (traffic for one model fills only its engine), over
