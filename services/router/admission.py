@@ -50,6 +50,7 @@ QUEUE_WAIT = Histogram(
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 LIMIT = Gauge("llm_router_concurrency_limit", "The adaptive concurrency window")
+ADMITTED = Gauge("llm_router_admitted_requests", "Requests holding a slot of the window", ["tier"])
 
 
 def _per_tier(critical: float, standard: float, sheddable: float) -> Any:
@@ -219,6 +220,7 @@ class AdmissionQueue:
     def release(self, ticket: Ticket, first_token_at: float | None) -> None:
         self.in_flight -= 1
         self._in_flight_by_tier[ticket.tier] -= 1
+        ADMITTED.labels(ticket.tier).dec()
         now = self._clock()
         self._demand[ticket.tier].held(now - ticket.granted_at)
         self._releases.add(now)
@@ -275,6 +277,7 @@ class AdmissionQueue:
     def _grant(self, ticket: Ticket) -> None:
         self.in_flight += 1
         self._in_flight_by_tier[ticket.tier] += 1
+        ADMITTED.labels(ticket.tier).inc()
         ticket.granted_at = self._clock()
         # A tenant that was idle starts level with the busiest waiting ones: it may not
         # bank credit for the time it sent nothing.

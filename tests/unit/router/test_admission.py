@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import REGISTRY
 
 from llmmesh.runtime.errors import DeadlineExceeded, ResourceExhausted
 from services.router.admission import AdmissionQueue, AdmissionSettings, Slot
@@ -429,5 +430,27 @@ def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() ->
         slot = await asyncio.wait_for(standard, 5)
         for held in (slot, critical):
             held.release(None)
+
+    asyncio.run(scenario())
+
+
+def test_the_slots_each_tier_holds_are_exported() -> None:
+    """llm_router_admitted_requests{tier}: what each tier holds of the window, beside the
+    window itself and the queue (a lower tier's preempted generations hold theirs)."""
+
+    def held(tier: str) -> float:
+        return REGISTRY.get_sample_value("llm_router_admitted_requests", {"tier": tier}) or 0.0
+
+    async def scenario() -> None:
+        q = queue(limit=4)
+        before = {tier: held(tier) for tier in ("critical", "sheddable")}
+        slots = [await q.acquire("t", "critical", 1, None) for _ in range(2)]
+        shed = await q.acquire("u", "sheddable", 1, None)
+        assert held("critical") - before["critical"] == 2
+        assert held("sheddable") - before["sheddable"] == 1
+        for slot in [*slots, shed]:
+            slot.release(None)
+            slot.release(None)  # once only
+        assert {tier: held(tier) for tier in before} == before
 
     asyncio.run(scenario())
