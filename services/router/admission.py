@@ -86,8 +86,8 @@ class AdmissionSettings(BaseModel):
     # recent traffic is about to take stay free (each would be a preemption); the window,
     # the queue's strict priority and shedding stay for what the engines cannot absorb.
     # False: the tier shares apply, and requests go to the engines without a priority.
-    # Lower tiers go on only while some engine has no queue (a report's ``waiting``, the
-    # routing document's saturation).
+    # While a higher tier is about, lower tiers go on only while some engine has no queue
+    # (a report's ``waiting``, the routing document's saturation).
     engine_priority: bool = True
 
 
@@ -298,11 +298,23 @@ class AdmissionQueue:
             # would come back as a preemption, and a generation preempted again and again
             # loses its first-token target as surely as one kept waiting here.
             # A lower tier's request that would only queue in the engines waits here
-            # instead, where the newest go first and the hopeless are refused.
+            # instead, where the newest go first and the hopeless are refused: while a
+            # higher tier is about, whose next arrivals it would otherwise queue behind
+            # preempted work. Alone, its own queue is as well in the engines as here.
             room = held + self._reserved_above(tier) < self.limit
-            return room and (tier == TIERS[0] or not self._saturated())
+            return room and not (self._higher_present(tier) and self._saturated())
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
+
+    def _higher_present(self, tier: str) -> bool:
+        """Whether a tier above ``tier`` holds slots, waits or has arrived of late."""
+        now = self._clock()
+        return any(
+            self._in_flight_by_tier[higher]
+            or self._waiting[higher]
+            or self._demand[higher].recent(now)
+            for higher in TIERS[: TIERS.index(tier)]
+        )
 
     def _reserved_above(self, tier: str) -> float:
         """Slots the higher tiers' recent traffic is expected to need beyond those it

@@ -49,6 +49,10 @@ class TierDemand:
         else:
             self._hold_s += self._smoothing * (seconds - self._hold_s)
 
+    def recent(self, now: float) -> bool:
+        """Whether this tier had arrivals within the window."""
+        return self._arrivals.rate(now) > 0
+
     def slots(self, now: float) -> float:
         """Slots this tier's traffic is expected to hold at once, bursts included."""
         rate = self._arrivals.rate(now)

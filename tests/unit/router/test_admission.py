@@ -412,24 +412,31 @@ def test_with_engine_priority_every_tier_may_fill_the_window() -> None:
 
 
 def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() -> None:
-    """A lower tier's request that would only queue in the engines waits in the router
-    (where the newest go first and the hopeless are refused); critical still goes in,
-    and a load report showing room lets the waiter go."""
+    """While a higher tier is about, a lower tier's request that would only queue in the
+    engines waits in the router (where the newest go first and the hopeless are refused);
+    critical still goes in, and a load report showing room lets the waiter go. A tier
+    alone goes in: its own queue is as well in the engines."""
 
     async def scenario() -> None:
-        saturated = [True]
-        q = AdmissionQueue(AdmissionSettings(initial_limit=8, min_limit=1), lambda: saturated[0])
+        saturated, now = [True], [0.0]
+        settings = AdmissionSettings(initial_limit=8, min_limit=1)
+        q = AdmissionQueue(settings, lambda: saturated[0], clock=lambda: now[0])
+        alone = await asyncio.wait_for(q.acquire("t", "standard", 1, None), 5)
+        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
         standard = asyncio.create_task(q.acquire("t", "standard", 1, None))
         await run_ready_tasks()
         assert not standard.done()
-        critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
         q.fleet_changed()  # a report, still saturated
         assert not standard.done()
         saturated[0] = False
         q.fleet_changed()
         slot = await asyncio.wait_for(standard, 5)
-        for held in (slot, critical):
+        for held in (slot, critical, alone):
             held.release(None)
+        saturated[0] = True
+        now[0] += 60  # critical's arrivals are past
+        later = await asyncio.wait_for(q.acquire("t", "standard", 1, None), 5)
+        later.release(None)
 
     asyncio.run(scenario())
 
