@@ -125,9 +125,10 @@ register_detector(
     "[CREDIT_CARD]",
     # A run of 13-19 digits, single spaces or dashes between any two; or in the groups
     # cards are printed in (4-4-4-4, 4-4-4-4-3, 4-6-5 and 4-6-4) between dots, slashes or
-    # underscores too, which taken anywhere would read decimals and dates as cards.
+    # underscores too, mixed or not, which taken anywhere would read decimals and dates
+    # as cards.
     r"\b(?:\d(?:[ -]?\d){12,18}"
-    r"|\d{4}(?:[./_]\d{4}){3}(?:[./_]\d{3})?|\d{4}[./_]\d{6}[./_]\d{4,5})\b",
+    r"|\d{4}(?:[ ./_-]\d{4}){3}(?:[ ./_-]\d{3})?|\d{4}[ ./_-]\d{6}[ ./_-]\d{4,5})\b",
     _luhn,
 )
 register_detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban)

@@ -31,6 +31,8 @@ def scrub(text: str) -> str:
         ("card 4111_1111_1111_1111 ok", "card [CREDIT_CARD] ok"),
         ("amex 3782.822463.10005 ok", "amex [CREDIT_CARD] ok"),
         ("card 6011.0009.9013.9424.123 ok", "card [CREDIT_CARD] ok"),
+        ("card 4111 1111.1111-1111 ok", "card [CREDIT_CARD] ok"),
+        ("amex 3782-822463.10005 ok", "amex [CREDIT_CARD] ok"),
         ("iban GB82 WEST 1234 5698 7654 32 ok", "iban [IBAN] ok"),
         ("from 10.0.0.7 to fe80:0:0:0:202:b3ff:fe1e:8329", "from [IP_ADDRESS] to [IP_ADDRESS]"),
         ("key sk-abcdefghijklmnop1234 leaked", "key [SECRET] leaked"),
