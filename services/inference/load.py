@@ -68,8 +68,11 @@ class LoadSnapshot:
         )
 
 
-# One sample line of an engine family, e.g. `llm_engine_running_sequences{model="llm"} 3`.
-_SAMPLE = re.compile(r'^(llm_engine_\w+)\{(?:[^}]*,)?model="([^"]+)"[^}]*\} (\S+)', re.M)
+# One sample line of an engine family, e.g. `llm_engine_running_sequences{model="llm"} 3`,
+# or of one by priority: `llm_engine_waiting_sequences_by_priority{model="llm",priority="2"}`.
+_SAMPLE = re.compile(
+    r'^(llm_engine_\w+)\{(?:[^}]*,)?model="([^"]+)"(?:,priority="(\d+)")?[^}]*\} (\S+)', re.M
+)
 _GAUGE = re.compile(r"^# TYPE (llm_engine_\w+) gauge$", re.M)
 _PREFIX = len("llm_engine_")
 
@@ -83,12 +86,14 @@ def parse_engine_metrics(text: str) -> tuple[ModelLoad, ...]:
     gauges = set(_GAUGE.findall(text))
     values: dict[str, dict[str, float]] = {}
     exported: dict[str, dict[str, float]] = {}
-    for name, model, value in _SAMPLE.findall(text):
+    for name, model, priority, value in _SAMPLE.findall(text):
         key = _ENGINE_METRICS.get(name)
-        if key is not None:
+        if key is not None and not priority:
             values.setdefault(model, {})[key] = float(value)
         if name in gauges:
-            exported.setdefault(model, {})[name[_PREFIX:]] = float(value)
+            # A gauge by priority: one entry per priority (``waiting_sequences_by_priority.2``).
+            exported_name = name[_PREFIX:] + (f".{priority}" if priority else "")
+            exported.setdefault(model, {})[exported_name] = float(value)
     return tuple(
         ModelLoad(
             model=model,

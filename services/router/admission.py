@@ -122,11 +122,12 @@ class AdmissionQueue:
     def __init__(
         self,
         settings: AdmissionSettings | None = None,
-        saturated: Callable[[], bool] = lambda: False,
+        saturated: Callable[[int | None], bool] = lambda priority: False,
         clock: Callable[[], float] = time.monotonic,
         running_slots: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.settings = settings or AdmissionSettings()
+        # Whether every engine queues work (at a priority or more urgent; None: any).
         self._saturated = saturated
         self._running_slots = running_slots  # the fleet's engines' (0: not reported)
         self._clock = clock
@@ -255,7 +256,7 @@ class AdmissionQueue:
             if displaceable > 0 and ticket.granted_at >= self._decreased_at:
                 self.limit = max(self._bound("min_limit"), held, self.limit * s.decrease)
                 self._decreased_at = self._clock()
-        elif not self._saturated() and self._window_binds():
+        elif not self._saturated_for(strictest) and self._window_binds():
             self.limit = min(self._ceiling(), self.limit + 1 / self.limit)  # +1/window
         LIMIT.set(self.limit)
 
@@ -302,9 +303,17 @@ class AdmissionQueue:
             # higher tier is about, whose next arrivals it would otherwise queue behind
             # preempted work. Alone, its own queue is as well in the engines as here.
             room = held + self._reserved_above(tier) < self.limit
-            return room and not (self._higher_present(tier) and self._saturated())
+            return room and not (self._higher_present(tier) and self._saturated_for(tier))
         share = self.settings.window_share.get(tier, 1.0)
         return self.in_flight + self._reserved_above(tier) < self.limit * share
+
+    def _saturated_for(self, tier: str) -> bool:
+        """Whether every engine queues work that a request of ``tier`` would wait behind:
+        with engine priority, work of its tier or more urgent (it runs ahead of the rest,
+        or preempts it: a queue of preempted lower-tier work is no sign that the engines
+        cannot take it); without, any."""
+        priority = TIER_PRIORITY.get(tier) if self.settings.engine_priority else None
+        return self._saturated(priority)
 
     def _higher_present(self, tier: str) -> bool:
         """Whether a tier above ``tier`` holds slots, waits or has arrived of late."""
@@ -381,7 +390,7 @@ class AdmissionQueue:
         wait = self.expected_wait_s(ticket.tier)
         if now + wait > ticket.deadline:  # its tier's bound on waiting, or the client's
             reason = f"a slot is about {wait:.1f} s away, past the request's deadline"
-        elif ticket.tier == "sheddable" and self._saturated():
+        elif ticket.tier == "sheddable" and self._saturated_for(ticket.tier):
             reason = "the fleet is saturated; sheddable requests are refused"
         else:
             return

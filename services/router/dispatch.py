@@ -85,10 +85,11 @@ class Dispatcher:
         self._rng = rng or random.Random()
         self._watch = watch
 
-    def saturated(self) -> bool:
-        """Whether every engine that the split's traffic goes to has a queue."""
+    def saturated(self, priority: int | None = None) -> bool:
+        """Whether every engine that the split's traffic goes to has a queue (of work at
+        ``priority`` or more urgent)."""
         routing = self._routing.current
-        return self._replicas.saturated(routing.saturation, _weighted(routing.split))
+        return self._replicas.saturated(routing.saturation, _weighted(routing.split), priority)
 
     def running_slots(self) -> float:
         """Sequences the engines that the split's traffic goes to run at once."""

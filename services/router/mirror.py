@@ -95,8 +95,8 @@ class Mirror:
         self._running: Counter[tuple[str, str]] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def saturated(self) -> bool:
-        return self._inner.saturated()
+    def saturated(self, priority: int | None = None) -> bool:
+        return self._inner.saturated(priority)
 
     async def describe(self, model: str) -> ModelCard:
         return await self._inner.describe(model)

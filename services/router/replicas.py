@@ -57,6 +57,22 @@ RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
 # The engine's running limit in a load report's metrics (llm_engine_max_running_sequences).
 RUNNING_LIMIT = "max_running_sequences"
+# Its queue by scheduling priority: one metric per priority, this prefix and the priority.
+WAITING_BY_PRIORITY = "waiting_sequences_by_priority."
+
+
+def waiting_as_urgent(load: Mapping[str, float], priority: int | None) -> float:
+    """Sequences an engine's report says wait at ``priority`` or more urgent ones; all
+    that wait when ``priority`` is None or the engine does not report them by priority."""
+    if priority is None:
+        return load.get("waiting", 0)
+    found, total = False, 0.0
+    for key, value in load.items():
+        if key.startswith(WAITING_BY_PRIORITY):
+            found = True
+            if int(key[len(WAITING_BY_PRIORITY) :]) <= priority:
+                total += value
+    return total if found else load.get("waiting", 0)
 
 
 @dataclass
@@ -192,13 +208,16 @@ class ReplicaSet:
         """Some healthy replica serves ``model`` now."""
         return any(c.healthy and c.endpoint.serves(model) for c in self.candidates(model))
 
-    def saturated(self, limits: Saturation, subsets: Collection[str] = ()) -> bool:
+    def saturated(
+        self, limits: Saturation, subsets: Collection[str] = (), priority: int | None = None
+    ) -> bool:
         """Every replica of the fleet (``_fleet``) has an engine with a queue or a nearly
-        full cache."""
+        full cache. ``priority``: only a queue of work at least that urgent counts (a
+        request of that priority would run ahead of the rest, or preempt it)."""
         reporting = self._fleet(self._clock(), subsets)
         return bool(reporting) and all(
             any(
-                load.get("waiting", 0) >= limits.waiting
+                waiting_as_urgent(load, priority) >= limits.waiting
                 or load.get("kv_utilization", 0) >= limits.kv_utilization
                 for load in r.reports.values()
             )

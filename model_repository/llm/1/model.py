@@ -275,6 +275,12 @@ class StatsExporter:
             counter,
         )
         self._by_priority: dict[int, Any] = {}  # a metric per priority, as they appear
+        self._queued = self._family(
+            "llm_engine_waiting_sequences_by_priority",
+            "Sequences queued, by their scheduling priority",
+            gauge,
+        )
+        self._queued_by_priority: dict[int, Any] = {}  # the same
         self._published: dict[str, float] = {}
 
     def close(self) -> None:
@@ -284,6 +290,7 @@ class StatsExporter:
         self._gauges.clear()
         self._finished.clear()
         self._by_priority.clear()
+        self._queued_by_priority.clear()
         self._families.clear()
 
     def _family(self, name: str, description: str, kind: Any) -> Any:
@@ -299,15 +306,23 @@ class StatsExporter:
             for reason, metric in self._finished.items():
                 self._add(reason, metric, stats.finished[reason])
             for priority, count in stats.preemptions_by_priority.items():
-                metric = self._by_priority.get(priority)
-                if metric is None:
-                    labels = {**self._labels, "priority": str(priority)}
-                    metric = self._by_priority[priority] = self._displaced.Metric(labels=labels)
+                metric = self._of_priority(self._by_priority, self._displaced, priority)
                 self._add(f"priority {priority}", metric, count)
             for name, (metric, value) in self._gauges.items():
                 self._set(name, metric, value(stats))
+            for priority in stats.waiting_by_priority.keys() - self._queued_by_priority.keys():
+                self._of_priority(self._queued_by_priority, self._queued, priority)
+            for priority, metric in self._queued_by_priority.items():  # 0 once none waits
+                self._set(f"waiting {priority}", metric, stats.waiting_by_priority[priority])
         except Exception as exc:
             pb_utils.Logger.log_warn(f"publishing engine metrics failed: {exc}")
+
+    def _of_priority(self, metrics: dict[int, Any], family: Any, priority: int) -> Any:
+        metric = metrics.get(priority)
+        if metric is None:
+            labels = {**self._labels, "priority": str(priority)}
+            metric = metrics[priority] = family.Metric(labels=labels)
+        return metric
 
     def _set(self, key: str, metric: Any, value: float) -> None:
         """Only a changed value: each update is a round trip to Triton's process, and a

@@ -58,6 +58,21 @@ def test_every_engine_gauge_is_reported_so_a_new_signal_needs_no_code_here() -> 
     assert llm.metrics["running_sequences"] == 3 and "prompt_tokens_total" not in llm.metrics
 
 
+def test_a_gauge_by_priority_is_reported_per_priority() -> None:
+    """The engine's queue by scheduling priority (as Triton prints the labels: model, then
+    priority) is a metric per priority; the queue's total stays the unlabelled gauge's."""
+    page = TRITON_METRICS + (
+        "# TYPE llm_engine_waiting_sequences_by_priority gauge\n"
+        'llm_engine_waiting_sequences_by_priority{model="llm",priority="0"} 1\n'
+        'llm_engine_waiting_sequences_by_priority{model="llm",priority="2"} 4\n'
+    )
+    [llm, _] = parse_engine_metrics(page)
+    assert llm.waiting == 5
+    assert llm.metrics["waiting_sequences_by_priority.0"] == 1
+    assert llm.metrics["waiting_sequences_by_priority.2"] == 4
+    assert llm.metrics["waiting_sequences"] == 5
+
+
 def test_recent_latency_medians() -> None:
     latency = RecentLatency()
     for ttft, tpot in ((0.01, 0.001), (0.03, None), (0.02, 0.003)):

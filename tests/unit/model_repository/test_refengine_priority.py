@@ -39,6 +39,11 @@ class TestPriority:
         engine.step()
         assert urgent.deltas, "the urgent sequence got no token in the next step"
         assert engine.stats.preemptions_by_priority == {2: 1}
+        while not urgent.done.is_set():
+            engine.step()
+        # Published as the urgent one ended: the preempted one waits, counted at its
+        # priority (a router reads whether work as urgent as its request's queues).
+        assert engine.stats.waiting_by_priority == {2: 1} and engine.stats.waiting == 1
         drain(engine)
         for i, sink in zip((1, 2), low, strict=True):
             alone = run(make_engine(), f"long {i}", max_tokens=40, ignore_eos=True, seed=i)

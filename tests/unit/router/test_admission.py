@@ -156,7 +156,7 @@ def test_a_request_not_served_by_its_deadline_is_told_so() -> None:
 def test_sheddable_is_refused_at_once_when_saturated() -> None:
     async def scenario() -> None:
         settings = AdmissionSettings(initial_limit=1, min_limit=1, engine_priority=False)
-        q = AdmissionQueue(settings, lambda: True)
+        q = AdmissionQueue(settings, lambda priority: True)
         await q.acquire("t", "standard", 1, None)
         with pytest.raises(ResourceExhausted) as info:
             await q.acquire("s", "sheddable", 1, None)
@@ -420,7 +420,7 @@ def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() ->
     async def scenario() -> None:
         saturated, now = [True], [0.0]
         settings = AdmissionSettings(initial_limit=8, min_limit=1)
-        q = AdmissionQueue(settings, lambda: saturated[0], clock=lambda: now[0])
+        q = AdmissionQueue(settings, lambda priority: saturated[0], clock=lambda: now[0])
         alone = await asyncio.wait_for(q.acquire("t", "standard", 1, None), 5)
         critical = await asyncio.wait_for(q.acquire("c", "critical", 1, None), 5)
         standard = asyncio.create_task(q.acquire("t", "standard", 1, None))
@@ -437,6 +437,54 @@ def test_with_engine_priority_lower_tiers_wait_here_while_the_engines_queue() ->
         now[0] += 60  # critical's arrivals are past
         later = await asyncio.wait_for(q.acquire("t", "standard", 1, None), 5)
         later.release(None)
+
+    asyncio.run(scenario())
+
+
+def test_with_engine_priority_only_a_queue_as_urgent_as_a_tier_holds_it_back() -> None:
+    """Engines whose queue is lower tiers' preempted work would run a critical or standard
+    request ahead of it: the window still grows on critical's met targets, standard still
+    goes in while critical is about; sheddable, behind that queue, waits here. Read
+    through the engine's whole queue, the window froze and critical queued here for
+    seconds (a run's critical TTFT p50 grew from 0.1 to 4 s)."""
+
+    async def scenario() -> None:
+        engine_queue = {2: 10}  # by priority: ten sheddable generations wait
+        queried: list[int | None] = []
+
+        def saturated(priority: int | None) -> bool:
+            queried.append(priority)
+            counted = (n for p, n in engine_queue.items() if priority is None or p <= priority)
+            return sum(counted) >= 2
+
+        q = AdmissionQueue(AdmissionSettings(initial_limit=4, min_limit=1), saturated)
+        critical = [await q.acquire("c", "critical", 1, None) for _ in range(3)]
+        standard = await asyncio.wait_for(q.acquire("t", "standard", 1, None), 5)
+        for slot in critical:
+            slot.release(slot.ticket.granted_at + 0.01)  # met targets, window full: grows
+        assert q.limit > 4 and 0 in queried
+        with pytest.raises(ResourceExhausted):  # behind that queue: refused
+            await q.acquire("s", "sheddable", 1, None)
+        assert 2 in queried
+        standard.release(None)
+
+    asyncio.run(scenario())
+
+
+def test_without_engine_priority_any_queue_holds_the_window() -> None:
+    async def scenario() -> None:
+        queried: list[int | None] = []
+
+        def saturated(priority: int | None) -> bool:
+            queried.append(priority)
+            return True
+
+        settings = AdmissionSettings(initial_limit=4, min_limit=1, engine_priority=False)
+        q = AdmissionQueue(settings, saturated)
+        slots = [await q.acquire("c", "critical", 1, None) for _ in range(4)]
+        for slot in slots:
+            slot.release(slot.ticket.granted_at + 0.01)
+        assert q.limit == 4 and set(queried) == {None}
 
     asyncio.run(scenario())
 

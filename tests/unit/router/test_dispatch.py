@@ -22,7 +22,7 @@ from services.router.config import PoolSettings
 from services.router.connector import LoadReport
 from services.router.dispatch import RETRIES, Dispatcher
 from services.router.endpoints import Endpoint, FixedDiscovery
-from services.router.replicas import ReplicaSet
+from services.router.replicas import WAITING_BY_PRIORITY, ReplicaSet, waiting_as_urgent
 from services.router.routing import PolicyHolder, RoutingPolicy
 from services.router.scheduling import Scheduler, SchedulingState
 from services.router.upstreams import RouteHints
@@ -429,6 +429,36 @@ def test_the_fleet_admission_sees_is_where_the_split_sends_traffic() -> None:
         assert not canary_at_half.saturated() and canary_at_half.running_slots() == 64
         only_elsewhere = dispatcher({"blue": 100})  # no replica of it reports: all count
         assert not only_elsewhere.saturated() and only_elsewhere.running_slots() == 96
+
+    run(scenario)
+
+
+def test_saturation_at_a_priority_counts_only_work_at_least_as_urgent() -> None:
+    """An engine's queue by priority: ten sheddable generations (2) and one critical (0)
+    wait. A critical request would wait behind one (no saturation at 0 or 1), a sheddable
+    one behind eleven; an engine that reports no queue by priority is read whole."""
+    by_priority = {
+        "waiting": 11.0,
+        f"{WAITING_BY_PRIORITY}0": 1.0,
+        f"{WAITING_BY_PRIORITY}2": 10.0,
+    }
+    assert [waiting_as_urgent(by_priority, p) for p in (None, 0, 1, 2, 3)] == [11, 1, 1, 11, 11]
+    assert waiting_as_urgent({"waiting": 5.0}, 0) == 5
+
+    async def scenario() -> None:
+        f = fleet(("a:1",))
+        f.replicas.apply([Endpoint(address="a:1")])
+        f["a:1"].reports.put_nowait(LoadReport({"llm": by_priority}))
+
+        async def reported() -> bool:
+            return f.replicas["a:1"].last_report_at is not None
+
+        assert await poll_until_async(reported, 5)
+        routing = PolicyHolder(RoutingPolicy())
+        scheduler = Scheduler(SchedulingState("local"))
+        dispatcher = Dispatcher(f.replicas, routing, PoolSettings(), scheduler)
+        assert dispatcher.saturated() and dispatcher.saturated(2)
+        assert not dispatcher.saturated(0) and not dispatcher.saturated(1)
 
     run(scenario)
 

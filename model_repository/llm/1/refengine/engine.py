@@ -138,6 +138,9 @@ class EngineConfig:
 class EngineStats:
     running: int = 0
     waiting: int = 0
+    # The same, by scheduling priority: a router reads whether work as urgent as its next
+    # request's queues here (less urgent waiting work it would run ahead of, or preempt).
+    waiting_by_priority: Counter[int] = field(default_factory=Counter)
     max_running: int = 0  # the running limit: a router sizes its window to the fleet's
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
@@ -714,6 +717,9 @@ class Engine:
         pool = self.pool.stats()
         self.stats.running = len(self._running)
         self.stats.waiting = len(self._waiting) + self._incoming.qsize()
+        # Those submitted during the step in progress join the queue, and this count, at
+        # the next.
+        self.stats.waiting_by_priority = Counter(seq.priority for seq in self._waiting)
         self.stats.kv_blocks_used = pool.used
         self._on_stats(self.stats)
 
