@@ -1,7 +1,8 @@
 """A tenant's tier reaches the engine as its scheduling priority, through the router, the
 inference service and real Triton: with the engine full of a sheddable tenant's long
 generations, a critical request preempts one and gets its first token about as fast as
-on an idle engine; the preempted one goes on, and the KV pool ends fully free."""
+on an idle engine; the preempted one goes on, and the KV pool ends fully free. The
+replica's load reports count the engine's queue by priority."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from llmmesh.client import authorized_channel, build_request
+from llmmesh.client import authorized_channel, build_request, internal_channel
 from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.stack import REPO_MODELS
-from llmmesh.v1 import generation_pb2_grpc
+from llmmesh.v1 import generation_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.conftest import metric_value, start_service, wait_for
 from tests.e2e.test_tenants import write_tenants
 
@@ -90,15 +92,19 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
     steps_before = tiers.engine("llm_engine_steps_total")
     channel = authorized_channel(tiers.router, tiers.keys["sheddable"])
     stub = generation_pb2_grpc.GenerationStub(channel)
-    long = [
+    long = [  # one more than the engine runs: it waits, at its priority
         stub.Generate(build_request(f"long {n}", max_tokens=1000, ignore_eos=True), timeout=120)
-        for n in range(FULL)
+        for n in range(FULL + 1)
     ]
     readers = [threading.Thread(target=_drain, args=(s,), daemon=True) for s in long]
     for reader in readers:
         reader.start()
     try:
         wait_for(lambda: tiers.engine("llm_engine_running_sequences") == FULL, 30, "a full engine")
+        # The replica's load report counts the queue by priority: a router reads that a
+        # critical request would wait behind none of it.
+        queue = _reported_queue(tiers.stack)
+        assert queue.get("2", 0) >= 1 and queue.get("0", 0) == 0, queue
         loaded = [
             first_token_s(tiers.router, tiers.keys["critical"], question(7 + n)) for n in range(7)
         ]
@@ -122,6 +128,26 @@ def test_a_critical_request_preempts_a_sheddable_generation_in_a_full_engine(
     assert preempted - preempted_before >= 1
     assert statistics.median(loaded) <= 2 * statistics.median(idle), (idle, loaded)
     wait_for(lambda: tiers.engine("llm_engine_kv_blocks_used") == 0, 30, "the pool free again")
+
+
+def _reported_queue(stack: Stack) -> dict[str, float]:
+    """The engine's queue by priority in the first load report with a sheddable (2) one."""
+    with internal_channel(stack.address("inference"), stack.internal_token) as channel:
+        stub: Any = inference_pb2_grpc.InferenceStub(channel)
+        reports = stub.WatchLoad(inference_pb2.WatchLoadRequest(max_interval_ms=50), timeout=30)
+        try:
+            for report in reports:
+                [llm] = [m for m in report.models if m.model == "llm"]
+                queue = {
+                    key.rsplit(".", 1)[1]: value
+                    for key, value in llm.metrics.items()
+                    if key.startswith("waiting_sequences_by_priority.")
+                }
+                if queue.get("2", 0) >= 1:
+                    return queue
+        finally:
+            reports.cancel()
+    raise AssertionError("no load report counted a queued sheddable sequence")
 
 
 def _drain(stream: grpc.Call) -> None:
