@@ -257,6 +257,7 @@ class OpenAiApi:
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await parse_body(request, TokenizeBody, self._settings.body_timeout_s)
+            _refuse_session(request)
             model, speech = await self._core.model_speech(body.model, tenant)
             self._tenants.may_use(tenant, model)
             source = body.text_or_messages()
@@ -294,6 +295,7 @@ class OpenAiApi:
         try:
             tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             body = await parse_body(request, DetokenizeBody, self._settings.body_timeout_s)
+            _refuse_session(request)
             model, speech = await self._core.model_speech(body.model, tenant)
             self._tenants.may_use(tenant, model)
             text = speech.codec.decode(body.tokens)
@@ -528,3 +530,10 @@ class OpenAiApi:
             await response.write(sse(error))
         await response.write_eof()
         return response
+
+
+def _refuse_session(request: web.Request) -> None:
+    """/tokenize and /detokenize read only what they are sent: a session id asks for a
+    conversation they would not read, refused by name rather than ignored."""
+    if request.headers.get(SESSION_ID):
+        raise InvalidArgument(SESSION_ID, "not taken here: only the text or tokens sent are read")

@@ -707,6 +707,26 @@ def test_tokenize_and_detokenize_speak_vllms_shapes() -> None:
     assert both[0] == 400 and both[1]["error"]["param"] == "prompt"
 
 
+def test_tokenize_and_detokenize_refuse_a_session_id_by_its_header() -> None:
+    """They read only what they are sent; a session's history is not counted, so the
+    header that asks for it is refused, not ignored."""
+
+    async def scenario() -> list[tuple[int, Any]]:
+        async with TestClient(TestServer(api().app())) as client:
+            replies = []
+            for path, doc in (
+                ("/tokenize", {"prompt": "hi"}),
+                ("/detokenize", {"tokens": [104, 105]}),
+            ):
+                response = await client.post(path, json=doc, headers={"x-session-id": "s1"})
+                replies.append((response.status, await response.json()))
+            return replies
+
+    for status, reply in asyncio.run(scenario()):
+        assert status == 400 and reply["error"]["param"] == "x-session-id", reply
+        assert "not taken here" in reply["error"]["message"]
+
+
 HI = [{"role": "user", "content": "hi"}]
 
 
