@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import statistics
@@ -105,6 +106,15 @@ class RunResult:
     def good_share(self, tier: str) -> float:
         records = self.of(tier)
         return sum(r.good() for r in records) / len(records) if records else 0.0
+
+    def good_shares_by_arrival(self, tier: str, parts: int = 10) -> list[float]:
+        """The good share of each ``parts``-th of the tier's requests in arrival order: a
+        stretch this machine ran slow, or a queue that never drained, as the p99 cannot
+        tell them apart."""
+        records = self.of(tier)
+        cuts = [len(records) * i // parts for i in range(parts + 1)]
+        chunks = [records[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+        return [sum(r.good() for r in chunk) / len(chunk) for chunk in chunks]
 
     def ttft_p99(self, tier: str) -> float:
         return percentile([r.record.ttft for r in self.of(tier) if r.record.ok], 99)
@@ -403,11 +413,17 @@ def _summary(
         f"capacity, engine priority {priority.goodput() / capacity:.0%} and admission without "
         f"it {plain.goodput() / capacity:.0%}, so 1.2x admission's is "
         f"{1.2 * plain.goodput() / capacity:.0%} of it",
+        "- critical good share by tenths of arrival: "
+        + "; ".join(f"{run.router} {_tenths(run)}" for run in mix.all()),
         f"- answered after their deadline ({timeout_s:.0f} s): "
         + ", ".join(f"{name} {n}" for name, n in late.items())
         + " (goal 0)",
         *_engine_work(mix, capacity_engine),
     ]
+
+
+def _tenths(run: RunResult) -> str:
+    return " ".join(f"{share:.0%}" for share in run.good_shares_by_arrival("critical"))
 
 
 def _engine_work(mix: MixRuns, capacity: EngineWork | None) -> list[str]:

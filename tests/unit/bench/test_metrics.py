@@ -92,6 +92,14 @@ def test_admission_report_sets_the_critical_tier_against_its_floor() -> None:
     # Goodput against what the fleet can serve at all (30 req/s): 1.2x admission's may be
     # more than that.
     assert "of the capacity, engine priority 1% and admission without it 0%" in table
+    # The critical tier's good share along the run (one request each here: one part).
+    assert "critical good share by tenths of arrival: fifo 0%; admission 0%; engine" in table
+    assert "engine priority 100%; critical alone 100%" in table
+    ttfts = [0.1] * 15 + [0.9] * 5  # the last quarter late
+    ten = RunResult(
+        "x", 1.0, 10.0, [TierRecord("critical", _record(0, t, t + 1, 64)) for t in ttfts]
+    )
+    assert ten.good_shares_by_arrival("critical") == [1.0] * 7 + [0.5] + [0.0] * 2
     # What each run made the engine do: busy share, generated tokens per busy second and
     # per step (its batch).
     assert (
