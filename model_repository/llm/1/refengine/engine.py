@@ -716,9 +716,10 @@ class Engine:
         self._published_at = now
         pool = self.pool.stats()
         self.stats.running = len(self._running)
-        self.stats.waiting = len(self._waiting) + self._incoming.qsize()
-        # Those submitted during the step in progress join the queue, and this count, at
-        # the next.
+        # Requests submitted during the step in progress are not a queue yet: the next step
+        # admits them if there is room. Counted, a burst of arrivals into an engine with
+        # room read as a queue, and a router as saturation.
+        self.stats.waiting = len(self._waiting)
         self.stats.waiting_by_priority = Counter(seq.priority for seq in self._waiting)
         self.stats.kv_blocks_used = pool.used
         self._on_stats(self.stats)
