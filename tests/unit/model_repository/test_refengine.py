@@ -58,6 +58,27 @@ class TestEngine:
         assert sink.counted_at_finish == engine.stats.prompt_tokens
         assert engine.stats.prompt_tokens > len("warm")
 
+    def test_requests_submitted_during_a_step_are_not_published_as_queued(self) -> None:
+        """Three arrive while a step computes (another thread submits; here, the model's
+        forward pass): the engine has room for them, so the statistics published at the
+        step's end show no queue, which a router would read as saturation."""
+        engine = make_engine()
+        submit(engine, "first", max_tokens=8, ignore_eos=True)
+        forward = engine.model.forward
+        arrived: list[RecordingSink] = []
+
+        def forward_while_three_arrive(*args: Any, **kw: Any) -> Any:
+            if not arrived:
+                arrived.extend(submit(engine, f"then {i}", max_tokens=8) for i in range(3))
+            return forward(*args, **kw)
+
+        engine.model.forward = forward_while_three_arrive  # type: ignore[method-assign]
+        engine.step()
+        assert len(arrived) == 3 and engine.stats.running == 1  # published at this step
+        assert engine.stats.waiting == 0 and not engine.stats.waiting_by_priority
+        drain(engine)
+        assert all(sink.done.is_set() for sink in arrived)
+
     def test_streams_exactly_max_tokens_then_length(self) -> None:
         sink = run(make_engine(), "hello", max_tokens=20, ignore_eos=True, seed=1)
         assert sink.final is not None and sink.final[2] == "length"
