@@ -25,6 +25,7 @@ from llmmesh.policy.normalize import (
     View,
     keyword_view,
     pattern_view,
+    reference_start,
     word_after,
     word_before,
     word_break,
@@ -386,6 +387,9 @@ class Matcher:
                 # Only indexes with something to match: each costs a call per chunk.
                 self._indexes += [i for i in (keywords, patterns) if i]
         self.holdback_cap = holdback_cap
+        # The normalized views read character references: a stream's tail that may yet
+        # become one waits for the characters that say which.
+        self._reads_references = any(normalized)
 
     def hits(self, text: str | Views, pos: int = 0) -> list[Hit]:
         views = text if isinstance(text, Views) else Views(text)
@@ -403,6 +407,11 @@ class Matcher:
         views = text if isinstance(text, Views) else Views(text)
         size = len(views.text)
         settled = size
+        reference = reference_start(views.text) if self._reads_references else None
+        if reference is not None:
+            # A character reference still being written: what precedes it may grow into
+            # a match through the character it turns out to be, as if the text ended there.
+            settled, views = reference, Views(views.text[:reference])
         for index in self._indexes:
             start = index.pending_start(views, pos)
             if start is not None and start < settled:

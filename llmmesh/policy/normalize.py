@@ -1,9 +1,10 @@
 """What matching sees of a text: views that survive the usual evasions, and the way back
 from a position in a view to the original characters.
 
-Each view maps every original character on its own to zero or more characters, so the
-view of a concatenation is the concatenation of the views (the streamed output check
-relies on it), and a match in the view maps back to a span of the original:
+Each view maps every original character on its own to zero or more characters (an HTML
+character reference, read whole, is the one exception: below), so the view of a
+concatenation is the concatenation of the views (the streamed output check relies on it),
+and a match in the view maps back to a span of the original:
 
 - the **pattern view** (regular expressions and detectors): compatibility forms folded
   (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), format
@@ -19,6 +20,13 @@ relies on it), and a match in the view maps back to a span of the original:
   (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
   keyword view.
 
+Both views read HTML character references (``&#98;``, ``&#x62;``, ``&commat;``, and the
+legacy names without a semicolon, as browsers do) as the characters they stand for, then
+fold those: a model reads "&#98;omb" as the word it spells, and a client's page shows
+"ada&#64;example.com" as an address. A reference is read whole, so a match that takes its
+character takes all of it; a stream's tail that more text could make into one waits for
+that text (``reference_start``), and so does what precedes it.
+
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain
 and break digit patterns such as card numbers.
@@ -26,6 +34,8 @@ and break digit patterns such as card numbers.
 
 from __future__ import annotations
 
+import html
+import re
 import unicodedata
 from collections.abc import Callable
 from functools import partial
@@ -61,6 +71,14 @@ _LOOKALIKES = str.maketrans(_LOOKALIKE_DIGITS, _LETTERS)
 _ASCII_LOOKALIKES = bytes.maketrans(_LOOKALIKE_DIGITS.encode(), _LETTERS.encode())
 
 _SPOOF: Any = icu.SpoofChecker()
+
+# A run that may be a character reference: a number (at most what Unicode needs, and then
+# some: a longer one reads as U+FFFD, as html.unescape reads it) or a name (the longest of
+# HTML's is 31 characters), with its semicolon if any. html.unescape says what it is.
+_REFERENCE = re.compile(r"&(?:#[xX][0-9a-fA-F]{1,8}|#[0-9]{1,10}|[A-Za-z][A-Za-z0-9]{0,31});?")
+# The end of a text that more characters could still turn into a reference, or into a
+# longer one (``&#9`` into ``&#98;``, ``&amp`` into ``&ampx``).
+_REFERENCE_TAIL = re.compile(r"&(?:#[xX]?[0-9a-fA-F]{0,10}|[A-Za-z][A-Za-z0-9]{0,31})?\Z")
 
 
 def ignored(char: str) -> bool:
@@ -113,7 +131,7 @@ Origin = npt.NDArray[np.int64]
 class View:
     """A view of ``original``: its text, and where each of its characters came from."""
 
-    __slots__ = ("_origin", "_origin_of", "original", "text")
+    __slots__ = ("_origin", "_origin_of", "_reference_ends", "original", "text")
 
     def __init__(
         self,
@@ -121,14 +139,17 @@ class View:
         text: str,
         origin: Origin | None,
         origin_of: Callable[[], Origin] | None = None,
+        reference_ends: dict[int, int] | None = None,
     ) -> None:
         """``origin``: the original index of each view character (None: the same); or
         ``origin_of`` works it out when a position is first mapped (most texts match
-        nothing, and need none)."""
+        nothing, and need none). ``reference_ends``: where each character reference read
+        as its characters ends, by where it starts (its characters' origin)."""
         self.original = original
         self.text = text
         self._origin = origin
         self._origin_of = origin_of
+        self._reference_ends = reference_ends or {}
 
     def _map(self) -> Origin | None:
         if self._origin_of is not None:
@@ -149,7 +170,8 @@ class View:
         origin = self._map()
         if origin is None:
             return index
-        end = int(origin[index - 1]) + 1
+        last = int(origin[index - 1])
+        end = self._reference_ends.get(last, last + 1)
         original = self.original
         while end < len(original) and ignored(original[end]):
             end += 1
@@ -186,20 +208,51 @@ _PATTERN = _Table(pattern_char)
 _KEYWORD = _Table(keyword_char)
 
 
-def _mapped(text: str, table: _Table) -> View:
+def _mapped(text: str, table: _Table, references: dict[int, tuple[int, str]]) -> View:
+    """``text`` through ``table``, each of ``references`` (start: its end, what it stands
+    for) read as its characters through the table, all of them from its first."""
     pieces = list(map(table.__getitem__, text))
+    for start, (end, decoded) in references.items():
+        pieces[start] = "".join(map(table.__getitem__, decoded))
+        pieces[start + 1 : end] = [""] * (end - start - 1)
     lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
     origin = np.repeat(np.arange(len(text), dtype=np.int64), lengths)
-    return View(text, "".join(pieces), origin)
+    ends = {start: end for start, (end, _) in references.items()}
+    return View(text, "".join(pieces), origin, reference_ends=ends)
+
+
+def _references(text: str) -> dict[int, tuple[int, str]]:
+    """The character references in ``text``: start -> (end, what it stands for)."""
+    if "&" not in text:
+        return {}
+    found = {}
+    for match in _REFERENCE.finditer(text):
+        decoded = html.unescape(match.group())
+        if decoded != match.group():
+            found[match.start()] = (match.end(), decoded)
+    return found
+
+
+def reference_start(text: str) -> int | None:
+    """Where a tail of ``text`` that more text could make (or lengthen) a character
+    reference starts, if it ends in one: the views of what follows may read it anew."""
+    tail = text.rfind("&", max(len(text) - 34, 0))
+    if tail < 0 or _REFERENCE_TAIL.match(text, tail) is None:
+        return None
+    return tail
 
 
 def pattern_view(text: str) -> View:
-    if text.isascii():
+    references = _references(text)
+    if text.isascii() and not references:
         return View(text, text, None)
-    return _mapped(text, _PATTERN)
+    return _mapped(text, _PATTERN, references)
 
 
 def keyword_view(text: str) -> View:
+    references = _references(text)
+    if references:
+        return _mapped(text, _KEYWORD, references)
     if text.isascii():
         # Byte operations only: a prompt's check often runs with cold caches, where each
         # library touched costs far more than its work.
@@ -208,7 +261,7 @@ def keyword_view(text: str) -> View:
         if len(kept) == len(text):
             return View(text, kept, None)
         return View(text, kept, None, partial(_ascii_kept, lowered))
-    return _mapped(text, _KEYWORD)
+    return _mapped(text, _KEYWORD, {})
 
 
 def _ascii_kept(lowered: bytes) -> Origin:

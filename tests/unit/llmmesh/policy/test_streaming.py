@@ -78,6 +78,10 @@ MATCHING = [
     "the code ada@example.com now",
     "card 4111 1111 1111 1111 123 ok",
     "ip 300.1.2.3.4 ok",
+    "mail ada&#64;example.com now",
+    "a forbidd&#101;n word",
+    "the secret&nbsp;plan is TICKET&#x2d;42.",
+    "card 4111&#32;1111 1111 1111 ok",
 ]
 
 
@@ -98,7 +102,11 @@ EVASIONS = [
     *["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"],
     *["\u0664", "\u0967", "\u2022", "\U0001f4a3", "\u24d1"],
 ]
-PIECES = st.sampled_from([*"0123456789 .-@+()abAB:_xyzEGKT\n/\"'\x00", *WORDS, *PII, *EVASIONS])
+# HTML character references, whole and in pieces, and runs that only look like them.
+REFERENCES = ["&", "#", "x", ";", "&#", "&#98;", "&#x62;", "&#64;", "&amp", "&nbsp;", "&#8203;"]
+PIECES = st.sampled_from(
+    [*"0123456789 .-@+()abAB:_xyzEGKT\n/\"'\x00", *WORDS, *PII, *EVASIONS, *REFERENCES]
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
