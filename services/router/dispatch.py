@@ -101,7 +101,9 @@ class Dispatcher:
         started = time.perf_counter()
         with tracing.step("endpoint.pick") as span:
             decision = self._scheduler.pick(
-                request, self._replicas.candidates(request.model), self._routing.current
+                request,
+                self._replicas.candidates(request.model, request.priority),
+                self._routing.current,
             )
             if span is not None:
                 span.set_attribute("llm.endpoint", decision.candidate.address)
@@ -136,6 +138,7 @@ class Dispatcher:
             session_key=hints.session_key,
             color=hints.color,
             split_point=split_point(hints.session_key, self._rng),
+            priority=call.priority,
         )
         sent: list[str] = []
         picks: list[_Pick] = []

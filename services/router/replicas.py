@@ -27,6 +27,7 @@ from services.router.connector import Connector, LoadReport, ReplicaLink
 from services.router.endpoints import Discovery, Endpoint
 from services.router.routing import Saturation
 from services.router.scheduling import Candidate
+from services.router.scheduling.types import waiting_as_urgent
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +58,6 @@ RECONNECT_BACKOFF_S = (0.05, 0.5)
 CLOSE_GRACE_S = 30.0  # streams on a replica that left discovery may finish
 # The engine's running limit in a load report's metrics (llm_engine_max_running_sequences).
 RUNNING_LIMIT = "max_running_sequences"
-# Its queue by scheduling priority: one metric per priority, this prefix and the priority.
-WAITING_BY_PRIORITY = "waiting_sequences_by_priority."
-
-
-def waiting_as_urgent(load: Mapping[str, float], priority: int | None) -> float:
-    """Sequences an engine's report says wait at ``priority`` or more urgent ones; all
-    that wait when ``priority`` is None or the engine does not report them by priority."""
-    if priority is None:
-        return load.get("waiting", 0)
-    found, total = False, 0.0
-    for key, value in load.items():
-        if key.startswith(WAITING_BY_PRIORITY):
-            found = True
-            if int(key[len(WAITING_BY_PRIORITY) :]) <= priority:
-                total += value
-    return total if found else load.get("waiting", 0)
 
 
 @dataclass
@@ -178,7 +163,9 @@ class ReplicaSet:
     def __getitem__(self, address: str) -> Replica:
         return self._replicas[address]
 
-    def candidates(self, model: str) -> list[Candidate]:
+    def candidates(self, model: str, priority: int | None = None) -> list[Candidate]:
+        """The replicas as a request for ``model`` sees them; ``priority``: its engine
+        scheduling priority (a queue of less urgent work does not delay it)."""
         now, s = self._clock(), self._settings
         out = []
         for r in self._replicas.values():
@@ -192,6 +179,7 @@ class ReplicaSet:
                     ended=r.ended.get(model, 0),
                     prefilling=r.prefilling,
                     load=r.reports.get(model) if self._fresh(r, now) else None,
+                    priority=priority,
                     healthy=alive
                     and r.engine_reachable
                     and model not in r.failed_models

@@ -10,6 +10,24 @@ from typing import Any
 from services.router.affinity import BLOCK_CHARS, PrefixIndex, SessionTable
 from services.router.endpoints import Endpoint
 
+# A load report's engine queue by scheduling priority: one metric per priority, this
+# prefix and the priority (``waiting_sequences_by_priority.2``).
+WAITING_BY_PRIORITY = "waiting_sequences_by_priority."
+
+
+def waiting_as_urgent(load: Mapping[str, float], priority: int | None) -> float:
+    """Sequences an engine's report says wait at ``priority`` or more urgent ones; all
+    that wait when ``priority`` is None or the engine does not report them by priority."""
+    if priority is None:
+        return load.get("waiting", 0)
+    found, total = False, 0.0
+    for key, value in load.items():
+        if key.startswith(WAITING_BY_PRIORITY):
+            found = True
+            if int(key[len(WAITING_BY_PRIORITY) :]) <= priority:
+                total += value
+    return total if found else load.get("waiting", 0)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -26,11 +44,15 @@ class Candidate:
     # kv_utilization, and whatever else the engine exports); None: no fresh report.
     load: Mapping[str, float] | None = None
     healthy: bool = True  # breaker closed (or probing) and reports fresh
+    # The request's engine scheduling priority (None: it has none, or the engines do not
+    # order by it): with one, only the queue at that priority or more urgent is ahead of it
+    # (the engine runs it before the rest, or preempts the rest for it).
+    priority: int | None = None
 
     # Derived once from the fields above, since every scorer reads them for every
     # candidate: its address, running (sequences it runs that this router has not ended since the
-    # report), waiting (queued in its engine), kv_utilization, and unseen (streams this
-    # router opened that the last report does not show yet).
+    # report), waiting (queued in its engine ahead of the request), kv_utilization, and
+    # unseen (streams this router opened that the last report does not show yet).
     address: str = field(init=False)
     running: int = field(init=False)
     waiting: float = field(init=False)
@@ -39,16 +61,16 @@ class Candidate:
 
     def __post_init__(self) -> None:
         load = self.load or {}
-        waiting = load.get("waiting", 0.0)
+        queued = load.get("waiting", 0.0)
         running = max(0, int(load.get("running", 0.0)) - self.ended)
         if self.load is None:
             unseen = self.in_flight
         else:
-            unseen = max(0, self.in_flight - running - int(waiting))
+            unseen = max(0, self.in_flight - running - int(queued))
         for name, value in (
             ("address", self.endpoint.address),
             ("running", running),
-            ("waiting", waiting),
+            ("waiting", waiting_as_urgent(load, self.priority)),
             ("kv_utilization", load.get("kv_utilization", 0.0)),
             ("unseen", unseen),
         ):
@@ -68,6 +90,7 @@ class PickRequest:
     # Where in [0, 1) the request falls on the canary split; fixed for a request's retries.
     split_point: float = 0.0
     avoid: frozenset[str] = frozenset()  # replicas that already failed this request
+    priority: int | None = None  # its engine scheduling priority (None: none)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from services.router.config import PoolSettings
 from services.router.connector import LoadReport
 from services.router.dispatch import RETRIES, Dispatcher
 from services.router.endpoints import Endpoint, FixedDiscovery
-from services.router.replicas import WAITING_BY_PRIORITY, ReplicaSet, waiting_as_urgent
+from services.router.replicas import ReplicaSet
 from services.router.routing import PolicyHolder, RoutingPolicy
 from services.router.scheduling import Scheduler, SchedulingState
+from services.router.scheduling.types import WAITING_BY_PRIORITY, waiting_as_urgent
 from services.router.upstreams import RouteHints
 from tests.replicas_double import Hang, MemoryConnector, MemoryReplica, expected_text
 
@@ -459,6 +460,39 @@ def test_saturation_at_a_priority_counts_only_work_at_least_as_urgent() -> None:
         dispatcher = Dispatcher(f.replicas, routing, PoolSettings(), scheduler)
         assert dispatcher.saturated() and dispatcher.saturated(2)
         assert not dispatcher.saturated(0) and not dispatcher.saturated(1)
+        # What a request of each priority sees of the replica's queue when it is picked.
+        waiting = [f.replicas.candidates("llm", p)[0].waiting for p in (None, 0, 2)]
+        assert waiting == [11, 1, 11]
+
+    run(scenario)
+
+
+def test_a_session_stays_on_a_replica_whose_queue_is_only_less_urgent_work() -> None:
+    """The session's replica queues ten sheddable generations: a critical request of the
+    conversation (priority 0) runs ahead of them there and keeps its affinity; a sheddable
+    one (2) would wait behind them all, and goes to the idle replica."""
+    lower_only = {"running": 1.0, "waiting": 10.0, f"{WAITING_BY_PRIORITY}2": 10.0}
+
+    async def scenario() -> None:
+        f = fleet(("a:1", "b:1"))
+        f["a:1"].reports.put_nowait(LoadReport({"llm": lower_only}))
+        f["b:1"].reports.put_nowait(LoadReport({"llm": {"running": 0.0, "waiting": 0.0}}))
+
+        async def reported() -> bool:
+            return all(f.replicas[a].last_report_at is not None for a in ("a:1", "b:1"))
+
+        assert await poll_until_async(reported, 5)
+        scheduler = Scheduler(SchedulingState("local", rng=random.Random(0)))
+        routing = PolicyHolder(RoutingPolicy())
+        dispatcher = Dispatcher(f.replicas, routing, PoolSettings(), scheduler)
+        for priority, expected in ((0, "a:1"), (2, "b:1"), (None, "b:1")):
+            scheduler.state.sessions.set("t/s", "a:1", "stable")
+            before = {a: len(f[a].calls) for a in ("a:1", "b:1")}
+            hints = RouteHints(session_key="t/s")
+            asked = replace(call(4), priority=priority)
+            assert [c async for c in dispatcher.generate(asked, hints)][-1].finish_reason
+            went = [a for a in ("a:1", "b:1") if len(f[a].calls) > before[a]]
+            assert went == [expected], priority
 
     run(scenario)
 
