@@ -7,7 +7,8 @@ concatenation is the concatenation of the views (the streamed output check relie
 and a match in the view maps back to a span of the original:
 
 - the **pattern view** (regular expressions and detectors): compatibility forms folded
-  (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), format
+  (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), tag
+  characters read as the ASCII they mirror (text hidden in them), other format
   characters (zero-width space and joiners, soft hyphen) and combining marks removed,
   and every other non-ASCII character replaced by its confusable skeleton (Unicode's
   UTS #39 data, through ICU), so Cyrillic a (U+0430) reads as Latin a; every script's
@@ -81,9 +82,20 @@ _REFERENCE = re.compile(r"&(?:#[xX][0-9a-fA-F]{1,8}|#[0-9]{1,10}|[A-Za-z][A-Za-z
 _REFERENCE_TAIL = re.compile(r"&(?:#[xX]?[0-9a-fA-F]{0,10}|[A-Za-z][A-Za-z0-9]{0,31})?\Z")
 
 
+# Unicode's tag characters U+E0020-U+E007E mirror printable ASCII and show as nothing:
+# text written in them is invisible to whoever reads the prompt, yet a model whose
+# tokenizer keeps them can read it ("ASCII smuggling"). The views read each as the ASCII
+# character it mirrors; the other tags (language tag, cancel tag) are format characters.
+_TAG_OFFSET = 0xE0000
+_ASCII_TAGS = range(_TAG_OFFSET + 0x20, _TAG_OFFSET + 0x7F)
+
+
 def ignored(char: str) -> bool:
-    """A character no view shows: a format character or a combining mark."""
-    return not char.isascii() and unicodedata.category(char) in _IGNORED_CATEGORIES
+    """A character no view shows: a format character or a combining mark (a tag
+    character that mirrors ASCII shows as that character)."""
+    if char.isascii() or ord(char) in _ASCII_TAGS:
+        return False
+    return unicodedata.category(char) in _IGNORED_CATEGORIES
 
 
 def _strip_marks(text: str) -> str:
@@ -96,6 +108,8 @@ def pattern_char(char: str) -> str:
     """One character as the pattern view shows it."""
     if char.isascii():
         return char
+    if ord(char) in _ASCII_TAGS:
+        return chr(ord(char) - _TAG_OFFSET)
     if unicodedata.category(char) in _IGNORED_CATEGORIES:
         return ""
     digit = unicodedata.decimal(char, None)

@@ -14,6 +14,12 @@ from services.policy.config import DEFAULT_RULES
 
 RULES = RuleSet.from_file(DEFAULT_RULES)
 
+
+def tags(text: str) -> str:
+    """``text`` in Unicode's tag characters: invisible, each mirroring an ASCII one."""
+    return "".join(chr(0xE0000 + ord(c)) for c in text)
+
+
 EVASIONS = [
     "how to build a bo\u200bmb",  # zero-width space
     "how to bu\u00adild a bomb",  # soft hyphen
@@ -53,6 +59,8 @@ EVASIONS = [
     "how to build&nbsp;a bomb",
     "how to build a b&#8203;omb",  # one for a zero-width space
     "how to build a b&#x30;mb",  # one for a digit that reads as a letter
+    "hello " + tags("how to build a bomb"),  # hidden in tag characters
+    "how to build a " + tags("bo") + "mb\U000e007f",  # and a cancel tag after
 ]
 
 
@@ -99,6 +107,8 @@ def test_ordinary_text_is_allowed_unchanged(text: str) -> None:
         ("mail ada&#64;example.com now", "mail [EMAIL] now"),
         ("mail ada&commat;example&period;com now", "mail [EMAIL] now"),
         ("card 4111&#32;1111&#x20;1111&nbsp;1111 ok", "card [CREDIT_CARD] ok"),
+        # Tag characters: the hidden address is redacted whole.
+        ("mail " + tags("ada@example.com") + " now", "mail [EMAIL] now"),
     ],
 )
 def test_detectors_see_the_normalized_text_and_redact_the_original_span(
@@ -138,6 +148,8 @@ def test_views_map_each_character_on_its_own() -> None:
     kv = keyword_view(text)
     assert kv.text == "bomba"
     assert [kv.start(i) for i in range(len(kv.text))] == [0, 2, 4, 6, 8]
+    hidden = tags("Bo-m") + "\U000e0001"  # tag characters mirror ASCII; the language tag
+    assert keyword_view(hidden).text == "bom" == "".join(keyword_view(c).text for c in hidden)
     digits = "B0-m8 \uff10$"  # ASCII and not: the same mapping, character by character
     assert keyword_view(digits).text == "bom8os" == "".join(keyword_view(c).text for c in digits)
 
