@@ -21,11 +21,11 @@ import re2
 
 from llmmesh.policy.detectors import DETECTORS, Detector
 from llmmesh.policy.detectors import matches as detector_matches
+from llmmesh.policy.escapes import escape_start
 from llmmesh.policy.normalize import (
     View,
     keyword_view,
     pattern_view,
-    reference_start,
     word_after,
     word_before,
     word_break,
@@ -171,6 +171,8 @@ class KeywordIndex:
             return []
         view = views.get(self._kind)
         found = []
+        # Where an escape still being written ends what is known of the text.
+        tail = escape_start(text) if self._kind == "keyword" else None
         for last, (length, owners) in self._automaton.iter(view.text, view.position(pos)):
             first = last - length + 1
             start, end = view.start(first), view.end(last + 1)
@@ -178,7 +180,7 @@ class KeywordIndex:
                 if not whole_word:
                     found.append(Hit(rule, start, end, ""))
                     continue
-                alone, known = _stands_alone(text, start, view.start(last), end)
+                alone, known = _stands_alone(view, start, view.start(last), end, tail)
                 if alone:
                     found.append(Hit(rule, start, end, "", certain=known))
         return found
@@ -216,13 +218,21 @@ def _keyword_key(kind: str, keyword: str) -> str:
     return key
 
 
-def _stands_alone(text: str, start: int, last: int, end: int) -> tuple[bool, bool]:
-    """Whether a keyword match of ``text[start:end]`` (its last letter at ``last``) stands
-    as a whole word, and whether that is known yet (the text may grow past ``end``)."""
-    before_char = word_before(text, start)
-    before = before_char is None or word_break(before_char, text[start])
-    after_char, known = word_after(text, end)
-    after = after_char is None or word_break(text[last], after_char)
+def _stands_alone(
+    view: View, start: int, last: int, end: int, tail: int | None
+) -> tuple[bool, bool]:
+    """Whether a keyword match of the view's original ``[start:end]`` (its last letter at
+    ``last``) stands as a whole word, and whether that is known yet (the text may grow past
+    ``end``, or an escape still being written at ``tail`` may read as a letter). An escape
+    is read as the characters it stands for."""
+    text, escapes = view.original, view.escapes
+    before_char = word_before(text, start, escapes)
+    # (An escape that stands for nothing begins or ends no match: it has no view text.)
+    first_char = escapes[start][1][0] if start in escapes else text[start]
+    before = before_char is None or word_break(before_char, first_char)
+    after_char, known = word_after(text, end, escapes, tail)
+    last_char = escapes[last][1][-1] if last in escapes else text[last]
+    after = after_char is None or word_break(last_char, after_char)
     return before and after, known
 
 
@@ -387,9 +397,9 @@ class Matcher:
                 # Only indexes with something to match: each costs a call per chunk.
                 self._indexes += [i for i in (keywords, patterns) if i]
         self.holdback_cap = holdback_cap
-        # The normalized views read character references: a stream's tail that may yet
-        # become one waits for the characters that say which.
-        self._reads_references = any(normalized)
+        # The normalized views read escapes (llmmesh/policy/escapes.py): a stream's tail
+        # that may yet become one waits for the characters that say which.
+        self._reads_escapes = any(normalized)
 
     def hits(self, text: str | Views, pos: int = 0) -> list[Hit]:
         views = text if isinstance(text, Views) else Views(text)
@@ -400,6 +410,12 @@ class Matcher:
         match of the text before ``join`` overlaps it."""
         return [hit for index in self._indexes for hit in index.spanning(views, join)]
 
+    def read_until(self, text: str) -> int:
+        """How much of ``text`` reads as it will whatever follows: all of it, but for an
+        escape still being written at its end."""
+        escape = escape_start(text) if self._reads_escapes else None
+        return len(text) if escape is None else escape
+
     def settled_until(self, text: str | Views, pos: int, hits: Sequence[Hit]) -> int:
         """How far ``text`` (of which ``[pos:]`` is new) is settled: no match can start
         before the returned position and reach beyond it, whatever text follows. Never
@@ -407,11 +423,11 @@ class Matcher:
         views = text if isinstance(text, Views) else Views(text)
         size = len(views.text)
         settled = size
-        reference = reference_start(views.text) if self._reads_references else None
-        if reference is not None:
-            # A character reference still being written: what precedes it may grow into
-            # a match through the character it turns out to be, as if the text ended there.
-            settled, views = reference, Views(views.text[:reference])
+        escape = escape_start(views.text) if self._reads_escapes else None
+        if escape is not None:
+            # An escape still being written: what precedes it may grow into a match
+            # through the character it turns out to be, as if the text ended there.
+            settled, views = escape, Views(views.text[:escape])
         for index in self._indexes:
             start = index.pending_start(views, pos)
             if start is not None and start < settled:

@@ -1,8 +1,8 @@
 """What matching sees of a text: views that survive the usual evasions, and the way back
 from a position in a view to the original characters.
 
-Each view maps every original character on its own to zero or more characters (an HTML
-character reference, read whole, is the one exception: below), so the view of a
+Each view maps every original character on its own to zero or more characters (an escape
+that stands for a character, read whole, is the one exception: below), so the view of a
 concatenation is the concatenation of the views (the streamed output check relies on it),
 and a match in the view maps back to a span of the original:
 
@@ -21,12 +21,12 @@ and a match in the view maps back to a span of the original:
   (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
   keyword view.
 
-Both views read HTML character references (``&#98;``, ``&#x62;``, ``&commat;``, and the
-legacy names without a semicolon, as browsers do) as the characters they stand for, then
-fold those: a model reads "&#98;omb" as the word it spells, and a client's page shows
-"ada&#64;example.com" as an address. A reference is read whole, so a match that takes its
+Both views read escapes (HTML character references, URL percent-escapes:
+llmmesh/policy/escapes.py) as the characters they stand for, then fold those: a model reads
+"&#98;omb" and "%62omb" as the word they spell, and a client's page shows
+"ada&#64;example.com" as an address. An escape is read whole, so a match that takes its
 character takes all of it; a stream's tail that more text could make into one waits for
-that text (``reference_start``), and so does what precedes it.
+that text (``escape_start``), and so does what precedes it.
 
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain
@@ -35,8 +35,6 @@ and break digit patterns such as card numbers.
 
 from __future__ import annotations
 
-import html
-import re
 import unicodedata
 from collections.abc import Callable
 from functools import partial
@@ -45,6 +43,8 @@ from typing import Any
 import icu
 import numpy as np
 import numpy.typing as npt
+
+from llmmesh.policy.escapes import Escapes, escapes
 
 _IGNORED_CATEGORIES = frozenset({"Cf", "Mn", "Me"})  # format characters, combining marks
 # What a keyword's letters may be spaced or wrapped with and still read as the keyword:
@@ -72,15 +72,6 @@ _LOOKALIKES = str.maketrans(_LOOKALIKE_DIGITS, _LETTERS)
 _ASCII_LOOKALIKES = bytes.maketrans(_LOOKALIKE_DIGITS.encode(), _LETTERS.encode())
 
 _SPOOF: Any = icu.SpoofChecker()
-
-# A run that may be a character reference: a number (at most what Unicode needs, and then
-# some: a longer one reads as U+FFFD, as html.unescape reads it) or a name (the longest of
-# HTML's is 31 characters), with its semicolon if any. html.unescape says what it is.
-_REFERENCE = re.compile(r"&(?:#[xX][0-9a-fA-F]{1,8}|#[0-9]{1,10}|[A-Za-z][A-Za-z0-9]{0,31});?")
-# The end of a text that more characters could still turn into a reference, or into a
-# longer one (``&#9`` into ``&#98;``, ``&amp`` into ``&ampx``).
-_REFERENCE_TAIL = re.compile(r"&(?:#[xX]?[0-9a-fA-F]{0,10}|[A-Za-z][A-Za-z0-9]{0,31})?\Z")
-
 
 # Unicode's tag characters U+E0020-U+E007E mirror printable ASCII and show as nothing:
 # text written in them is invisible to whoever reads the prompt, yet a model whose
@@ -145,7 +136,7 @@ Origin = npt.NDArray[np.int64]
 class View:
     """A view of ``original``: its text, and where each of its characters came from."""
 
-    __slots__ = ("_origin", "_origin_of", "_reference_ends", "original", "text")
+    __slots__ = ("_origin", "_origin_of", "escapes", "original", "text")
 
     def __init__(
         self,
@@ -153,17 +144,17 @@ class View:
         text: str,
         origin: Origin | None,
         origin_of: Callable[[], Origin] | None = None,
-        reference_ends: dict[int, int] | None = None,
+        escapes: Escapes | None = None,
     ) -> None:
         """``origin``: the original index of each view character (None: the same); or
         ``origin_of`` works it out when a position is first mapped (most texts match
-        nothing, and need none). ``reference_ends``: where each character reference read
-        as its characters ends, by where it starts (its characters' origin)."""
+        nothing, and need none). ``escapes``: the escapes read as their characters, by
+        where each starts (their characters' origin)."""
         self.original = original
         self.text = text
         self._origin = origin
         self._origin_of = origin_of
-        self._reference_ends = reference_ends or {}
+        self.escapes = escapes or {}
 
     def _map(self) -> Origin | None:
         if self._origin_of is not None:
@@ -185,7 +176,8 @@ class View:
         if origin is None:
             return index
         last = int(origin[index - 1])
-        end = self._reference_ends.get(last, last + 1)
+        escape = self.escapes.get(last)
+        end = escape[0] if escape else last + 1
         original = self.original
         while end < len(original) and ignored(original[end]):
             end += 1
@@ -222,51 +214,29 @@ _PATTERN = _Table(pattern_char)
 _KEYWORD = _Table(keyword_char)
 
 
-def _mapped(text: str, table: _Table, references: dict[int, tuple[int, str]]) -> View:
-    """``text`` through ``table``, each of ``references`` (start: its end, what it stands
-    for) read as its characters through the table, all of them from its first."""
+def _mapped(text: str, table: _Table, found: Escapes) -> View:
+    """``text`` through ``table``, each escape of ``found`` read as its characters through
+    the table, all of them from its first."""
     pieces = list(map(table.__getitem__, text))
-    for start, (end, decoded) in references.items():
+    for start, (end, decoded) in found.items():
         pieces[start] = "".join(map(table.__getitem__, decoded))
         pieces[start + 1 : end] = [""] * (end - start - 1)
     lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
     origin = np.repeat(np.arange(len(text), dtype=np.int64), lengths)
-    ends = {start: end for start, (end, _) in references.items()}
-    return View(text, "".join(pieces), origin, reference_ends=ends)
-
-
-def _references(text: str) -> dict[int, tuple[int, str]]:
-    """The character references in ``text``: start -> (end, what it stands for)."""
-    if "&" not in text:
-        return {}
-    found = {}
-    for match in _REFERENCE.finditer(text):
-        decoded = html.unescape(match.group())
-        if decoded != match.group():
-            found[match.start()] = (match.end(), decoded)
-    return found
-
-
-def reference_start(text: str) -> int | None:
-    """Where a tail of ``text`` that more text could make (or lengthen) a character
-    reference starts, if it ends in one: the views of what follows may read it anew."""
-    tail = text.rfind("&", max(len(text) - 34, 0))
-    if tail < 0 or _REFERENCE_TAIL.match(text, tail) is None:
-        return None
-    return tail
+    return View(text, "".join(pieces), origin, escapes=found)
 
 
 def pattern_view(text: str) -> View:
-    references = _references(text)
-    if text.isascii() and not references:
+    found = escapes(text)
+    if text.isascii() and not found:
         return View(text, text, None)
-    return _mapped(text, _PATTERN, references)
+    return _mapped(text, _PATTERN, found)
 
 
 def keyword_view(text: str) -> View:
-    references = _references(text)
-    if references:
-        return _mapped(text, _KEYWORD, references)
+    found = escapes(text)
+    if found:
+        return _mapped(text, _KEYWORD, found)
     if text.isascii():
         # Byte operations only: a prompt's check often runs with cold caches, where each
         # library touched costs far more than its work.
@@ -290,22 +260,39 @@ def word_break(left: str, right: str) -> bool:
     return not (left.isalnum() and right.isalnum()) or (left.islower() and right.isupper())
 
 
-def word_before(text: str, index: int) -> str | None:
+def word_before(text: str, index: int, found: Escapes | None = None) -> str | None:
     """The character a whole-word check sees before ``index`` (ignored characters
-    skipped), or None at the start of the text."""
+    skipped; an escape of ``found`` as the last character it stands for), or None at the
+    start of the text."""
+    table = found or {}
+    starts = {end: start for start, (end, _) in table.items()}
     stop = max(index - MAX_IGNORED_RUN - 2, -1)
-    for i in range(index - 1, stop, -1):
-        if not ignored(text[i]):
-            return text[i]
+    i = index - 1
+    while i > stop:
+        start = starts.get(i + 1)
+        char = text[i] if start is None else table[start][1][-1:]
+        if char and not ignored(char):  # an escape may stand for nothing (&#1;)
+            return char
+        i = i - 1 if start is None else start - 1
     return None
 
 
-def word_after(text: str, index: int) -> tuple[str | None, bool]:
+def word_after(
+    text: str, index: int, found: Escapes | None = None, tail: int | None = None
+) -> tuple[str | None, bool]:
     """The character a whole-word check sees at or after ``index`` (ignored characters
-    skipped), or None; and whether that is known (false when the text ends within the
-    run of ignored characters it may skip: more text could still follow)."""
-    limit = index + MAX_IGNORED_RUN + 1
-    for i in range(index, min(limit, len(text))):
-        if not ignored(text[i]):
-            return text[i], True
-    return None, len(text) >= limit
+    skipped; an escape of ``found`` as the first character it stands for), or None; and
+    whether that is known (false when the text ends within the run of ignored characters
+    it may skip, or reaches ``tail``, an escape still being written: more text could
+    still follow)."""
+    limit = min(index + MAX_IGNORED_RUN + 1, len(text))
+    i = index
+    while i < limit:
+        if tail is not None and i >= tail:
+            return None, False
+        escape = found.get(i) if found else None
+        char = text[i] if escape is None else escape[1][:1]
+        if char and not ignored(char):  # an escape may stand for nothing (&#1;)
+            return char, True
+        i = i + 1 if escape is None else escape[0]
+    return None, len(text) >= index + MAX_IGNORED_RUN + 1

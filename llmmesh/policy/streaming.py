@@ -133,7 +133,8 @@ class OutputScanner:
         if not hits:  # most chunks: the settled text goes out as it came
             return OutputStep(scan[pos:settled], held=self._settle(scan, pos, settled))
         # A deny match that is certain stops the stream at once, even while held back.
-        decided = [h for h in hits if h.start < settled or self._certain_deny(h, len(scan))]
+        read = matcher.read_until(scan)
+        decided = [h for h in hits if h.start < settled or self._certain_deny(h, read)]
         decision = self._rules.decide(scan[pos:settled], decided, pos)
         new = tuple(r for r in decision.rule_ids if r not in self.matched)
         self.matched += new
