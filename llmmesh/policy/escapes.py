@@ -79,10 +79,12 @@ def escape_start(text: str) -> int | None:
     amp = text.rfind("&", max(len(text) - _LONGEST_REFERENCE_TAIL, 0))
     if amp >= 0 and _REFERENCE_TAIL.match(text, amp) is not None:
         return amp
+    # A percent-escape begun (``%``, ``%C``), and before it the escapes of a UTF-8 sequence
+    # not yet finished (``%C3`` of ``%C3%A9``): the earlier of the two.
     percent = _PERCENT_TAIL.search(text, max(len(text) - 2, 0))
-    if percent is not None:
-        return percent.start()
-    return _unfinished_character(text)
+    begun = len(text) if percent is None else percent.start()
+    unfinished = _unfinished_character(text[:begun] if percent is not None else text)
+    return unfinished if unfinished is not None else (begun if percent is not None else None)
 
 
 def _unfinished_character(text: str) -> int | None:

@@ -201,6 +201,7 @@ def test_a_character_reference_reads_as_its_character_and_maps_back_whole() -> N
         ("x %6", 2),  # %62 to come
         ("x %C3", 2),  # a UTF-8 sequence begun: %C3%A9
         ("x %41%E2%82", 5),  # A, then two of a euro sign's three bytes
+        ("x %C3%A", 2),  # a sequence begun, and its next escape begun
         ("x %62", None),  # one byte, one character: nothing after it changes it
         ("x %C3%A9", None),
         ("x %FF", None),  # begins no sequence
