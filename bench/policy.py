@@ -81,6 +81,17 @@ def prompts(n: int, seed: int) -> list[str]:
     return out
 
 
+def escaped(text: str) -> str:
+    """``text`` with every word's first letter written as an escape a model reads through,
+    a percent-escape and an HTML character reference in turn: the views read each back."""
+    words = text.split(" ")
+    for i, word in enumerate(words):
+        if word[:1].isalpha():
+            code = ord(word[0])
+            words[i] = (f"%{code:02X}" if i % 2 else f"&#{code};") + word[1:]
+    return " ".join(words)[:PROMPT_CHARS]
+
+
 @dataclass(frozen=True)
 class Latency:
     label: str
@@ -127,6 +138,8 @@ def _checking(rules: RuleSet, chats: Iterator[list[Part]]) -> Callable[[], objec
 def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) -> list[Latency]:
     inputs = iter(texts * 2)
     input_check = _timed(lambda: rules.check_input(next(inputs)), len(texts))
+    escaped_inputs = iter([escaped(t) for t in texts])
+    escaped_check = _timed(lambda: rules.check_input(next(escaped_inputs)), len(texts))
     chats = conversations(200, seed)
     by_set = {
         name: _timed(_checking(rule_set, iter(chats)), len(chats))
@@ -142,6 +155,7 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
     joined = _timed(lambda: OutputScanner(rules.output, next(leads)).feed(first), len(texts))
     return [
         Latency("input check, 4 KB prompt (in process)", input_check),
+        Latency("input check, 4 KB prompt, every word's first letter escaped", escaped_check),
         *(
             Latency(f"input check, 32-message 16 KB conversation, {name} (in process)", v)
             for name, v in by_set.items()

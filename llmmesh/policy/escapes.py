@@ -12,6 +12,7 @@ more text could still make into an escape, or into a longer one (``&``, ``&#9``,
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 
@@ -29,14 +30,18 @@ _LONGEST_CHARACTER = 4  # UTF-8 bytes
 # start -> (end, what the escape at ``start`` stands for)
 Escapes = dict[int, tuple[int, str]]
 
+# A text's references repeat (``&amp;``, an escaped letter): each read once.
+_unescape = functools.lru_cache(maxsize=4096)(html.unescape)
+
 
 def escapes(text: str) -> Escapes:
     """The escapes in ``text`` that stand for something other than themselves."""
     found: Escapes = {}
     if "&" in text:
         for match in _REFERENCE.finditer(text):
-            decoded = html.unescape(match.group())
-            if decoded != match.group():
+            reference = match.group()
+            decoded = _unescape(reference)
+            if decoded != reference:
                 found[match.start()] = (match.end(), decoded)
     if "%" in text:
         for run in _PERCENT_RUN.finditer(text):
@@ -48,6 +53,8 @@ def _percent_characters(run: str, at: int) -> Escapes:
     """The characters of a run of percent-escapes at ``at``: each complete UTF-8 sequence
     one character; a byte that begins none (or an unfinished one) reads as U+FFFD."""
     data = bytes.fromhex(run.replace("%", ""))
+    if data.isascii():  # the common case: a character per escape
+        return {at + _ESCAPE * i: (at + _ESCAPE * (i + 1), chr(b)) for i, b in enumerate(data)}
     found: Escapes = {}
     i = 0
     while i < len(data):

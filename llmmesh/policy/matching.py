@@ -21,7 +21,7 @@ import re2
 
 from llmmesh.policy.detectors import DETECTORS, Detector
 from llmmesh.policy.detectors import matches as detector_matches
-from llmmesh.policy.escapes import escape_start
+from llmmesh.policy.escapes import Escapes, escape_start, escapes
 from llmmesh.policy.normalize import (
     View,
     keyword_view,
@@ -117,23 +117,27 @@ class Views:
     def __init__(self, text: str) -> None:
         self.text = text
         self._made: dict[str, View] = {}
+        self._escapes: Escapes | None = None
 
     def get(self, kind: str) -> View:
         view = self._made.get(kind)
         if view is None:
-            view = self._made[kind] = _VIEWS[kind](self.text)
+            view = self._made[kind] = _VIEWS[kind](self)
         return view
 
+    @property
+    def escapes(self) -> Escapes:
+        """The text's escapes, looked for once for the views that read them."""
+        if self._escapes is None:
+            self._escapes = escapes(self.text)
+        return self._escapes
 
-def _raw_view(text: str) -> View:
-    return View(text, text, None)
 
-
-_VIEWS: dict[str, Callable[[str], View]] = {
-    "keyword": keyword_view,
-    "folded": _Folded.view,
-    "pattern": pattern_view,
-    "raw": _raw_view,
+_VIEWS: dict[str, Callable[[Views], View]] = {
+    "keyword": lambda views: keyword_view(views.text, views.escapes),
+    "folded": lambda views: _Folded.view(views.text),
+    "pattern": lambda views: pattern_view(views.text, views.escapes),
+    "raw": lambda views: View(views.text, views.text, None),
 }
 
 
@@ -207,7 +211,7 @@ def _keyword_key(kind: str, keyword: str) -> str:
     """What a keyword matches in its view; refused when that leaves nothing, or one
     character of a keyword written with more (``c++`` would match every word "c")."""
     written = keyword.strip()
-    key = _VIEWS[kind](written).text
+    key = Views(written).get(kind).text
     if not key:
         raise PatternError(f"keyword {keyword!r} has no letter or digit to match")
     if len(key) == 1 and len(written) > 1:
@@ -226,7 +230,7 @@ def _stands_alone(
     ``end``, or an escape still being written at ``tail`` may read as a letter). An escape
     is read as the characters it stands for."""
     text, escapes = view.original, view.escapes
-    before_char = word_before(text, start, escapes)
+    before_char = word_before(text, start, view)
     # (An escape that stands for nothing begins or ends no match: it has no view text.)
     first_char = escapes[start][1][0] if start in escapes else text[start]
     before = before_char is None or word_break(before_char, first_char)

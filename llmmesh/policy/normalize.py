@@ -136,7 +136,7 @@ Origin = npt.NDArray[np.int64]
 class View:
     """A view of ``original``: its text, and where each of its characters came from."""
 
-    __slots__ = ("_origin", "_origin_of", "escapes", "original", "text")
+    __slots__ = ("_by_end", "_origin", "_origin_of", "escapes", "original", "text")
 
     def __init__(
         self,
@@ -155,6 +155,15 @@ class View:
         self._origin = origin
         self._origin_of = origin_of
         self.escapes = escapes or {}
+        self._by_end: dict[int, int] | None = None
+
+    @property
+    def escape_starts(self) -> dict[int, int]:
+        """Where each escape starts, by where it ends (made once: every whole-word check
+        of the text reads it)."""
+        if self._by_end is None:
+            self._by_end = {end: start for start, (end, _) in self.escapes.items()}
+        return self._by_end
 
     def _map(self) -> Origin | None:
         if self._origin_of is not None:
@@ -226,15 +235,17 @@ def _mapped(text: str, table: _Table, found: Escapes) -> View:
     return View(text, "".join(pieces), origin, escapes=found)
 
 
-def pattern_view(text: str) -> View:
-    found = escapes(text)
+def pattern_view(text: str, found: Escapes | None = None) -> View:
+    """``found``: the text's escapes, when already looked for."""
+    found = escapes(text) if found is None else found
     if text.isascii() and not found:
         return View(text, text, None)
     return _mapped(text, _PATTERN, found)
 
 
-def keyword_view(text: str) -> View:
-    found = escapes(text)
+def keyword_view(text: str, found: Escapes | None = None) -> View:
+    """``found``: the text's escapes, when already looked for."""
+    found = escapes(text) if found is None else found
     if found:
         return _mapped(text, _KEYWORD, found)
     if text.isascii():
@@ -260,17 +271,17 @@ def word_break(left: str, right: str) -> bool:
     return not (left.isalnum() and right.isalnum()) or (left.islower() and right.isupper())
 
 
-def word_before(text: str, index: int, found: Escapes | None = None) -> str | None:
+def word_before(text: str, index: int, view: View | None = None) -> str | None:
     """The character a whole-word check sees before ``index`` (ignored characters
-    skipped; an escape of ``found`` as the last character it stands for), or None at the
-    start of the text."""
-    table = found or {}
-    starts = {end: start for start, (end, _) in table.items()}
+    skipped; an escape the ``view`` of ``text`` reads as the last character it stands
+    for), or None at the start of the text."""
+    found = view.escapes if view is not None else {}
+    starts = view.escape_starts if view is not None and found else {}
     stop = max(index - MAX_IGNORED_RUN - 2, -1)
     i = index - 1
     while i > stop:
         start = starts.get(i + 1)
-        char = text[i] if start is None else table[start][1][-1:]
+        char = text[i] if start is None else found[start][1][-1:]
         if char and not ignored(char):  # an escape may stand for nothing (&#1;)
             return char
         i = i - 1 if start is None else start - 1
