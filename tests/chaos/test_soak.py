@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmmesh.launcher import Stack, StackPorts
+from llmmesh.waiting import poll_until
 from tests.chaos.load import Load, Outcome
 from tests.conftest import backend_pids
 
@@ -35,6 +36,8 @@ LOAD_SHARE = 0.7
 # Conversations of a few turns, so that the load is steady: a history that grew for the
 # whole run would make the last requests several times the first ones.
 TURNS_PER_SESSION = 4
+CAPACITY_ANSWERS = 400
+CAPACITY_WINDOW_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +85,21 @@ def sample(stack: Stack, pids: dict[str, int], started: float) -> dict[str, Any]
 
 
 def capacity(stack: Stack) -> float:
-    """Requests per second the stack answers with 16 clients back to back (20 s)."""
+    """Requests per second the stack answers with 16 clients back to back: over its first
+    CAPACITY_ANSWERS answers, or CAPACITY_WINDOW_S if it answers fewer by then."""
     load = Load(
         stack.address("router"), stack.api_key, workers=16, turns_per_session=TURNS_PER_SESSION
     )
+
+    def answered() -> int:
+        return sum(o.acknowledged for o in list(load.outcomes))
+
+    started = time.monotonic()
     load.start()
-    time.sleep(20)  # the measuring window, not synchronisation
+    poll_until(lambda: answered() >= CAPACITY_ANSWERS, CAPACITY_WINDOW_S, interval_s=0.2)
+    count, elapsed = answered(), time.monotonic() - started
     load.stop()
-    answered = [o for o in load.outcomes if o.acknowledged]
-    return len(answered) / 20
+    return count / elapsed
 
 
 def open_loop(stack: Stack, rate: float, until: float) -> list[Outcome]:
@@ -106,11 +115,14 @@ def open_loop(stack: Stack, rate: float, until: float) -> list[Outcome]:
             outcomes.append(outcome)
 
     with ThreadPoolExecutor(max_workers=64) as pool:
-        n = 0
-        while time.monotonic() < until:
+        n, arrival = 0, time.monotonic()
+        while arrival < until:
             pool.submit(one, n)
             n += 1
-            time.sleep(rng.expovariate(rate))  # the arrival process
+            # Each arrival at its own time on one Poisson schedule: a loaded machine's
+            # slower submits delay an arrival, not every arrival after it.
+            arrival += rng.expovariate(rate)
+            time.sleep(max(0.0, arrival - time.monotonic()))  # until the next arrival
     return outcomes
 
 
