@@ -18,7 +18,8 @@ and a match in the view maps back to a span of the original:
   (whitespace, control, private-use and unassigned characters, and every punctuation mark
   and symbol but the two below), so "b-o-m-b", "b o m b", "b/o/m/b" and a quoted "bomb"
   all read "bomb"; and digits and signs that stand for letters read as those letters
-  (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"). A keyword is compared in its own
+  (0 o, 1 i, 3 e, 4 a, 5 s, 7 t, @ a, $ s: "b0mb"), with l read as i, since 1 and a
+  capital I stand for either ("bui1d", "buiId"). A keyword is compared in its own
   keyword view.
 
 Both views read escapes (HTML character references, URL percent-escapes:
@@ -60,8 +61,10 @@ _SEPARATOR_CATEGORIES = frozenset(
 MAX_IGNORED_RUN = 32
 
 # Digits and signs written for the letters they look like ("b0mb", "pa$$w0rd"): the
-# keyword view reads them as those letters (a keyword's own are read the same way).
-_LOOKALIKE_DIGITS, _LETTERS = "013457@$", "oieastas"
+# keyword view reads them as those letters (a keyword's own are read the same way). A 1,
+# and a capital I, are written for an l as often as for an i ("bui1d", "ki11", "buiId"),
+# so l and i read as one letter.
+_LOOKALIKE_DIGITS, _LETTERS = "013457@$l", "oieastasi"
 _LOOKALIKE_SIGNS = frozenset("@$")
 _ASCII_SEPARATOR_BYTES = bytes(
     code for code in range(128) if not chr(code).isalnum() and chr(code) not in _LOOKALIKE_SIGNS
