@@ -22,12 +22,12 @@ and a match in the view maps back to a span of the original:
   capital I stand for either ("bui1d", "buiId"). A keyword is compared in its own
   keyword view.
 
-Both views read escapes (HTML character references, URL percent-escapes:
-llmmesh/policy/escapes.py) as the characters they stand for, then fold those: a model reads
-"&#98;omb" and "%62omb" as the word they spell, and a client's page shows
-"ada&#64;example.com" as an address. An escape is read whole, so a match that takes its
-character takes all of it; a stream's tail that more text could make into one waits for
-that text (``escape_start``), and so does what precedes it.
+Both views read escapes (HTML character references, URL percent-escapes, backslash
+escapes: llmmesh/policy/escapes.py) as the characters they stand for, then fold those: a
+model reads "&#98;omb", "%62omb" and "\\u0062omb" as the word they spell, and a client's
+page shows "ada&#64;example.com" as an address. An escape is read whole, so a match that
+takes its character takes all of it; a stream's tail that more text could make into one
+waits for that text (``escape_start``), and so does what precedes it.
 
 ASCII characters are their own skeleton: mapping ASCII to ASCII ("1" to "l", "m" to
 "rn", as the skeleton does) would make ordinary text match keywords it does not contain

@@ -105,11 +105,12 @@ EVASIONS = [
     *["\u0664", "\u0967", "\u2022", "\U0001f4a3", "\u24d1"],
     *["\U000e0062", "\U000e0040", "\U000e0034", "\U000e007f"],
 ]
-# Escapes (HTML character references, URL percent-escapes), whole and in pieces, and runs
-# that only look like them.
+# Escapes (HTML character references, URL percent-escapes, backslash escapes), whole and in
+# pieces, and runs that only look like them.
 ESCAPES = [
     *["&", "#", "x", ";", "&#", "&#98;", "&#x62;", "&#64;", "&amp", "&nbsp;", "&#8203;"],
     *["%", "%6", "%62", "%40", "%20", "%C3", "%A9", "%E2%82%AC", "%FF", "F"],
+    *["\\", "u", "\\u00", "62", "\\u0062", "\\x40", "\\xc3", "\\ud83d", "\\udca3", "{62}"],
 ]
 PIECES = st.sampled_from(
     [*"0123456789 .-@+()abAB:_xyzEGKT\n/\"'\x00", *WORDS, *PII, *EVASIONS, *ESCAPES]
@@ -236,7 +237,10 @@ def test_a_deny_rule_stops_the_stream_and_nothing_more_is_released() -> None:
     assert scanner.finish().denied_by == "stop-word"
 
 
-@pytest.mark.parametrize("text", ["a bomb%62 x", "a bomb%20 x", "a bomb&#98; x", "a bomb&#32; x"])
+@pytest.mark.parametrize(
+    "text",
+    ["a bomb%62 x", "a bomb%20 x", "a bomb&#98; x", "a bomb&#32; x", "a bomb\\u0062 x"],
+)
 def test_no_deny_is_decided_on_an_escape_still_being_written(text: str) -> None:
     """A certain deny match stops a stream while held back, unless an escape still being
     written follows it: that may read as a letter that undoes the match (``bomb%62`` reads
