@@ -7,7 +7,8 @@ concatenation is the concatenation of the views (the streamed output check relie
 and a match in the view maps back to a span of the original:
 
 - the **pattern view** (regular expressions and detectors): compatibility forms folded
-  (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures), tag
+  (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures; and the
+  ideographic full stop read as a dot, as domain names read it), tag
   characters read as the ASCII they mirror (text hidden in them), other format
   characters (zero-width space and joiners, soft hyphen) and combining marks removed,
   and every other non-ASCII character replaced by its confusable skeleton (Unicode's
@@ -75,6 +76,9 @@ _LOOKALIKES = str.maketrans(_LOOKALIKE_DIGITS, _LETTERS)
 _ASCII_LOOKALIKES = bytes.maketrans(_LOOKALIKE_DIGITS.encode(), _LETTERS.encode())
 
 _SPOOF: Any = icu.SpoofChecker()
+# The ideographic full stops, which domain names read as dots (IDNA's mapping, UTS #46):
+# "ada@example\u3002com" is an address to a mail client and to a model.
+_FULL_STOPS = str.maketrans({"\u3002": ".", "\uff61": "."})
 
 # Unicode's tag characters U+E0020-U+E007E mirror printable ASCII and show as nothing:
 # text written in them is invisible to whoever reads the prompt, yet a model whose
@@ -109,7 +113,7 @@ def pattern_char(char: str) -> str:
     digit = unicodedata.decimal(char, None)
     if digit is not None:  # any script's digit: a card in Arabic-Indic digits is a card
         return str(digit)
-    folded = _strip_marks(unicodedata.normalize("NFKC", char))
+    folded = _strip_marks(unicodedata.normalize("NFKC", char)).translate(_FULL_STOPS)
     if folded.isascii():
         return folded
     skeleton = "".join(c if c.isascii() else _SPOOF.getSkeleton(0, c) for c in folded)

@@ -110,6 +110,8 @@ def test_ordinary_text_is_allowed_unchanged(text: str) -> None:
         ),
         ("mail \u0430da@example.com now", "mail [EMAIL] now"),
         ("mail ada@exa\u200bmple.com now", "mail [EMAIL] now"),
+        ("mail ada@example\u3002com now", "mail [EMAIL] now"),  # a dot to a domain name
+        ("mail ada@example\uff61co\uff0ejp now", "mail [EMAIL] now"),
         ("mail jos\u00e9@example.com", "mail [EMAIL]"),
         ("ip \uff11\uff19\uff12.168.0.1 here", "ip [IP_ADDRESS] here"),
         # Any script's decimal digits: Arabic-Indic, Devanagari.
