@@ -83,12 +83,13 @@ def prompts(n: int, seed: int) -> list[str]:
 
 def escaped(text: str) -> str:
     """``text`` with every word's first letter written as an escape a model reads through,
-    a percent-escape and an HTML character reference in turn: the views read each back."""
+    an HTML character reference, a percent-escape and a backslash escape in turn: the
+    views read each back."""
+    forms = ("&#{};", "%{:02X}", "\\u{:04x}")
     words = text.split(" ")
     for i, word in enumerate(words):
         if word[:1].isalpha():
-            code = ord(word[0])
-            words[i] = (f"%{code:02X}" if i % 2 else f"&#{code};") + word[1:]
+            words[i] = forms[i % len(forms)].format(ord(word[0])) + word[1:]
     return " ".join(words)[:PROMPT_CHARS]
 
 
