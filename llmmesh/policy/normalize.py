@@ -8,7 +8,8 @@ and a match in the view maps back to a span of the original:
 
 - the **pattern view** (regular expressions and detectors): compatibility forms folded
   (Unicode NFKC: fullwidth letters and digits, no-break spaces, ligatures; and the
-  ideographic full stop read as a dot, as domain names read it), tag
+  ideographic full stop read as a dot, as domain names read it), symbols that draw a
+  Latin letter read as it (a negative squared B, a regional indicator), tag
   characters read as the ASCII they mirror (text hidden in them), other format
   characters (zero-width space and joiners, soft hyphen) and combining marks removed,
   and every other non-ASCII character replaced by its confusable skeleton (Unicode's
@@ -37,6 +38,7 @@ and break digit patterns such as card numbers.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Callable
 from functools import partial
@@ -79,6 +81,12 @@ _SPOOF: Any = icu.SpoofChecker()
 # The ideographic full stops, which domain names read as dots (IDNA's mapping, UTS #46):
 # "ada@example\u3002com" is an address to a mail client and to a model.
 _FULL_STOPS = str.maketrans({"\u3002": ".", "\uff61": "."})
+# Symbols that draw a Latin letter: the negative circled and squared letters (U+1F150,
+# U+1F170: "\U0001f171omb") and the regional indicators (U+1F1E6: two of them show as a
+# flag, one as its letter), which a model reads as letters.
+_DRAWN_LETTER = re.compile(
+    r"(?:LATIN (CAPITAL|SMALL) LETTER|REGIONAL INDICATOR SYMBOL LETTER) ([A-Z])$"
+)
 
 # Unicode's tag characters U+E0020-U+E007E mirror printable ASCII and show as nothing:
 # text written in them is invisible to whoever reads the prompt, yet a model whose
@@ -116,8 +124,22 @@ def pattern_char(char: str) -> str:
     folded = _strip_marks(unicodedata.normalize("NFKC", char)).translate(_FULL_STOPS)
     if folded.isascii():
         return folded
+    drawn = _drawn_letter(char)
+    if drawn is not None:
+        return drawn
     skeleton = "".join(c if c.isascii() else _SPOOF.getSkeleton(0, c) for c in folded)
     return _strip_marks(skeleton)
+
+
+def _drawn_letter(char: str) -> str | None:
+    """The Latin letter a symbol draws, when its name says so (no compatibility form or
+    confusable maps these to it)."""
+    if unicodedata.category(char) != "So":
+        return None
+    named = _DRAWN_LETTER.search(unicodedata.name(char, ""))
+    if named is None:
+        return None
+    return named[2].lower() if named[1] == "SMALL" else named[2]
 
 
 def _is_separator(char: str) -> bool:

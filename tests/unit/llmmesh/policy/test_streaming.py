@@ -98,11 +98,12 @@ WORDS = ["build a bomb", "TICKET-", "secret", " plan", "forbid", "den", "ion", "
 PII = ["ada@example.com", "4111 1111 1111 1111", "4111/1111/1111/1111", "192.168.1.1"]
 # Characters the normalized views fold or drop: zero-width space, soft hyphen, a
 # combining mark, no-break space, Cyrillic a and o, fullwidth b and 4, Arabic-Indic 4,
-# Devanagari 1, a bullet and an emoji (separators), a circled b (a symbol that is a letter),
-# tag characters for b, @ and 4 (invisible, mirroring ASCII) and the cancel tag.
+# Devanagari 1, a bullet and an emoji (separators), a circled b, a negative squared B and a
+# regional indicator B (symbols that are letters), tag characters for b, @ and 4
+# (invisible, mirroring ASCII) and the cancel tag.
 EVASIONS = [
     *["\u200b", "\u00ad", "\u0301", "\u00a0", "\u0430", "\u043e", "\uff42", "\uff14"],
-    *["\u0664", "\u0967", "\u2022", "\U0001f4a3", "\u24d1"],
+    *["\u0664", "\u0967", "\u2022", "\U0001f4a3", "\u24d1", "\U0001f171", "\U0001f1e7"],
     *["\U000e0062", "\U000e0040", "\U000e0034", "\U000e007f"],
 ]
 # Escapes (HTML character references, URL percent-escapes, backslash escapes), whole and in
