@@ -76,7 +76,7 @@ def check_parts(rules: StageRules, parts: Sequence[Part]) -> PartsDecision:
         return PartsDecision((), None, "", texts, False, ())
     joined = PART_SEPARATOR.join(texts)
     layout = _Layout(parts)
-    hits = sorted((h for h in rules.matcher.hits(joined) if h.valid), key=lambda h: h.start)
+    hits = sorted((h for h in rules.input_hits(joined) if h.valid), key=lambda h: h.start)
     matched = sorted({h.rule for h in hits})
     matched_in = tuple(
         dict.fromkeys((rules.rules[h.rule].id, parts[layout.part_at(h.start)].field) for h in hits)

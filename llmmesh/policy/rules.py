@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from llmmesh.policy.detectors import DETECTORS, disjoint, redact
+from llmmesh.policy.encoded import encoded_hits
 from llmmesh.policy.matching import Hit, Matcher, PatternError, RuleMatchers, compile_regex
 from llmmesh.types import PolicyAction, Verdict
 
@@ -192,6 +193,11 @@ class StageRules:
     def check(self, text: str) -> Decision:
         return self.decide(text, self.matcher.hits(text))
 
+    def input_hits(self, text: str) -> list[Hit]:
+        """Every match in what a model reads of a prompt ``text``: its own, and those in
+        what its base64 and hexadecimal runs decode to (llmmesh/policy/encoded.py)."""
+        return self.matcher.hits(text) + encoded_hits(self.matcher, text)
+
 
 def _matchers(spec: RuleSpec) -> RuleMatchers:
     try:
@@ -234,7 +240,7 @@ class RuleSet:
 
     def check_input(self, text: str) -> Verdict:
         """Deny wins; otherwise redact rules replace what they match; flags only report."""
-        return self.input.check(text).verdict(self.version)
+        return self.input.decide(text, self.input.input_hits(text)).verdict(self.version)
 
     def check_output(self, text: str) -> Verdict:
         """The whole of a generated text at once (the streamed check gives the same)."""
