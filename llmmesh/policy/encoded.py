@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -22,11 +23,13 @@ from llmmesh.policy.matching import Hit, Matcher
 
 # A run long enough to hide a phrase (12 bytes of base64, 8 of hexadecimal). One scan for
 # both alphabets: hexadecimal digits are base64 characters too.
-MIN_RUN = 16
-_RUN = re2.compile(r"[A-Za-z0-9+/_-]{16,}={0,2}")
+_MIN_RUN = 16
+_RUN = re2.compile(f"[A-Za-z0-9+/_-]{{{_MIN_RUN},}}={{0,2}}")
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
-_READABLE_CONTROLS = frozenset("\n\r\t")
+# What text does not hold and bytes that are no text do: control characters but the line
+# breaks and the tab. (Format characters stay: text hidden with zero-width ones is text.)
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # Between decoded runs in the text the rules read: as between a prompt's parts.
 _SEPARATOR = "\n"
 
@@ -69,14 +72,12 @@ def _base64(run: str) -> str | None:
 
 
 def _readable(data: bytes) -> str | None:
-    """``data`` as text, if it is UTF-8 of printable characters (and line breaks, tabs)."""
+    """``data`` as text, if it is UTF-8 without control characters (but line breaks, tabs)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if all(c.isprintable() or c in _READABLE_CONTROLS for c in text):
-        return text
-    return None
+    return None if _CONTROL.search(text) else text
 
 
 @dataclass(frozen=True)
