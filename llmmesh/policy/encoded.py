@@ -11,7 +11,6 @@ input check).
 from __future__ import annotations
 
 import base64
-import binascii
 import bisect
 import re
 from collections.abc import Iterator
@@ -22,11 +21,16 @@ import re2
 from llmmesh.policy.matching import Hit, Matcher
 
 # A run long enough to hide a phrase (12 bytes of base64, 8 of hexadecimal). One scan for
-# both alphabets: hexadecimal digits are base64 characters too.
+# both alphabets: hexadecimal digits are base64 characters too, and a run of them is read
+# both ways.
 _MIN_RUN = 16
 _RUN = re2.compile(f"[A-Za-z0-9+/_-]{{{_MIN_RUN},}}={{0,2}}")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_HEX_RUN = re.compile(f"[0-9A-Fa-f]{{{_MIN_RUN},}}")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
+_MIN_TEXT = 8  # bytes
+# How many characters of an unfinished last group of four are read: 2 or 3 are a byte or
+# two; a lone one is none.
+_LAST_GROUP = (0, 0, 2, 3)
 # What text does not hold and bytes that are no text do: control characters but the line
 # breaks and the tab. (Format characters stay: text hidden with zero-width ones is text.)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
@@ -44,40 +48,50 @@ class Decoded:
 
 
 def decoded_runs(text: str) -> Iterator[Decoded]:
-    """The runs of ``text`` that decode, as hexadecimal or base64, to readable text."""
+    """The runs of ``text`` that decode, as base64 or hexadecimal, to readable text (the
+    longer reading when both do: hexadecimal digits are base64 characters too)."""
     for match in _RUN.finditer(text):
         run = match.group()
-        decoded = _hex(run) if set(run) <= _HEX_DIGITS else None
-        decoded = decoded if decoded is not None else _base64(run)
+        readings = [_base64(run), *map(_hex, _HEX_RUN.findall(run))]
+        decoded = max((r for r in readings if r is not None), key=len, default=None)
         if decoded is not None:
             yield Decoded(match.start(), match.end(), decoded)
 
 
 def _hex(run: str) -> str | None:
-    if len(run) % 2:
-        return None
-    return _readable(bytes.fromhex(run))
+    """What a run of hexadecimal digits decodes to, as far as it reads as text, from
+    whichever of the two places a byte may begin reads longer."""
+    readings = [
+        _readable(bytes.fromhex(run[skip : skip + (len(run) - skip) // 2 * 2])) for skip in (0, 1)
+    ]
+    return max((r for r in readings if r is not None), key=len, default=None)
 
 
 def _base64(run: str) -> str | None:
-    body = run.rstrip("=")
-    if len(body) % 4 == 1:  # no base64 text ends so
-        return None
-    # The URL-safe alphabet mapped onto the standard one, the padding made whole.
-    padded = body.encode("ascii").translate(_URL_SAFE) + b"=" * (-len(body) % 4)
-    try:
-        return _readable(base64.b64decode(padded, validate=True))
-    except binascii.Error:
-        return None
+    """What the run decodes to as base64, as far as it reads as text (a character put after
+    the text ends it there), from whichever of the four places a group of four may begin
+    reads longest (a character put in front of the text shifts every group after it)."""
+    body = run.rstrip("=").encode("ascii").translate(_URL_SAFE)
+    best: str | None = None
+    for skip in range(4):
+        piece = body[skip:]
+        piece = piece[: len(piece) // 4 * 4 + _LAST_GROUP[len(piece) % 4]]
+        decoded = _readable(base64.b64decode(piece + b"=" * (-len(piece) % 4)))
+        if decoded is not None and (best is None or len(decoded) > len(best)):
+            best = decoded
+    return best
 
 
 def _readable(data: bytes) -> str | None:
-    """``data`` as text, if it is UTF-8 without control characters (but line breaks, tabs)."""
+    """The text ``data`` begins with, as far as it is UTF-8 without control characters
+    (but line breaks and tabs), if that is long enough to say something."""
     try:
         text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return None if _CONTROL.search(text) else text
+    except UnicodeDecodeError as err:
+        text = data[: err.start].decode("utf-8")
+    control = _CONTROL.search(text)
+    text = text if control is None else text[: control.start()]
+    return text if len(text.encode("utf-8")) >= _MIN_TEXT else None
 
 
 @dataclass(frozen=True)
