@@ -3,9 +3,12 @@ and hexadecimal. Unlike an escape (llmmesh/policy/escapes.py), such a string has
 character that stands for one character of what it says, so a match in what it decodes to
 is a match of the whole string: a deny rule denies, a redaction replaces all of it.
 
-Only a run that decodes to readable UTF-8 text counts (a hash, a key or a word that happens
-to be valid base64 decodes to bytes that are not), and only in what a model will read (the
-input check).
+A run is read as far as it decodes to UTF-8 text without control characters, and only if
+that is 8 bytes or more: a hash, a key or a word that happens to be valid base64 mostly
+decodes to bytes that are not text (and the rare one that reads as text is gibberish that
+no rule matches). Characters put before the encoded text, or after it, do not hide it: each
+place its groups may begin is tried, and the longest reading kept. Only in what a model
+will read (the input check): the streamed output is checked as written.
 """
 
 from __future__ import annotations
