@@ -8,6 +8,7 @@ or on input and output), in one run.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import random
 import secrets
@@ -93,6 +94,15 @@ def escaped(text: str) -> str:
     return " ".join(words)[:PROMPT_CHARS]
 
 
+def encoded(text: str, words: int = 4) -> str:
+    """``text`` written in base64, a run per ``words`` words (the most runs a prompt of its
+    size can hold that each read as text): the input check decodes and reads each."""
+    split = text.split()
+    chunks = (" ".join(split[i : i + words]) for i in range(0, len(split), words))
+    runs = " ".join(base64.b64encode(c.encode()).decode() for c in chunks)
+    return runs[:PROMPT_CHARS]
+
+
 @dataclass(frozen=True)
 class Latency:
     label: str
@@ -141,6 +151,8 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
     input_check = _timed(lambda: rules.check_input(next(inputs)), len(texts))
     escaped_inputs = iter([escaped(t) for t in texts])
     escaped_check = _timed(lambda: rules.check_input(next(escaped_inputs)), len(texts))
+    encoded_inputs = iter([encoded(t) for t in texts])
+    encoded_check = _timed(lambda: rules.check_input(next(encoded_inputs)), len(texts))
     chats = conversations(200, seed)
     by_set = {
         name: _timed(_checking(rule_set, iter(chats)), len(chats))
@@ -157,6 +169,7 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
     return [
         Latency("input check, 4 KB prompt (in process)", input_check),
         Latency("input check, 4 KB prompt, every word's first letter escaped", escaped_check),
+        Latency("input check, 4 KB prompt in base64, a run per 4 words", encoded_check),
         *(
             Latency(f"input check, 32-message 16 KB conversation, {name} (in process)", v)
             for name, v in by_set.items()

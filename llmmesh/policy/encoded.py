@@ -13,30 +13,42 @@ will read (the input check): the streamed output is checked as written.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import bisect
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import re2
 
 from llmmesh.policy.matching import Hit, Matcher
 
-# A run long enough to hide a phrase (12 bytes of base64, 8 of hexadecimal). One scan for
-# both alphabets: hexadecimal digits are base64 characters too, and a run of them is read
-# both ways.
-_MIN_RUN = 16
-_RUN = re2.compile(f"[A-Za-z0-9+/_-]{{{_MIN_RUN},}}={{0,2}}")
+# A run long enough to hide a phrase (9 bytes of base64, "bioweapon"; 6 of hexadecimal,
+# below _MIN_TEXT). One scan for both alphabets: hexadecimal digits are base64 characters
+# too, and a run of them is read both ways.
+_MIN_RUN = 12
+_RUN_TEXT = f"[A-Za-z0-9+/_-]{{{_MIN_RUN},}}={{0,2}}"
+# RE2 finds runs in a few microseconds a kilobyte where Python's engine tries each place
+# one may start, but costs microseconds a match to hand back a str's, and less a bytes'.
+# ASCII text is scanned as bytes, whose positions are its characters'; other text is
+# asked first whether it holds a run at all, and then scanned by Python's engine.
+_ASCII_RUN = re2.compile(_RUN_TEXT.encode("ascii"))
+_ANY_RUN = re2.compile(_RUN_TEXT)
+_RUN = re.compile(_RUN_TEXT)
 _HEX_RUN = re.compile(f"[0-9A-Fa-f]{{{_MIN_RUN},}}")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
-_MIN_TEXT = 8  # bytes
+# A run without an upper-case letter or a digit (a snake_case name, a path) is left alone:
+# the base64 of text always has one, save a text made for it (every third of its
+# characters one of "jknorsvwz{~"), and the hexadecimal of text always has digits.
+_UPPER_OR_DIGIT = re.compile("[A-Z0-9]")
+_MIN_TEXT = 8  # bytes of text, at least
 # How many characters of an unfinished last group of four are read: 2 or 3 are a byte or
 # two; a lone one is none.
 _LAST_GROUP = (0, 0, 2, 3)
-# What text does not hold and bytes that are no text do: control characters but the line
-# breaks and the tab. (Format characters stay: text hidden with zero-width ones is text.)
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# Where text read from bytes ends: a control character (but the line breaks and the tab),
+# which text does not hold and bytes that are no text do, or U+FFFD, where the bytes stop
+# being UTF-8. (Format characters stay: text hidden with zero-width ones is text.)
+_UNREADABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
 # Between decoded runs in the text the rules read: as between a prompt's parts.
 _SEPARATOR = "\n"
 
@@ -53,21 +65,33 @@ class Decoded:
 def decoded_runs(text: str) -> Iterator[Decoded]:
     """The runs of ``text`` that decode, as base64 or hexadecimal, to readable text (the
     longer reading when both do: hexadecimal digits are base64 characters too)."""
-    for match in _RUN.finditer(text):
-        run = match.group()
-        readings = [_base64(run), *map(_hex, _HEX_RUN.findall(run))]
-        decoded = max((r for r in readings if r is not None), key=len, default=None)
+    for start, end in _run_spans(text):
+        run = text[start:end]
+        if _UPPER_OR_DIGIT.search(run) is None:
+            continue
+        decoded = _longest([_base64(run), *map(_hex, _HEX_RUN.findall(run))])
         if decoded is not None:
-            yield Decoded(match.start(), match.end(), decoded)
+            yield Decoded(start, end, decoded)
+
+
+def _run_spans(text: str) -> list[tuple[int, int]]:
+    if text.isascii():
+        return [match.span() for match in _ASCII_RUN.finditer(text.encode("ascii"))]
+    if _ANY_RUN.search(text) is None:
+        return []
+    return [match.span() for match in _RUN.finditer(text)]
+
+
+def _longest(readings: Iterable[str | None]) -> str | None:
+    return max((r for r in readings if r is not None), key=len, default=None)
 
 
 def _hex(run: str) -> str | None:
     """What a run of hexadecimal digits decodes to, as far as it reads as text, from
     whichever of the two places a byte may begin reads longer."""
-    readings = [
+    return _longest(
         _readable(bytes.fromhex(run[skip : skip + (len(run) - skip) // 2 * 2])) for skip in (0, 1)
-    ]
-    return max((r for r in readings if r is not None), key=len, default=None)
+    )
 
 
 def _base64(run: str) -> str | None:
@@ -75,26 +99,28 @@ def _base64(run: str) -> str | None:
     the text ends it there), from whichever of the four places a group of four may begin
     reads longest (a character put in front of the text shifts every group after it)."""
     body = run.rstrip("=").encode("ascii").translate(_URL_SAFE)
-    best: str | None = None
+    best = None
     for skip in range(4):
-        piece = body[skip:]
-        piece = piece[: len(piece) // 4 * 4 + _LAST_GROUP[len(piece) % 4]]
-        decoded = _readable(base64.b64decode(piece + b"=" * (-len(piece) % 4)))
+        decoded = _readable(_groups(body[skip:]))
         if decoded is not None and (best is None or len(decoded) > len(best)):
             best = decoded
     return best
 
 
+def _groups(body: bytes) -> bytes:
+    """What base64 characters (standard alphabet, no padding) decode to, an unfinished
+    last group as far as it goes."""
+    body = body[: len(body) // 4 * 4 + _LAST_GROUP[len(body) % 4]]
+    return binascii.a2b_base64(body + b"=" * (-len(body) % 4))
+
+
 def _readable(data: bytes) -> str | None:
     """The text ``data`` begins with, as far as it is UTF-8 without control characters
     (but line breaks and tabs), if that is long enough to say something."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        text = data[: err.start].decode("utf-8")
-    control = _CONTROL.search(text)
-    text = text if control is None else text[: control.start()]
-    return text if len(text.encode("utf-8")) >= _MIN_TEXT else None
+    text = data.decode("utf-8", "replace")  # U+FFFD where it stops being UTF-8
+    end = _UNREADABLE.search(text)
+    text = text if end is None else text[: end.start()]
+    return text if len(text) >= _MIN_TEXT or len(text.encode("utf-8")) >= _MIN_TEXT else None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""The policy benchmark's escaped prompts: the views read them back as the prose they
-escape, so their row times the escapes' reading and nothing else."""
+"""The policy benchmark's escaped and encoded prompts: the views, and the input check's
+decoding, read them back as the prose they hide, so their rows time that reading and
+nothing else."""
 
 from __future__ import annotations
 
-from bench.policy import PROMPT_CHARS, escaped, prompts
+from bench.policy import PROMPT_CHARS, encoded, escaped, prompts
+from llmmesh.policy.encoded import DecodedText
 from llmmesh.policy.normalize import pattern_view
 
 
@@ -13,3 +15,13 @@ def test_an_escaped_prompt_reads_back_as_its_prose() -> None:
         assert len(written) <= PROMPT_CHARS and all(f in written for f in ("%", "&#", "\\u"))
         read = pattern_view(written).text
         assert prompt.startswith(read[:-20])  # the cut at 4 KB may halve the last escape
+
+
+def test_an_encoded_prompt_decodes_back_to_its_prose() -> None:
+    for prompt in prompts(8, 1):
+        written = encoded(prompt)
+        assert len(written) <= PROMPT_CHARS and " " not in written[:16]
+        read = DecodedText.of(written)
+        long_enough = [r for r in written.split(" ") if len(r) >= 12]  # 9 bytes or more
+        assert len(read.runs) == len(long_enough) > 100  # every such run reads as text
+        assert prompt.startswith(read.text.replace("\n", " ")[:-20])  # the cut at 4 KB
