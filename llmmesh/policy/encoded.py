@@ -18,6 +18,7 @@ import bisect
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import re2
 
@@ -53,8 +54,7 @@ _UNREADABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
 _SEPARATOR = "\n"
 
 
-@dataclass(frozen=True)
-class Decoded:
+class Decoded(NamedTuple):
     """A run of ``text[start:end]`` and the text it decodes to."""
 
     start: int
@@ -69,7 +69,10 @@ def decoded_runs(text: str) -> Iterator[Decoded]:
         run = text[start:end]
         if _UPPER_OR_DIGIT.search(run) is None:
             continue
-        decoded = _longest([_base64(run), *map(_hex, _HEX_RUN.findall(run))])
+        decoded = _base64(run)
+        hexadecimal = _HEX_RUN.findall(run)
+        if hexadecimal:
+            decoded = _longest([decoded, *map(_hex, hexadecimal)])
         if decoded is not None:
             yield Decoded(start, end, decoded)
 
@@ -101,8 +104,13 @@ def _base64(run: str) -> str | None:
     body = run.rstrip("=").encode("ascii").translate(_URL_SAFE)
     best = None
     for skip in range(4):
-        decoded = _readable(_groups(body[skip:]))
-        if decoded is not None and (best is None or len(decoded) > len(best)):
+        data = _groups(body[skip:])
+        decoded = _readable(data)
+        if decoded is None:
+            continue
+        if len(decoded) == len(data):  # all of it read, as ASCII: no reading is longer
+            return decoded
+        if best is None or len(decoded) > len(best):
             best = decoded
     return best
 
