@@ -1,8 +1,9 @@
 """Evasions composed: a deny phrase written with any mix of the disguises the views read
 through (look-alike letters, case, digits for letters, invisible characters, separators
 between letters, every kind of escape, tag characters, odd spaces, and base64 around the
-whole) is still denied. Each disguise has its own test in test_normalize.py and
-test_encoded.py; this one looks for two that undo each other."""
+whole) is still denied, and an address so written (but for what would make it no address)
+is redacted whole. Each disguise has its own test in test_normalize.py and
+test_encoded.py; these look for two that undo each other."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ LOOKALIKES = {
     "d": ["\u0501"],
     "m": ["\uff4d"],
 }
+# What an address's characters may look like and still be one to a mail client.
+ADDRESS_LOOKALIKES = {
+    "a": ["\u0430", "\uff41"],
+    "e": ["\u0435", "\uff45"],
+    "o": ["\u043e", "\uff4f"],
+    "p": ["\u0440"],
+    "x": ["\u0445"],
+    "c": ["\u0441"],
+    "@": ["\uff20"],  # fullwidth
+    ".": ["\uff0e", "\u3002"],  # fullwidth, ideographic
+}
 INVISIBLE = ["\u200b", "\u00ad", "\u2060", "\u200d", "\ufe0f", "\U000e0001"]
 SEPARATORS = ["-", "_", ".", "/", " ", "*"]
 SPACES = [" ", "\u00a0", "\u2003", "%20", "&nbsp;", "\\u0020", "\n"]
@@ -48,10 +60,12 @@ def escaped(char: str, kind: int) -> str:
 
 
 @st.composite
-def disguised_letter(draw: st.DrawFn, letter: str) -> str:
+def disguised_letter(
+    draw: st.DrawFn, letter: str, lookalikes: dict[str, list[str]] = LOOKALIKES
+) -> str:
     written = letter
-    if draw(st.booleans()) and letter in LOOKALIKES:
-        written = draw(st.sampled_from(LOOKALIKES[letter]))
+    if draw(st.booleans()) and letter in lookalikes:
+        written = draw(st.sampled_from(lookalikes[letter]))
     elif draw(st.booleans()):
         written = letter.upper()
     if draw(st.integers(0, 4)) == 0:
@@ -81,3 +95,19 @@ def disguised(draw: st.DrawFn) -> str:
 @given(disguised())
 def test_a_deny_phrase_in_any_mix_of_disguises_is_denied(text: str) -> None:
     assert RULES.check_input(text).action is PolicyAction.DENY, repr(text)
+
+
+@st.composite
+def disguised_address(draw: st.DrawFn) -> str:
+    address = "".join(draw(disguised_letter(c, ADDRESS_LOOKALIKES)) for c in "ada@example.com")
+    if draw(st.integers(0, 4)) == 0:
+        address = base64.b64encode(address.encode()).decode()
+    return address
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(disguised_address())
+def test_an_address_in_any_mix_of_disguises_is_redacted_whole(address: str) -> None:
+    verdict = RULES.check_input(f"mail {address} now")
+    assert verdict.action is PolicyAction.REDACT, repr(address)
+    assert verdict.text == "mail [EMAIL] now", repr(address)
