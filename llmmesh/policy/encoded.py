@@ -14,14 +14,14 @@ will read (the input check): the streamed output is checked as written.
 from __future__ import annotations
 
 import binascii
-import bisect
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import re2
 
+from llmmesh.policy.joined import Joined
 from llmmesh.policy.matching import Hit, Matcher
 
 # A run long enough to hide a phrase (9 bytes of base64, "bioweapon"; 6 of hexadecimal,
@@ -50,8 +50,6 @@ _LAST_GROUP = (0, 0, 2, 3)
 # which text does not hold and bytes that are no text do, or U+FFFD, where the bytes stop
 # being UTF-8. (Format characters stay: text hidden with zero-width ones is text.)
 _UNREADABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
-# Between decoded runs in the text the rules read: as between a prompt's parts.
-_SEPARATOR = "\n"
 
 
 class Decoded(NamedTuple):
@@ -131,27 +129,28 @@ def _readable(data: bytes) -> str | None:
     return text if len(text) >= _MIN_TEXT or len(text.encode("utf-8")) >= _MIN_TEXT else None
 
 
-@dataclass(frozen=True)
 class DecodedText:
-    """The decoded runs of a text, joined into one text for the rules to read once."""
+    """The decoded runs of a text, joined into one text for the rules to read once (as a
+    prompt's parts are: a phrase split across two runs is found)."""
 
-    runs: tuple[Decoded, ...]
-    text: str
-    starts: tuple[int, ...]  # where each run's decoded text starts in ``text``
+    __slots__ = ("_joined", "runs")
+
+    def __init__(self, runs: tuple[Decoded, ...]) -> None:
+        self.runs = runs
+        self._joined = Joined([run.text for run in runs])
 
     @classmethod
     def of(cls, text: str) -> DecodedText:
-        runs = tuple(decoded_runs(text))
-        starts, offset = [], 0
-        for run in runs:
-            starts.append(offset)
-            offset += len(run.text) + len(_SEPARATOR)
-        return cls(runs, _SEPARATOR.join(r.text for r in runs), tuple(starts))
+        return cls(tuple(decoded_runs(text)))
+
+    @property
+    def text(self) -> str:
+        return self._joined.text
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The original span of the runs that a match of ``text[start:end]`` lies in."""
-        first = bisect.bisect_right(self.starts, start) - 1
-        last = bisect.bisect_right(self.starts, max(end - 1, start)) - 1
+        first = self._joined.index_at(start)
+        last = self._joined.index_at(max(end - 1, start))
         return self.runs[first].start, self.runs[last].end
 
 

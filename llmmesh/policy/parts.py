@@ -6,17 +6,15 @@ and each match is reported, and redacted, in the part where it lies.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmmesh.policy.detectors import disjoint, redact
+from llmmesh.policy.joined import SEPARATOR, Joined
 from llmmesh.policy.rules import RuleAction, RuleSet, StageRules, action_of
 from llmmesh.types import Verdict
 
-# Between parts in the joined text: a line break, which the keyword view skips like any
-# separator and a pattern sees as whitespace.
-PART_SEPARATOR = "\n"
+PART_SEPARATOR = SEPARATOR  # between parts in the joined text
 
 
 @dataclass(frozen=True)
@@ -55,37 +53,22 @@ class PartsDecision:
         )
 
 
-class _Layout:
-    """Where each part lies in the joined text."""
-
-    def __init__(self, parts: Sequence[Part]) -> None:
-        self.starts: list[int] = []
-        offset = 0
-        for part in parts:
-            self.starts.append(offset)
-            offset += len(part.text) + len(PART_SEPARATOR)
-
-    def part_at(self, position: int) -> int:
-        return bisect.bisect_right(self.starts, position) - 1
-
-
 def check_parts(rules: StageRules, parts: Sequence[Part]) -> PartsDecision:
     """The input rules applied to ``parts`` as one text."""
     texts = tuple(p.text for p in parts)
     if not rules or not parts:
         return PartsDecision((), None, "", texts, False, ())
-    joined = PART_SEPARATOR.join(texts)
-    layout = _Layout(parts)
-    hits = sorted((h for h in rules.input_hits(joined) if h.valid), key=lambda h: h.start)
+    layout = Joined(texts)
+    hits = sorted((h for h in rules.input_hits(layout.text) if h.valid), key=lambda h: h.start)
     matched = sorted({h.rule for h in hits})
     matched_in = tuple(
-        dict.fromkeys((rules.rules[h.rule].id, parts[layout.part_at(h.start)].field) for h in hits)
+        dict.fromkeys((rules.rules[h.rule].id, parts[layout.index_at(h.start)].field) for h in hits)
     )
     rule_ids = tuple(rules.rules[i].id for i in matched)
     deny = [i for i in matched if rules.denies(i)]
     if deny:
         first = next(h for h in hits if h.rule == deny[0])
-        at = parts[layout.part_at(first.start)].field
+        at = parts[layout.index_at(first.start)].field
         return PartsDecision(rule_ids, rules.rules[deny[0]].id, at, texts, False, matched_in)
     spans = disjoint(
         [
@@ -100,13 +83,13 @@ def check_parts(rules: StageRules, parts: Sequence[Part]) -> PartsDecision:
 
 
 def _redacted(
-    texts: tuple[str, ...], layout: _Layout, spans: list[tuple[int, int, str]]
+    texts: tuple[str, ...], layout: Joined, spans: list[tuple[int, int, str]]
 ) -> tuple[str, ...]:
     """Each part with the spans (joined-text positions) that fall in it replaced; a span
     across parts leaves its placeholder in the part where it starts and removes the rest."""
     per_part: list[list[tuple[int, int, str]]] = [[] for _ in texts]
     for start, end, placeholder in spans:
-        first, last = layout.part_at(start), layout.part_at(end - 1)
+        first, last = layout.index_at(start), layout.index_at(end - 1)
         for index in range(first, last + 1):
             offset = layout.starts[index]
             lo = max(start - offset, 0)
