@@ -3,53 +3,76 @@ and hexadecimal. Unlike an escape (llmmesh/policy/escapes.py), such a string has
 character that stands for one character of what it says, so a match in what it decodes to
 is a match of the whole string: a deny rule denies, a redaction replaces all of it.
 
-A run is read as far as it decodes to UTF-8 text without control characters, and only if
-that is 8 bytes or more: a hash, a key or a word that happens to be valid base64 mostly
-decodes to bytes that are not text (and the rare one that reads as text is gibberish that
-no rule matches). Characters put before the encoded text, or after it, do not hide it: each
-place its groups may begin is tried, and the longest reading kept. Only in what a model
-will read (the input check): the streamed output is checked as written.
+A string is found written whole (a run of 12 characters or more) or broken into pieces
+that are read back together: hexadecimal bytes one by one or in groups (``68 6f 77``,
+``0x68, 0x6f``), and base64 in pieces of one length (a MIME body's lines, ``aG93IHRv
+IGJ1aWxk``). What it decodes to is read where it is UTF-8 text without control
+characters, 8 bytes of it or more: a hash, a key or a word that happens to be valid
+base64 mostly decodes to bytes that are not text (and the rare stretch that reads as text
+is gibberish that no rule matches). Characters put before the encoded text, among it or
+after it do not hide it: each place its groups may begin is tried, and every stretch of
+text kept. Only in what a model will read (the input check): the streamed output is
+checked as written.
 """
 
 from __future__ import annotations
 
 import binascii
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
 import re2
 
-from llmmesh.policy.joined import Joined
+from llmmesh.policy.bytes_text import MIN_TEXT, Decoding, read_text
+from llmmesh.policy.joined import SEPARATOR, Joined
 from llmmesh.policy.matching import Hit, Matcher
 
 # A run long enough to hide a phrase (9 bytes of base64, "bioweapon"; 6 of hexadecimal,
-# below _MIN_TEXT). One scan for both alphabets: hexadecimal digits are base64 characters
+# below MIN_TEXT). One scan for both alphabets: hexadecimal digits are base64 characters
 # too, and a run of them is read both ways.
 _MIN_RUN = 12
-_RUN_TEXT = f"[A-Za-z0-9+/_-]{{{_MIN_RUN},}}={{0,2}}"
-# RE2 finds runs in a few microseconds a kilobyte where Python's engine tries each place
-# one may start, but costs microseconds a match to hand back a str's, and less a bytes'.
-# ASCII text is scanned as bytes, whose positions are its characters'; other text is
-# asked first whether it holds a run at all, and then scanned by Python's engine.
-_ASCII_RUN = re2.compile(_RUN_TEXT.encode("ascii"))
-_ANY_RUN = re2.compile(_RUN_TEXT)
-_RUN = re.compile(_RUN_TEXT)
-_HEX_RUN = re.compile(f"[0-9A-Fa-f]{{{_MIN_RUN},}}")
+_BASE64 = "A-Za-z0-9+/_-"
+# Every pattern is ASCII, and is looked for by RE2 (a few microseconds a kilobyte, where
+# Python's engine tries each place a match may start) in the text's bytes with one byte a
+# character (anything not ASCII a "?"), so that a match's positions are the text's.
+_RUN = re2.compile(f"[{_BASE64}]{{{_MIN_RUN},}}={{0,2}}".encode("ascii"))
+_HEX_RUN = re.compile(f"[0-9A-Fa-f]{{{_MIN_RUN},}}".encode("ascii"))
+# Hexadecimal written apart: four pieces or more of two digits or more (each a word), with
+# or without 0x, between spaces, commas, colons, dots or dashes.
+_HEX_PIECES = re2.compile(
+    rb"\b(?:0[xX])?[0-9A-Fa-f]{2,}(?:[\s,:;.-]{1,3}(?:0[xX])?[0-9A-Fa-f]{2,}){3,}"
+    rb"(?:[\s,:;.-]{1,3}(?:0[xX])?[0-9A-Fa-f])?"  # and the last digit of an odd number
+)
+_HEX_PIECE = re.compile(rb"(?:0[xX])?([0-9A-Fa-f]+)")
+_MIN_HEX_DIGITS = 2 * MIN_TEXT
+# Base64 written apart: pieces between white space, two of them side by side with an
+# upper-case letter, a digit, "+" or "/" past their first character, as base64's pieces of
+# text have (every piece of 8 characters or more, 98% of those of 4) and few words do.
+_PIECE = f"[{_BASE64}]+"
+_MARKED = "[A-Z0-9+/]"
+_MARKED_PIECE = (  # four characters or more, one of them marked past the first
+    f"[{_BASE64}](?:{_MARKED}[{_BASE64}]{{2,}}|[{_BASE64}]{_MARKED}[{_BASE64}]+"
+    f"|[{_BASE64}]{{2,}}{_MARKED}[{_BASE64}]*)"
+)
+_BASE64_PIECES = re2.compile(
+    (
+        f"(?:{_PIECE}\\s+)*{_MARKED_PIECE}\\s+{_MARKED_PIECE}(?:\\s+{_PIECE})*"
+        "(?:\\s*=){0,2}"  # the padding, apart or not
+    ).encode("ascii")
+)
+_NOT_SPACE = re.compile(rb"\S+")
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
 # A run without an upper-case letter or a digit (a snake_case name, a path) is left alone:
 # the base64 of text always has one, save a text made for it (every third of its
 # characters one of "jknorsvwz{~"), and the hexadecimal of text always has digits.
-_UPPER_OR_DIGIT = re.compile("[A-Z0-9]")
-_MIN_TEXT = 8  # bytes of text, at least
+_UPPER_OR_DIGIT = re.compile(b"[A-Z0-9]")
 # How many characters of an unfinished last group of four are read: 2 or 3 are a byte or
 # two; a lone one is none.
 _LAST_GROUP = (0, 0, 2, 3)
-# Where text read from bytes ends: a control character (but the line breaks and the tab),
-# which text does not hold and bytes that are no text do, or U+FFFD, where the bytes stop
-# being UTF-8. (Format characters stay: text hidden with zero-width ones is text.)
-_UNREADABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
+# ASCII that is not text (but line breaks and the tab): decoded bytes without any read whole.
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 class Decoded(NamedTuple):
@@ -60,57 +83,126 @@ class Decoded(NamedTuple):
     text: str
 
 
-def decoded_runs(text: str) -> Iterator[Decoded]:
-    """The runs of ``text`` that decode, as base64 or hexadecimal, to readable text (the
-    longer reading when both do: hexadecimal digits are base64 characters too)."""
-    for start, end in _run_spans(text):
-        run = text[start:end]
+Span = tuple[int, int]
+
+
+def decoded_runs(text: str) -> list[Decoded]:
+    """The runs of ``text`` that decode, as base64 or hexadecimal, to readable text, whole
+    or in pieces, in the order they begin (a run read whole may lie in a run of pieces)."""
+    data = text.encode("ascii", "replace")  # one byte a character
+    found = _ANY_FORM.Match(data) or ()
+    return sorted(run for form in found for run in _READERS[form](data))
+
+
+def _whole_runs(data: bytes) -> Iterator[Decoded]:
+    """Each run read as base64 and as hexadecimal (both readings, when both read:
+    hexadecimal digits are base64 characters too, and one of the two is gibberish)."""
+    for start, end in [match.span() for match in _RUN.finditer(data)]:
+        run = data[start:end]
         if _UPPER_OR_DIGIT.search(run) is None:
             continue
-        decoded = _base64(run)
-        hexadecimal = _HEX_RUN.findall(run)
-        if hexadecimal:
-            decoded = _longest([decoded, *map(_hex, hexadecimal)])
-        if decoded is not None:
+        readings = [_base64(run), *map(_hex, _HEX_RUN.findall(run))]
+        decoded = SEPARATOR.join(r for r in readings if r is not None)
+        if decoded:
             yield Decoded(start, end, decoded)
 
 
-def _run_spans(text: str) -> list[tuple[int, int]]:
-    if text.isascii():
-        return [match.span() for match in _ASCII_RUN.finditer(text.encode("ascii"))]
-    if _ANY_RUN.search(text) is None:
-        return []
-    return [match.span() for match in _RUN.finditer(text)]
+def _hex_pieces(data: bytes) -> Iterator[Decoded]:
+    """Hexadecimal digits written apart, read as one run (a piece of an odd number of
+    digits shifts the bytes after it, which the reading follows)."""
+    for match in _HEX_PIECES.finditer(data):
+        digits = b"".join(_HEX_PIECE.findall(data, *match.span()))
+        decoded = _hex(digits) if len(digits) >= _MIN_HEX_DIGITS else None
+        if decoded is not None:
+            yield Decoded(match.start(), match.end(), decoded)
 
 
-def _longest(readings: Iterable[str | None]) -> str | None:
-    return max((r for r in readings if r is not None), key=len, default=None)
+def _base64_pieces(data: bytes) -> Iterator[Decoded]:
+    """Base64 written apart, each stretch of pieces of one length read as one."""
+    for match in _BASE64_PIECES.finditer(data):
+        pieces = [piece.span() for piece in _NOT_SPACE.finditer(data, *match.span())]
+        for first, last in _one_length(pieces):
+            decoded = _read_pieces(data, pieces[first : last + 1])
+            if decoded is not None:
+                yield decoded
 
 
-def _hex(run: str) -> str | None:
-    """What a run of hexadecimal digits decodes to, as far as it reads as text, from
-    whichever of the two places a byte may begin reads longer."""
-    return _longest(
-        _readable(bytes.fromhex(run[skip : skip + (len(run) - skip) // 2 * 2])) for skip in (0, 1)
+def _read_pieces(data: bytes, pieces: list[Span]) -> Decoded | None:
+    """What the pieces read as, without the piece at either end if all it adds to that is
+    a stretch of its own (a word of the pieces' length before them, a shorter one after
+    them), so that a redaction leaves those words be. (One at each end: each costs a
+    reading.)"""
+    decoded = _pieces_base64(data, pieces)
+    if decoded is None:
+        return None
+    if len(pieces) > 2:
+        rest = _pieces_base64(data, pieces[1:])
+        if rest is not None and (rest == decoded or decoded.endswith(SEPARATOR + rest)):
+            pieces, decoded = pieces[1:], rest
+    if len(pieces) > 2 and data[slice(*pieces[-1])].strip(b"="):  # (padding is the run's)
+        rest = _pieces_base64(data, pieces[:-1])
+        if rest is not None and (rest == decoded or decoded.startswith(rest + SEPARATOR)):
+            pieces, decoded = pieces[:-1], rest
+    return Decoded(pieces[0][0], pieces[-1][1], decoded)
+
+
+def _pieces_base64(data: bytes, pieces: list[Span]) -> str | None:
+    body = b"".join(data[start:end] for start, end in pieces)
+    if len(body) < _MIN_RUN or _UPPER_OR_DIGIT.search(body) is None:
+        return None
+    return _base64(body)
+
+
+_READERS: tuple[Callable[[bytes], Iterator[Decoded]], ...] = (
+    _whole_runs,
+    _hex_pieces,
+    _base64_pieces,
+)
+# One scan says which of the forms a text holds (most hold none), each then looked for.
+_ANY_FORM = re2.Set.SearchSet()
+for _form in (_RUN, _HEX_PIECES, _BASE64_PIECES):
+    _ANY_FORM.Add(_form.pattern)
+_ANY_FORM.Compile()
+
+
+def _one_length(pieces: list[Span]) -> Iterator[Span]:
+    """The first and last index of each stretch of two pieces or more that are all of one
+    length but the last, which may be shorter: how an encoder breaks a string into lines
+    or groups. (A piece longer than those before it begins the next stretch: a character
+    put in front of the first piece is one.)"""
+    first = 0
+    while first < len(pieces) - 1:
+        length = _width(pieces[first])
+        after = first + 1
+        while after < len(pieces) and _width(pieces[after]) == length:
+            after += 1
+        last = after if after < len(pieces) and _width(pieces[after]) < length else after - 1
+        if last > first:
+            yield first, last
+        first = after
+
+
+def _width(span: Span) -> int:
+    return span[1] - span[0]
+
+
+def _hex(digits: bytes) -> str | None:
+    """What hexadecimal digits read as, from either place a byte may begin."""
+    return read_text(
+        Decoding(skip, 2, binascii.unhexlify(digits[skip : skip + (len(digits) - skip) // 2 * 2]))
+        for skip in (0, 1)
     )
 
 
-def _base64(run: str) -> str | None:
-    """What the run decodes to as base64, as far as it reads as text (a character put after
-    the text ends it there), from whichever of the four places a group of four may begin
-    reads longest (a character put in front of the text shifts every group after it)."""
-    body = run.rstrip("=").encode("ascii").translate(_URL_SAFE)
-    best = None
-    for skip in range(4):
-        data = _groups(body[skip:])
-        decoded = _readable(data)
-        if decoded is None:
-            continue
-        if len(decoded) == len(data):  # all of it read, as ASCII: no reading is longer
-            return decoded
-        if best is None or len(decoded) > len(best):
-            best = decoded
-    return best
+def _base64(run: bytes) -> str | None:
+    """What a run of base64 reads as, from each of the four places a group of four may
+    begin (a character put in front of the text, or among it, shifts every group after
+    it)."""
+    body = run.rstrip(b"=").translate(_URL_SAFE)
+    whole = _groups(body)
+    if len(whole) >= MIN_TEXT and whole.isascii() and _CONTROL.search(whole) is None:
+        return whole.decode("ascii")  # all of it text: no other reading says more
+    return read_text(Decoding(skip, 4 / 3, _groups(body[skip:])) for skip in range(4))
 
 
 def _groups(body: bytes) -> bytes:
@@ -118,15 +210,6 @@ def _groups(body: bytes) -> bytes:
     last group as far as it goes."""
     body = body[: len(body) // 4 * 4 + _LAST_GROUP[len(body) % 4]]
     return binascii.a2b_base64(body + b"=" * (-len(body) % 4))
-
-
-def _readable(data: bytes) -> str | None:
-    """The text ``data`` begins with, as far as it is UTF-8 without control characters
-    (but line breaks and tabs), if that is long enough to say something."""
-    text = data.decode("utf-8", "replace")  # U+FFFD where it stops being UTF-8
-    end = _UNREADABLE.search(text)
-    text = text if end is None else text[: end.start()]
-    return text if len(text) >= _MIN_TEXT or len(text.encode("utf-8")) >= _MIN_TEXT else None
 
 
 class DecodedText:

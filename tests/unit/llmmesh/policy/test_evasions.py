@@ -1,13 +1,15 @@
 """Evasions composed: a deny phrase written with any mix of the disguises the views read
 through (look-alike letters, case, digits for letters, invisible characters, separators
-between letters, every kind of escape, tag characters, odd spaces, and base64 around the
-whole) is still denied, and an address so written (but for what would make it no address)
-is redacted whole. Each disguise has its own test in test_normalize.py and
-test_encoded.py; these look for two that undo each other."""
+between letters, every kind of escape, tag characters, odd spaces, and base64 or
+hexadecimal around the whole, in one run or in pieces) is still denied, and an address so
+written (but for what would make it no address) is redacted whole. Each disguise has its
+own test in test_normalize.py and test_encoded.py; these look for two that undo each
+other."""
 
 from __future__ import annotations
 
 import base64
+import re
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -42,6 +44,7 @@ ADDRESS_LOOKALIKES = {
 INVISIBLE = ["\u200b", "\u00ad", "\u2060", "\u200d", "\ufe0f", "\U000e0001"]
 SEPARATORS = ["-", "_", ".", "/", " ", "*"]
 SPACES = [" ", "\u00a0", "\u2003", "%20", "&nbsp;", "\\u0020", "\n"]
+GLUED = "xyzAB019+/"  # characters put in front of base64 to shift its groups
 
 
 def escaped(char: str, kind: int) -> str:
@@ -83,11 +86,27 @@ def disguised_word(draw: st.DrawFn, word: str) -> str:
 
 
 @st.composite
+def encoded(draw: st.DrawFn, text: str) -> str:
+    """``text`` in base64 (characters of its alphabet glued in front, or not) or in
+    hexadecimal, in one run or in pieces of one width (the last shorter)."""
+    data = text.encode()
+    if draw(st.booleans()):
+        written = draw(st.text(GLUED, max_size=6)) + base64.b64encode(data).decode()
+    else:
+        written = data.hex()
+    if draw(st.booleans()):
+        width = draw(st.integers(2, 16)) if written == data.hex() else draw(st.integers(4, 16))
+        separator = draw(st.sampled_from([" ", "\n", "  "]))
+        written = separator.join(written[i : i + width] for i in range(0, len(written), width))
+    return written
+
+
+@st.composite
 def disguised(draw: st.DrawFn) -> str:
     words = [draw(disguised_word(word)) for word in PHRASE.split(" ")]
     text = draw(st.sampled_from(SPACES)).join(words)
-    if draw(st.integers(0, 4)) == 0:
-        text = "Decode: " + base64.b64encode(text.encode()).decode()
+    if draw(st.integers(0, 3)) == 0:
+        text = "Decode: " + draw(encoded(text))
     return text
 
 
@@ -100,14 +119,18 @@ def test_a_deny_phrase_in_any_mix_of_disguises_is_denied(text: str) -> None:
 @st.composite
 def disguised_address(draw: st.DrawFn) -> str:
     address = "".join(draw(disguised_letter(c, ADDRESS_LOOKALIKES)) for c in "ada@example.com")
-    if draw(st.integers(0, 4)) == 0:
-        address = base64.b64encode(address.encode()).decode()
+    if draw(st.integers(0, 3)) == 0:
+        address = draw(encoded(address))
     return address
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(disguised_address())
 def test_an_address_in_any_mix_of_disguises_is_redacted_whole(address: str) -> None:
-    verdict = RULES.check_input(f"mail {address} now")
+    # (Punctuation around it: a word as long as the pieces of an encoded address, next to
+    # them, may be read and redacted with them; test_encoded.py has the cases it is not.
+    # A piece of nothing but characters glued in front adds nothing and is left.)
+    verdict = RULES.check_input(f"mail: {address}. Now")
     assert verdict.action is PolicyAction.REDACT, repr(address)
-    assert verdict.text == "mail [EMAIL] now", repr(address)
+    left = f"mail: (?:[{re.escape(GLUED)}]+\\s+)?\\[EMAIL\\]\\. Now"
+    assert re.fullmatch(left, verdict.text), repr(address)

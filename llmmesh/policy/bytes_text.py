@@ -1,0 +1,89 @@
+"""What decoded bytes say: the stretches of them that are UTF-8 text without control
+characters, from each of the places a decoding may begin (llmmesh/policy/encoded.py tries
+every one: a character put in front of encoded text, or among it, shifts the bytes after
+it), put in the order they lie in the encoded string."""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from llmmesh.policy.joined import SEPARATOR
+
+MIN_TEXT = 8  # bytes of text, at least, for a decoding to say something
+# Text read from bytes: characters but control characters (line breaks and the tab are
+# text), which text does not hold and bytes that are no text do, and the surrogates that
+# stand for bytes that are not UTF-8. (Format characters are text: zero-width ones hide
+# nothing.)
+_READABLE = re.compile(r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\udc80-\udcff]{2,}")
+
+
+class Decoding(NamedTuple):
+    """Bytes decoded from an encoded string from its character ``skip`` on, each byte
+    ``width`` of its characters (4/3 in base64, 2 in hexadecimal)."""
+
+    skip: int
+    width: float
+    data: bytes
+
+
+def read_text(decodings: Iterable[Decoding]) -> str | None:
+    """In each decoding that holds a stretch of text long enough to say something, all its
+    stretches of text (what bytes put among the text leave of it), but where a longer
+    stretch of another decoding lies, in the order they lie in the encoded string, joined;
+    or None."""
+    found: list[_Stretch] = []
+    for skip, width, data in decodings:
+        text = data.decode("utf-8", "surrogateescape")  # a byte that is no UTF-8: a surrogate
+        if any(map(_says_something, _READABLE.findall(text))):
+            found += _stretches(text, data.isascii(), skip, width)
+    kept = _apart(found)
+    return SEPARATOR.join(s.text for s in kept) if kept else None
+
+
+class _Stretch(NamedTuple):
+    """Text read from bytes, and where those bytes lie in the run."""
+
+    start: float
+    end: float
+    text: str
+
+
+def _says_something(text: str) -> bool:
+    return len(text) >= MIN_TEXT or len(text.encode("utf-8")) >= MIN_TEXT
+
+
+def _stretches(text: str, ascii_text: bool, skip: int, width: float) -> list[_Stretch]:
+    """The stretches of decoded bytes that are UTF-8 text without control characters."""
+    found = []
+    at = offset = 0  # where the last stretch ended, in characters and in bytes
+    for stretch in _READABLE.finditer(text):
+        read = stretch.group()
+        if ascii_text:
+            start, size = stretch.start(), len(read)
+        else:
+            start = offset + len(text[at : stretch.start()].encode("utf-8", "surrogateescape"))
+            size = len(read.encode("utf-8"))
+            at, offset = stretch.end(), start + size
+        found.append(_Stretch(skip + start * width, skip + (start + size) * width, read))
+    return found
+
+
+def _apart(stretches: list[_Stretch]) -> list[_Stretch]:
+    """The stretches but those that a longer one overlaps for more than half their length
+    (two decodings cannot both be right about the same bytes: the shorter reading is
+    gibberish; the bytes where two readings meet may be read by both), by where they
+    begin."""
+    kept: list[_Stretch] = []
+    for stretch in sorted(stretches, key=lambda s: s.start - s.end):  # longest first
+        at = bisect.bisect_left(kept, stretch)
+        neighbours = kept[max(at - 1, 0) : at + 1]
+        if all(_overlap(stretch, other) * 2 <= stretch.end - stretch.start for other in neighbours):
+            kept.insert(at, stretch)
+    return kept
+
+
+def _overlap(one: _Stretch, other: _Stretch) -> float:
+    return max(0.0, min(one.end, other.end) - max(one.start, other.start))
