@@ -4,6 +4,7 @@ IBANs, octet ranges for IPv4)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,14 +13,18 @@ import re2
 
 from llmmesh.policy.partial import prefix_pattern
 
-_DOUBLED = (0, 2, 4, 6, 8, 1, 3, 5, 7, 9)  # a digit doubled, its digits summed
+# Luhn's check on the digits as characters (a long run of digits and spaces makes a match
+# at every group, and checks several prefixes of each: each check is a few string calls).
+_CARD_SEPARATORS = str.maketrans("", "", " -./_")
+_DOUBLED = str.maketrans("0123456789", "0246813579")  # a digit doubled, its digits summed
 
 
 def _luhn(text: str) -> bool:
-    digits = [int(c) for c in text if c.isdigit()]
-    if not 13 <= len(digits) <= 19:
+    digits = text.translate(_CARD_SEPARATORS)
+    if not 13 <= len(digits) <= 19 or not digits.isascii() or not digits.isdigit():
         return False
-    return (sum(digits[-1::-2]) + sum(_DOUBLED[d] for d in digits[-2::-2])) % 10 == 0
+    plain, doubled = digits[-1::-2], digits[-2::-2].translate(_DOUBLED)
+    return (sum(plain.encode()) + sum(doubled.encode()) - ord("0") * len(digits)) % 10 == 0
 
 
 def _iban(text: str) -> bool:
@@ -35,6 +40,9 @@ def _ipv4(text: str) -> bool:
 
 def _phone(text: str) -> bool:
     return 9 <= sum(c.isdigit() for c in text) <= 15
+
+
+_WORD_END = re.compile(r"(?<=[^\W_])(?=[\W_])")  # after a letter or digit, before neither
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,10 @@ class Detector:
         number that fails Luhn (the whole match is then taken for the thing)."""
         if self.valid(match):
             return True
+        ends = [word_end.start() for word_end in _WORD_END.finditer(match)]
         return any(
             self.valid(match[:end]) and self.pattern.fullmatch(match[:end]) is not None
-            for end in range(len(match) - 1, 0, -1)
-            if match[end - 1].isalnum() and not match[end].isalnum()
+            for end in reversed(ends)
         )
 
 
