@@ -103,6 +103,12 @@ def encoded(text: str, words: int = 4) -> str:
     return runs[:PROMPT_CHARS]
 
 
+def hex_bytes(text: str) -> str:
+    """``text`` in hexadecimal, its bytes two digits apart as a dump shows them: the input
+    check reads the digits back as one run."""
+    return " ".join(f"{b:02x}" for b in text.encode())[:PROMPT_CHARS]
+
+
 @dataclass(frozen=True)
 class Latency:
     label: str
@@ -121,6 +127,11 @@ def _timed(action: Callable[[], object], repeat: int) -> list[float]:
         action()
         samples.append(time.perf_counter() - started)
     return samples
+
+
+def _inputs_timed(rules: RuleSet, texts: list[str]) -> list[float]:
+    inputs = iter(texts)
+    return _timed(lambda: rules.check_input(next(inputs)), len(texts))
 
 
 def conversations(n: int, seed: int) -> list[list[Part]]:
@@ -147,12 +158,10 @@ def _checking(rules: RuleSet, chats: Iterator[list[Part]]) -> Callable[[], objec
 
 
 def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) -> list[Latency]:
-    inputs = iter(texts * 2)
-    input_check = _timed(lambda: rules.check_input(next(inputs)), len(texts))
-    escaped_inputs = iter([escaped(t) for t in texts])
-    escaped_check = _timed(lambda: rules.check_input(next(escaped_inputs)), len(texts))
-    encoded_inputs = iter([encoded(t) for t in texts])
-    encoded_check = _timed(lambda: rules.check_input(next(encoded_inputs)), len(texts))
+    input_check = _inputs_timed(rules, texts)
+    escaped_check = _inputs_timed(rules, [escaped(t) for t in texts])
+    encoded_check = _inputs_timed(rules, [encoded(t) for t in texts])
+    hex_check = _inputs_timed(rules, [hex_bytes(t) for t in texts])
     chats = conversations(200, seed)
     by_set = {
         name: _timed(_checking(rule_set, iter(chats)), len(chats))
@@ -170,6 +179,7 @@ def in_process(rules: RuleSet, default: RuleSet, texts: list[str], seed: int) ->
         Latency("input check, 4 KB prompt (in process)", input_check),
         Latency("input check, 4 KB prompt, every word's first letter escaped", escaped_check),
         Latency("input check, 4 KB prompt in base64, a run per 4 words", encoded_check),
+        Latency("input check, 4 KB prompt in hexadecimal, its bytes apart", hex_check),
         *(
             Latency(f"input check, 32-message 16 KB conversation, {name} (in process)", v)
             for name, v in by_set.items()

@@ -4,7 +4,7 @@ nothing else."""
 
 from __future__ import annotations
 
-from bench.policy import PROMPT_CHARS, encoded, escaped, prompts
+from bench.policy import PROMPT_CHARS, encoded, escaped, hex_bytes, prompts
 from llmmesh.policy.encoded import DecodedText
 from llmmesh.policy.normalize import pattern_view
 
@@ -26,3 +26,12 @@ def test_an_encoded_prompt_decodes_back_to_its_prose() -> None:
         long_enough = [r for r in written.split(" ") if len(r) >= 12]  # 9 bytes or more
         assert len(read) == len(long_enough) > 100  # every such run reads as text
         assert prompt.startswith(" ".join(r.text for r in read)[:-20])  # the cut at 4 KB
+
+
+def test_a_hexadecimal_prompt_decodes_back_to_its_prose() -> None:
+    for prompt in prompts(8, 1):
+        written = hex_bytes(prompt)
+        assert len(written) == PROMPT_CHARS and " " in written[:3]
+        [run] = DecodedText.of(written).runs  # one run of pieces, the whole prompt
+        assert (run.start, prompt.startswith(run.text)) == (0, True)
+        assert len(run.text) == (PROMPT_CHARS + 1) // 3
