@@ -131,12 +131,14 @@ register_detector(
 register_detector(
     "credit_card",
     "[CREDIT_CARD]",
-    # A run of 13-19 digits, single spaces or dashes between any two; or in the groups
-    # cards are printed in (4-4-4-4, 4-4-4-4-3, 4-6-5 and 4-6-4) between dots, slashes or
-    # underscores too, mixed or not, which taken anywhere would read decimals and dates
-    # as cards.
-    r"\b(?:\d(?:[ -]?\d){12,18}"
-    r"|\d{4}(?:[ ./_-]\d{4}){3}(?:[ ./_-]\d{3})?|\d{4}[ ./_-]\d{6}[ ./_-]\d{4,5})\b",
+    # In the groups cards are printed in (4-4-4-4, with a code or more digits after them
+    # or not, 4-6-5 and 4-6-4) between spaces, dashes, dots, slashes or underscores, mixed
+    # or not (dots, slashes and underscores taken anywhere would read decimals and dates as
+    # cards); in other groups of three digits or more between single spaces or dashes;
+    # 13-19 digits in a row; or each digit apart. Not in groups of two: a hexadecimal
+    # dump, a row of numbers (every tenth passing Luhn), and no card.
+    r"\b(?:\d{4}(?:[ ./_-]\d{4}){3}(?:[ ./_-]\d{1,3})?|\d{4}[ ./_-]\d{6}[ ./_-]\d{4,5}"
+    r"|\d{3,19}(?:[ -]\d{3,19}){1,5}|\d{13,19}|\d(?:[ -]\d){12,18})\b",
     _luhn,
 )
 register_detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban)
