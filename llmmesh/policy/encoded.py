@@ -40,10 +40,10 @@ _BASE64 = "A-Za-z0-9+/_-"
 _RUN = re2.compile(f"[{_BASE64}]{{{_MIN_RUN},}}={{0,2}}".encode("ascii"))
 _HEX_RUN = re.compile(f"[0-9A-Fa-f]{{{_MIN_RUN},}}".encode("ascii"))
 # Hexadecimal written apart: four pieces or more of two digits or more (each a word), with
-# or without 0x, between spaces, commas, colons, dots or dashes.
+# or without 0x, between spaces, commas, colons, dots, dashes or a list's quotes.
 _HEX_PIECES = re2.compile(
-    rb"\b(?:0[xX])?[0-9A-Fa-f]{2,}(?:[\s,:;.-]{1,3}(?:0[xX])?[0-9A-Fa-f]{2,}){3,}"
-    rb"(?:[\s,:;.-]{1,3}(?:0[xX])?[0-9A-Fa-f])?"  # and the last digit of an odd number
+    rb"\b(?:0[xX])?[0-9A-Fa-f]{2,}(?:[\s,:;.'\"-]{1,4}(?:0[xX])?[0-9A-Fa-f]{2,}){3,}"
+    rb"(?:[\s,:;.'\"-]{1,4}(?:0[xX])?[0-9A-Fa-f])?"  # and the last digit of an odd number
 )
 _HEX_PIECE = re.compile(rb"(?:0[xX])?([0-9A-Fa-f]+)")
 _MIN_HEX_DIGITS = 2 * MIN_TEXT
@@ -51,6 +51,7 @@ _MIN_HEX_DIGITS = 2 * MIN_TEXT
 # upper-case letter, a digit, "+" or "/" past their first character, as base64's pieces of
 # text have (every piece of 8 characters or more, 98% of those of 4) and few words do.
 _PIECE = f"[{_BASE64}]+"
+_APART = "[\\s,;|'\"]+"  # white space, or a list's commas and quotes
 _MARKED = "[A-Z0-9+/]"
 _MARKED_PIECE = (  # four characters or more, one of them marked past the first
     f"[{_BASE64}](?:{_MARKED}[{_BASE64}]{{2,}}|[{_BASE64}]{_MARKED}[{_BASE64}]+"
@@ -58,11 +59,11 @@ _MARKED_PIECE = (  # four characters or more, one of them marked past the first
 )
 _BASE64_PIECES = re2.compile(
     (
-        f"(?:{_PIECE}\\s+)*{_MARKED_PIECE}\\s+{_MARKED_PIECE}(?:\\s+{_PIECE})*"
-        "(?:\\s*=){0,2}"  # the padding, apart or not
+        f"(?:{_PIECE}{_APART})*{_MARKED_PIECE}{_APART}{_MARKED_PIECE}(?:{_APART}{_PIECE})*"
+        f"(?:(?:{_APART})?=){{0,2}}"  # the padding, apart or not
     ).encode("ascii")
 )
-_NOT_SPACE = re.compile(rb"\S+")
+_BASE64_PIECE = re.compile(f"[={_BASE64}]+".encode("ascii"))
 _URL_SAFE = bytes.maketrans(b"-_", b"+/")
 # A run without an upper-case letter or a digit (a snake_case name, a path) is left alone:
 # the base64 of text always has one, save a text made for it (every third of its
@@ -120,7 +121,7 @@ def _hex_pieces(data: bytes) -> Iterator[Decoded]:
 def _base64_pieces(data: bytes) -> Iterator[Decoded]:
     """Base64 written apart, each stretch of pieces of one length read as one."""
     for match in _BASE64_PIECES.finditer(data):
-        pieces = [piece.span() for piece in _NOT_SPACE.finditer(data, *match.span())]
+        pieces = [piece.span() for piece in _BASE64_PIECE.finditer(data, *match.span())]
         for first, last in _one_length(pieces):
             decoded = _read_pieces(data, pieces[first : last + 1])
             if decoded is not None:
