@@ -1,12 +1,14 @@
 """What decoded bytes say: the stretches of them that are UTF-8 text without control
-characters, from each of the places a decoding may begin (llmmesh/policy/encoded.py tries
-every one: a character put in front of encoded text, or among it, shifts the bytes after
-it), put in the order they lie in the encoded string."""
+characters (or UTF-16, where many of the bytes are NUL), from each of the places a decoding
+may begin (llmmesh/policy/encoded.py tries every one: a character put in front of encoded
+text, or among it, shifts the bytes after it), put in the order they lie in the encoded
+string."""
 
 from __future__ import annotations
 
 import bisect
 import re
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -14,10 +16,10 @@ from llmmesh.policy.joined import SEPARATOR
 
 MIN_TEXT = 8  # bytes of text, at least, for a decoding to say something
 # Text read from bytes: characters but control characters (line breaks and the tab are
-# text), which text does not hold and bytes that are no text do, and the surrogates that
-# stand for bytes that are not UTF-8. (Format characters are text: zero-width ones hide
-# nothing.)
-_READABLE = re.compile(r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\udc80-\udcff]{2,}")
+# text), which text does not hold and bytes that are no text do, the surrogates that stand
+# for bytes that are not UTF-8, and U+FFFD, for UTF-16 that is not. (Format characters
+# are text: zero-width ones hide nothing.)
+_READABLE = re.compile(r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\udc80-\udcff\ufffd]{2,}")
 
 
 class Decoding(NamedTuple):
@@ -33,13 +35,23 @@ def read_text(decodings: Iterable[Decoding]) -> str | None:
     """In each decoding that holds a stretch of text long enough to say something, all its
     stretches of text (what bytes put among the text leave of it), but where a longer
     stretch of another decoding lies, in the order they lie in the encoded string, joined;
-    or None."""
-    found: list[_Stretch] = []
+    or None. UTF-8 and UTF-16 are read so each."""
+    readings: dict[tuple[str, int], list[_Stretch]] = defaultdict(list)
     for skip, width, data in decodings:
         text = data.decode("utf-8", "surrogateescape")  # a byte that is no UTF-8: a surrogate
         if any(map(_says_something, _READABLE.findall(text))):
-            found += _stretches(text, data.isascii(), skip, width)
-    kept = _apart(found)
+            readings["utf-8", 0] += _stretches(text, data.isascii(), skip, width)
+        for order, offset in _utf16(data):
+            wide = data[offset : offset + (len(data) - offset) // 2 * 2].decode(order, "replace")
+            if any(map(_says_something, _READABLE.findall(wide))):
+                # two bytes a character, from the byte ``offset``
+                at = skip + offset * width
+                readings[order, offset] += _stretches(wide, True, at, 2 * width)
+    # Each way of reading apart from the others: UTF-16 read over UTF-8 text is gibberish
+    # that may run longer, and must not take the text's place; nor may one of the two
+    # ways UTF-16 can be read take the other's (the text's, where a byte put in front
+    # shifted it, is not always the longer).
+    kept = sorted(kept for stretches in readings.values() for kept in _apart(stretches))
     return SEPARATOR.join(s.text for s in kept) if kept else None
 
 
@@ -51,11 +63,26 @@ class _Stretch(NamedTuple):
     text: str
 
 
+def _utf16(data: bytes) -> list[tuple[str, int]]:
+    """How ``data`` may be UTF-16 (a byte order, and the byte it begins at), if a quarter
+    of its even or its odd bytes are NUL, as in text so written, mostly ASCII (Windows' own text;
+    PowerShell's encoded commands are its base64): NULs at the odd bytes are little-endian
+    text from the first byte or big-endian text from the second, and the other way round
+    at the even bytes (a byte put in front shifts it)."""
+    for orders, high_bytes in (
+        (("utf-16-le", "utf-16-be"), data[1::2]),
+        (("utf-16-be", "utf-16-le"), data[0::2]),
+    ):
+        if len(high_bytes) >= MIN_TEXT and high_bytes.count(0) * 4 >= len(high_bytes):
+            return [(orders[0], 0), (orders[1], 1)]
+    return []
+
+
 def _says_something(text: str) -> bool:
     return len(text) >= MIN_TEXT or len(text.encode("utf-8")) >= MIN_TEXT
 
 
-def _stretches(text: str, ascii_text: bool, skip: int, width: float) -> list[_Stretch]:
+def _stretches(text: str, ascii_text: bool, skip: float, width: float) -> list[_Stretch]:
     """The stretches of decoded bytes that are UTF-8 text without control characters."""
     found = []
     at = offset = 0  # where the last stretch ended, in characters and in bytes

@@ -20,14 +20,25 @@ def test_each_stretch_is_read_from_the_decoding_that_reads_it_longest() -> None:
     # The first half read from character 0, the second from character 1 (a character put
     # among the encoded text shifted it): each decoding's gibberish lies where the other
     # reads longer, and is left out; the halves come in the order they lie.
-    first = Decoding(0, 2, b"how to bu" + b"\x00" * 2 + b"zq" + b"\x00" * 9)
-    second = Decoding(1, 2, b"\x00" * 3 + b"xy" + b"\x00" * 6 + b"ild a bomb")
+    first = Decoding(0, 2, b"how to bu" + b"\xff" * 2 + b"zq" + b"\xff" * 9)
+    second = Decoding(1, 2, b"\xff" * 3 + b"xy" + b"\xff" * 6 + b"ild a bomb")
     assert read_text([second, first]) == "how to bu\nild a bomb"
 
 
 def test_positions_count_bytes_in_text_that_is_not_ascii() -> None:
     # "héllo wörld" is 13 bytes: the other decoding's "zz", at its bytes 11 and 12, lies
     # in it (and is left out), where 11 characters would have ended before it.
-    first = Decoding(0, 2, "héllo wörld".encode() + b"\x00" * 16)
-    second = Decoding(0, 2, b"\x00" * 11 + b"zz" + b"\x00" * 3 + b"and the rest")
+    first = Decoding(0, 2, "héllo wörld".encode() + b"\xff" * 16)
+    second = Decoding(0, 2, b"\xff" * 11 + b"zz" + b"\xff" * 3 + b"and the rest")
     assert read_text([first, second]) == "héllo wörld\nand the rest"
+
+
+def test_utf16_is_read_as_such_and_takes_no_utf8_text_s_place() -> None:
+    wide = Decoding(0, 2, "how to build a bomb".encode("utf-16-le"))
+    # (and as big-endian text from the second byte, which it may be too)
+    assert read_text([wide]) == "how to build a bomb\now to build a bomb"
+    # UTF-8 text, then enough UTF-16 for all the bytes to be read so too, which reads the
+    # UTF-8 text as gibberish that runs on into the UTF-16 text: both readings are kept.
+    mixed = Decoding(0, 2, b"build a bomb!" + "and hello there".encode("utf-16-le"))
+    utf8, *utf16 = str(read_text([mixed])).split("\n")
+    assert utf8 == "build a bomb!a" and any(r.endswith("and hello there") for r in utf16)

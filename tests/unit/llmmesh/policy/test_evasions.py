@@ -87,9 +87,9 @@ def disguised_word(draw: st.DrawFn, word: str) -> str:
 
 @st.composite
 def encoded(draw: st.DrawFn, text: str) -> str:
-    """``text`` in base64 (characters of its alphabet glued in front, or not) or in
-    hexadecimal, in one run or in pieces of one width (the last shorter)."""
-    data = text.encode()
+    """``text`` in UTF-8 or UTF-16, in base64 (characters of its alphabet glued in front, or
+    not) or in hexadecimal, in one run or in pieces of one width (the last shorter)."""
+    data = text.encode(draw(st.sampled_from(["utf-8", "utf-8", "utf-16-le", "utf-16-be"])))
     if draw(st.booleans()):
         written = draw(st.text(GLUED, max_size=6)) + base64.b64encode(data).decode()
     else:
