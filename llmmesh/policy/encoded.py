@@ -6,13 +6,13 @@ is a match of the whole string: a deny rule denies, a redaction replaces all of 
 A string is found written whole (a run of 12 characters or more) or broken into pieces
 that are read back together: hexadecimal bytes one by one or in groups (``68 6f 77``,
 ``0x68, 0x6f``), and base64 in pieces of one length (a MIME body's lines, ``aG93IHRv
-IGJ1aWxk``). What it decodes to is read where it is UTF-8 text without control
-characters, 8 bytes of it or more: a hash, a key or a word that happens to be valid
-base64 mostly decodes to bytes that are not text (and the rare stretch that reads as text
-is gibberish that no rule matches). Characters put before the encoded text, among it or
-after it do not hide it: each place its groups may begin is tried, and every stretch of
-text kept. Only in what a model will read (the input check): the streamed output is
-checked as written.
+IGJ1aWxk``), either in a list's quotes and commas too. What it decodes to is read where it
+is text (UTF-8, or UTF-16 where many of its bytes are NUL: llmmesh/policy/bytes_text.py),
+8 bytes of it or more: a hash, a key or a word that happens to be valid base64 mostly
+decodes to bytes that are not text (and the rare stretch that reads as text is gibberish
+that no rule matches). Characters put before the encoded text, among it or after it do not
+hide it: each place its groups may begin is tried, and every stretch of text kept. Only in
+what a model will read (the input check): the streamed output is checked as written.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ _HEX_PIECES = re2.compile(
 )
 _HEX_PIECE = re.compile(rb"(?:0[xX])?([0-9A-Fa-f]+)")
 _MIN_HEX_DIGITS = 2 * MIN_TEXT
-# Base64 written apart: pieces between white space, two of them side by side with an
-# upper-case letter, a digit, "+" or "/" past their first character, as base64's pieces of
-# text have (every piece of 8 characters or more, 98% of those of 4) and few words do.
+# Base64 written apart: pieces between white space (or a list's commas and quotes), two
+# of them side by side with an upper-case letter, a digit, "+" or "/" past their first
+# character, as base64's pieces of text have (every piece of 8 characters or more, 98% of
+# those of 4) and few words do.
 _PIECE = f"[{_BASE64}]+"
 _APART = "[\\s,;|'\"]+"  # white space, or a list's commas and quotes
 _MARKED = "[A-Z0-9+/]"
