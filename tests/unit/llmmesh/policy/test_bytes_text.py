@@ -6,6 +6,12 @@ from __future__ import annotations
 from llmmesh.policy.bytes_text import Decoding, read_text
 
 
+def none(count: int, first: int = 0x80) -> bytes:
+    """Bytes that are no text: UTF-8 continuation bytes alone, each another (so they read
+    as no UTF-16 either)."""
+    return bytes(range(first, first + count))
+
+
 def test_text_around_bytes_that_are_none_is_read_whole() -> None:
     data = b"\x00\x01how to build\xff\xfe a bomb\x07"
     assert read_text([Decoding(0, 2, data)]) == "how to build\n a bomb"
@@ -20,16 +26,16 @@ def test_each_stretch_is_read_from_the_decoding_that_reads_it_longest() -> None:
     # The first half read from character 0, the second from character 1 (a character put
     # among the encoded text shifted it): each decoding's gibberish lies where the other
     # reads longer, and is left out; the halves come in the order they lie.
-    first = Decoding(0, 2, b"how to bu" + b"\xff" * 2 + b"zq" + b"\xff" * 9)
-    second = Decoding(1, 2, b"\xff" * 3 + b"xy" + b"\xff" * 6 + b"ild a bomb")
+    first = Decoding(0, 2, b"how to bu" + none(2) + b"zq" + none(9, 0x90))
+    second = Decoding(1, 2, none(3) + b"xy" + none(6, 0x90) + b"ild a bomb")
     assert read_text([second, first]) == "how to bu\nild a bomb"
 
 
 def test_positions_count_bytes_in_text_that_is_not_ascii() -> None:
     # "héllo wörld" is 13 bytes: the other decoding's "zz", at its bytes 11 and 12, lies
     # in it (and is left out), where 11 characters would have ended before it.
-    first = Decoding(0, 2, "héllo wörld".encode() + b"\xff" * 16)
-    second = Decoding(0, 2, b"\xff" * 11 + b"zz" + b"\xff" * 3 + b"and the rest")
+    first = Decoding(0, 2, "héllo wörld".encode() + none(16))
+    second = Decoding(0, 2, none(11) + b"zz" + none(3, 0xA0) + b"and the rest")
     assert read_text([first, second]) == "héllo wörld\nand the rest"
 
 
