@@ -27,7 +27,7 @@ import re2
 
 from llmmesh.policy.bytes_text import MIN_TEXT, Decoding, read_text
 from llmmesh.policy.joined import SEPARATOR, Joined
-from llmmesh.policy.matching import Hit, Matcher
+from llmmesh.policy.matching import Hit, Matcher, Views
 
 # A run long enough to hide a phrase (9 bytes of base64, "bioweapon"; 6 of hexadecimal,
 # below MIN_TEXT). One scan for both alphabets: hexadecimal digits are base64 characters
@@ -239,15 +239,18 @@ class DecodedText:
         return self.runs[first].start, self.runs[last].end
 
 
-def encoded_hits(matcher: Matcher, text: str) -> list[Hit]:
-    """The matcher's matches in what the encoded runs of ``text`` decode to, each the hit
-    of the whole runs it lies in."""
-    decoded = DecodedText.of(text)
+def encoded_hits(matcher: Matcher, views: Views) -> list[Hit]:
+    """The matcher's matches in what the encoded runs of a text decode to, each the hit of
+    the whole runs it lies in. The runs are looked for in the text's pattern view, where
+    escapes are read, invisible characters dropped and fullwidth ones made ASCII (a model
+    reads encoded text through those as through any other)."""
+    view = views.get("pattern")
+    decoded = DecodedText.of(view.text)
     if not decoded.runs:
         return []
     found = []
     for hit in matcher.hits(decoded.text):
         if hit.valid:
             start, end = decoded.span(hit.start, hit.end)
-            found.append(replace(hit, start=start, end=end))
+            found.append(replace(hit, start=view.start(start), end=view.end(end)))
     return found

@@ -20,7 +20,14 @@ from pydantic import (
 
 from llmmesh.policy.detectors import DETECTORS, disjoint, redact
 from llmmesh.policy.encoded import encoded_hits
-from llmmesh.policy.matching import Hit, Matcher, PatternError, RuleMatchers, compile_regex
+from llmmesh.policy.matching import (
+    Hit,
+    Matcher,
+    PatternError,
+    RuleMatchers,
+    Views,
+    compile_regex,
+)
 from llmmesh.types import PolicyAction, Verdict
 
 
@@ -196,7 +203,8 @@ class StageRules:
     def input_hits(self, text: str) -> list[Hit]:
         """Every match in what a model reads of a prompt ``text``: its own, and those in
         what its base64 and hexadecimal runs decode to (llmmesh/policy/encoded.py)."""
-        return self.matcher.hits(text) + encoded_hits(self.matcher, text)
+        views = Views(text)
+        return self.matcher.hits(views) + encoded_hits(self.matcher, views)
 
 
 def _matchers(spec: RuleSpec) -> RuleMatchers:

@@ -88,7 +88,8 @@ def disguised_word(draw: st.DrawFn, word: str) -> str:
 @st.composite
 def encoded(draw: st.DrawFn, text: str) -> str:
     """``text`` in UTF-8 or UTF-16, in base64 (characters of its alphabet glued in front, or
-    not) or in hexadecimal, in one run or in pieces of one width (the last shorter)."""
+    not) or in hexadecimal, in one run or in pieces of one width (the last shorter), with
+    invisible characters among it or not."""
     data = text.encode(draw(st.sampled_from(["utf-8", "utf-8", "utf-16-le", "utf-16-be"])))
     if draw(st.booleans()):
         written = draw(st.text(GLUED, max_size=6)) + base64.b64encode(data).decode()
@@ -96,8 +97,12 @@ def encoded(draw: st.DrawFn, text: str) -> str:
         written = data.hex()
     if draw(st.booleans()):
         width = draw(st.integers(2, 16)) if written == data.hex() else draw(st.integers(4, 16))
-        separator = draw(st.sampled_from([" ", "\n", "  "]))
+        separator = draw(st.sampled_from([" ", "\n", "  ", "\u00a0"]))
         written = separator.join(written[i : i + width] for i in range(0, len(written), width))
+    if draw(st.integers(0, 3)) == 0:  # an invisible character every few characters
+        every = draw(st.integers(1, 9))
+        hidden = draw(st.sampled_from(INVISIBLE))
+        written = hidden.join(written[i : i + every] for i in range(0, len(written), every))
     return written
 
 
