@@ -1,6 +1,6 @@
 """Built-in PII and secret detectors, compiled with RE2 (linear time whatever the input),
-each with a validator where a pattern alone over-matches (Luhn for cards, mod 97 for
-IBANs, octet ranges for IPv4)."""
+each with a validator where a pattern alone over-matches (Luhn and issuers' prefixes for
+cards, mod 97 for IBANs, octet ranges for IPv4)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,31 @@ _CARD_SEPARATORS = str.maketrans("", "", " -./_")
 _DOUBLED = str.maketrans("0123456789", "0246813579")  # a digit doubled, its digits summed
 
 
-def _luhn(text: str) -> bool:
+def _card(text: str) -> bool:
     digits = text.translate(_CARD_SEPARATORS)
     if not 13 <= len(digits) <= 19 or not digits.isascii() or not digits.isdigit():
         return False
+    return _issued(digits) and _luhn(digits)
+
+
+def _luhn(digits: str) -> bool:
     plain, doubled = digits[-1::-2], digits[-2::-2].translate(_DOUBLED)
     return (sum(plain.encode()) + sum(doubled.encode()) - ord("0") * len(digits)) % 10 == 0
+
+
+def _issued(digits: str) -> bool:
+    """Whether a card network issues numbers that begin so (ISO/IEC 7812): none begins
+    with 0; of those with 1, only UATP's, of 15 digits; of those with 2, only Mir's
+    (2200-2204) and Mastercard's (2221-2720). A row of years (19xx, 20xx) passes Luhn one
+    time in ten, and is no card."""
+    if digits[0] == "0":
+        return False
+    if digits[0] == "1":
+        return len(digits) == 15
+    if digits[0] == "2":
+        prefix = int(digits[:4])
+        return 2200 <= prefix <= 2204 or 2221 <= prefix <= 2720
+    return True
 
 
 def _iban(text: str) -> bool:
@@ -139,7 +158,7 @@ register_detector(
     # dump, a row of numbers (every tenth passing Luhn), and no card.
     r"\b(?:\d{4}(?:[ ./_-]\d{4}){3}(?:[ ./_-]\d{1,3})?|\d{4}[ ./_-]\d{6}[ ./_-]\d{4,5}"
     r"|\d{3,19}(?:[ -]\d{3,19}){1,5}|\d{13,19}|\d(?:[ -]\d){12,18})\b",
-    _luhn,
+    _card,
 )
 register_detector("iban", "[IBAN]", r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban)
 register_detector("ip_address", "[IP_ADDRESS]", r"\b(?:\d{1,3}\.){3}\d{1,3}\b", _ipv4)

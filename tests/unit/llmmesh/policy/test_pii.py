@@ -33,6 +33,8 @@ def scrub(text: str) -> str:
         ("card 6011.0009.9013.9424.123 ok", "card [CREDIT_CARD] ok"),
         ("card 4111 1111.1111-1111 ok", "card [CREDIT_CARD] ok"),
         ("amex 3782-822463.10005 ok", "amex [CREDIT_CARD] ok"),
+        ("mastercard 2223 0031 2200 3222 ok", "mastercard [CREDIT_CARD] ok"),
+        ("uatp 1354 123456 78903 ok", "uatp [CREDIT_CARD] ok"),
         ("iban GB82 WEST 1234 5698 7654 32 ok", "iban [IBAN] ok"),
         ("from 10.0.0.7 to fe80:0:0:0:202:b3ff:fe1e:8329", "from [IP_ADDRESS] to [IP_ADDRESS]"),
         ("key sk-abcdefghijklmnop1234 leaked", "key [SECRET] leaked"),
@@ -77,6 +79,9 @@ def test_a_match_that_fails_its_check_hides_no_valid_one_in_or_after_it(
         # Digits in groups of two: a row of numbers or a dump of bytes (here Luhn's check
         # passes), which no one prints a card in
         "scores 41 11 11 11 11 11 11 11, bytes 34 31 20 31 31 20 31 31 20 31 31 20 31 31",
+        # Rows of years, which pass Luhn, but begin as no issued card does
+        "revenue by year: 2023 2024 2025 2026, and 1991 1992 1993 1994 before",
+        "ids 0000 0000 0000 0000 and 2721 0000 0000 0004",
     ],
 )
 def test_detectors_leave_look_alikes_alone(text: str) -> None:
