@@ -17,8 +17,8 @@ from llmmesh.policy import (
     RuleLibrary,
     StageRules,
     StreamCheck,
-    check_input,
 )
+from llmmesh.policy.off_loop import input_verdict_off_loop
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import PolicyAction, Verdict
 from services.policy.audit import AuditLog
@@ -56,14 +56,15 @@ class PolicyCore:
         self.library = library
         self._audit = audit
 
-    def check_input(
+    async def check_input(
         self, tenant: str, parts: Sequence[Part], request_id: str = "", rule_set: str = ""
     ) -> Verdict:
-        """Everything a model will read, checked as one text (llmmesh/policy/parts.py)."""
+        """Everything a model will read, checked as one text (llmmesh/policy/parts.py),
+        a long text beside the event loop (llmmesh/policy/off_loop.py)."""
         check_parts_size(parts)
         rules = self.library.get(rule_set)
         started = time.perf_counter()
-        verdict = check_input(rules, parts).verdict(rules)
+        verdict = await input_verdict_off_loop(rules, parts)
         CHECK_SECONDS.labels("input").observe(time.perf_counter() - started)
         self.record_decision(
             stage="input",

@@ -96,7 +96,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServicer):
         self, request: policy_pb2.CheckInputRequest, context: InputContext
     ) -> policy_pb2.CheckInputResponse:
         bind_request_id(context, request.request_id)
-        verdict = self._core.check_input(
+        verdict = await self._core.check_input(
             request.tenant, _parts(request), request.request_id, request.rule_set
         )
         return verdict_to_pb(verdict, with_parts=bool(request.parts))

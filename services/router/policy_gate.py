@@ -25,7 +25,8 @@ from typing import Protocol
 
 from prometheus_client import Counter, Histogram
 
-from llmmesh.policy import PART_SEPARATOR, OutputDecision, Part, RuleSet, StreamCheck, check_input
+from llmmesh.policy import PART_SEPARATOR, OutputDecision, Part, RuleSet, StreamCheck
+from llmmesh.policy.off_loop import input_verdict_off_loop
 from llmmesh.runtime.errors import MeshError
 from llmmesh.types import GuardedText, PolicyAction, Verdict
 
@@ -258,7 +259,7 @@ class PolicyGate:
             return await self._service.check_input(request_id, tenant, parts, rule_set)
         INPUT_CHECKS.labels("local").inc()
         started = time.perf_counter()
-        verdict = check_input(followed.rules, parts).verdict(followed.rules)
+        verdict = await input_verdict_off_loop(followed.rules, parts)
         INPUT_CHECK_SECONDS.observe(time.perf_counter() - started)
         text = PART_SEPARATOR.join(p.text for p in parts) if followed.audit_text else ""
         self._recorder.add(
