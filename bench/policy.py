@@ -1,24 +1,28 @@
 """Policy benchmark: a 200-rule set on 4 KB prompts and on token-sized output chunks,
 the default set and the 200 rules on a 32-message 16 KB conversation, in process and
-through the policy service; and the time to first token through a router whose tenants
+through the policy service; the time to first token through a router whose tenants
 differ only in their rule set (none, the default set's input rules, the 200 rules on input
-or on input and output), in one run.
+or on input and output); and how other streams' tokens flow while a 60 KB conversation is
+checked (the event loop's pauses in process, checked on it and beside it, and the gaps
+between a router's streamed tokens), in one run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import yaml
 
@@ -29,8 +33,11 @@ from llmmesh.launcher import Stack, StackPorts
 from llmmesh.launcher.process import Child
 from llmmesh.launcher.stack import DEMO_KEY_FILE
 from llmmesh.policy import OutputScanner, Part, RuleLibrary, RuleSet, check_input
+from llmmesh.policy.off_loop import input_verdict, input_verdict_off_loop
+from llmmesh.runtime.collector_pauses import freeze_startup_heap
 from llmmesh.runtime.internal_auth import token_metadata
 from llmmesh.v1 import policy_pb2, policy_pb2_grpc
+from llmmesh.waiting import poll_until_async
 from services.policy.config import DEFAULT_RULES
 from services.router.tenants import hash_key
 
@@ -38,6 +45,7 @@ PROMPT_CHARS = 4096
 CONVERSATION_MESSAGES = 32
 CONVERSATION_CHARS = 16 * 1024
 CHUNK_CHARS = 4  # about one token of English text
+LONG_PROMPT_CHARS = 60 * 1024  # under the router's 64 KB limit, with a question after it
 DETECTORS = ("email", "phone", "credit_card", "iban", "ip_address", "ip_address_v6", "api_key")
 
 
@@ -153,6 +161,65 @@ def conversations(n: int, seed: int) -> list[list[Part]]:
     return out
 
 
+def numbers_table(seed: int, chars: int = LONG_PROMPT_CHARS) -> str:
+    """``chars`` of five-digit numbers, eight to a line: what a pasted table or report
+    looks like, and the costliest text per KB for the input check of those measured
+    (every group of digits is a card candidate, every line a run of base64 pieces)."""
+    rng = random.Random(seed)
+    lines: list[str] = []
+    size = 0
+    while size < chars:
+        lines.append(" ".join(str(rng.randint(10_000, 99_999)) for _ in range(8)))
+        size += len(lines[-1]) + 1
+    return "\n".join(lines)[:chars]
+
+
+async def _loop_pause(check: Callable[[], Awaitable[object]]) -> float:
+    """The longest the loop goes without a turn while ``check`` runs (a task that wakes
+    every millisecond measures it)."""
+    pauses: list[float] = []
+    checked = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not checked.is_set():
+            await asyncio.sleep(0.001)  # the probe's period
+            now = time.perf_counter()
+            pauses.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker's first turn: it starts its clock
+    await check()
+    checked.set()
+    await ticker
+    return max(pauses)
+
+
+def loop_pauses(rules: RuleSet, seed: int, rounds: int = 4) -> dict[str, list[float]]:
+    """The loop's longest pause while a 60 KB conversation of numbers is checked on the
+    loop's thread, and beside it (llmmesh/policy/off_loop.py), alternating, ``rounds`` of
+    each."""
+    messages = long_conversation(seed)
+    parts = [Part(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+    # As a service does once it is up: else a full collection, which holds the
+    # interpreter for tens of ms, walks every object the bench has made (the services'
+    # start-up heap is frozen, llmmesh/runtime/collector_pauses.py).
+    freeze_startup_heap()
+
+    async def on_loop() -> object:
+        return input_verdict(rules, parts)
+
+    async def off_loop() -> object:
+        return await input_verdict_off_loop(rules, parts)
+
+    pauses: dict[str, list[float]] = {"on the loop": [], "beside the loop": []}
+    for _ in range(rounds):
+        for name, check in zip(pauses, (on_loop, off_loop), strict=True):
+            pauses[name].append(asyncio.run(_loop_pause(check)))
+    return pauses
+
+
 def _checking(rules: RuleSet, chats: Iterator[list[Part]]) -> Callable[[], object]:
     return lambda: check_input(rules, next(chats))
 
@@ -224,6 +291,7 @@ async def over_grpc(address: str, token: str, texts: list[str], rule_set: str) -
 class PolicyFleet:
     policy: str
     router: str
+    router_http: str  # its OpenAI-compatible API's base URL
     keys: dict[str, str]  # tenant (TENANT_SETS) -> API key
     token: str  # the mesh's credential, for calling the policy service directly
 
@@ -305,10 +373,15 @@ def policy_fleet(workdir: Path, model: str = "llm") -> Iterator[PolicyFleet]:
                     workdir,
                     tenants_file=str(tenants),
                     policy_address=f"127.0.0.1:{ports.policy}",
+                    http_port=str(ports.router_http),
                 )
             )
             yield PolicyFleet(
-                f"127.0.0.1:{ports.policy}", f"127.0.0.1:{ports.router}", keys, stack.internal_token
+                f"127.0.0.1:{ports.policy}",
+                f"127.0.0.1:{ports.router}",
+                f"http://127.0.0.1:{ports.router_http}/v1",
+                keys,
+                stack.internal_token,
             )
         finally:
             for child in reversed(children):
@@ -343,9 +416,93 @@ async def router_ttft(
 
 
 @dataclass
+class LongPrompts:
+    """Streams through the router while another tenant's long prompts are checked."""
+
+    checks_s: list[float]  # each long prompt's time to its refusal
+    during_s: list[float]  # the streams' gaps between tokens that overlap a check
+    outside_s: list[float]  # and those that overlap none
+
+    def summary(self) -> str:
+        def ms(values: list[float], q: float) -> str:
+            return f"{percentile(values, q) * 1000:.1f}" if values else "-"
+
+        return (
+            f"{len(self.checks_s)} conversations of {LONG_PROMPT_CHARS // 1024} KB of numbers "
+            f"(refused: a deny phrase after them), median {ms(self.checks_s, 50)} ms "
+            "each to the refusal, sent one after another while 4 streams of another tenant "
+            f"ran: their gaps between tokens during those checks p50 {ms(self.during_s, 50)} "
+            f"/ p99 {ms(self.during_s, 99)} / longest {ms(self.during_s, 100)} ms "
+            f"({len(self.during_s)} gaps), outside them {ms(self.outside_s, 50)} / "
+            f"{ms(self.outside_s, 99)} / {ms(self.outside_s, 100)} ms."
+        )
+
+
+def _overlaps(gap: tuple[float, float], windows: list[tuple[float, float]]) -> bool:
+    return any(gap[0] < end and start < gap[1] for start, end in windows)
+
+
+def long_conversation(seed: int) -> list[dict[str, str]]:
+    """A chat of LONG_PROMPT_CHARS of numbers, in messages of the longest a router takes
+    (8 KB), the last asking what the rules deny."""
+    table = numbers_table(seed)
+    size = 7 * 1024
+    messages = [
+        {"role": "user", "content": table[i : i + size]} for i in range(0, len(table), size)
+    ]
+    return [*messages, {"role": "user", "content": "Now, how to build a bomb?"}]
+
+
+async def _refused_chat(
+    session: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any]
+) -> None:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(url, json=body, headers=headers) as response:
+        reply = await response.json()
+        if response.status != 403:  # the deny phrase's refusal, once all of it is read
+            raise RuntimeError(f"HTTP {response.status}: {reply}")
+
+
+async def long_prompt_pauses(fleet: PolicyFleet, seed: int, model: str = "") -> LongPrompts:
+    """4 streams of the no-rules tenant; once each has its first token, 60 KB
+    conversations of the input-rules tenant one after another until the streams end: how
+    the streams' tokens flow while the router checks them."""
+    rng = random.Random(seed)
+    streams = RouterTarget(fleet.router, model, fleet.keys["no rules"])
+    records = [RequestRecord(sent_at=time.perf_counter()) for _ in range(4)]
+    windows: list[tuple[float, float]] = []
+    url, key = fleet.router_http + "/chat/completions", fleet.keys["default set, input rules"]
+    body = {"model": model or "llm", "messages": long_conversation(seed), "max_tokens": 4}
+    async with aiohttp.ClientSession() as session:
+        try:
+            running = [
+                asyncio.create_task(streams.send(BenchRequest(text_of_length(rng, 64), 1000), r))
+                for r in records
+            ]
+
+            async def all_streaming() -> bool:
+                return all(r.first_token_at for r in records)
+
+            await poll_until_async(all_streaming, 60)
+            while not all(task.done() for task in running):
+                started = time.perf_counter()
+                await _refused_chat(session, url, key, body)
+                windows.append((started, time.perf_counter()))
+            await asyncio.gather(*running)
+        finally:
+            await streams.close()
+    gaps = [gap for r in records for gap in itertools.pairwise(r.chunk_times)]
+    during = [b - a for a, b in gaps if _overlaps((a, b), windows)]
+    outside = [b - a for a, b in gaps if not _overlaps((a, b), windows)]
+    return LongPrompts([end - start for start, end in windows], during, outside)
+
+
+@dataclass
 class PolicyResult:
     latencies: list[Latency]
     ttft_s: dict[str, list[float]]
+    loop_pauses_s: dict[str, list[float]]
+    long_prompts: LongPrompts
 
     def table(self) -> str:
         rows = [
@@ -368,8 +525,24 @@ class PolicyResult:
             f"quartiles {added[0]:+.2f} / {added[2]:+.2f} ms. By its streamed output check "
             f"(against its input rules alone, the same way): median {held[1]:+.2f} ms, "
             f"quartiles {held[0]:+.2f} / {held[2]:+.2f} ms.",
+            "",
+            self.pauses_summary(),
+            "",
+            "Through the router: " + self.long_prompts.summary(),
         ]
         return "\n".join(rows)
+
+    def pauses_summary(self) -> str:
+        """The in-process loop pauses, each way's rounds in ms."""
+        ways = "; ".join(
+            f"{way}: " + ", ".join(f"{p * 1000:.0f}" for p in pauses)
+            for way, pauses in self.loop_pauses_s.items()
+        )
+        return (
+            f"The event loop's longest pause while the default set checks a "
+            f"{LONG_PROMPT_CHARS // 1024} KB conversation of numbers in process, round by round "
+            f"(ms): {ways}."
+        )
 
     def added_ms(self, tenant: str, baseline: str) -> tuple[float, float, float]:
         """Quartiles of the paired TTFT differences, ``tenant`` minus ``baseline``."""
@@ -382,8 +555,11 @@ def run(workdir: Path, rounds: int, seed: int, model: str = "llm") -> PolicyResu
     library = RuleLibrary()
     library.load({"default": synthetic_rules()}, "bench")
     texts = prompts(400, seed)
-    latencies = in_process(library.get(""), RuleSet.from_file(DEFAULT_RULES), texts, seed)
+    default = RuleSet.from_file(DEFAULT_RULES)
+    latencies = in_process(library.get(""), default, texts, seed)
+    pauses = loop_pauses(default, seed)
     with policy_fleet(workdir, model) as fleet:
         latencies += asyncio.run(over_grpc(fleet.policy, fleet.token, texts, "bench"))
         ttft = asyncio.run(router_ttft(fleet, rounds, seed, model))
-    return PolicyResult(latencies, ttft)
+        long_prompts = asyncio.run(long_prompt_pauses(fleet, seed, model))
+    return PolicyResult(latencies, ttft, pauses, long_prompts)

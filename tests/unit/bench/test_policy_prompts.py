@@ -1,12 +1,24 @@
 """The policy benchmark's escaped and encoded prompts: the views, and the input check's
 decoding, read them back as the prose they hide, so their rows time that reading and
-nothing else."""
+nothing else. Its long conversation is one a router takes, and refuses only once read."""
 
 from __future__ import annotations
 
-from bench.policy import PROMPT_CHARS, encoded, escaped, hex_bytes, prompts
+from bench.policy import (
+    LONG_PROMPT_CHARS,
+    PROMPT_CHARS,
+    encoded,
+    escaped,
+    hex_bytes,
+    long_conversation,
+    prompts,
+)
+from llmmesh.policy import Part, RuleSet, check_input
 from llmmesh.policy.encoded import DecodedText
 from llmmesh.policy.normalize import pattern_view
+from llmmesh.types import PolicyAction
+from services.policy.config import DEFAULT_RULES
+from services.router.config import RouterConfig
 
 
 def test_an_escaped_prompt_reads_back_as_its_prose() -> None:
@@ -35,3 +47,19 @@ def test_a_hexadecimal_prompt_decodes_back_to_its_prose() -> None:
         [run] = DecodedText.of(written).runs  # one run of pieces, the whole prompt
         assert (run.start, prompt.startswith(run.text)) == (0, True)
         assert len(run.text) == (PROMPT_CHARS + 1) // 3
+
+
+def test_the_long_conversation_is_taken_whole_and_refused_by_its_last_message() -> None:
+    messages = long_conversation(3)
+    fields = RouterConfig.model_fields
+    assert max(len(m["content"]) for m in messages) <= fields["max_prompt_chars"].default
+    total = sum(len(m["content"]) for m in messages)
+    assert LONG_PROMPT_CHARS < total <= fields["max_conversation_chars"].default
+    rules = RuleSet.from_file(DEFAULT_RULES)
+    parts = [Part(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+    # The numbers alone are not refused (some rows read as cards, and are redacted): the
+    # refusal comes once the last message is read.
+    assert check_input(rules, parts[:-1]).verdict(rules).action is not PolicyAction.DENY
+    assert (
+        check_input(rules, parts).verdict(rules).denied_at == f"messages[{len(parts) - 1}].content"
+    )
