@@ -70,6 +70,11 @@ _URL_SAFE = bytes.maketrans(b"-_", b"+/")
 # the base64 of text always has one, save a text made for it (every third of its
 # characters one of "jknorsvwz{~"), and the hexadecimal of text always has digits.
 _UPPER_OR_DIGIT = re.compile(b"[A-Z0-9]")
+# _DIGITS_ONLY: digits alone (a long number, a table's row of numbers) are not read as
+# base64. Their values (52-61) each set two bits of every byte they decode to, so none is
+# NUL (no UTF-16), every third is a lead byte of 0xD3 or more, and what reads as UTF-8 is
+# letters of Hebrew, Arabic, NKo and CJK among ASCII pairs such as "mv" or "}6": no
+# phrase, and reading it took most of the check of a table of numbers.
 # How many characters of an unfinished last group of four are read: 2 or 3 are a byte or
 # two; a lone one is none.
 _LAST_GROUP = (0, 0, 2, 3)
@@ -201,6 +206,8 @@ def _base64(run: bytes) -> str | None:
     begin (a character put in front of the text, or among it, shifts every group after
     it)."""
     body = run.rstrip(b"=").translate(_URL_SAFE)
+    if body.isdigit():
+        return None  # a number, or a row of them: hexadecimal or nothing (_DIGITS_ONLY)
     whole = _groups(body)
     if len(whole) >= MIN_TEXT and whole.isascii() and _CONTROL.search(whole) is None:
         return whole.decode("ascii")  # all of it text: no other reading says more

@@ -128,6 +128,27 @@ def test_runs_that_hide_nothing_are_allowed_unchanged(text: str) -> None:
     assert verdict.action is PolicyAction.ALLOW and verdict.text == text
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "1270835120528688",
+        "order 782262829378927055974992 shipped",
+        "90995 38086 10247 15876 10508 12816 51562 21454",  # a third of such rows
+    ],
+)
+def test_digits_alone_are_not_read_as_base64(text: str) -> None:
+    """Each of these read as base64 to a few letters of Hebrew, Arabic or NKo among ASCII
+    pairs (such as "tێ Nt"): never a phrase, and reading them took most of the check of a
+    table of numbers."""
+    assert decoded_runs(text) == []
+
+
+def test_digits_alone_are_still_read_as_hexadecimal() -> None:
+    phrase = b"she hid a spy"  # every byte's two digits decimal ones
+    for text in (phrase.hex(), " ".join(f"{b:02x}" for b in phrase)):
+        assert [r.text for r in decoded_runs(f"note {text} ok")] == [phrase.decode()]
+
+
 def test_a_match_is_reported_in_the_part_where_its_run_lies() -> None:
     parts = [Part("messages[0].content", "hi"), Part("messages[1].content", b64("nerve agent x"))]
     decision = check_input(RULES, parts)
