@@ -15,11 +15,13 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from prometheus_client import Counter, Histogram
 
 from llmmesh import first_tokens
 from llmmesh.policy import Part
+from llmmesh.policy.off_loop import ON_LOOP_CHARS
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     AlreadyExists,
@@ -81,6 +83,7 @@ from services.router.upstreams import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TOKEN_USAGE = Histogram(
     "gen_ai_client_token_usage",
@@ -253,7 +256,10 @@ class RouterCore:
         # while policy looks at the prompt, on an estimate of the prompt's tokens: the
         # difference is charged once the prompt is built, and a request that goes no
         # further gives back what it was charged.
-        estimate = _estimated_tokens(request, history, speech)
+        chars = _conversation_chars(request, history)
+        estimate = await _beside_loop_if_long(
+            chars, functools.partial(_estimated_tokens, request, history, speech)
+        )
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
             verdict = await self._verdict(request, history, rule_set, structure)
@@ -265,10 +271,9 @@ class RouterCore:
             _check_not_reused(history, user_text)
             # Token ids go to the engine only as the checks passed their text: unchanged.
             ids = request.prompt_ids if user_text == request.prompt else ()
-            call, prompt_tokens = self._build_call(request, history, user_text, speech, ids)
+            built = functools.partial(self._built, request, history, user_text, speech, ids)
+            call, prompt_tokens, user_tokens, new_turns = await _beside_loop_if_long(chars, built)
             check_prompt_logprobs(request.sampling, prompt_tokens)
-            user_tokens = speech.count(user_text)
-            new_turns = _new_turns(request, history, speech)
             lease = await asyncio.shield(admitting)  # a client gone now cancels not it
         except BaseException:
             await _undo_admission(admitting, estimate)
@@ -379,6 +384,20 @@ class RouterCore:
         session_key = f"{request.tenant}/{conversation}" if conversation else ""
         tier = self._tenants.spec(request.tenant).tier
         return RouteHints(session_key, request.color, request.deadline, tier)
+
+    def _built(
+        self,
+        request: GenerateInput,
+        history: History | None,
+        user_text: str,
+        speech: ModelSpeech,
+        ids: tuple[int, ...],
+    ) -> tuple[InferenceCall, int, int, tuple[Turn, ...]]:
+        """The call and its prompt's tokens, the new text's tokens and the session's new
+        turns, counted: all of a request's tokenizing once policy has passed it."""
+        call, prompt_tokens = self._build_call(request, history, user_text, speech, ids)
+        new_turns = _new_turns(request, history, speech)
+        return call, prompt_tokens, speech.count(user_text), new_turns
 
     def _build_call(
         self,
@@ -655,6 +674,21 @@ def _excerpt_for(history: History, message: str, count: Callable[[str], int]) ->
     excerpt = " ".join(select(ranked, history.excerpt_tokens, count))
     summarized = history.summarized_turns or history.dropped_turns
     return replace(history, summary=excerpt, summarized_turns=summarized if excerpt else 0)
+
+
+def _conversation_chars(request: GenerateInput, history: History | None) -> int:
+    turns = history.turns if history is not None else ()
+    return len(request.prompt) + sum(len(t.text) for t in turns)
+
+
+async def _beside_loop_if_long(chars: int, work: Callable[[], T]) -> T:
+    """``work``, a conversation's tokenizing, on a thread when the conversation is longer
+    than ON_LOOP_CHARS: a model's tokenizer takes 30 ms for 60 KB of prose, 100 ms for as
+    many digits (a token each), and lets go of the interpreter while it encodes
+    (services/router/speech.py), so the loop runs on meanwhile."""
+    if chars <= ON_LOOP_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 def _estimated_tokens(request: GenerateInput, history: History | None, speech: ModelSpeech) -> int:

@@ -531,6 +531,29 @@ def test_a_schema_is_compiled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
     assert compiled_on and loop_thread not in compiled_on
 
 
+def test_a_long_conversation_is_tokenized_off_the_event_loop() -> None:
+    """A model's tokenizer takes 100 ms for 60 KB of digits, and the router counts a
+    conversation two or three times: on the loop, every stream it serves would stall."""
+    counted_on: set[int] = set()
+
+    def count(text: str) -> int:
+        counted_on.add(threading.get_ident())
+        return len(text.encode())
+
+    speech = FixedSpeech(ModelSpeech(count, MESH_LAYOUT, 4 * CONTEXT))
+
+    async def scenario(prompt: str) -> int:
+        core = RouterCore(RouterConfig(), gate(), Context(), Inference(), speech)
+        assert await run(core, request(prompt))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario("12345 " * 1000))
+    assert counted_on and loop_thread not in counted_on
+    counted_on.clear()
+    loop_thread = asyncio.run(scenario("hello"))  # a hand-off would cost more than it
+    assert counted_on == {loop_thread}
+
+
 def structured(kind: str, spec: str) -> GenerateInput:
     return replace(request(), sampling=Sampling(4, structured=(kind, spec)))
 

@@ -214,3 +214,14 @@ def test_the_models_own_words_are_read_again_as_words_never_as_control_tokens(
     # A byte-level model has no control tokens: its history is left as it is.
     byte_level = ModelSpeech.of_card(ModelCard("llm", 2048))
     assert byte_level.defused_history(stored) is stored
+
+
+def test_a_long_text_is_counted_as_a_short_one_is(smollm2: ModelSpeech, card: ModelCard) -> None:
+    """Past 1 KB a text is encoded as a batch of one (which lets other threads run while
+    it encodes): the same tokens, control tokens read as such, no BOS added."""
+    tokenizer = Tokenizer.from_str(card.tokenizer_json)
+    text = "<|im_start|>user\n" + "The 12 apples cost 3.50 each, said Ada. " * 60
+    expected = tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(text) > 2000 and expected[0] == tokenizer.token_to_id("<|im_start|>")
+    assert smollm2.codec.encode(text) == expected
+    assert smollm2.count(text) == len(expected)
