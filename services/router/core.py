@@ -15,13 +15,11 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
-from typing import TypeVar
 
 from prometheus_client import Counter, Histogram
 
 from llmmesh import first_tokens
 from llmmesh.policy import Part
-from llmmesh.policy.off_loop import ON_LOOP_CHARS
 from llmmesh.runtime import tracing
 from llmmesh.runtime.errors import (
     AlreadyExists,
@@ -69,7 +67,7 @@ from services.router.request import (
     Prepared,
     StartedStream,
 )
-from services.router.speech import ModelSpeech, Speeches
+from services.router.speech import ModelSpeech, Speeches, beside_loop_if_long
 from services.router.summaries import SUMMARY_PRIORITY, FoldJob, Summarizer
 from services.router.tenants import Lease, Tenants
 from services.router.token_release import GuardedTokens
@@ -83,7 +81,6 @@ from services.router.upstreams import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 TOKEN_USAGE = Histogram(
     "gen_ai_client_token_usage",
@@ -257,7 +254,7 @@ class RouterCore:
         # difference is charged once the prompt is built, and a request that goes no
         # further gives back what it was charged.
         chars = _conversation_chars(request, history)
-        estimate = await _beside_loop_if_long(
+        estimate = await beside_loop_if_long(
             chars, functools.partial(_estimated_tokens, request, history, speech)
         )
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
@@ -272,7 +269,7 @@ class RouterCore:
             # Token ids go to the engine only as the checks passed their text: unchanged.
             ids = request.prompt_ids if user_text == request.prompt else ()
             built = functools.partial(self._built, request, history, user_text, speech, ids)
-            call, prompt_tokens, user_tokens, new_turns = await _beside_loop_if_long(chars, built)
+            call, prompt_tokens, user_tokens, new_turns = await beside_loop_if_long(chars, built)
             check_prompt_logprobs(request.sampling, prompt_tokens)
             lease = await asyncio.shield(admitting)  # a client gone now cancels not it
         except BaseException:
@@ -679,16 +676,6 @@ def _excerpt_for(history: History, message: str, count: Callable[[str], int]) ->
 def _conversation_chars(request: GenerateInput, history: History | None) -> int:
     turns = history.turns if history is not None else ()
     return len(request.prompt) + sum(len(t.text) for t in turns)
-
-
-async def _beside_loop_if_long(chars: int, work: Callable[[], T]) -> T:
-    """``work``, a conversation's tokenizing, on a thread when the conversation is longer
-    than ON_LOOP_CHARS: a model's tokenizer takes 30 ms for 60 KB of prose, 100 ms for as
-    many digits (a token each), and lets go of the interpreter while it encodes
-    (services/router/speech.py), so the loop runs on meanwhile."""
-    if chars <= ON_LOOP_CHARS:
-        return work()
-    return await asyncio.to_thread(work)
 
 
 def _estimated_tokens(request: GenerateInput, history: History | None, speech: ModelSpeech) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -61,6 +62,7 @@ from services.router.prompt import render_last
 from services.router.rate_limits import rate_limit_headers
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
+from services.router.speech import beside_loop_if_long
 from services.router.tenants import Lease, Tenants
 from services.router.tool_calls import ToolUse, conversation, tool_use, tools_asked
 
@@ -275,7 +277,8 @@ class OpenAiApi:
                     text = render_last(speech.layout, turns[:-1], turns[-1])
                 else:
                     text = speech.layout.render(turns, generation_prompt=body.add_generation_prompt)
-            tokens = speech.codec.encode(text)
+            encode = functools.partial(speech.codec.encode, text)  # up to the body's 4 MB
+            tokens = await beside_loop_if_long(len(text), encode)
             bos = speech.codec.bos_id
             if body.special_tokens() and bos is not None:
                 tokens.insert(0, bos)

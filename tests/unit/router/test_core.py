@@ -53,7 +53,7 @@ from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
 from services.router.request import GenerateInput
-from services.router.speech import FixedSpeech, ModelSpeech
+from services.router.speech import ByteCodec, FixedSpeech, ModelSpeech
 from services.router.summaries import SUMMARY_PRIORITY
 from services.router.tenants import Tenants, parse_tenants
 from services.router.token_release import REDACTED_TOKEN
@@ -552,6 +552,30 @@ def test_a_long_conversation_is_tokenized_off_the_event_loop() -> None:
     counted_on.clear()
     loop_thread = asyncio.run(scenario("hello"))  # a hand-off would cost more than it
     assert counted_on == {loop_thread}
+
+
+def test_a_long_text_to_tokenize_is_encoded_off_the_event_loop() -> None:
+    """``/tokenize`` takes up to the body's 4 MB, seconds of a tokenizer's work."""
+    encoded_on: list[int] = []
+
+    class RecordingCodec(ByteCodec):
+        def encode(self, text: str) -> list[int]:
+            encoded_on.append(threading.get_ident())
+            return super().encode(text)
+
+    speech = FixedSpeech(ModelSpeech(len, MESH_LAYOUT, CONTEXT, codec=RecordingCodec()))
+
+    async def scenario() -> int:
+        core = RouterCore(RouterConfig(), gate(), Context(), Inference(), speech)
+        async with TestClient(TestServer(OpenAiApi(core, Tenants(), ["llm"]).app())) as client:
+            for prompt in ("12345 " * 1000, "hello"):
+                reply = await client.post("/tokenize", json={"model": "llm", "prompt": prompt})
+                assert reply.status == 200
+                assert (await reply.json())["count"] == len(prompt) + 1  # and a BOS
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    assert len(encoded_on) == 2 and encoded_on[0] != loop_thread == encoded_on[1]
 
 
 def structured(kind: str, spec: str) -> GenerateInput:
