@@ -21,6 +21,7 @@ from prometheus_client import Counter, Histogram
 from llmmesh import first_tokens
 from llmmesh.policy import Part
 from llmmesh.runtime import tracing
+from llmmesh.runtime.beside_loop import beside_loop_if_long
 from llmmesh.runtime.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -67,7 +68,7 @@ from services.router.request import (
     Prepared,
     StartedStream,
 )
-from services.router.speech import ModelSpeech, Speeches, beside_loop_if_long
+from services.router.speech import ModelSpeech, Speeches
 from services.router.summaries import SUMMARY_PRIORITY, FoldJob, Summarizer
 from services.router.tenants import Lease, Tenants
 from services.router.token_release import GuardedTokens

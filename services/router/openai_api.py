@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 import llmmesh
 from llmmesh.policy import Part
 from llmmesh.runtime import tracing
+from llmmesh.runtime.beside_loop import beside_loop_if_long
 from llmmesh.runtime.errors import (
     InvalidArgument,
     MeshError,
@@ -62,7 +63,6 @@ from services.router.prompt import render_last
 from services.router.rate_limits import rate_limit_headers
 from services.router.request import GenerateInput, SessionUse
 from services.router.responses_api import ResponsesApi
-from services.router.speech import beside_loop_if_long
 from services.router.tenants import Lease, Tenants
 from services.router.tool_calls import ToolUse, conversation, tool_use, tools_asked
 

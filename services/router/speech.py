@@ -10,18 +10,16 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
 from llmmesh.policy import Part
-from llmmesh.policy.off_loop import ON_LOOP_CHARS
 from llmmesh.runtime.errors import InvalidArgument, MeshError
 from llmmesh.types import History, ModelCard, Sampling, Turn, count_tokens
 from services.router.chat_layout import MESH_LAYOUT, ChatLayout, TemplateLayout
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 WORD_JOINER = "\u2060"  # invisible, and no tokenizer reads a control token across it
 
@@ -234,7 +232,8 @@ def _control_tokens(tokenizer_json: str) -> tuple[str, ...]:
 
 # A text longer than this is encoded as a batch of one: ``encode_batch`` lets go of the
 # interpreter while it encodes (``encode`` holds it), so that other threads, and an event
-# loop that sent a long conversation's tokenizing to a thread, run meanwhile. It costs
+# loop that sent a long conversation's tokenizing to a thread (beside_loop_if_long), run
+# meanwhile. It costs
 # about 2 µs more a call, which a short text's 10 µs would feel.
 _RELEASING_CHARS = 1024
 
@@ -253,16 +252,6 @@ def _counter(tokenizer: Tokenizer) -> Callable[[str], int]:
         return len(_ids(tokenizer, text))
 
     return count
-
-
-async def beside_loop_if_long(chars: int, work: Callable[[], T]) -> T:
-    """``work``, a conversation's tokenizing, on a thread when the conversation is longer
-    than ON_LOOP_CHARS: a model's tokenizer takes 30 ms for 60 KB of prose, 100 ms for as
-    many digits (a token each), and lets go of the interpreter while it encodes
-    (``_ids``), so the loop runs on meanwhile."""
-    if chars <= ON_LOOP_CHARS:
-        return work()
-    return await asyncio.to_thread(work)
 
 
 class Speeches(Protocol):

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from llmmesh.policy import DETECTORS, Part, RuleSet, RuleSetSpec, register_detector
-from llmmesh.policy.off_loop import ON_LOOP_CHARS, input_verdict_off_loop
+from llmmesh.policy.off_loop import input_verdict_off_loop
+from llmmesh.runtime.beside_loop import ON_LOOP_CHARS
 from llmmesh.types import PolicyAction
 
 MARK = "waitmark"
