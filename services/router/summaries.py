@@ -17,6 +17,7 @@ output rules before it is stored, as an answer would.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from typing import Protocol
 
 from prometheus_client import Counter
 
+from llmmesh.runtime.beside_loop import beside_loop_if_long
 from llmmesh.runtime.errors import InvalidArgument
 from llmmesh.types import Chunk, Fold, History, InferenceCall, Role, Sampling
 from services.router.admission import SHADOW_PRIORITY
@@ -128,7 +130,11 @@ class Summarizer:
 
     async def _written(self, job: FoldJob) -> str:
         fold, speech = job.fold, job.speech
-        prompt = _prompt(fold, speech)
+        # Built and counted beside the loop when long: a history near the model's context
+        # is tens of KB, a tokenizer's 0.1 s on the loop every other stream would wait for.
+        prompt, prompt_tokens = await beside_loop_if_long(
+            _fold_chars(fold), functools.partial(_counted_prompt, fold, speech)
+        )
         # A model that goes on with the transcript instead is stopped where it would.
         sampling = Sampling(
             max_tokens=max(fold.max_tokens, 1), temperature=0.0, stop=TRANSCRIPT_TURNS
@@ -137,7 +143,7 @@ class Summarizer:
             f"{job.request_id}-summary", job.model, prompt, sampling, job.priority, job.cache_salt
         )
         hints = RouteHints(f"{job.tenant}/{job.session_id}", tier="background", background=True)
-        SUMMARY_TOKENS.labels(job.model, "prompt").inc(speech.count(prompt) + speech.bos_tokens)
+        SUMMARY_TOKENS.labels(job.model, "prompt").inc(prompt_tokens)
         text, written = await _collect(self._inference.generate(call, hints))
         SUMMARY_TOKENS.labels(job.model, "completion").inc(written)
         guard = self._policy.guard_output(call.request_id, job.tenant, job.rule_set, job.version)
@@ -152,6 +158,16 @@ class Summarizer:
             covered=fold.through, replaces=fold.covered, ttl_s=job.ttl_s,
         )  # fmt: skip
         return "saved" if saved else "stale"
+
+
+def _fold_chars(fold: Fold) -> int:
+    return len(fold.summary) + sum(len(t.text) for t in fold.turns)
+
+
+def _counted_prompt(fold: Fold, speech: ModelSpeech) -> tuple[str, int]:
+    """The prompt and the tokens the model reads for it."""
+    prompt = _prompt(fold, speech)
+    return prompt, speech.count(prompt) + speech.bos_tokens
 
 
 def _prompt(fold: Fold, speech: ModelSpeech) -> str:

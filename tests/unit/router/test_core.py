@@ -554,6 +554,31 @@ def test_a_long_conversation_is_tokenized_off_the_event_loop() -> None:
     assert counted_on == {loop_thread}
 
 
+def test_a_long_fold_is_built_and_counted_off_the_event_loop() -> None:
+    """A fold's turns fill most of the model's context: tens of KB to build and count."""
+    counted: list[tuple[int, str]] = []
+
+    def count(text: str) -> int:
+        counted.append((threading.get_ident(), text))
+        return len(text.encode())
+
+    speech = FixedSpeech(ModelSpeech(count, MESH_LAYOUT, 4 * CONTEXT))
+
+    async def scenario(said: str) -> tuple[int, set[int]]:
+        context = Context(fold=Fold("", 0, (Turn(Role.USER, said),), 1, 12))
+        core = RouterCore(RouterConfig(), gate(), context, Inference(), speech)
+        await run(core, request(session="s"))
+        await asyncio.wait_for(context.summary_saved.wait(), 5)
+        folded_on = {thread for thread, text in counted if said in text}
+        counted.clear()
+        return threading.get_ident(), folded_on
+
+    loop_thread, folded_on = asyncio.run(scenario("12345 " * 800))
+    assert folded_on and loop_thread not in folded_on
+    loop_thread, folded_on = asyncio.run(scenario("My dog is Rex."))
+    assert folded_on == {loop_thread}
+
+
 def test_a_long_text_to_tokenize_is_encoded_off_the_event_loop() -> None:
     """``/tokenize`` takes up to the body's 4 MB, seconds of a tokenizer's work."""
     encoded_on: list[int] = []
