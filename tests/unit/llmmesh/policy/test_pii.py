@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmmesh.policy.detectors import DETECTORS, find, redact
+from llmmesh.policy.detectors import DETECTORS, find, matches, redact
 from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 from llmmesh.types import PolicyAction
 
@@ -63,6 +63,30 @@ def test_a_match_that_fails_its_check_hides_no_valid_one_in_or_after_it(
     assert scrub(text) == expected
     verdict = RuleSet.from_file(DEFAULT_RULES).check_input(text)
     assert (verdict.action, verdict.text) == (PolicyAction.REDACT, expected)
+
+
+WIDE = "名前 é 🙂 "  # characters of two, three and four bytes in UTF-8
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (WIDE + "card 4111 1111 1111 1111 exp", WIDE + "card [CREDIT_CARD] exp"),
+        (WIDE + "ids 12 4111 1111 1111 1111 end", WIDE + "ids 12 [CREDIT_CARD] end"),
+        ("ids 1é2 🙂4111 1111 1111 1111€ 12", "ids 1é2 🙂[CREDIT_CARD]€ 12"),
+        (WIDE + "ip 300.1.2.3.4, 名 ada@example.com", WIDE + "ip 300.[IP_ADDRESS], 名 [EMAIL]"),
+    ],
+)
+def test_matches_in_text_that_is_not_ascii_are_where_they_are(text: str, expected: str) -> None:
+    """The search runs on the text's UTF-8 (its bytes, encoded once) and maps each match
+    back to characters, a rejected one's next try one character on."""
+    assert scrub(text) == expected
+
+
+def test_a_search_from_a_position_past_wide_characters_starts_there() -> None:
+    text = "é🙂 4111 1111 1111 1111, 名 5500 0000 0000 0004 ok"
+    found = [(text[s:e], s) for s, e, ok in matches(DETECTORS["credit_card"], text, 4) if ok]
+    assert found == [("5500 0000 0000 0004", text.index("5500"))]
 
 
 @pytest.mark.parametrize(
