@@ -11,8 +11,9 @@ is text (UTF-8, or UTF-16 where many of its bytes are NUL: llmmesh/policy/bytes_
 8 bytes of it or more: a hash, a key or a word that happens to be valid base64 mostly
 decodes to bytes that are not text (and the rare stretch that reads as text is gibberish
 that no rule matches). Characters put before the encoded text, among it or after it do not
-hide it: each place its groups may begin is tried, and every stretch of text kept. Only in
-what a model will read (the input check): the streamed output is checked as written.
+hide it: each place its groups may begin is tried, and every stretch of text kept. Text
+that is encoded again is read through each encoding (MAX_ENCODINGS). Only in what a model
+will read (the input check): the streamed output is checked as written.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from llmmesh.policy.bytes_text import MIN_TEXT, Decoding, read_text
 from llmmesh.policy.joined import SEPARATOR, Joined
 from llmmesh.policy.matching import Hit, Matcher, Views
 
+# Text encoded again and again (base64 of base64, hexadecimal of base64) is read through
+# each encoding, as a model that decodes once decodes again, up to this many: each one
+# makes the text a third longer at least, and reading it costs what it decodes to.
+MAX_ENCODINGS = 4
 # A run long enough to hide a phrase (9 bytes of base64, "bioweapon"; 6 of hexadecimal,
 # below MIN_TEXT). One scan for both alphabets: hexadecimal digits are base64 characters
 # too, and a run of them is read both ways.
@@ -93,12 +98,23 @@ class Decoded(NamedTuple):
 Span = tuple[int, int]
 
 
-def decoded_runs(text: str) -> list[Decoded]:
+def decoded_runs(text: str, encodings: int = MAX_ENCODINGS) -> list[Decoded]:
     """The runs of ``text`` that decode, as base64 or hexadecimal, to readable text, whole
-    or in pieces, in the order they begin (a run read whole may lie in a run of pieces)."""
+    or in pieces, in the order they begin (a run read whole may lie in a run of pieces);
+    a run's text followed by what it decodes to in turn, up to ``encodings`` deep."""
     data = text.encode("ascii", "replace")  # one byte a character
     found = _ANY_FORM.Match(data) or ()
-    return sorted(run for form in found for run in _READERS[form](data))
+    runs = sorted(run for form in found for run in _READERS[form](data))
+    return [_read_inner(run, encodings - 1) for run in runs] if encodings > 1 else runs
+
+
+def _read_inner(run: Decoded, encodings: int) -> Decoded:
+    """The run with what its text decodes to, if anything, after it: the whole run is
+    what hides that text too."""
+    inner = decoded_runs(run.text, encodings)
+    if not inner:
+        return run
+    return run._replace(text=SEPARATOR.join([run.text, *(r.text for r in inner)]))
 
 
 def _whole_runs(data: bytes) -> Iterator[Decoded]:
