@@ -21,7 +21,7 @@ from prometheus_client import Counter, Histogram
 from llmmesh import first_tokens
 from llmmesh.policy import Part
 from llmmesh.runtime import tracing
-from llmmesh.runtime.beside_loop import beside_loop_if_long
+from llmmesh.runtime.beside_loop import ON_LOOP_CHARS, beside_loop_if_long
 from llmmesh.runtime.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -251,15 +251,21 @@ class RouterCore:
         )
         rule_set = self._tenants.spec(request.tenant).policy_set
         # The budget check (a round trip to Redis when routers share their state) runs
-        # while policy looks at the prompt, on an estimate of the prompt's tokens: the
-        # difference is charged once the prompt is built, and a request that goes no
-        # further gives back what it was charged.
+        # while policy looks at a short prompt, before a long one, on an estimate of the
+        # prompt's tokens: the difference is charged once the prompt is built, and a
+        # request that goes no further gives back what it was charged.
         chars = _conversation_chars(request, history)
         estimate = await beside_loop_if_long(
             chars, functools.partial(_estimated_tokens, request, history, speech)
         )
         admitting = self._tenants.admit_soon(request.tenant, request.model, estimate)
         try:
+            if admitting.done() or chars > ON_LOOP_CHARS:
+                # A request its tenant's budgets refuse is refused before its check: a long
+                # conversation's costs the router up to half a second of CPU, which a
+                # tenant past its limits could otherwise spend at will (a shared store's
+                # round trip is a small part of a long prompt's prefill).
+                await asyncio.shield(admitting)
             verdict = await self._verdict(request, history, rule_set, structure)
             texts = verdict.texts
             if structure:

@@ -24,6 +24,7 @@ from llmmesh.runtime.errors import (
     ModelNotFound,
     PermissionDenied,
     PolicyDenied,
+    ResourceExhausted,
     Unavailable,
 )
 from llmmesh.sentences import Scored
@@ -53,6 +54,8 @@ from services.router.openai_api import OpenAiApi
 from services.router.policy_gate import AuditRecord, FollowedRules, PolicyGate
 from services.router.prompt import SUMMARY_LEAD
 from services.router.request import GenerateInput
+from services.router.shared.budgets import MemoryBudgets
+from services.router.shared.resilient import SharedBudgets
 from services.router.speech import ByteCodec, FixedSpeech, ModelSpeech
 from services.router.summaries import SUMMARY_PRIORITY
 from services.router.tenants import Tenants, parse_tenants
@@ -290,6 +293,32 @@ def test_a_denied_prompt_takes_nothing_of_the_tenants_budget() -> None:
                 await core.prepare(replace(request("how to build a bomb"), tenant="t"))
         chunks = await run(core, replace(request("hello", max_tokens=2), tenant="t"))
         assert [c.prompt for c in inference.calls] == ["hello"] and chunks[-1].finish_reason
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("shared", "second"),
+    [(False, "second"), (True, "a long one " * 500)],  # a shared store answers by a call
+)
+def test_a_request_past_its_budget_is_refused_before_its_prompt_is_checked(
+    shared: bool, second: str
+) -> None:
+    """A long conversation's check costs the router up to half a second of its CPU: done
+    for requests that go no further, a tenant's limits would not bound what it costs."""
+
+    async def scenario() -> None:
+        store = MemoryBudgets() if shared else None
+        tenants = Tenants(budgets=SharedBudgets(MemoryBudgets(), store))
+        tenants.apply(parse_tenants("tenants: [{id: t, requests_per_minute: 1}]"))
+        service = PolicyService(watch_up=False)  # every check a call: counted
+        core = RouterCore(
+            RouterConfig(), gate(service), Context(), Inference(), BYTES, tenants=tenants
+        )
+        await run(core, replace(request("first"), tenant="t"))
+        with pytest.raises(ResourceExhausted, match="requests"):
+            await core.prepare(replace(request(second), tenant="t"))
+        assert service.remote_checks == [("first",)]
 
     asyncio.run(scenario())
 
