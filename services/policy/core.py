@@ -64,7 +64,7 @@ class PolicyCore:
         check_parts_size(parts)
         rules = self.library.get(rule_set)
         started = time.perf_counter()
-        verdict = await input_verdict_off_loop(rules, parts)
+        verdict = await input_verdict_off_loop(rules, parts, tenant)
         CHECK_SECONDS.labels("input").observe(time.perf_counter() - started)
         self.record_decision(
             stage="input",

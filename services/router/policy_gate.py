@@ -259,7 +259,7 @@ class PolicyGate:
             return await self._service.check_input(request_id, tenant, parts, rule_set)
         INPUT_CHECKS.labels("local").inc()
         started = time.perf_counter()
-        verdict = await input_verdict_off_loop(followed.rules, parts)
+        verdict = await input_verdict_off_loop(followed.rules, parts, tenant)
         INPUT_CHECK_SECONDS.observe(time.perf_counter() - started)
         text = PART_SEPARATOR.join(p.text for p in parts) if followed.audit_text else ""
         self._recorder.add(

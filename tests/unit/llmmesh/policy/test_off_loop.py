@@ -75,3 +75,38 @@ def test_a_short_prompt_is_checked_on_the_loops_thread(
 
     assert asyncio.run(scenario()) == "a [MARK]"
     assert threads == [threading.get_ident()]
+
+
+def test_tenants_long_checks_take_turns() -> None:
+    """A tenant that sends many long prompts at once waits for its own checks: another
+    tenant's, sent after them, is checked next."""
+    checked: list[str] = []
+    first_running, first_may_end = threading.Event(), threading.Event()
+
+    def seen(mark: str) -> bool:
+        checked.append(mark)
+        if mark == "marka1":
+            first_running.set()
+            first_may_end.wait(timeout=5)
+        return True
+
+    register_detector("test_turns", "[MARK]", r"\bmark\w+\b", seen)
+    spec = {"version": "t", "rules": [{"id": "m", "action": "redact", "detectors": ["test_turns"]}]}
+    rules = RuleSet.from_spec(RuleSetSpec.model_validate(spec))
+
+    def check(tenant: str, mark: str) -> asyncio.Future[object]:
+        text = "word " * (ON_LOOP_CHARS // 5) + mark
+        return asyncio.ensure_future(input_verdict_off_loop(rules, [Part("p", text)], tenant))
+
+    async def scenario() -> None:
+        first = check("a", "marka1")
+        assert await asyncio.to_thread(first_running.wait, 5)
+        others = [check("a", "marka2"), check("a", "marka3"), check("b", "markb1")]
+        asyncio.get_running_loop().call_soon(first_may_end.set)  # once they are queued
+        await asyncio.gather(first, *others)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        DETECTORS.pop("test_turns", None)
+    assert checked == ["marka1", "markb1", "marka2", "marka3"]
