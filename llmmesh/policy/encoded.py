@@ -105,16 +105,30 @@ def decoded_runs(text: str, encodings: int = MAX_ENCODINGS) -> list[Decoded]:
     data = text.encode("ascii", "replace")  # one byte a character
     found = _ANY_FORM.Match(data) or ()
     runs = sorted(run for form in found for run in _READERS[form](data))
-    return [_read_inner(run, encodings - 1) for run in runs] if encodings > 1 else runs
+    return _with_inner(runs, encodings - 1) if encodings > 1 and runs else runs
 
 
-def _read_inner(run: Decoded, encodings: int) -> Decoded:
-    """The run with what its text decodes to, if anything, after it: the whole run is
-    what hides that text too."""
-    inner = decoded_runs(run.text, encodings)
-    if not inner:
-        return run
-    return run._replace(text=SEPARATOR.join([run.text, *(r.text for r in inner)]))
+def _with_inner(runs: list[Decoded], encodings: int) -> list[Decoded]:
+    """The runs, each followed by what its text decodes to in turn: the whole run is what
+    hides that text too. Their texts are read as one (a scan of each would cost more than
+    the reading); runs that one inner run lies across become one."""
+    joined = Joined([run.text for run in runs])
+    groups: list[tuple[int, int, list[str]]] = []  # first and last run, the inner texts
+    for inner in decoded_runs(joined.text, encodings):
+        first, last = joined.index_at(inner.start), joined.index_at(inner.end - 1)
+        if groups and first <= groups[-1][1]:
+            first, last = groups[-1][0], max(last, groups[-1][1])
+            groups[-1] = (first, last, [*groups[-1][2], inner.text])
+        else:
+            groups.append((first, last, [inner.text]))
+    read, at = [], 0
+    for first, last, texts in groups:
+        read += runs[at:first]
+        outer = runs[first : last + 1]
+        start, end = min(r.start for r in outer), max(r.end for r in outer)
+        read.append(Decoded(start, end, SEPARATOR.join([*(r.text for r in outer), *texts])))
+        at = last + 1
+    return read + runs[at:]
 
 
 def _whole_runs(data: bytes) -> Iterator[Decoded]:
