@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from llmmesh.policy.detectors import DETECTORS, find, matches, redact
+from llmmesh.policy.detectors import DETECTORS, Detector, find, matches, redact
 from llmmesh.policy.rules import RuleSet, RuleSetError, RuleSetSpec
 from llmmesh.types import PolicyAction
 
@@ -81,6 +83,27 @@ def test_matches_in_text_that_is_not_ascii_are_where_they_are(text: str, expecte
     """The search runs on the text's UTF-8 (its bytes, encoded once) and maps each match
     back to characters, a rejected one's next try one character on."""
     assert scrub(text) == expected
+
+
+def str_matches(detector: Detector, text: str, pos: int) -> list[tuple[int, int, bool]]:
+    """``matches`` as the RE2 wrapper finds them in a str (slow: the oracle)."""
+    found = []
+    while (match := detector.pattern.search(text, pos)) is not None:
+        accepted = detector.accepts(match.group())
+        found.append((match.start(), match.end(), accepted))
+        pos = match.end() if accepted else match.start() + 1
+    return found
+
+
+@given(
+    st.text(alphabet="0123456789 -.@abcxyzé名🙂\u200b", max_size=80),
+    st.sampled_from(sorted(DETECTORS)),
+    st.integers(0, 10),
+)
+@settings(max_examples=300, deadline=None)
+def test_matches_in_utf8_are_those_found_in_the_str(text: str, name: str, pos: int) -> None:
+    detector = DETECTORS[name]
+    assert list(matches(detector, text, pos)) == str_matches(detector, text, pos)
 
 
 def test_a_search_from_a_position_past_wide_characters_starts_there() -> None:
