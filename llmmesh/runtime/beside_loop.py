@@ -91,11 +91,7 @@ class TakingTurns:
     def _finished(self, job: _Job[Any], running: asyncio.Future[Any]) -> None:
         self._busy = False
         if not job.answer.done():  # else the caller left meanwhile
-            error = running.exception()
-            if error is not None:
-                job.answer.set_exception(error)
-            else:
-                job.answer.set_result(running.result())
+            _pass_on(running, job.answer)
         self._start_next()
 
     def _forget(self, owner: str, job: _Job[Any]) -> None:
@@ -104,6 +100,16 @@ class TakingTurns:
             jobs.remove(job)
             if not jobs:
                 del self._queues[owner]
+
+
+def _pass_on(done: asyncio.Future[T], to: asyncio.Future[T]) -> None:
+    """``done``'s outcome, as ``to``'s."""
+    if done.cancelled():
+        to.cancel()
+    elif (error := done.exception()) is not None:
+        to.set_exception(error)
+    else:
+        to.set_result(done.result())
 
 
 @dataclass(eq=False)
