@@ -50,7 +50,6 @@ class MemoryReplica:
         plan = self.script.pop(0) if self.script else None
         if isinstance(plan, MeshError):
             raise plan
-        await asyncio.sleep(0)  # a real stream's first chunk is never ready at once
         start = len(call.prompt)
         for i in range(call.sampling.max_tokens):
             if isinstance(plan, Hang) and i == plan.after:

@@ -59,7 +59,6 @@ class ScriptedEngine:
         try:
             total = call.sampling.max_tokens
             for i in range(total):
-                await asyncio.sleep(0)  # a real engine's chunks are never ready at once
                 if call.prompt.startswith("wait") and i:
                     await self.go.wait()
                 if call.prompt.startswith("step") and i:
